@@ -1,0 +1,37 @@
+"""replay_compile: ReplaySSM for unmodified hybrid models, as a torch.compile backend.
+
+    import torch, replay_compile
+    model.forward = torch.compile(model.forward, backend="replayssm")
+
+Public API: :class:`ReplayConfig`, :func:`flush`, :func:`reset`, :func:`materialize`, :func:`replayssm_backend`.
+"""
+
+from __future__ import annotations
+
+from . import ops  # noqa: F401 - registers torch.ops.replay_compile.*
+from .backend import replayssm_backend
+from .config import ReplayConfig
+from .errors import ReplayCompileError
+from .state import flush, materialize, reset
+
+__version__ = "0.1.0"
+__all__ = ["ReplayConfig", "ReplayCompileError", "flush", "materialize", "replayssm_backend", "reset"]
+
+
+def _register_backend() -> None:
+    """Register ``backend="replayssm"`` unless the installed entry point will do it (it would then collide)."""
+    from torch._dynamo.backends import registry
+
+    try:
+        registry._discover_entrypoint_backends()
+        if "replayssm" in registry._COMPILER_FNS or registry._BACKENDS.get("replayssm") is not None:
+            return
+    except Exception:  # noqa: BLE001 - private API moved: fall back to the public call below
+        pass
+    try:
+        registry.register_backend(compiler_fn=replayssm_backend, name="replayssm")
+    except AssertionError:
+        pass  # already registered
+
+
+_register_backend()

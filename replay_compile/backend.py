@@ -1,0 +1,106 @@
+"""The ``replayssm`` torch.compile backend.
+
+``torch.compile(model, backend="replayssm", mode=..., options={...})`` runs :class:`ReplaySSMPass` on each Dynamo
+graph, lowers the result (Inductor by default, honouring ``mode`` and the options that are not ours) and wraps it in
+a :class:`ReplayRunner`, which feeds each rewritten layer the rings of the cache tensor it is handed.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+
+from . import ops  # noqa: F401 - registers the custom ops
+from . import state as replay_state
+from ._logging import log
+from .config import ReplayConfig
+from .passes.replay_pass import PassResult, ReplaySSMPass
+
+
+class ReplayRunner:
+    """Calls the compiled graph with the ring tensors of the cache states it steps.
+
+    Per call, for every rewritten layer: find (or create) the replay state of the cache tensor passed in, reset it
+    if the tensor was written by someone else since our last step, and append its rings to the arguments. States
+    this graph reads without stepping them are flushed first, so it sees the true state.
+    """
+
+    def __init__(self, compiled, result: PassResult, reader_idxs: list[int], owner_ids: set[int]):
+        self.compiled = compiled
+        self.sites = list(result.sites)
+        self.rewrites = list(result.rewrites)
+        self.skipped = list(result.skipped)
+        self.reader_idxs = reader_idxs
+        self.owner_ids = owner_ids
+
+    def __call__(self, *args):
+        extra, bound = [], []
+        for site in self.sites:
+            st = args[site.state_index]
+            rs = replay_state.lookup(st)
+            if rs is None or rs.spec != site.spec:
+                rs = replay_state.bind(st, site.spec, site.layer)
+                rs.owners |= self.owner_ids
+            else:
+                rs.check_external_write(st)
+            extra.extend(rs.rings)
+            bound.append((st, rs))
+        if self.reader_idxs and replay_state.registered():
+            for i in self.reader_idxs:
+                rs = replay_state.lookup(args[i])
+                if rs is not None and rs.dirty:
+                    rs.flush()
+        out = self.compiled(*args, *extra)     # Dynamo calls backends' results unboxed, so do we
+        for st, rs in bound:
+            rs.version = replay_state.tensor_version(st)
+            rs.dirty = True
+        return out
+
+
+def _owner_ids(example_inputs: Sequence) -> set[int]:
+    return {id(t) for t in example_inputs if isinstance(t, torch.nn.Parameter)}
+
+
+def _reader_idxs(example_inputs: Sequence, result: PassResult) -> list[int]:
+    stepped = {s.state_index for s in result.sites}
+    return [i for i, t in enumerate(example_inputs)
+            if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter) and t.dim() >= 3
+            and t.is_floating_point() and i not in stepped]
+
+
+def _lower(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig, mode: str | None, lower_opts: dict):
+    if cfg.lower == "eager":
+        return gm.forward
+    from torch._inductor.compile_fx import compile_fx
+
+    patches: dict[str, Any] = {}
+    if mode and mode != "default":
+        patches.update(torch._inductor.list_mode_options(mode))
+    patches.update(lower_opts)
+    return compile_fx(gm, example_inputs, config_patches=patches or None)
+
+
+def _install_integrations() -> None:
+    if "transformers" in sys.modules:
+        from .integrations import hf
+
+        hf.install()
+
+
+def replayssm_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | None = None,
+                      options: dict | None = None):
+    """torch.compile backend: rewrite SSM state updates into ReplaySSM ops, then lower."""
+    cfg, lower_opts = ReplayConfig.from_options(options)
+    _install_integrations()
+    result = ReplaySSMPass(cfg)(gm, example_inputs)
+    gm = result.gm
+    compiled = _lower(gm, list(example_inputs) + result.fake_inputs, cfg, mode, lower_opts)
+    readers = _reader_idxs(example_inputs, result)
+    if not result.sites and not readers:
+        return compiled
+    log.debug("replay_compile: graph with %d rewrites, %d skipped, %d possible state readers",
+              len(result.rewrites), len(result.skipped), len(readers))
+    return ReplayRunner(compiled, result, readers, _owner_ids(example_inputs))

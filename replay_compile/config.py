@@ -1,0 +1,92 @@
+"""The one configuration object of replay_compile.
+
+Every knob lives in :class:`ReplayConfig`, a frozen dataclass. It is built from, in increasing priority:
+defaults, environment variables (see :data:`ENV_VARS`), and the ``options=`` dict given to
+``torch.compile(..., backend="replayssm", options={...})``. Option keys that are not fields of
+:class:`ReplayConfig` are passed on to the lowering (Inductor config patches).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping
+
+CONFIG_VERSION = 1
+
+# name -> (field, parser, help). One table; the README's environment table is written from it.
+ENV_VARS: dict[str, tuple[str, Any, str]] = {
+    "REPLAY_COMPILE_BUFFER_LEN": ("buffer_len", int, "records per ring before a flush (L); default 16"),
+    "REPLAY_COMPILE_STRICT": ("strict", lambda s: s not in ("", "0", "false", "False"),
+                              "1: raise instead of leaving an unrecognised SSM update unchanged"),
+    "REPLAY_COMPILE_VALIDATE": ("validate", lambda s: s not in ("", "0", "false", "False"),
+                                "0: skip the numerical check of each match at compile time"),
+    "REPLAY_COMPILE_FAMILIES": ("families", lambda s: tuple(x for x in s.split(",") if x),
+                                "comma list of families to rewrite; default all (mamba2)"),
+    "REPLAY_COMPILE_DISABLE": ("enabled", lambda s: s in ("", "0", "false", "False"),
+                               "1: compile with the lowering only, rewrite nothing"),
+}
+
+SUPPORTED_FAMILIES = ("mamba2",)
+SUPPORTED_LOWERINGS = ("inductor", "eager")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayConfig:
+    """Frozen, versioned configuration.
+
+    Attributes:
+        buffer_len: L, the number of token records kept per sequence before a flush folds them into the
+            checkpoint. ``1`` reproduces the plain recurrent step exactly (every step flushes).
+        strict: raise :class:`~replay_compile.errors.ReplayCompileError` when a state update anchor is found
+            but cannot be rewritten, instead of leaving it unchanged with a log line.
+        validate: numerically check every match on small inputs before rewriting it.
+        families: SSM families to rewrite.
+        enabled: rewrite at all (``False`` gives plain lowering, useful for A/B runs).
+        lower: ``"inductor"`` (default) or ``"eager"`` (run the rewritten FX graph as is; for debugging).
+    """
+
+    buffer_len: int = 16
+    strict: bool = False
+    validate: bool = True
+    families: tuple[str, ...] = SUPPORTED_FAMILIES
+    enabled: bool = True
+    lower: str = "inductor"
+    version: int = CONFIG_VERSION
+
+    def __post_init__(self):
+        if not isinstance(self.buffer_len, int) or not 1 <= self.buffer_len <= 64:
+            raise ValueError(f"replay_compile: buffer_len must be an int in 1..64, got {self.buffer_len!r}")
+        unknown = set(self.families) - set(SUPPORTED_FAMILIES)
+        if unknown:
+            raise ValueError(f"replay_compile: unknown families {sorted(unknown)}; supported: {SUPPORTED_FAMILIES}")
+        if self.lower not in SUPPORTED_LOWERINGS:
+            raise ValueError(f"replay_compile: lower must be one of {SUPPORTED_LOWERINGS}, got {self.lower!r}")
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)} - {"version"}
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "ReplayConfig":
+        environ = os.environ if environ is None else environ
+        kw = {}
+        for var, (field, parse, _) in ENV_VARS.items():
+            if var in environ:
+                try:
+                    kw[field] = parse(environ[var])
+                except ValueError as e:
+                    raise ValueError(f"replay_compile: bad value {environ[var]!r} for {var}: {e}") from None
+        return cls(**kw)
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None) -> tuple["ReplayConfig", dict[str, Any]]:
+        """Split ``torch.compile(options=...)`` into our config and the lowering's own options."""
+        base = cls.from_env()
+        options = dict(options or {})
+        ours = {k: options.pop(k) for k in list(options) if k in cls.field_names()}
+        if "families" in ours and isinstance(ours["families"], str):
+            ours["families"] = (ours["families"],)
+        if "families" in ours:
+            ours["families"] = tuple(ours["families"])
+        return dataclasses.replace(base, **ours), options

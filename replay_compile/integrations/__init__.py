@@ -1,0 +1,1 @@
+"""Integrations with model libraries (imported lazily, only when that library is in use)."""

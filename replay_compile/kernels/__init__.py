@@ -1,0 +1,1 @@
+"""Kernels and their pure-PyTorch references, one module per SSM family."""

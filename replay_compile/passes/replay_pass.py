@@ -1,0 +1,155 @@
+"""The ReplaySSM graph pass: find every SSM state update, check it, rewrite it, report it.
+
+``ReplaySSMPass(config)(gm, example_inputs)`` mutates ``gm`` and returns a :class:`PassResult` with one
+:class:`Rewrite` per rewritten layer (and the :class:`Site` the runner needs to feed its rings) and one
+:class:`Skip` per state write left alone, with the reason. Each rewrite logs one line and bumps
+``torch._dynamo.utils.counters["replay_compile"][family]``; each skip logs one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import logging
+from typing import Sequence
+
+import torch
+import torch.fx as fx
+from torch._dynamo.utils import counters
+
+from .._logging import log
+from ..config import ReplayConfig
+from ..errors import ReplayCompileError
+from ..state import Mamba2RingSpec
+from . import broadcast, graph_utils, mamba2, rewrite, validate
+from .mamba2 import Mamba2Matcher, NoMatch
+
+
+@dataclasses.dataclass(frozen=True)
+class Rewrite:
+    layer: str
+    family: str
+    form: str
+    spec: Mamba2RingSpec
+
+    def __str__(self):
+        s = self.spec
+        return (f"{self.layer}: {self.family} [{self.form}] H={s.H} P={s.P} N={s.N} G={s.G} L={s.L} "
+                f"x:{str(s.x_dtype).replace('torch.', '')}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Skip:
+    layer: str
+    reason: str
+    quiet: bool = False     # a write that is plainly not a decode step (prefill, chunked scan)
+
+    def __str__(self):
+        return f"{self.layer}: left unchanged: {self.reason}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """What the runner needs for one rewritten layer: which input is the state, and its ring layout."""
+
+    state_index: int
+    spec: Mamba2RingSpec
+    layer: str
+
+
+@dataclasses.dataclass
+class PassResult:
+    gm: fx.GraphModule | None = None
+    rewrites: list = dataclasses.field(default_factory=list)
+    skipped: list = dataclasses.field(default_factory=list)
+    sites: list = dataclasses.field(default_factory=list)
+    fake_inputs: list = dataclasses.field(default_factory=list)
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A new GraphModule over a copy of ``gm``'s graph, sharing its parameters and Dynamo metadata."""
+    graph = fx.Graph()
+    env: dict = {}
+    out = graph.graph_copy(gm.graph, env)
+    graph.output(out)
+    for old, new in env.items():
+        if hasattr(old, "_dynamo_source"):
+            new._dynamo_source = old._dynamo_source
+    new_gm = fx.GraphModule(gm, graph)
+    new_gm.meta.update(gm.meta)
+    for attr in ("_param_name_to_source",):
+        if hasattr(gm, attr):
+            setattr(new_gm, attr, getattr(gm, attr))
+    return new_gm
+
+
+# reasons raised before the update is known to be "decay * state + update" are not worth a warning
+_QUIET_PREFIXES = ("new state is a sum of", "no term of the form", "the value written")
+
+
+class ReplaySSMPass:
+    """Rewrites recurrent-state updates into ReplaySSM ops. Stateless apart from its config."""
+
+    def __init__(self, config: ReplayConfig):
+        self.config = config
+
+    def uuid(self) -> str:
+        """Changes whenever the pass's code or config does (for FX graph caches)."""
+        h = hashlib.sha256(repr(self.config).encode())
+        for mod in (broadcast, graph_utils, mamba2, rewrite, validate):
+            h.update(inspect.getsource(mod).encode())
+        return h.hexdigest()
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence) -> PassResult:
+        """Rewrite a copy of ``gm`` (Dynamo keeps using the original graph); the copy is ``result.gm``."""
+        res = PassResult(gm=gm)
+        if not self.config.enabled or "mamba2" not in self.config.families:
+            return res
+        if not Mamba2Matcher.anchors(gm):
+            return res
+        gm = res.gm = copy_graph_module(gm)
+        matcher = Mamba2Matcher(gm)
+        matches = []
+        for cp in Mamba2Matcher.anchors(gm):
+            try:
+                if graph_utils.real_users(cp):
+                    raise NoMatch("the result of the state write is used")
+                matches.append(matcher.match(cp))
+            except NoMatch as e:
+                self._skip(res, graph_utils.module_path(cp), str(e))
+        if matches and self.config.validate:
+            failed = validate.validate(gm, example_inputs, matches)
+            for m in [m for m in matches if id(m) in failed]:
+                self._skip(res, m.layer, failed[id(m)])
+            matches = [m for m in matches if id(m) not in failed]
+        if log.isEnabledFor(logging.DEBUG) and matches:
+            log.debug("replay_compile: graph before rewrite:\n%s", gm.code)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        for i, m in enumerate(matches):
+            spec = rewrite.ring_spec(m, self.config.buffer_len)
+            rings = rewrite.add_ring_placeholders(gm, m, spec, i)
+            rewrite.apply(gm, m, rings)
+            res.fake_inputs.extend(r.meta["example_value"] for r in rings)
+            res.sites.append(Site(placeholders.index(m.state), spec, m.layer))
+            rw = Rewrite(m.layer, m.family, m.form, spec)
+            res.rewrites.append(rw)
+            counters["replay_compile"][m.family] += 1
+            log.info("replay_compile: rewrote %s", rw)
+        if matches:
+            gm.graph.lint()
+            gm.recompile()
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("replay_compile: graph after rewrite:\n%s", gm.code)
+        return res
+
+    def _skip(self, res: PassResult, layer: str, reason: str) -> None:
+        quiet = reason.startswith(_QUIET_PREFIXES)
+        sk = Skip(layer, reason, quiet)
+        res.skipped.append(sk)
+        counters["replay_compile"]["skipped"] += 1
+        if self.config.strict and not quiet:
+            raise ReplayCompileError(
+                f"replay_compile (strict): layer {layer}: {reason}. The state update was found but cannot be "
+                f"rewritten; run without strict=True to leave it unchanged, or report the model.")
+        (log.info if quiet else log.warning)("replay_compile: %s", sk)

@@ -1,0 +1,94 @@
+"""Apply a :class:`~.mamba2.Mamba2Match`: replace the state write and its readout with one replay op.
+
+Before::
+
+    new = S * exp(a) + dt * B * x ;  S.copy_(new) ;  y = bmm(new.view(...), C.view(...))
+
+After::
+
+    y = replay_compile.mamba2_step(S, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, None)
+          .to(y.dtype).reshape(y.shape)
+
+The rings and cursor enter the graph as new placeholders appended after the existing ones; the backend's runner
+passes the right tensors for the cache state it is given. Nodes that only fed the removed write/readout are erased.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.fx.proxy import GraphAppendingTracer, Proxy
+
+from .. import ops  # noqa: F401 - registers torch.ops.replay_compile
+from ..state import Mamba2RingSpec
+from .graph_utils import is_inplace
+from .mamba2 import Mamba2Match
+
+RING_NAMES = ("x_ring", "dt_ring", "la_ring", "B_ring", "cursor")
+
+
+def ring_spec(m: Mamba2Match, L: int) -> Mamba2RingSpec:
+    rec = torch.float64 if m.state.meta["example_value"].dtype == torch.float64 else torch.float32
+    return Mamba2RingSpec(H=m.H, P=m.P, N=m.N, G=m.G, L=L, x_dtype=m.x_dtype, B_dtype=m.B_dtype, rec_dtype=rec)
+
+
+def _fake_rings(m: Mamba2Match, spec: Mamba2RingSpec) -> tuple:
+    """Fake ring tensors whose slot count is the state's own (possibly symbolic) batch size."""
+    sv = m.state.meta["example_value"]
+    mode = getattr(sv, "fake_mode", None)
+    if mode is None:
+        return spec.allocate(sv.shape[0], sv.device)
+    with mode:
+        return spec.allocate(sv.shape[0], sv.device)
+
+
+def add_ring_placeholders(gm: fx.GraphModule, m: Mamba2Match, spec: Mamba2RingSpec, index: int) -> list[fx.Node]:
+    graph = gm.graph
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    fakes = _fake_rings(m, spec)
+    out = []
+    with graph.inserting_after(last):
+        for name, fake in reversed(list(zip(RING_NAMES, fakes))):
+            ph = graph.placeholder(f"replay{index}_{name}")
+            ph.meta["example_value"] = fake
+            ph.meta["val"] = fake
+            # AOT autograd expects every Dynamo placeholder to carry a source; None marks one created by a pass.
+            ph._dynamo_source = None
+            # Rings live as long as their cache tensor and never move: static inputs for CUDA graphs (no copy-in).
+            ph.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}
+            out.append(ph)
+    return list(reversed(out))
+
+
+def _erase_dead(graph: fx.Graph, roots: list) -> None:
+    """Erase nodes that fed only removed nodes (pure ops only; in-place writes are never erased)."""
+    todo = [r for r in roots if isinstance(r, fx.Node)]
+    while todo:
+        n = todo.pop()
+        if n.graph is not graph or n.users or n.op not in ("call_function", "call_method") or is_inplace(n):
+            continue
+        inputs = list(n.all_input_nodes)
+        graph.erase_node(n)
+        todo.extend(inputs)
+
+
+def apply(gm: fx.GraphModule, m: Mamba2Match, rings: list[fx.Node]) -> fx.Node:
+    """Rewrite one match in place; returns the op node."""
+    graph = gm.graph
+    tracer = GraphAppendingTracer(graph)
+    with graph.inserting_before(m.readout):
+        vals = {}
+        for key, recipe in m.recipes.items():
+            vals[key] = recipe([Proxy(s, tracer) for s in recipe.sources]).node
+        op = graph.call_function(
+            torch.ops.replay_compile.mamba2_step.default,
+            (m.state, *rings, vals["x"], vals["dt"], vals["la"], vals["B"], vals["C"], None))
+        op.meta["nn_module_stack"] = m.copy_node.meta.get("nn_module_stack", {})
+        op.meta["stack_trace"] = m.copy_node.meta.get("stack_trace")
+        y = Proxy(op, tracer).to(m.out_dtype).reshape(m.out_shape).node
+    m.readout.replace_all_uses_with(y)
+    roots = list(m.readout.all_input_nodes) + list(m.copy_node.all_input_nodes)
+    graph.erase_node(m.readout)
+    graph.erase_node(m.copy_node)
+    _erase_dead(graph, roots)
+    return op

@@ -1,0 +1,156 @@
+"""Numerical check of matches before the graph is rewritten.
+
+The original graph is run once, eagerly, on the example inputs the backend received, with two changes that keep it
+side-effect free: each matched state input is replaced by a random tensor (so the decay term is exercised even when
+the cache is still zero) and every other input the graph writes in place is copied before its first write (so the
+user's caches are never touched). While it runs, each match's recipes cut the compact tensors out of the live values
+and the exact step is recomputed from them; the new state and the readout must agree with what the graph computed.
+A wrong reading of the dataflow (a misplaced group, a decay that is not per head, a stray factor) shows up as an
+O(1) relative error; rounding differences stay far below the tolerance.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.fx as fx
+
+from .graph_utils import VIEW_LIKE, is_inplace, op_name
+from .mamba2 import Mamba2Match
+
+_LOW = (torch.bfloat16, torch.float16)
+
+
+def tolerance(m: Mamba2Match) -> float:
+    low = any(d in _LOW for d in (m.x_dtype, m.B_dtype, m.out_dtype))
+    return 5e-2 if low else 1e-4
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    if not torch.isfinite(a).all() or not torch.isfinite(b).all():
+        return float("inf") if not torch.equal(torch.isfinite(a), torch.isfinite(b)) else 0.0
+    return float((a - b).abs().max() / (b.abs().max() + 1e-12))
+
+
+def _inplace_root(n: fx.Node) -> fx.Node | None:
+    t = n.args[0] if n.args else None
+    while isinstance(t, fx.Node) and op_name(t) in VIEW_LIKE | {"transpose", "permute", "select", "narrow"}:
+        t = t.args[0]
+    return t if isinstance(t, fx.Node) and t.op == "placeholder" else None
+
+
+class _Checker(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, matches: Sequence[Mamba2Match]):
+        super().__init__(gm, garbage_collect_values=True)
+        self.matches = list(matches)
+        self.by_copy = {m.copy_node: m for m in matches}
+        self.by_readout = {m.readout: m for m in matches}
+        self.need: dict[fx.Node, list] = {}
+        for m in matches:
+            for key, r in m.recipes.items():
+                for s in r.sources:
+                    self.need.setdefault(s, []).append((m, key))
+        self.stash: dict = {}
+        self.compact: dict = {id(m): {} for m in matches}
+        self.ref_new: dict = {}
+        self.errors: dict = {id(m): [] for m in matches}
+        self.inputs: set[int] = set()
+
+    def run_node(self, n: fx.Node):
+        if n in self.by_copy:
+            self._check_new(self.by_copy[n], n)
+        if is_inplace(n) and n not in self.by_copy:
+            self._copy_on_write(n)
+        out = super().run_node(n)
+        if n.op == "placeholder" and isinstance(out, torch.Tensor):
+            self.inputs.add(id(out))
+        for m, key in self.need.get(n, ()):
+            self._collect(m, key, n, out)
+        if n in self.by_readout:
+            self._check_readout(self.by_readout[n], out)
+        return out
+
+    def _copy_on_write(self, n: fx.Node):
+        target = self.env.get(n.args[0]) if isinstance(n.args[0], fx.Node) else None
+        if isinstance(target, torch.Tensor) and id(target) in self.inputs:
+            clone = target.clone()
+            for k, v in list(self.env.items()):
+                if v is target:
+                    self.env[k] = clone
+
+    def _collect(self, m, key, node, value):
+        r = m.recipes[key]
+        slot = self.stash.setdefault((id(m), key), {})
+        slot[node] = value
+        if all(s in slot for s in r.sources):
+            self.compact[id(m)][key] = r([slot[s] for s in r.sources])
+            del self.stash[(id(m), key)]
+
+    def _check_new(self, m: Mamba2Match, cp: fx.Node):
+        c = self.compact[id(m)]
+        missing = {"la", "dt", "x", "B"} - set(c)
+        if missing:
+            self.errors[id(m)].append(f"could not evaluate {sorted(missing)} before the state write")
+            return
+        S0 = self.env[m.state]
+        cdt = torch.float64 if S0.dtype == torch.float64 else torch.float32
+        Bh = c["B"].to(cdt).repeat_interleave(m.H // m.G, dim=1)
+        ref = torch.exp(c["la"].to(cdt))[..., None, None] * S0.to(cdt) + \
+            (c["dt"].to(cdt)[..., None] * c["x"].to(cdt))[..., None] * Bh[:, :, None, :]
+        self.ref_new[id(m)] = ref
+        got = self.env[cp.args[1]]
+        self.errors[id(m)].append(("new state", _rel_err(got, ref)))
+
+    def _check_readout(self, m: Mamba2Match, out: torch.Tensor):
+        ref = self.ref_new.pop(id(m), None)
+        C = self.compact[id(m)].get("C")
+        if ref is None or C is None:
+            self.errors[id(m)].append("readout ran before the state write, or C could not be evaluated")
+            return
+        Ch = C.to(ref.dtype).repeat_interleave(m.H // C.shape[1], dim=1)
+        y = torch.einsum("bhpn,bhn->bhp", ref, Ch)
+        self.errors[id(m)].append(("readout", _rel_err(out.reshape(y.shape), y)))
+
+
+def validate(gm: fx.GraphModule, example_inputs: Sequence, matches: Sequence[Mamba2Match]) -> dict[int, str]:
+    """Run the check; return ``{id(match): reason}`` for the matches that failed (empty: all good)."""
+    if not matches:
+        return {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(example_inputs):
+        return {id(m): "example inputs do not line up with the graph's inputs" for m in matches}
+    args = list(example_inputs)
+    pos = {p: i for i, p in enumerate(placeholders)}
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for m in matches:
+        real = args[pos[m.state]]
+        args[pos[m.state]] = torch.randn(real.shape, generator=g, dtype=torch.float32).to(real.device, real.dtype)
+    # inputs written through a view cannot be redirected lazily: copy them up front
+    for n in gm.graph.nodes:
+        if is_inplace(n) and n not in {m.copy_node for m in matches}:
+            root = _inplace_root(n)
+            if root is not None and root is not n.args[0] and isinstance(args[pos[root]], torch.Tensor):
+                args[pos[root]] = args[pos[root]].clone()
+    checker = _Checker(gm, matches)
+    with torch.no_grad():
+        try:
+            checker.run(*args)
+        except Exception as e:  # noqa: BLE001 - any failure means we cannot vouch for the rewrite
+            return {id(m): f"validation run failed: {type(e).__name__}: {e}" for m in matches}
+    failed = {}
+    for m in matches:
+        from .validate import tolerance as _tol  # noqa: PLC0415 - keep the name local for readability
+        tol = _tol(m)
+        msgs = []
+        for e in checker.errors[id(m)]:
+            if isinstance(e, str):
+                msgs.append(e)
+            elif not e[1] <= tol:
+                msgs.append(f"{e[0]} differs by {e[1]:.3g} (relative, tolerance {tol:g})")
+        if len(checker.errors[id(m)]) < 2 and not msgs:
+            msgs.append("the state write or the readout did not run")
+        if msgs:
+            failed[id(m)] = "numerical check failed: " + "; ".join(msgs)
+    return failed

@@ -1,0 +1,206 @@
+"""Replay state: the ring buffers and device cursor that sit beside each cache state tensor.
+
+One :class:`ReplayState` per cache state tensor (the checkpoint). It is created the first time a compiled graph
+steps that tensor and is shared by every graph that steps it afterwards (recompiles, prefill and decode graphs,
+several ``generate`` calls), because it is keyed by the tensor itself, not by the graph. A new cache object has new
+tensors and so gets fresh rings: nothing stale can leak from one cache to the next.
+
+Between flushes the cache tensor holds the *checkpoint*, not the current state. Three rules keep that invisible:
+
+* a write to the cache by anyone else (``cache.reset()``, a new prefill) bumps the tensor's version counter; the
+  next step sees it and drops the held records (the new contents are the truth);
+* every graph compiled by our backend flushes states it reads but does not step (a prefill continuing from the
+  cache);
+* :func:`flush` makes the cache hold the true state; the HF integration calls it where transformers reads the cache
+  outside compiled code (end of ``generate``, ``reorder_cache`` for beam search, cropping, batch selection).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any, Iterator
+
+import torch
+
+from ._logging import log
+
+
+@dataclasses.dataclass(frozen=True)
+class Mamba2RingSpec:
+    """Sizes and dtypes of one layer's rings. ``G``: B groups; ``L``: buffer length."""
+
+    H: int
+    P: int
+    N: int
+    G: int
+    L: int
+    x_dtype: torch.dtype
+    B_dtype: torch.dtype
+    rec_dtype: torch.dtype = torch.float32
+
+    def allocate(self, slots, device) -> tuple:
+        """Zeroed (x_ring, dt_ring, la_ring, B_ring, cursor) for ``slots`` sequences."""
+        z = lambda shape, dt: torch.zeros(shape, dtype=dt, device=device)  # noqa: E731
+        return (z((slots, self.H, self.L, self.P), self.x_dtype), z((slots, self.H, self.L), self.rec_dtype),
+                z((slots, self.H, self.L), self.rec_dtype), z((slots, self.G, self.L, self.N), self.B_dtype),
+                z((slots,), torch.int32))
+
+    def nbytes_per_slot(self) -> int:
+        es = lambda d: torch.empty((), dtype=d).element_size()  # noqa: E731
+        return self.H * self.L * (self.P * es(self.x_dtype) + 2 * es(self.rec_dtype)) + \
+            self.G * self.L * self.N * es(self.B_dtype) + 4
+
+
+def tensor_version(t: torch.Tensor) -> int | None:
+    """The in-place version counter, or None where torch does not track it (inference-mode tensors)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
+class ReplayState:
+    """Rings + cursor of one cache state tensor. See the module docstring for the invariants."""
+
+    def __init__(self, state: torch.Tensor, spec: Mamba2RingSpec, layer: str, family: str = "mamba2"):
+        self.family = family
+        self.spec = spec
+        self.layer = layer
+        self._state = weakref.ref(state)
+        self.rings = spec.allocate(state.shape[0], state.device)
+        self.version = tensor_version(state)
+        self.dirty = False          # host-side: a step ran since the last flush/reset (no device sync needed)
+        self.owners: set[int] = set()
+
+    @property
+    def state(self) -> torch.Tensor | None:
+        return self._state()
+
+    @property
+    def cursor(self) -> torch.Tensor:
+        return self.rings[-1]
+
+    def reset(self) -> None:
+        """Drop the held records: the cache tensor is the truth again (after an external write)."""
+        self.cursor.zero_()
+        self.dirty = False
+        st = self.state
+        if st is not None:
+            self.version = tensor_version(st)
+
+    def flush(self) -> None:
+        """Fold held records into the cache tensor (it then holds the true state)."""
+        st = self.state
+        if st is None or not self.dirty:
+            return
+        torch.ops.replay_compile.mamba2_flush(st, *self.rings)
+        self.dirty = False
+        self.version = tensor_version(st)
+
+    def materialize(self) -> torch.Tensor:
+        """The true current state, out of place; the cache and rings are not touched."""
+        st = self.state
+        return torch.ops.replay_compile.mamba2_materialize(st, *self.rings)
+
+    def check_external_write(self, st: torch.Tensor) -> None:
+        v = tensor_version(st)
+        if v is not None and self.version is not None and v != self.version:
+            log.debug("replay_compile: %s: cache written outside the compiled step; replay state reset", self.layer)
+            self.reset()
+
+
+_BY_ID: dict[int, ReplayState] = {}
+
+
+def lookup(t: torch.Tensor) -> ReplayState | None:
+    rs = _BY_ID.get(id(t))
+    return rs if rs is not None and rs.state is t else None
+
+
+def bind(t: torch.Tensor, spec: Mamba2RingSpec, layer: str) -> ReplayState:
+    """The replay state of ``t``, created (zeroed rings, cursor 0) on first use."""
+    rs = lookup(t)
+    if rs is not None:
+        if rs.spec == spec:
+            return rs
+        # a recompile with another buffer length or dtype: fold what the old rings hold, then start new ones
+        rs.flush()
+    rs = ReplayState(t, spec, layer)
+    key = id(t)
+    _BY_ID[key] = rs
+
+    def _drop(_ref, key=key, rs=rs):
+        if _BY_ID.get(key) is rs:
+            del _BY_ID[key]
+
+    rs._finalizer = weakref.ref(t, _drop)
+    return rs
+
+
+def registered() -> bool:
+    return bool(_BY_ID)
+
+
+def all_states() -> Iterator[ReplayState]:
+    return iter([rs for rs in _BY_ID.values() if rs.state is not None])
+
+
+def _tensors_in(obj: Any, depth: int = 4) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth <= 0:
+        return
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors_in(v, depth - 1)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors_in(v, depth - 1)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, (torch.nn.Module, type)):
+        for v in vars(obj).values():
+            yield from _tensors_in(v, depth - 1)
+
+
+def states_of(obj: Any = None) -> list[ReplayState]:
+    """Replay states belonging to ``obj``: a state tensor, a cache object (any container of state tensors), a
+    model (states stepped by graphs compiled from it), or None for all."""
+    if obj is None:
+        return list(all_states())
+    if isinstance(obj, torch.nn.Module):
+        ids = {id(p) for p in obj.parameters()}
+        return [rs for rs in all_states() if rs.owners & ids]
+    out, seen = [], set()
+    for t in _tensors_in(obj):
+        rs = lookup(t)
+        if rs is not None and id(rs) not in seen:
+            seen.add(id(rs))
+            out.append(rs)
+    return out
+
+
+def flush(obj: Any = None) -> int:
+    """Make the cache hold the true state. ``obj``: model, cache object, state tensor, or None (everything).
+
+    Returns the number of replay states that held records and were folded.
+    """
+    n = 0
+    for rs in states_of(obj):
+        if rs.dirty:
+            rs.flush()
+            n += 1
+    return n
+
+
+def reset(obj: Any = None) -> int:
+    """Drop held records without folding them (the cache tensor becomes the truth as it stands)."""
+    states = states_of(obj)
+    for rs in states:
+        rs.reset()
+    return len(states)
+
+
+def materialize(t: torch.Tensor) -> torch.Tensor:
+    """The true current state of cache tensor ``t`` without changing anything (``t`` itself if never stepped)."""
+    rs = lookup(t)
+    return t.clone() if rs is None or not rs.dirty else rs.materialize()

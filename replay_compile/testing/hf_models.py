@@ -1,0 +1,193 @@
+"""Tiny random-weight HuggingFace Mamba-2 family models for CPU tests.
+
+``MAMBA2_FAMILY[name](dtype=torch.float32, seed=0, initializer_range=0.5, **overrides)``
+returns an eval-mode ``*ForCausalLM`` (``overrides`` are config kwargs). Weights are
+drawn in fp32 under ``seed`` and then cast, so the fp32 and bf16 builds share weights.
+``generation_config.eos_token_id`` is cleared so ``generate`` always runs
+``max_new_tokens``. Checked with torch 2.13 (CPU) and transformers 5.24: 40-token greedy
+generate takes 0.05-0.12 s eager (OMP_NUM_THREADS=1, batch 2); the first compiled
+generate takes ~1.3-3.5 s (Dynamo tracing). Greedy tokens vary (>=12 distinct in 40), and
+zeroing the SSM state at one decode step changes the logits by 40-130% (relative norm).
+
+SSM parameter init: ``initializer_range`` only affects the Linear/Conv1d/Embedding weights
+(mamba2 uses kaiming init for conv1d/out_proj). A_log/dt_bias/D are set independently
+of it: A = -(1..H) and D = 1; softplus(dt_bias) is 1.31 for bamba/falcon_h1/
+granitemoehybrid (per-step decay 0.27..0.005, which forgets almost at once) and
+U[1e-3, 0.1] for mamba2/nemotron_h/zamba2 (decay ~0.99+, almost no input). So ``build``
+redraws them per layer from ``seed`` and rescales the dt rows of ``in_proj``. The measured
+per-token exp(A*dt) quantiles are then about 5%: 0.42, 50%: 0.79, 95%: 0.96 for every family.
+
+Decode step (input_ids [B, 1]). On CPU every family takes the pure-torch path: the
+hub-kernel wrappers log "falling back to its reference PyTorch implementation" (with
+mamba_ssm installed on a GPU, the update would be an opaque kernel call instead). All six
+modeling files carry a byte-identical copy of ``mamba2_selective_state_update``. No graph
+breaks occur, and compiled generation matches eager token for token in fp32 and bf16. The
+Mamba2 update region as captured (names shortened, tiny config: B=2 H=4 P=16 N=16 G=2)::
+
+    dt_1 = dt.transpose(1, 2).expand(-1, -1, 16)      ; A_1 = A[:, None, None].expand(-1, 16, 16)
+    B_1 = B.view(2, 2, 16); C_1 = C.view(2, 2, 16)  ; D = D_[:, None].expand(-1, 16)
+    dt_bias = dt_bias_[:, None].expand(-1, 16); to_6 = dt_bias.to(torch.float32)  # model dtype
+    dt_3 = torch._C._nn.softplus(dt_1 + to_6); dt_4 = dt_3[(Ellipsis, None)]
+    dA = torch.exp(dt_4.float() * A_1.float()).to(device=device(type='cpu'))
+    B_4 = B_1.reshape(2, 2, 1, 16).expand(2, 2, 2, 16).contiguous().reshape(2, 4, 1, 16)
+    dB = dt_4 * B_4; dBx = (dB * hidden_states_4[(Ellipsis, None)]).to(device=...)
+    mul_5 = l_kwargs_cache_layers_0_recurrent_states_0_ * dA; ssm_states = mul_5 + dBx
+    to_9 = ssm_states.to(torch.float32)
+    copy__1 = l_kwargs_cache_layers_0_recurrent_states_0_.copy_(to_9)
+    C_4 = C_1.reshape(2, 2, 1, 16).expand(2, 2, 2, 16).contiguous().reshape(2, 4, 16)
+    ssm_states_1 = ssm_states.to(device=device(type='cpu'), dtype=torch.float32)  # C dtype
+    out_3 = torch.bmm(ssm_states_1.view(8, 16, 16), C_4.view(8, 16, 1))
+    out_5 = (out_3.view(2, 4, 16) + hidden_states_4 * D).to(torch.float32)
+    scan_output_1 = out_5.to(torch.float32).view(2, 1, -1)   # then gated RMSNorm, out_proj
+
+(each line above is one or more FX nodes; the graph spells every op out separately).
+
+* bamba, nemotron_h, zamba2, granitemoehybrid: op-for-op identical to mamba2 in fp32
+  and bf16. Only names and constants differ: the submodule is ``.mamba`` (``.mixer`` in
+  nemotron_h/mamba2), and granitemoehybrid's gated-norm eps is 1e-6.
+* falcon_h1 (default ``mamba_rms_norm=False``) differs. Before the split it has
+  ``hidden_states * 1.0`` (ssm_in_multiplier) and ``projected_states * ...mup_vector_``
+  (a buffer placeholder). Inside the update: ``A[(slice(None), None, Ellipsis)]
+  [(slice(None), slice(None), None)].expand(-1,16,16).to(dtype=torch.float32)``, and
+  D/dt_bias are indexed as ``[(slice(None), None, Ellipsis)]``. z is passed:
+  ``v = gate.view(2, 4, 16)`` (node placed before the dt math); after the D skip,
+  ``out_6 = out_5 * torch.nn.functional.silu(v)`` (silu runs in the model dtype; gate is
+  not upcast). There is no gated RMSNorm: ``.view(2, 1, 64)`` goes straight to out_proj.
+  With ``mamba_rms_norm=True``, z=None and FalconH1RMSNormGated follows (it spells
+  ``weight.view(2, 32) * x`` and applies the silu(gate) *after* the norm).
+* dtypes: the recurrent state is **fp32 even in bf16 models** (lazily created as
+  ``zeros_like`` of the chunk-scan final state, which is fp32). In bf16, then:
+  ``dt_bias.to(bf16)``; dt/B/x/dBx are bf16; ``state(fp32)*dA(fp32) + dBx(bf16)`` promotes
+  to fp32; the readout casts ``ssm_states.to(dtype=torch.bfloat16)`` before the bf16 ``bmm``;
+  ``out_5 = (...).to(torch.bfloat16)``. The conv state has the model dtype.
+* cache: generate uses ``DynamicCache`` (kwarg ``cache``; ``cache_params`` and
+  ``past_key_values`` are deprecated). The placeholders are
+  ``L_kwargs_cache_layers_{i}_recurrent_states_0_`` [B, H, P, N] and ``..._conv_states_0_``
+  (i = global layer index, so attention layers leave gaps). Both are allocated once and
+  updated with ``copy_``; they carry ``mark_static_address``
+  (``_dynamo_static_input_type == 'unguarded'``). Parameter placeholders are named
+  ``L_args_0_modules_backbone_...`` for mamba2 (its forward is reached through a
+  ``*args`` deprecation wrapper) but ``L_self_modules_model_...`` for the hybrids.
+* recompiles: mamba2 gives 2 graphs (prefill; decode, after a ``len(kwargs)`` guard).
+  The hybrids give 3: prefill; decode #1 (static KV length); then a dynamic-shape decode
+  graph with SymInt placeholders (e.g. ``s84``, ``s60``) for the growing KV cache, used
+  for every later step. Both decode graphs contain the same SSM region with static shapes.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict
+
+import torch
+
+VOCAB = 128
+HIDDEN = 32
+N_HEADS, HEAD_DIM, N_GROUPS, D_STATE = 4, 16, 2, 16  # expand 2: 4 * 16 == 2 * 32
+CHUNK = 4  # < default prompt_len, so prefill crosses a chunk boundary
+_COMMON = dict(vocab_size=VOCAB, hidden_size=HIDDEN, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_ATTN = dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, max_position_embeddings=256)
+_MAMBA = dict(mamba_n_heads=N_HEADS, mamba_d_head=HEAD_DIM, mamba_n_groups=N_GROUPS, mamba_d_state=D_STATE,
+              mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=CHUNK)
+
+
+def _mamba2_cfg():
+    from transformers import Mamba2Config
+    return Mamba2Config, dict(num_heads=N_HEADS, head_dim=HEAD_DIM, n_groups=N_GROUPS, state_size=D_STATE,
+                              expand=2, conv_kernel=4, chunk_size=CHUNK, num_hidden_layers=2, **_COMMON)
+
+
+def _bamba_cfg():
+    from transformers import BambaConfig
+    # Layers: mamba, attention, mamba (same layout for granitemoehybrid; nemotron_h adds an MLP block).
+    return BambaConfig, dict(num_hidden_layers=3, attn_layer_indices=[1], **_ATTN, **_MAMBA, **_COMMON)
+
+
+def _nemotron_h_cfg():
+    from transformers import NemotronHConfig
+    return NemotronHConfig, dict(
+        layers_block_type=["linear_attention", "full_attention", "mlp", "linear_attention"],
+        mamba_num_heads=N_HEADS, mamba_head_dim=HEAD_DIM, n_groups=N_GROUPS, ssm_state_size=D_STATE,
+        conv_kernel=4, expand=2, chunk_size=CHUNK, head_dim=8, **_ATTN, **_COMMON)
+
+
+def _falcon_h1_cfg():
+    from transformers import FalconH1Config
+    # Every Falcon-H1 layer is "hybrid": attention and mamba run in parallel.
+    return FalconH1Config, dict(num_hidden_layers=2, mamba_d_ssm=N_HEADS * HEAD_DIM, head_dim=8,
+                                **_ATTN, **_MAMBA, **_COMMON)
+
+
+def _zamba2_cfg():
+    from transformers import Zamba2Config
+    # "hybrid" = shared attention block (+ linear) followed by a mamba layer.
+    return Zamba2Config, dict(
+        layers_block_type=["linear_attention", "hybrid", "linear_attention"], num_hidden_layers=3,
+        n_mamba_heads=N_HEADS, mamba_ngroups=N_GROUPS, mamba_d_state=D_STATE, mamba_d_conv=4,
+        mamba_expand=2, chunk_size=CHUNK, num_attention_heads=4, num_key_value_heads=4,
+        intermediate_size=64, max_position_embeddings=256, **_COMMON)
+
+
+def _granitemoehybrid_cfg():
+    from transformers import GraniteMoeHybridConfig
+    # num_local_experts=0 -> dense shared_mlp only (MoE routing is irrelevant to the SSM path).
+    return GraniteMoeHybridConfig, dict(
+        num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
+        num_local_experts=0, shared_intermediate_size=64, **_ATTN, **_MAMBA, **_COMMON)
+
+
+def _ssm_mixers(model):
+    return [m for m in model.modules() if all(hasattr(m, a) for a in ("A_log", "dt_bias", "D", "in_proj"))]
+
+
+@torch.no_grad()
+def _perturb_ssm(model, seed: int) -> None:
+    """Deterministically redraw A_log/dt_bias/D and tame the dt projection.
+
+    -A = exp(A_log) ~ U[0.5, 2], softplus(dt_bias) ~ U[0.05, 0.4], D ~ U[0.5, 1.5], and the
+    dt rows of in_proj (the last num_heads outputs in every family) are rescaled so the
+    input-dependent dt pre-activation has std ~0.5 for unit-RMS inputs. Result:
+    exp(A*dt) mostly in [0.4, 0.97]. Uses its own generator; global RNG untouched.
+    """
+    g = torch.Generator().manual_seed(10_000 + seed)
+    for mixer in _ssm_mixers(model):
+        h = mixer.num_heads
+        u = lambda lo, hi: lo + (hi - lo) * torch.rand(h, generator=g)  # noqa: E731
+        mixer.A_log.copy_(torch.log(u(0.5, 2.0)))
+        dt = u(0.05, 0.4)
+        mixer.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1
+        mixer.D.copy_(u(0.5, 1.5))
+        w = mixer.in_proj.weight
+        w[-h:] *= 0.5 / (w[-h:].std() * math.sqrt(w.shape[1]) + 1e-6)
+
+
+def _builder(cfg_fn: Callable[[], Any]) -> Callable[..., torch.nn.Module]:
+    def build(dtype: torch.dtype = torch.float32, seed: int = 0, initializer_range: float = 0.5,
+              **overrides) -> torch.nn.Module:
+        import transformers
+        cfg_cls, kw = cfg_fn()
+        config = cfg_cls(**{**kw, "initializer_range": initializer_range, **overrides})
+        model_cls = getattr(transformers, cfg_cls.__name__.replace("Config", "ForCausalLM"))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = model_cls(config)
+        _perturb_ssm(model, seed)
+        model.generation_config.eos_token_id = None  # always run max_new_tokens
+        return model.to(dtype).eval()
+    build.__doc__ = f"Build a tiny random {cfg_fn.__name__[1:-4]} model (eval mode)."
+    return build
+
+
+MAMBA2_FAMILY: Dict[str, Callable[..., torch.nn.Module]] = {
+    "mamba2": _builder(_mamba2_cfg),
+    "bamba": _builder(_bamba_cfg),
+    "nemotron_h": _builder(_nemotron_h_cfg),
+    "falcon_h1": _builder(_falcon_h1_cfg),
+    "zamba2": _builder(_zamba2_cfg),
+    "granitemoehybrid": _builder(_granitemoehybrid_cfg),
+}
+
+
+def make_inputs(model, batch: int = 2, prompt_len: int = 5, seed: int = 0) -> torch.Tensor:
+    """Random prompt ids in [3, vocab) (avoids pad/bos/eos), shape [batch, prompt_len]."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, model.config.vocab_size, (batch, prompt_len), generator=g)
