@@ -9,13 +9,14 @@ Public API: :class:`ReplayConfig`, :func:`flush`, :func:`reset`, :func:`material
 from __future__ import annotations
 
 from . import ops  # noqa: F401 - registers torch.ops.replay_compile.*
-from .backend import replayssm_backend
+from .backend import clear_reports, replayssm_backend, reports
 from .config import ReplayConfig
 from .errors import ReplayCompileError
 from .state import flush, materialize, reset
 
 __version__ = "0.1.0"
-__all__ = ["ReplayConfig", "ReplayCompileError", "flush", "materialize", "replayssm_backend", "reset"]
+__all__ = ["ReplayConfig", "ReplayCompileError", "clear_reports", "flush", "materialize", "replayssm_backend",
+           "reports", "reset"]
 
 
 def _register_backend() -> None:

@@ -7,6 +7,8 @@ a :class:`ReplayRunner`, which feeds each rewritten layer the rings of the cache
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import sys
 from typing import Any, Sequence
 
@@ -18,6 +20,18 @@ from . import state as replay_state
 from ._logging import log
 from .config import ReplayConfig
 from .passes.replay_pass import PassResult, ReplaySSMPass
+
+
+_REPORTS: collections.deque = collections.deque(maxlen=256)
+
+
+def reports() -> list[PassResult]:
+    """What the pass did to each graph compiled by this backend (most recent last; the last 256 graphs)."""
+    return list(_REPORTS)
+
+
+def clear_reports() -> None:
+    _REPORTS.clear()
 
 
 class ReplayRunner:
@@ -96,6 +110,7 @@ def replayssm_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | 
     cfg, lower_opts = ReplayConfig.from_options(options)
     _install_integrations()
     result = ReplaySSMPass(cfg)(gm, example_inputs)
+    _REPORTS.append(dataclasses.replace(result, gm=None, fake_inputs=[]))
     gm = result.gm
     compiled = _lower(gm, list(example_inputs) + result.fake_inputs, cfg, mode, lower_opts)
     readers = _reader_idxs(example_inputs, result)

@@ -104,7 +104,7 @@ def is_inplace(n: fx.Node) -> bool:
     return bool(name) and name.endswith("_") and not name.startswith("_")
 
 
-def module_path(n: fx.Node) -> str:
+def module_path(n: fx.Node, default: str | None = None) -> str:
     """Best-effort dotted module path of the code that produced ``n`` (for logs), e.g. ``backbone.layers.0.mixer``."""
     stack = n.meta.get("nn_module_stack") or {}
     if stack:
@@ -113,7 +113,7 @@ def module_path(n: fx.Node) -> str:
         for junk in ("._modules['", "']", "['", "._modules"):
             path = path.replace(junk, "." if junk.endswith("['") else "")
         return path.strip(".") or "<root>"
-    return n.name
+    return default or n.name
 
 
 def is_static_int(s: Any) -> bool:

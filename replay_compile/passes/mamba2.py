@@ -147,7 +147,7 @@ class Mamba2Matcher:
     # -- the match -------------------------------------------------------------------------------------------
     def match(self, cp: fx.Node) -> Mamba2Match:
         state = cp.args[0]
-        layer = module_path(cp)
+        layer = module_path(cp, default=f"state input `{state.name}`")
         b, H, P, N = shape(state)
         if not all(is_static_int(s) for s in (H, P, N)):
             raise NoMatch(f"state {tuple(shape(state))}: head and state dims must be static")
@@ -162,7 +162,7 @@ class Mamba2Matcher:
         if len(terms) != 2:
             raise NoMatch(f"new state is a sum of {len(terms)} terms, expected decay*state + update "
                           f"(a chunked-scan or prefill write looks like this)")
-        decay, upd = self._split_terms(terms, state)
+        decay, upd, state_term = self._split_terms(terms, state)
         la_src, la_fn, la_frame_rep = self._decay(decay)
 
         # update = product of factors, each constant along P or N (or both)
@@ -202,7 +202,7 @@ class Mamba2Matcher:
             raise NoMatch("decay is not provably constant along P and N (not a scalar decay per head)")
         la_cut = _extractor(shape(decay), _frame_dims(len(shape(decay))), {B_: 1, H_: 1}, sizes)
 
-        self._check_state_uses(state, cp, terms)
+        self._check_state_uses(state, cp, state_term)
         readout, C_src, C_fn, Gc, form = self._readout(new, cp, H, N)
 
         rec = torch.float64 if dtype(state) == torch.float64 else torch.float32
@@ -226,11 +226,12 @@ class Mamba2Matcher:
 
     # -- pieces ----------------------------------------------------------------------------------------------
     def _split_terms(self, terms, state):
+        """(decay, update, the state*decay node) of ``new = state * decay + update``."""
         for i, t in enumerate(terms):
             fs = flatten(t, "mul")
             hits = [k for k, f in enumerate(fs) if strip(f) is state]
             if len(hits) == 1 and len(fs) == 2:
-                return fs[1 - hits[0]], terms[1 - i]
+                return fs[1 - hits[0]], terms[1 - i], strip(t)
         raise NoMatch("no term of the form state * decay in the new state")
 
     def _decay(self, decay):
@@ -273,22 +274,18 @@ class Mamba2Matcher:
 
         return fn
 
-    def _check_state_uses(self, state, cp, terms):
-        allowed = {cp}
-        # the state may reach the decay product through casts only
+    def _check_state_uses(self, state, cp, state_term):
+        """The state may be read only by the decay product (through casts) and written only by the anchor."""
         for u in real_users(state):
             if u is cp:
                 continue
             n = u
-            while op_name(n) in CAST_LIKE and len(real_users(n)) == 1:
+            while n is not state_term and op_name(n) in CAST_LIKE and len(real_users(n)) == 1:
                 n = real_users(n)[0]
-            if op_name(n) == "mul" and any(strip(a) is state for a in n.args):
-                allowed.add(u)
+            if n is state_term:
                 continue
             raise NoMatch(f"the state is also read by `{u.name}` ({op_name(u)}); rewriting would expose the "
                           f"checkpoint instead of the current state")
-        if len(allowed) != 2:
-            raise NoMatch("the state is read more than once")
 
     def _aliases(self, new):
         """``new`` and everything that is only a cast or view of it."""

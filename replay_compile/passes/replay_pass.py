@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import inspect
@@ -60,11 +61,19 @@ class Site:
 
 @dataclasses.dataclass
 class PassResult:
+    """What the pass did to one graph. ``ops_before``/``ops_after`` count canonical op names (for tests/explain)."""
+
     gm: fx.GraphModule | None = None
     rewrites: list = dataclasses.field(default_factory=list)
     skipped: list = dataclasses.field(default_factory=list)
     sites: list = dataclasses.field(default_factory=list)
     fake_inputs: list = dataclasses.field(default_factory=list)
+    ops_before: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    ops_after: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+
+def count_ops(gm: fx.GraphModule) -> collections.Counter:
+    return collections.Counter(graph_utils.op_name(n) for n in gm.graph.nodes if n.op.startswith("call"))
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
@@ -104,6 +113,7 @@ class ReplaySSMPass:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence) -> PassResult:
         """Rewrite a copy of ``gm`` (Dynamo keeps using the original graph); the copy is ``result.gm``."""
         res = PassResult(gm=gm)
+        res.ops_before = res.ops_after = count_ops(gm)
         if not self.config.enabled or "mamba2" not in self.config.families:
             return res
         if not Mamba2Matcher.anchors(gm):
@@ -117,7 +127,7 @@ class ReplaySSMPass:
                     raise NoMatch("the result of the state write is used")
                 matches.append(matcher.match(cp))
             except NoMatch as e:
-                self._skip(res, graph_utils.module_path(cp), str(e))
+                self._skip(res, graph_utils.module_path(cp, default=f"state input `{cp.args[0].name}`"), str(e))
         if matches and self.config.validate:
             failed = validate.validate(gm, example_inputs, matches)
             for m in [m for m in matches if id(m) in failed]:
@@ -139,6 +149,7 @@ class ReplaySSMPass:
         if matches:
             gm.graph.lint()
             gm.recompile()
+            res.ops_after = count_ops(gm)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("replay_compile: graph after rewrite:\n%s", gm.code)
         return res

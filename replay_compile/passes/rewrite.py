@@ -62,13 +62,14 @@ def add_ring_placeholders(gm: fx.GraphModule, m: Mamba2Match, spec: Mamba2RingSp
 
 def _erase_dead(graph: fx.Graph, roots: list) -> None:
     """Erase nodes that fed only removed nodes (pure ops only; in-place writes are never erased)."""
-    todo = [r for r in roots if isinstance(r, fx.Node)]
+    todo, erased = [r for r in roots if isinstance(r, fx.Node)], set()
     while todo:
         n = todo.pop()
-        if n.graph is not graph or n.users or n.op not in ("call_function", "call_method") or is_inplace(n):
+        if n in erased or n.users or n.op not in ("call_function", "call_method") or is_inplace(n):
             continue
         inputs = list(n.all_input_nodes)
         graph.erase_node(n)
+        erased.add(n)
         todo.extend(inputs)
 
 
@@ -90,5 +91,5 @@ def apply(gm: fx.GraphModule, m: Mamba2Match, rings: list[fx.Node]) -> fx.Node:
     roots = list(m.readout.all_input_nodes) + list(m.copy_node.all_input_nodes)
     graph.erase_node(m.readout)
     graph.erase_node(m.copy_node)
-    _erase_dead(graph, roots)
+    _erase_dead(graph, [r for r in roots if r is not m.readout and r is not m.copy_node])
     return op

@@ -1,0 +1,262 @@
+"""The pass on small modules written in several spellings, and on near-misses it must leave alone.
+
+Each case is compiled with the backend (``lower="eager"`` so the rewritten graph itself runs), stepped 2L+3 times
+next to the eager module on its own copy of the state, and compared at every step; the flushed state is compared
+at the end. Op counts before/after come from the pass's report.
+"""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import replay_compile
+
+b, H, P, N, G = 2, 4, 6, 5, 2
+L = 4
+
+
+class HFStyle(torch.nn.Module):
+    """transformers' mamba2_selective_state_update: expanded dt/A, expand+contiguous+reshape groups, bmm."""
+
+    def __init__(self, low_precision=None, gate=False):
+        super().__init__()
+        self.A_log = torch.nn.Parameter(torch.rand(H) * 0.5)
+        self.dt_bias = torch.nn.Parameter(torch.randn(H) * 0.3)
+        self.D = torch.nn.Parameter(torch.randn(H))
+        self.lp = low_precision
+        self.gate = gate
+
+    def forward(self, state, x, dt, B, C, z=None):
+        if self.lp is not None:
+            x, dt, B, C = x.to(self.lp), dt.to(self.lp), B.to(self.lp), C.to(self.lp)
+        A = -torch.exp(self.A_log.float())
+        dt = dt[:, :, None].expand(-1, -1, P)
+        A = A[:, None, None].expand(-1, P, N)
+        dt = F.softplus(dt + self.dt_bias[:, None].expand(-1, P).to(dt.dtype))
+        dt = dt[..., None]
+        dA = torch.exp(dt.float() * A.float())
+        Bh = B.reshape(b, G, 1, N).expand(b, G, H // G, N).contiguous().reshape(b, H, 1, N)
+        dBx = dt * Bh * x[..., None]
+        new = state * dA + dBx
+        state.copy_(new.to(state.dtype))
+        Ch = C.reshape(b, G, 1, N).expand(b, G, H // G, N).contiguous().reshape(b, H, N)
+        out = torch.bmm(new.to(Ch.dtype).view(b * H, P, N), Ch.view(b * H, N, 1)).view(b, H, P)
+        out = out + x * self.D[:, None]
+        if self.gate:
+            out = out * F.silu(z)
+        return out
+
+
+class EinsumRepeatInterleave(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.A = torch.nn.Parameter(-torch.rand(H) - 0.1)
+
+    def forward(self, state, x, dt, B, C):
+        d = F.softplus(dt)                                       # [b, H]
+        decay = torch.exp(torch.einsum("bh,h->bh", d, self.A))[:, :, None, None]
+        Bh = torch.repeat_interleave(B, H // G, dim=1)           # [b, H, N]
+        Ch = C.repeat_interleave(H // G, 1)
+        upd = torch.mul(d[:, :, None, None], torch.mul(x.unsqueeze(-1), Bh.unsqueeze(2)))
+        new = torch.add(torch.mul(state, decay), upd)
+        state.copy_(new)
+        return torch.einsum("bhpn,bhn->bhp", new, Ch)
+
+
+class MethodsAndSum(torch.nn.Module):
+    """Method-call spelling, per-head B (no groups), readout as (new * C).sum(-1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.A = torch.nn.Parameter(-torch.rand(H, 1, 1) - 0.1)
+
+    def forward(self, state, x, dt, B, C):
+        d = dt.sigmoid()[..., None, None]                        # [b, H, 1, 1]
+        new = state.mul(d.mul(self.A).exp()).add(x[..., None].mul(B[:, :, None, :]).mul(d))
+        state.copy_(new)
+        return new.mul(C[:, :, None, :]).sum(dim=-1)
+
+
+class MatmulReadout(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.A = torch.nn.Parameter(-torch.rand(H) - 0.1)
+
+    def forward(self, state, x, dt, B, C):
+        la = (dt.abs() * self.A)[:, :, None, None]
+        Bh = B[:, torch.arange(H) // (H // G)]                   # advanced indexing: no provable groups
+        new = state * la.exp() + 0.5 * dt[:, :, None, None] * x[:, :, :, None] * Bh[:, :, None, :]
+        state.copy_(new)
+        return (new @ C.repeat_interleave(H // G, 1).unsqueeze(-1)).squeeze(-1)
+
+
+def make_inputs(t, per_head_B=False, dtype=torch.float32):
+    g = torch.Generator().manual_seed(100 + t)
+    r = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
+    return r(b, H, P), r(b, H), r(b, H if per_head_B else G, N), r(b, H if per_head_B else G, N)
+
+
+def run_both(mod, steps=2 * L + 3, per_head_B=False, extra=(), state_dtype=torch.float32, tol=1e-5):
+    torch.manual_seed(0)
+    state_e = torch.randn(b, H, P, N).to(state_dtype)
+    state_c = state_e.clone()
+    replay_compile.clear_reports()
+    cmod = torch.compile(mod, backend="replayssm", options={"buffer_len": L, "lower": "eager"})
+    for t in range(steps):
+        ins = make_inputs(t, per_head_B) + tuple(e(t) for e in extra)
+        with torch.no_grad():
+            ye = mod(state_e, *ins)
+            yc = cmod(state_c, *ins)
+        torch.testing.assert_close(yc, ye, rtol=tol, atol=tol, msg=f"step {t}")
+    replay_compile.flush(state_c)
+    torch.testing.assert_close(state_c, state_e, rtol=tol, atol=tol)
+    return replay_compile.reports()
+
+
+def only_report(reports):
+    assert len(reports) == 1, reports
+    return reports[0]
+
+
+@pytest.mark.parametrize("case, form", [
+    (lambda: HFStyle(), "bmm/grouped"),
+    (lambda: EinsumRepeatInterleave(), "einsum/grouped"),
+    (lambda: MatmulReadout(), "matmul"),
+])
+def test_spellings_are_rewritten_and_match_eager(case, form):
+    rep = only_report(run_both(case()))
+    assert [r.form for r in rep.rewrites] == [form]
+    assert rep.ops_before["copy_"] == 1 and rep.ops_after["copy_"] == 0
+    assert rep.ops_after["mamba2_step"] == 1
+    assert torch._dynamo.utils.counters["replay_compile"]["mamba2"] == 1
+
+
+def test_method_spelling_with_per_head_B_and_sum_readout():
+    rep = only_report(run_both(MethodsAndSum(), per_head_B=True))
+    assert [r.form for r in rep.rewrites] == ["mul-sum"]
+    assert rep.rewrites[0].spec.G == H
+    assert rep.ops_after["sum"] == rep.ops_before["sum"] - 1
+
+
+def test_grouped_B_is_stored_per_group():
+    rep = only_report(run_both(HFStyle()))
+    spec = rep.rewrites[0].spec
+    assert (spec.G, spec.H, spec.P, spec.N, spec.L) == (G, H, P, N, L)
+
+
+def test_bf16_activations_with_fp32_state():
+    rep = only_report(run_both(HFStyle(low_precision=torch.bfloat16), tol=5e-2))
+    assert rep.rewrites and rep.rewrites[0].spec.x_dtype == torch.bfloat16
+
+
+def test_z_gate_downstream_of_the_readout_is_kept():
+    rep = only_report(run_both(HFStyle(gate=True), extra=(lambda t: torch.randn(b, H, P),)))
+    assert rep.rewrites and rep.ops_after["silu"] == rep.ops_before["silu"]
+
+
+# --- near-misses: recognisable anchors that must stay unchanged ------------------------------------------------
+
+class PerChannelDecay(torch.nn.Module):
+    """Decay varies along P: not a scalar decay per head."""
+
+    def __init__(self):
+        super().__init__()
+        self.A = torch.nn.Parameter(-torch.rand(H, P, 1) - 0.1)
+
+    def forward(self, state, x, dt, B, C):
+        new = state * torch.exp(dt[:, :, None, None] * self.A) + x[..., None] * B.repeat_interleave(2, 1)[:, :, None]
+        state.copy_(new)
+        return torch.einsum("bhpn,bhn->bhp", new, C.repeat_interleave(2, 1))
+
+
+class ReturnsNewState(EinsumRepeatInterleave):
+    def forward(self, state, x, dt, B, C):
+        y = super().forward(state, x, dt, B, C)
+        return y, state * 1.0          # reads the state after the write
+
+
+class FullRankUpdate(torch.nn.Module):
+    def forward(self, state, x, dt, B, C):
+        W = x[..., None] * B.repeat_interleave(2, 1)[:, :, None]
+        new = state * torch.exp(-dt.abs())[:, :, None, None] + torch.tanh(W)   # tanh breaks rank-1
+        state.copy_(new)
+        return torch.einsum("bhpn,bhn->bhp", new, C.repeat_interleave(2, 1))
+
+
+class DecayNotExp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.rand(H, 1, 1))
+
+    def forward(self, state, x, dt, B, C):
+        new = state * self.a + x[..., None] * B.repeat_interleave(2, 1)[:, :, None]
+        state.copy_(new)
+        return torch.einsum("bhpn,bhn->bhp", new, C.repeat_interleave(2, 1))
+
+
+class ReadoutOverP(torch.nn.Module):
+    def forward(self, state, x, dt, B, C):
+        new = state * torch.exp(-dt.abs())[:, :, None, None] + x[..., None] * B.repeat_interleave(2, 1)[:, :, None]
+        state.copy_(new)
+        return torch.einsum("bhpn,bhp->bhn", new, x)
+
+
+class TwoReadouts(torch.nn.Module):
+    def forward(self, state, x, dt, B, C):
+        new = state * torch.exp(-dt.abs())[:, :, None, None] + x[..., None] * B.repeat_interleave(2, 1)[:, :, None]
+        state.copy_(new)
+        return torch.einsum("bhpn,bhn->bhp", new, C.repeat_interleave(2, 1)) + new.sum(-1)
+
+
+@pytest.mark.parametrize("case, reason", [
+    (PerChannelDecay, "not provably constant along P"),
+    (ReturnsNewState, "also read by"),
+    (FullRankUpdate, "not a rank-1 update"),
+    (DecayNotExp, "not exp"),
+    (ReadoutOverP, "not contract the state's last dim"),
+    (TwoReadouts, "2 readers"),
+])
+def test_near_misses_stay_unchanged_and_say_why(case, reason, caplog):
+    with caplog.at_level(logging.INFO, logger="replay_compile"):
+        rep = only_report(run_both(case()))
+    assert not rep.rewrites
+    assert rep.ops_after == rep.ops_before
+    assert len(rep.skipped) == 1 and reason in rep.skipped[0].reason, rep.skipped
+    assert any(reason in r.getMessage() for r in caplog.records)
+
+
+def test_strict_mode_raises_naming_the_layer():
+    mod = DecayNotExp()
+    cmod = torch.compile(mod, backend="replayssm", options={"strict": True, "lower": "eager"})
+    with pytest.raises(Exception, match="strict.*not exp"):
+        cmod(torch.randn(b, H, P, N), *make_inputs(0))
+
+
+def test_writes_that_are_not_state_updates_are_not_anchors():
+    def f(conv_state, x):
+        conv_state.copy_(torch.cat([conv_state[:, :, 1:], x[..., None]], -1))   # 3-D: a conv state
+        return conv_state.sum(-1)
+
+    replay_compile.clear_reports()
+    cf = torch.compile(f, backend="replayssm")
+    cf(torch.randn(2, 3, 4), torch.randn(2, 3))
+    rep = only_report(replay_compile.reports())
+    assert not rep.rewrites and not rep.skipped
+
+
+def test_disabled_config_rewrites_nothing():
+    replay_compile.clear_reports()
+    cmod = torch.compile(HFStyle(), backend="replayssm", options={"enabled": False, "lower": "eager"})
+    cmod(torch.randn(b, H, P, N), *make_inputs(0))
+    assert not only_report(replay_compile.reports()).rewrites
+
+
+def test_numerical_validation_rejects_a_wrong_reading(monkeypatch):
+    """If the dataflow reading were wrong (here: B groups misread), the compile-time check must refuse it."""
+    from replay_compile.passes import mamba2
+    monkeypatch.setattr(mamba2.Mamba2Matcher, "_groups", lambda self, n_side, H: 1)
+    rep = only_report(run_both(HFStyle()))
+    assert not rep.rewrites
+    assert "numerical check failed" in rep.skipped[0].reason
