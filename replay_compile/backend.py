@@ -108,6 +108,8 @@ def replayssm_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | 
                       options: dict | None = None):
     """torch.compile backend: rewrite SSM state updates into ReplaySSM ops, then lower."""
     cfg, lower_opts = ReplayConfig.from_options(options)
+    # torch.compile refuses mode= together with options=, so a mode may also travel inside options
+    mode = lower_opts.pop("mode", None) or mode
     _install_integrations()
     result = ReplaySSMPass(cfg)(gm, example_inputs)
     _REPORTS.append(dataclasses.replace(result, gm=None, fake_inputs=[]))

@@ -32,6 +32,7 @@ from .graph_utils import (CAST_LIKE, METADATA, dtype, flatten, is_call, module_p
 
 FAMILY = "mamba2"
 B_, H_, P_, N_ = 0, 1, 2, 3          # dims of the state frame [b, H, P, N]
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 class NoMatch(Exception):
@@ -149,6 +150,9 @@ class Mamba2Matcher:
         state = cp.args[0]
         layer = module_path(cp, default=f"state input `{state.name}`")
         b, H, P, N = shape(state)
+        if dtype(state) not in STATE_DTYPES:
+            raise NoMatch(f"state dtype {dtype(state)} is not supported (use one of "
+                          f"{', '.join(str(d).replace('torch.', '') for d in STATE_DTYPES)})")
         if not all(is_static_int(s) for s in (H, P, N)):
             raise NoMatch(f"state {tuple(shape(state))}: head and state dims must be static")
         new = strip(cp.args[1])

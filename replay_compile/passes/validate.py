@@ -138,7 +138,8 @@ def validate(gm: fx.GraphModule, example_inputs: Sequence, matches: Sequence[Mam
         try:
             checker.run(*args)
         except Exception as e:  # noqa: BLE001 - any failure means we cannot vouch for the rewrite
-            return {id(m): f"validation run failed: {type(e).__name__}: {e}" for m in matches}
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            return {id(m): f"validation run failed: {type(e).__name__}: {first}" for m in matches}
     failed = {}
     for m in matches:
         from .validate import tolerance as _tol  # noqa: PLC0415 - keep the name local for readability
