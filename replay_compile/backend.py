@@ -71,6 +71,7 @@ class ReplayRunner:
         for st, rs in bound:
             rs.version = replay_state.tensor_version(st)
             rs.dirty = True
+            rs.steps += 1
         return out
 
 

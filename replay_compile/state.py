@@ -71,6 +71,7 @@ class ReplayState:
         self.rings = spec.allocate(state.shape[0], state.device)
         self.version = tensor_version(state)
         self.dirty = False          # host-side: a step ran since the last flush/reset (no device sync needed)
+        self.steps = 0              # host-side count of compiled steps (for reports; no device sync)
         self.owners: set[int] = set()
 
     @property

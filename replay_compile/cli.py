@@ -1,0 +1,138 @@
+"""``replay-compile``: demo, verify, env.
+
+    replay-compile demo                 # the embedded tiny hybrid model, compiled vs eager
+    replay-compile verify --family bamba --dtype bfloat16
+    replay-compile verify --config path/to/config.json   # any transformers config, random weights
+    replay-compile env
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+
+DEMO_FAMILY = "nemotron_h"
+
+
+def _torch_setup(threads: int | None):
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    return torch
+
+
+def _build(args):
+    import torch
+
+    from .testing.hf_models import MAMBA2_FAMILY, make_inputs
+
+    dtype = getattr(torch, args.dtype)
+    if args.config:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        cfg = AutoConfig.from_pretrained(args.config)
+        torch.manual_seed(args.seed)
+        model = AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
+        name = f"{type(model).__name__} from {args.config} (random weights)"
+    else:
+        if args.family not in MAMBA2_FAMILY:
+            raise SystemExit(f"replay-compile: unknown family {args.family!r}; choose from {sorted(MAMBA2_FAMILY)}")
+        model = MAMBA2_FAMILY[args.family](dtype=dtype, seed=args.seed)
+        name = f"tiny {type(model).__name__} (embedded config, random weights, seed {args.seed})"
+    return model, make_inputs(model, batch=args.batch, prompt_len=args.prompt_len, seed=args.seed), name
+
+
+def _run_check(args, title: str) -> int:
+    torch = _torch_setup(args.threads)
+    from .testing import check_equivalence
+
+    if args.verbose:
+        os.environ.setdefault("REPLAY_COMPILE_LOG", "info")
+        from . import _logging
+
+        _logging._configure_from_env()
+    t0 = time.perf_counter()
+    model, ids, name = _build(args)
+    print(f"{title}: {name}")
+    print(f"  torch {torch.__version__}, {args.dtype}, batch {ids.shape[0]}, prompt {ids.shape[1]} tokens, "
+          f"{args.tokens} new tokens, L={args.buffer_len}, lowering {args.lower}")
+    options = {"lower": args.lower}
+    if args.mode:
+        options["mode"] = args.mode
+    rep = check_equivalence(model, ids, max_new_tokens=args.tokens, buffer_len=args.buffer_len, options=options,
+                            logit_rtol=args.logit_rtol, state_rtol=args.state_rtol)
+    print("  " + rep.summary().replace("\n", "\n  "))
+    print(f"  total {time.perf_counter() - t0:.1f}s")
+    return 0 if rep.passed else 1
+
+
+def _env(_args) -> int:
+    import importlib
+
+    print(f"python      {platform.python_version()} ({platform.machine()}, {os.cpu_count()} cpus)")
+    for mod in ("torch", "triton", "transformers", "torch_tensorrt", "hypothesis", "sympy"):
+        try:
+            m = importlib.import_module(mod)
+            print(f"{mod:<12}{getattr(m, '__version__', '?')}")
+        except Exception as e:  # noqa: BLE001 - report whatever stops the import (torch_tensorrt raises Exception)
+            print(f"{mod:<12}not available ({type(e).__name__})")
+    import torch
+
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        print(f"device      {p.name}, {p.total_memory / 2**30:.0f} GiB, sm_{p.major}{p.minor}")
+    else:
+        print("device      cpu only")
+    from . import __version__
+    from .config import ENV_VARS
+
+    print(f"replay_compile {__version__}")
+    for var in ENV_VARS:
+        if var in os.environ:
+            print(f"  {var}={os.environ[var]}")
+    return 0
+
+
+def _add_common(p: argparse.ArgumentParser, tokens: int):
+    p.add_argument("--family", default=DEMO_FAMILY, help="embedded tiny model family (default: %(default)s)")
+    p.add_argument("--config", help="a transformers config.json (or directory) to build with random weights")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--tokens", type=int, default=tokens, help="new tokens (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--prompt-len", type=int, default=8)
+    p.add_argument("--buffer-len", type=int, default=16, help="L (default: %(default)s)")
+    p.add_argument("--lower", default="inductor", choices=["inductor", "eager"])
+    p.add_argument("--mode", default=None, help="torch.compile mode for the lowering")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--logit-rtol", type=float, default=1e-3)
+    p.add_argument("--state-rtol", type=float, default=1e-3)
+    p.add_argument("-v", "--verbose", action="store_true", help="log each rewrite and skip")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="replay-compile", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    demo = sub.add_parser("demo", help="compile the embedded tiny hybrid model and compare with eager")
+    _add_common(demo, tokens=64)
+    verify = sub.add_parser("verify", help="check any supported model: compiled vs eager over >= 2L+1 steps")
+    _add_common(verify, tokens=33)
+    sub.add_parser("env", help="versions and devices")
+    args = parser.parse_args(argv)
+    if args.cmd == "env":
+        return _env(args)
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print("replay-compile: this command needs transformers: pip install 'replay-compile[hf]'", file=sys.stderr)
+        return 2
+    return _run_check(args, "demo" if args.cmd == "demo" else "verify")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
