@@ -114,6 +114,13 @@ class _Checker(fx.Interpreter):
         self.errors[id(m)].append(("readout", _rel_err(out.reshape(y.shape), y)))
 
 
+def _concrete(a):
+    """Dynamo hands symbolic sizes as SymInts; the check runs on their example (hint) values."""
+    if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return a.node.hint
+    return a
+
+
 def validate(gm: fx.GraphModule, example_inputs: Sequence, matches: Sequence[Mamba2Match]) -> dict[int, str]:
     """Run the check; return ``{id(match): reason}`` for the matches that failed (empty: all good)."""
     if not matches:
@@ -121,7 +128,9 @@ def validate(gm: fx.GraphModule, example_inputs: Sequence, matches: Sequence[Mam
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(example_inputs):
         return {id(m): "example inputs do not line up with the graph's inputs" for m in matches}
-    args = list(example_inputs)
+    args = [_concrete(a) for a in example_inputs]
+    if any(a is None for a in args):
+        return {id(m): "a symbolic size has no concrete example value" for m in matches}
     pos = {p: i for i, p in enumerate(placeholders)}
     g = torch.Generator(device="cpu").manual_seed(0)
     for m in matches:

@@ -34,11 +34,12 @@ class Mamba2Geometry:
 
 
 @st.composite
-def mamba2_geometries(draw, max_batch: int = 4, max_heads: int = 6, max_p: int = 12, max_n: int = 12):
+def mamba2_geometries(draw, max_batch: int = 4, max_heads: int = 6, max_p: int = 12, max_n: int = 12,
+                      min_p: int = 1, min_n: int = 1):
     H = draw(st.integers(1, max_heads))
     divisors = [d for d in range(1, H + 1) if H % d == 0]
     return Mamba2Geometry(
-        batch=draw(st.integers(1, max_batch)), H=H, P=draw(st.integers(1, max_p)), N=draw(st.integers(1, max_n)),
+        batch=draw(st.integers(1, max_batch)), H=H, P=draw(st.integers(min_p, max_p)), N=draw(st.integers(min_n, max_n)),
         G=draw(st.sampled_from(divisors)), Gc=draw(st.sampled_from(divisors)))
 
 

@@ -1,0 +1,40 @@
+"""replay-compile verify/env and the equivalence checker behind them (fast settings: eager lowering)."""
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from replay_compile.cli import main  # noqa: E402
+
+
+def test_verify_passes_on_a_supported_model(capsys):
+    assert main(["verify", "--family", "mamba2", "--lower", "eager", "--tokens", "33", "--buffer-len", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "identical to eager" in out and "PASS" in out
+    assert "flushes: 4 per layer (L=8)" in out
+
+
+def test_verify_fails_when_nothing_is_rewritten(capsys, monkeypatch):
+    monkeypatch.setenv("REPLAY_COMPILE_DISABLE", "1")
+    assert main(["verify", "--family", "mamba2", "--lower", "eager", "--tokens", "17", "--buffer-len", "8"]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_verify_fails_on_a_wrong_rewrite(capsys, monkeypatch):
+    """A kernel bug (here: a flush that forgets the decay) must turn the report red, not pass silently."""
+    from replay_compile.kernels import mamba2_reference as ref
+    real = ref._window_coefficients
+
+    def no_decay(la_win, dt_win, valid):
+        total, coef = real(la_win * 0, dt_win, valid)
+        return total, coef
+
+    monkeypatch.setattr(ref, "_window_coefficients", no_decay)
+    assert main(["verify", "--family", "mamba2", "--lower", "eager", "--tokens", "17", "--buffer-len", "4"]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_env(capsys):
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "torch" in out and "replay_compile" in out
