@@ -8,6 +8,8 @@ Public API: :class:`ReplayConfig`, :func:`flush`, :func:`reset`, :func:`material
 
 from __future__ import annotations
 
+import sys
+
 from . import ops  # noqa: F401 - registers torch.ops.replay_compile.*
 from .backend import clear_reports, replayssm_backend, reports
 from .config import ReplayConfig
@@ -36,3 +38,8 @@ def _register_backend() -> None:
 
 
 _register_backend()
+
+if "transformers" in sys.modules:   # else the backend installs it on first use
+    from .integrations import hf as _hf
+
+    _hf.install()

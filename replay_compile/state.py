@@ -91,9 +91,16 @@ class ReplayState:
             self.version = tensor_version(st)
 
     def flush(self) -> None:
-        """Fold held records into the cache tensor (it then holds the true state)."""
+        """Fold held records into the cache tensor (it then holds the true state).
+
+        If the tensor was written by someone else since our last step (a reset, a new prefill), its contents are the
+        truth and the held records belong to the old sequence: they are dropped, never folded into the new contents.
+        """
         st = self.state
         if st is None or not self.dirty:
+            return
+        self.check_external_write(st)
+        if not self.dirty:
             return
         torch.ops.replay_compile.mamba2_flush(st, *self.rings)
         self.dirty = False

@@ -202,3 +202,14 @@ def test_backend_name_works_without_importing_us():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["6.0", "True"]
+
+
+def test_flush_after_an_external_write_drops_records_instead_of_folding_them():
+    mod, cmod = eager_and_compiled(options={"lower": "eager"})
+    sc = torch.randn(b, H, P, N)
+    with torch.no_grad():
+        for t in range(L // 2):
+            cmod(sc, *make_inputs(t))
+    sc.zero_()                      # e.g. cache.reset()
+    replay_compile.flush(sc)        # e.g. generate returning: must not fold the old sequence into the zeros
+    assert torch.count_nonzero(sc) == 0
