@@ -26,6 +26,11 @@ ENV_VARS: dict[str, tuple[str, Any, str]] = {
     "REPLAY_COMPILE_DISABLE": ("enabled", lambda s: s in ("", "0", "false", "False"),
                                "1: compile with the lowering only, rewrite nothing"),
 }
+# read where they act, not part of ReplayConfig
+OTHER_ENV_VARS = {
+    "REPLAY_COMPILE_KERNELS": "reference: run the ops' PyTorch reference on CUDA instead of the Triton kernels",
+    "REPLAY_COMPILE_LOG": "info / debug: log rewrites and skips (and graphs at debug) to stderr",
+}
 
 SUPPORTED_FAMILIES = ("mamba2",)
 SUPPORTED_LOWERINGS = ("inductor", "eager")

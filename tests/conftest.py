@@ -1,6 +1,15 @@
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Triton kernels run on CPU tensors through the interpreter where there is no GPU. Must be set before triton
+# decorates any kernel (replay_compile imports its kernels lazily, so setting it here is early enough).
+try:
+    import torch as _torch
+
+    if not _torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:
+    pass
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

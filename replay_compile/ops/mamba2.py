@@ -7,11 +7,13 @@
 ``replay_compile::mamba2_materialize``  the true state after ``count`` records, out of place.
 
 The CPU implementation is the vectorised reference in :mod:`replay_compile.kernels.mamba2_reference` (also used
-on any device without a dedicated kernel). Shapes and the in-place contract are documented there.
+on any device without a dedicated kernel); on CUDA the step runs the Triton kernels of
+:mod:`replay_compile.kernels.mamba2_triton`. Shapes and the in-place contract are documented in the reference.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -21,6 +23,11 @@ from ..kernels import mamba2_reference as ref
 
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _STATE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def use_triton() -> bool:
+    """CUDA tensors go to the Triton kernels unless ``REPLAY_COMPILE_KERNELS=reference``."""
+    return os.environ.get("REPLAY_COMPILE_KERNELS", "triton").lower() != "reference"
 
 
 def _fail(msg: str):
@@ -87,6 +94,16 @@ def mamba2_step(
     """One ReplaySSM Mamba-2 decode step. See :func:`replay_step_reference` for shapes and semantics."""
     check_step_args(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_idx)
     return ref.replay_step_reference(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_idx)
+
+
+@mamba2_step.register_kernel("cuda")
+def _(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_idx=None):
+    check_step_args(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_idx)
+    if not use_triton():
+        return ref.replay_step_reference(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_idx)
+    from ..kernels.mamba2_triton import replay_step_triton  # imported lazily: triton is only needed on GPUs
+
+    return replay_step_triton(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_idx)
 
 
 @mamba2_step.register_fake
