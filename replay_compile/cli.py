@@ -43,7 +43,11 @@ def _build(args):
             raise SystemExit(f"replay-compile: unknown family {args.family!r}; choose from {sorted(MAMBA2_FAMILY)}")
         model = MAMBA2_FAMILY[args.family](dtype=dtype, seed=args.seed)
         name = f"tiny {type(model).__name__} (embedded config, random weights, seed {args.seed})"
-    return model, make_inputs(model, batch=args.batch, prompt_len=args.prompt_len, seed=args.seed), name
+    ids = make_inputs(model, batch=args.batch, prompt_len=args.prompt_len, seed=args.seed)
+    if args.device != "cpu":
+        model, ids = model.to(args.device), ids.to(args.device)
+        name += f" on {args.device}"
+    return model, ids, name
 
 
 def _run_check(args, title: str) -> int:
@@ -108,6 +112,7 @@ def _add_common(p: argparse.ArgumentParser, tokens: int):
     p.add_argument("--lower", default="inductor", choices=["inductor", "eager"])
     p.add_argument("--mode", default=None, help="torch.compile mode for the lowering")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--logit-rtol", type=float, default=1e-3)
     p.add_argument("--state-rtol", type=float, default=1e-3)
