@@ -213,3 +213,19 @@ def test_flush_after_an_external_write_drops_records_instead_of_folding_them():
     sc.zero_()                      # e.g. cache.reset()
     replay_compile.flush(sc)        # e.g. generate returning: must not fold the old sequence into the zeros
     assert torch.count_nonzero(sc) == 0
+
+
+def test_dynamic_true_rewrites_every_layer():
+    """Under dynamic=True, Dynamo hands constant sizes as SymInts; they must count as static head/state dims."""
+    from test_pass_properties import Mamba2Step
+    mod = Mamba2Step(4, 3, 5, 2, 0)
+    replay_compile.clear_reports()
+    cmod = torch.compile(mod, backend="replayssm", options={"buffer_len": L, "lower": "eager"}, dynamic=True)
+    se = torch.randn(3, 4, 3, 5)
+    sc = se.clone()
+    with torch.no_grad():
+        for t in range(2 * L + 1):
+            ins = (torch.randn(3, 4, 3), torch.randn(3, 4), torch.randn(3, 2, 5), torch.randn(3, 2, 5))
+            torch.testing.assert_close(cmod(sc, *ins), mod(se, *ins), rtol=1e-5, atol=1e-5)
+    reps = replay_compile.reports()
+    assert [len(r.rewrites) for r in reps] == [1] and not reps[0].skipped

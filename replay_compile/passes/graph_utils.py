@@ -13,6 +13,7 @@ from typing import Any, Iterable
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 _OPERATORS = {
     operator.mul: "mul", operator.add: "add", operator.sub: "sub", operator.truediv: "div",
@@ -65,10 +66,17 @@ def example(n: Any):
     return n
 
 
+def _concrete(s):
+    """A SymInt whose value is a known constant (Dynamo makes those under dynamic=True) becomes a plain int."""
+    if isinstance(s, torch.SymInt) and is_concrete_int(s):
+        return int(s)
+    return s
+
+
 def shape(n: Any) -> tuple | None:
     v = example(n)
     if isinstance(v, torch.Tensor):
-        return tuple(v.shape)
+        return tuple(_concrete(s) for s in v.shape)
     if isinstance(v, (int, float, bool)) or v is None:
         return ()
     return None
