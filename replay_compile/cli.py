@@ -63,12 +63,13 @@ def _run_check(args, title: str) -> int:
     model, ids, name = _build(args)
     print(f"{title}: {name}")
     print(f"  torch {torch.__version__}, {args.dtype}, batch {ids.shape[0]}, prompt {ids.shape[1]} tokens, "
-          f"{args.tokens} new tokens, L={args.buffer_len}, lowering {args.lower}")
+          f"{args.tokens} new tokens, L={args.buffer_len}, lowering {args.lower}, {args.cache} cache")
     options = {"lower": args.lower}
     if args.mode:
         options["mode"] = args.mode
+    gen = {"cache_implementation": "static"} if args.cache == "static" else {}
     rep = check_equivalence(model, ids, max_new_tokens=args.tokens, buffer_len=args.buffer_len, options=options,
-                            logit_rtol=args.logit_rtol, state_rtol=args.state_rtol)
+                            logit_rtol=args.logit_rtol, state_rtol=args.state_rtol, **gen)
     print("  " + rep.summary().replace("\n", "\n  "))
     print(f"  total {time.perf_counter() - t0:.1f}s")
     return 0 if rep.passed else 1
@@ -113,6 +114,8 @@ def _add_common(p: argparse.ArgumentParser, tokens: int):
     p.add_argument("--mode", default=None, help="torch.compile mode for the lowering")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--cache", default="static", choices=["static", "dynamic"],
+                   help="transformers cache: static (one decode graph; default) or dynamic (a graph per KV growth)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--logit-rtol", type=float, default=1e-3)
     p.add_argument("--state-rtol", type=float, default=1e-3)
