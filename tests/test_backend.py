@@ -12,7 +12,7 @@ from torch._inductor.utils import run_and_get_code
 import replay_compile
 from replay_compile import state as replay_state
 
-from test_pass_spellings import HFStyle, make_inputs, b, H, P, N, G  # noqa: F401
+from test_pass_spellings import HFStyle, make_inputs, b, H, P, N
 
 L = 4
 

@@ -31,7 +31,7 @@ ELEMENTWISE = CAST_LIKE | {
 
 
 def _default(shp) -> list:
-    return [FULL if _same(s, 1) else 1 for s in shp]
+    return [FULL if same_size(s, 1) else 1 for s in shp]
 
 
 def combine(a: int, b: int) -> int:
@@ -44,7 +44,7 @@ def combine(a: int, b: int) -> int:
 
 
 def normalise(rep: list, shp) -> list:
-    return [FULL if (r == FULL or _same(s, 1) or (is_static_int(s) and r == s)) else r for r, s in zip(rep, shp)]
+    return [FULL if (r == FULL or same_size(s, 1) or (is_static_int(s) and r == s)) else r for r, s in zip(rep, shp)]
 
 
 def merge(reps: list, sizes: list) -> int:
@@ -78,7 +78,7 @@ def split(rep: int, sizes: list) -> list:
     return out
 
 
-def _same(a, b) -> bool:
+def same_size(a, b) -> bool:
     if is_static_int(a) and is_static_int(b):
         return a == b
     return str(a) == str(b)
@@ -91,17 +91,17 @@ def reshape_rep(rep: list, in_shape, out_shape) -> list:
     in_shape, out_shape = list(in_shape), list(out_shape)
     while i < len(in_shape) or j < len(out_shape):
         # size-1 dims map to nothing
-        if i < len(in_shape) and _same(in_shape[i], 1):
+        if i < len(in_shape) and same_size(in_shape[i], 1):
             i += 1
             continue
-        if j < len(out_shape) and _same(out_shape[j], 1):
+        if j < len(out_shape) and same_size(out_shape[j], 1):
             out[j] = FULL
             j += 1
             continue
         if i >= len(in_shape) or j >= len(out_shape):
             break
         if not (is_static_int(in_shape[i]) and is_static_int(out_shape[j])):
-            if not _same(in_shape[i], out_shape[j]):
+            if not same_size(in_shape[i], out_shape[j]):
                 return _default(out_shape)  # symbolic dims regrouped: no proof, stay conservative
             out[j] = rep[i]
             i += 1
@@ -161,7 +161,7 @@ class BroadcastAnalysis:
                 src_shape = shape(src)
                 r = self.aligned(src, len(shp))
                 padded = [1] * (len(shp) - len(src_shape)) + list(src_shape)
-                return normalise([FULL if _same(p, 1) else x for x, p in zip(r, padded)], shp)
+                return normalise([FULL if same_size(p, 1) else x for x, p in zip(r, padded)], shp)
             if name in ("view", "reshape", "flatten", "unflatten"):
                 return reshape_rep(self.rep(n.args[0]), shape(n.args[0]), shp)
             if name == "unsqueeze":
@@ -195,7 +195,7 @@ class BroadcastAnalysis:
             r = self.aligned(a, len(shp))
             sa = [1] * (len(shp) - len(shape(a))) + list(shape(a))
             for d in range(len(shp)):
-                out[d] = combine(out[d], FULL if _same(sa[d], 1) else r[d])
+                out[d] = combine(out[d], FULL if same_size(sa[d], 1) else r[d])
         return normalise(out, shp)
 
     def _repeat_interleave(self, n: fx.Node, shp) -> list:

@@ -21,13 +21,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.fx as fx
 
-from .broadcast import FULL, BroadcastAnalysis, _same
-from .graph_utils import (CAST_LIKE, METADATA, dtype, flatten, is_call, module_path, op_name, real_users, shape,
+from .broadcast import FULL, BroadcastAnalysis, same_size
+from .graph_utils import (CAST_LIKE, dtype, flatten, module_path, op_name, real_users, shape,
                           strip, is_static_int)
 
 FAMILY = "mamba2"
@@ -98,7 +98,7 @@ def _extractor(src_shape: tuple, src_dims: list, keep: dict, sizes: dict) -> Cal
     idx, present = [], []
     for k, fd in enumerate(src_dims):
         if fd in keep:
-            step = 1 if _same(src_shape[k], 1) else keep[fd]
+            step = 1 if same_size(src_shape[k], 1) else keep[fd]
             idx.append(slice(None, None, step) if step != 1 else slice(None))
             present.append(fd)
         else:
@@ -107,7 +107,7 @@ def _extractor(src_shape: tuple, src_dims: list, keep: dict, sizes: dict) -> Cal
     unsq = [i for i, fd in enumerate(kept) if fd not in present]
     expand = [sizes[fd] for fd in kept]
     needs_expand = any(
-        s != -1 and (fd not in present or _same(src_shape[src_dims.index(fd)], 1)) for fd, s in zip(kept, expand))
+        s != -1 and (fd not in present or same_size(src_shape[src_dims.index(fd)], 1)) for fd, s in zip(kept, expand))
     idx = tuple(idx)
     trivial = all(i == slice(None) for i in idx)
 
@@ -159,7 +159,7 @@ class Mamba2Matcher:
         if not isinstance(new, fx.Node):
             raise NoMatch("the value written is not computed in this graph")
         ns = shape(new) or ()
-        if len(ns) != 4 or not all(_same(x, y) for x, y in zip(ns, shape(state))):
+        if len(ns) != 4 or not all(same_size(x, y) for x, y in zip(ns, shape(state))):
             raise NoMatch(f"the value written has shape {shape(new)}, not the state's {shape(state)}")
 
         terms = flatten(new, "add")
@@ -182,7 +182,7 @@ class Mamba2Matcher:
             if fs is None or len(fs) > 4:
                 raise NoMatch(f"update factor {f.name} has shape {fs}")
             r = self.bx.aligned(f, 4)
-            if len(fs) == 4 and not _same(fs[B_], b):
+            if len(fs) == 4 and not same_size(fs[B_], b):
                 raise NoMatch(f"update factor {f.name} {fs} is broadcast over the batch")
             if r[P_] == FULL and r[N_] == FULL:
                 scal.append(f)

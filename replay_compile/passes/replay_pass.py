@@ -15,7 +15,6 @@ import inspect
 import logging
 from typing import Sequence
 
-import torch
 import torch.fx as fx
 from torch._dynamo.utils import counters
 

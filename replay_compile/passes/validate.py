@@ -151,8 +151,7 @@ def validate(gm: fx.GraphModule, example_inputs: Sequence, matches: Sequence[Mam
             return {id(m): f"validation run failed: {type(e).__name__}: {first}" for m in matches}
     failed = {}
     for m in matches:
-        from .validate import tolerance as _tol  # noqa: PLC0415 - keep the name local for readability
-        tol = _tol(m)
+        tol = tolerance(m)
         msgs = []
         for e in checker.errors[id(m)]:
             if isinstance(e, str):
