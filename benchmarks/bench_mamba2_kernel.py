@@ -1,0 +1,187 @@
+"""Mamba-2 replay step kernel vs mamba_ssm's ``selective_state_update``, on one GPU, in one run.
+
+    python benchmarks/bench_mamba2_kernel.py --out results/            # full sweep
+    python benchmarks/bench_mamba2_kernel.py --batches 256 --geoms super # one point
+
+Per (geometry, batch, state dtype): the baseline step, our non-flush step, our flush step and the average over L
+consecutive steps (one flush), each replayed from a CUDA graph (median of repeats; the state of a large batch is far
+larger than L2, small batches rotate over several state buffers so L2 stays cold). Bytes are the fewest the step
+must move; "% bw" is bytes / time against the device-to-device copy bandwidth measured at the start of the run.
+The baseline is mamba_ssm's Triton ``selective_state_update``: installed, or its source under ``.baselines/``
+(carried to the GPU machine; mamba_ssm's compiled extensions are not needed for this function).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import platform
+import statistics
+import sys
+import types
+
+import torch
+
+GEOMS = {"nano": (96, 80, 128, 8), "super": (128, 64, 128, 8)}   # H, P, N, G (Nemotron-Nano-4B, -Super-120B)
+
+
+def load_baseline():
+    try:
+        from mamba_ssm.ops.triton.selective_state_update import selective_state_update
+        return selective_state_update
+    except Exception:  # noqa: BLE001 - not installed (or its CUDA extensions missing): use the carried source
+        root = os.path.join(os.path.dirname(__file__), "..", ".baselines", "mamba_ssm")
+        if not os.path.isdir(root):
+            return None
+        pkg = types.ModuleType("mamba_ssm")
+        pkg.__path__ = [os.path.abspath(root)]                    # skip its __init__ (imports CUDA extensions)
+        sys.modules["mamba_ssm"] = pkg
+        from mamba_ssm.ops.triton.selective_state_update import selective_state_update
+        return selective_state_update
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(2 * 2**30 // 4, device="cuda")
+    y = torch.empty_like(x)
+    t = time_graph(lambda: y.copy_(x), reps=20)
+    return 2 * x.numel() * 4 / (t * 1e-6)
+
+
+def time_graph(fn, reps=30, warmup=3, inner=1) -> float:
+    """Median µs per call of ``fn``, captured ``inner`` times in a row in one CUDA graph and replayed."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(inner):
+            fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / inner)
+    return statistics.median(times)
+
+
+def bench_point(ssu, H, P, N, G, bs, state_dtype, L, act=torch.bfloat16):
+    from replay_compile.kernels.mamba2_triton import replay_step_triton
+    from replay_compile.state import Mamba2RingSpec
+
+    dev = "cuda"
+    state_bytes = bs * H * P * N * torch.empty((), dtype=state_dtype).element_size()
+    copies = max(1, min(8, (256 * 2**20) // max(state_bytes, 1)))     # rotate buffers: keep L2 (60 MB) cold
+    states = [torch.randn(bs, H, P, N, device=dev).to(state_dtype) for _ in range(copies)]
+    spec = Mamba2RingSpec(H, P, N, G, L, act, act)
+    rings = [spec.allocate(bs, dev) for _ in range(copies)]
+    for r in rings:
+        for t in r[:4]:
+            t.normal_()
+    x = torch.randn(bs, H, P, device=dev, dtype=act)
+    dt = torch.rand(bs, H, device=dev) * 0.1
+    la = -torch.rand(bs, H, device=dev)
+    B = torch.randn(bs, G, N, device=dev, dtype=act)
+    C = torch.randn(bs, G, N, device=dev, dtype=act)
+    i = [0]
+
+    def ours(w=None):
+        def f():
+            k = i[0] = (i[0] + 1) % copies
+            if w is not None:
+                rings[k][-1].fill_(w)
+            replay_step_triton(states[k], *rings[k], x, dt, la, B, C, None)
+        return f
+
+    res = {}
+    # each captured call uses the next buffer, so a replay walks all of them (cold L2 at small batch)
+    res["nonflush_us"] = time_graph(ours(w=L // 2), inner=copies)
+    res["flush_us"] = time_graph(ours(w=L - 1), inner=copies)
+    res["lavg_us"] = time_graph(ours(), reps=10, inner=L * copies)
+    if ssu is not None:
+        A = -torch.rand(H, device=dev)[:, None, None].expand(H, P, N)
+        Dp = torch.randn(H, device=dev)[:, None].expand(H, P)
+        dtb = torch.randn(H, device=dev)[:, None].expand(H, P)
+        dt_full = dt[:, :, None].expand(bs, H, P)
+        base_states = [s.float() if state_dtype == torch.float32 else s for s in states]
+
+        def base():
+            k = i[0] = (i[0] + 1) % copies
+            ssu(base_states[k], x, dt_full, A, B, C, D=Dp, dt_bias=dtb, dt_softplus=True)
+        res["baseline_us"] = time_graph(base, inner=copies)
+    es = torch.empty((), dtype=state_dtype).element_size()
+    ea = torch.empty((), dtype=act).element_size()
+    sb = bs * H * P * N * es
+    ring_read = bs * (H * (L // 2) * (P * ea + 8) + G * (L // 2) * N * ea)
+    res["bytes_baseline"] = 2 * sb
+    res["bytes_nonflush"] = sb + ring_read
+    res["bytes_flush"] = 2 * sb + 2 * ring_read
+    return res
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--geoms", default="super,nano")
+    ap.add_argument("--batches", default="1,8,32,64,128,256,512")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--L", type=int, default=16)
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench-results"))
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    ssu = load_baseline()
+    bw = copy_bandwidth()
+    p = torch.cuda.get_device_properties(0)
+    print(f"# {p.name} sm_{p.major}{p.minor}, torch {torch.__version__}, python {platform.python_version()}, "
+          f"copy bandwidth {bw / 1e12:.2f} TB/s, baseline: {'mamba_ssm selective_state_update' if ssu else 'none'}")
+    rows = []
+    hdr = f"{'geom':6} {'dtype':8} {'bs':>4} {'base us':>9} {'nonfl us':>9} {'%bw':>5} {'flush us':>9} " \
+          f"{'L-avg us':>9} {'speedup':>7} {'floor x':>7}"
+    print(hdr)
+    for gname in args.geoms.split(","):
+        H, P, N, G = GEOMS[gname]
+        for dname in args.dtypes.split(","):
+            sdt = getattr(torch, dname)
+            for bs in map(int, args.batches.split(",")):
+                r = bench_point(ssu, H, P, N, G, bs, sdt, args.L)
+                base = r.get("baseline_us", float("nan"))
+                pct = r["bytes_nonflush"] / (r["nonflush_us"] * 1e-6) / bw * 100
+                floor_l = ((args.L - 1) * r["bytes_nonflush"] + r["bytes_flush"]) / args.L / bw * 1e6
+                row = dict(geom=gname, dtype=dname, bs=bs, L=args.L, copy_bw_TBs=bw / 1e12, **r,
+                           speedup=base / r["lavg_us"], lavg_floor_us=floor_l,
+                           baseline_floor_us=r["bytes_baseline"] / bw * 1e6)
+                rows.append(row)
+                print(f"{gname:6} {dname:8} {bs:>4} {base:>9.1f} {r['nonflush_us']:>9.1f} {pct:>5.0f} "
+                      f"{r['flush_us']:>9.1f} {r['lavg_us']:>9.1f} {row['speedup']:>7.2f} "
+                      f"{row['baseline_floor_us'] / floor_l:>7.2f}", flush=True)
+    with open(os.path.join(args.out, "mamba2_kernel.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for gname in args.geoms.split(","):
+            for dname in args.dtypes.split(","):
+                pts = [r for r in rows if r["geom"] == gname and r["dtype"] == dname]
+                ax.plot([r["bs"] for r in pts], [r["speedup"] for r in pts], marker="o", label=f"{gname} {dname}")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch")
+        ax.set_ylabel("L-step average speedup vs selective_state_update")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(args.out, "mamba2_kernel_speedup.png"), dpi=120)
+    except ImportError:
+        pass
+
+
+if __name__ == "__main__":
+    main()
