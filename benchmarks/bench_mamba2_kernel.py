@@ -125,6 +125,41 @@ def bench_point(ssu, H, P, N, G, bs, state_dtype, L, act=torch.bfloat16):
     return res
 
 
+def sweep_configs(ssu, bw, L, out):
+    """Launch-config sweep at bs256, fp32 state (non-flush and flush), to pick tiles per geometry."""
+    from replay_compile.kernels import mamba2_triton as kt
+
+    rows = []
+    print(f"{'geom':6} {'BP':>3} {'BN':>4} {'wp':>2} {'nonfl us':>9} {'flush us':>9} {'% floor(nf)':>11}")
+    for gname, (H, P, N, G) in GEOMS.items():
+        for bp in (16, 32, 64):
+            for bn in (32, 64, 128):
+                for wp in (2, 4, 8):
+                    kt.TUNING.clear()
+                    kt.TUNING.update(BLOCK_P=bp, BLOCK_N=bn, num_warps=wp)
+                    try:
+                        r = bench_point(None, H, P, N, G, 256, torch.float32, L)
+                    except Exception as e:  # noqa: BLE001 - a config that does not compile is just skipped
+                        print(gname, bp, bn, wp, "failed:", type(e).__name__)
+                        continue
+                    pct = r["bytes_nonflush"] / (r["nonflush_us"] * 1e-6) / bw * 100
+                    rows.append(dict(geom=gname, BLOCK_P=bp, BLOCK_N=bn, warps=wp, **r))
+                    print(f"{gname:6} {bp:>3} {bn:>4} {wp:>2} {r['nonflush_us']:>9.1f} {r['flush_us']:>9.1f} "
+                          f"{pct:>11.0f}", flush=True)
+    kt.TUNING.clear()
+    with open(os.path.join(out, "mamba2_kernel_configs.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def warm_clocks():
+    x = torch.empty(2**28, device="cuda")
+    for _ in range(200):
+        x.mul_(1.0)
+    torch.cuda.synchronize()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--geoms", default="super,nano")
@@ -132,9 +167,11 @@ def main(argv=None):
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--L", type=int, default=16)
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-results"))
+    ap.add_argument("--sweep-configs", action="store_true", help="launch-config sweep at bs256 instead")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     ssu = load_baseline()
+    warm_clocks()
     bw = copy_bandwidth()
     p = torch.cuda.get_device_properties(0)
     print(f"# {p.name} sm_{p.major}{p.minor}, torch {torch.__version__}, python {platform.python_version()}, "
@@ -142,6 +179,8 @@ def main(argv=None):
     rows = []
     hdr = f"{'geom':6} {'dtype':8} {'bs':>4} {'base us':>9} {'nonfl us':>9} {'%bw':>5} {'flush us':>9} " \
           f"{'L-avg us':>9} {'speedup':>7} {'floor x':>7}"
+    if args.sweep_configs:
+        return sweep_configs(ssu, bw, args.L, args.out)
     print(hdr)
     for gname in args.geoms.split(","):
         H, P, N, G = GEOMS[gname]

@@ -144,12 +144,20 @@ def _advance_cursor_kernel(cursor_ptr, slot_ptr, n_rows, L, HAS_SLOT: tl.constex
     tl.store(cursor_ptr + slots, tl.where(w == L - 1, 0, w + 1), mask=m)
 
 
-def _block_sizes(P: int, N: int, L: int) -> tuple[int, int, int]:
+# Launch configuration override for benchmarks: {"BLOCK_P": .., "BLOCK_N": .., "num_warps": ..}. Empty in use.
+TUNING: dict = {}
+
+
+def _block_sizes(P: int, N: int, L: int) -> tuple[int, int, int, int]:
     # tl.dot needs every dim >= 16; the window sits on a power-of-two axis
+    # From the H200 sweep (benchmarks/results/mamba2_kernel_configs.csv, bs256 fp32): 64 x 64 tiles, 2 warps where
+    # 64 divides P (Nemotron-Super: 359 us non-flush vs 435 us at 4 warps); 32 x 32, 2 warps otherwise (Nano, P=80:
+    # 391 us vs 522 us with a 75%-masked second 64-row block).
     block_l = max(16, triton.next_power_of_2(L))
-    block_p = max(16, min(64, triton.next_power_of_2(P)))
-    block_n = max(16, min(64, triton.next_power_of_2(N)))
-    return block_p, block_n, block_l
+    bp = 64 if P % 64 == 0 else 32
+    block_p = TUNING.get("BLOCK_P") or max(16, min(bp, triton.next_power_of_2(P)))
+    block_n = TUNING.get("BLOCK_N") or max(16, min(bp, triton.next_power_of_2(N)))
+    return block_p, block_n, block_l, TUNING.get("num_warps", 2)
 
 
 def replay_step_triton(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_idx=None):
@@ -161,7 +169,7 @@ def replay_step_triton(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, l
     y = torch.empty((b, H, P), dtype=torch.float32, device=x.device)
     if b == 0:
         return y
-    block_p, block_n, block_l = _block_sizes(P, N, L)
+    block_p, block_n, block_l, warps = _block_sizes(P, N, L)
     has_slot = slot_idx is not None
     slot_arg = slot_idx if has_slot else cursor          # any pointer; unused when HAS_SLOT is False
     grid = (triton.cdiv(P, block_p), b, H)
@@ -171,7 +179,7 @@ def replay_step_triton(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, l
         *state.stride(), *x_ring.stride(), *dt_ring.stride(), *la_ring.stride(), *B_ring.stride(),
         *x.stride(), *dt.stride(), *la.stride(), *B.stride(), *C.stride(), *y.stride(),
         HAS_SLOT=has_slot, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_L=block_l, N_TILES=triton.cdiv(N, block_n),
-        num_warps=4,
+        num_warps=warps,
     )
     _advance_cursor_kernel[(triton.cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
     return y
