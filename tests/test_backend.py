@@ -25,6 +25,15 @@ def eager_and_compiled(mode=None, options=None):
     return mod, torch.compile(mod, backend="replayssm", options={"buffer_len": L, **(options or {})})
 
 
+def step_both(cmod, mod, sc, se, steps, check=True):
+    """Step the compiled module on ``sc`` and the eager one on ``se`` with the same inputs; compare if ``check``."""
+    with torch.no_grad():
+        for t in range(steps):
+            yc, ye = cmod(sc, *make_inputs(t)), mod(se, *make_inputs(t))
+            if check:
+                torch.testing.assert_close(yc, ye, rtol=1e-5, atol=1e-5, msg=f"step {t}")
+
+
 def test_inductor_runs_the_op_in_place_on_the_cache_with_no_state_copy():
     mod, cmod = eager_and_compiled()
     state = torch.randn(b, H, P, N)
@@ -44,9 +53,7 @@ def test_runs_are_correct_under_inductor_for_3L_steps():
     mod, cmod = eager_and_compiled()
     se = torch.randn(b, H, P, N)
     sc = se.clone()
-    with torch.no_grad():
-        for t in range(3 * L + 1):
-            torch.testing.assert_close(cmod(sc, *make_inputs(t)), mod(se, *make_inputs(t)), rtol=1e-5, atol=1e-5)
+    step_both(cmod, mod, sc, se, 3 * L + 1)
     assert not torch.equal(sc, se), "between flushes the cache holds the checkpoint"
     torch.testing.assert_close(replay_compile.materialize(sc), se, rtol=1e-5, atol=1e-5)
     assert replay_compile.flush(sc) == 1
@@ -70,13 +77,9 @@ def test_new_cache_object_rebinds_and_old_one_resumes():
     mod, cmod = eager_and_compiled(options={"lower": "eager"})
     e1, e2 = torch.randn(b, H, P, N), torch.randn(b, H, P, N)
     c1, c2 = e1.clone(), e2.clone()
-    with torch.no_grad():
-        for t in range(L + 2):
-            torch.testing.assert_close(cmod(c1, *make_inputs(t)), mod(e1, *make_inputs(t)), rtol=1e-5, atol=1e-5)
-        for t in range(L + 1):   # a fresh cache gets fresh rings, nothing leaks from c1
-            torch.testing.assert_close(cmod(c2, *make_inputs(t)), mod(e2, *make_inputs(t)), rtol=1e-5, atol=1e-5)
-        for t in range(L):       # and c1 continues where it was
-            torch.testing.assert_close(cmod(c1, *make_inputs(t)), mod(e1, *make_inputs(t)), rtol=1e-5, atol=1e-5)
+    step_both(cmod, mod, c1, e1, L + 2)
+    step_both(cmod, mod, c2, e2, L + 1)    # a fresh cache gets fresh rings, nothing leaks from c1
+    step_both(cmod, mod, c1, e1, L)        # and c1 continues where it was
     replay_compile.flush(None)
     torch.testing.assert_close(c1, e1, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(c2, e2, rtol=1e-5, atol=1e-5)
@@ -87,15 +90,11 @@ def test_external_write_resets_the_replay_state():
     mod, cmod = eager_and_compiled(options={"lower": "eager"})
     se = torch.randn(b, H, P, N)
     sc = se.clone()
-    with torch.no_grad():
-        for t in range(L // 2 + 1):
-            cmod(sc, *make_inputs(t))
-            mod(se, *make_inputs(t))
-        fresh = torch.randn(b, H, P, N)
-        se.copy_(fresh)
-        sc.copy_(fresh)            # e.g. cache.reset() + prefill
-        for t in range(2 * L):
-            torch.testing.assert_close(cmod(sc, *make_inputs(t)), mod(se, *make_inputs(t)), rtol=1e-5, atol=1e-5)
+    step_both(cmod, mod, sc, se, L // 2 + 1, check=False)
+    fresh = torch.randn(b, H, P, N)
+    se.copy_(fresh)
+    sc.copy_(fresh)            # e.g. cache.reset() + prefill
+    step_both(cmod, mod, sc, se, 2 * L)
 
 
 def test_graphs_that_read_a_stepped_state_see_the_true_state():
@@ -103,10 +102,8 @@ def test_graphs_that_read_a_stepped_state_see_the_true_state():
     reader = torch.compile(lambda s: s.sum(dim=(2, 3)) * 2, backend="replayssm")
     se = torch.randn(b, H, P, N)
     sc = se.clone()
+    step_both(cmod, mod, sc, se, L + 2, check=False)
     with torch.no_grad():
-        for t in range(L + 2):
-            cmod(sc, *make_inputs(t))
-            mod(se, *make_inputs(t))
         torch.testing.assert_close(reader(sc), se.sum(dim=(2, 3)) * 2, rtol=1e-5, atol=1e-5)
 
 
@@ -115,16 +112,11 @@ def test_flush_by_model_container_and_tensor():
     other = HFStyle()
     se = torch.randn(b, H, P, N)
     sc = se.clone()
-    with torch.no_grad():
-        for t in range(L + 1):
-            cmod(sc, *make_inputs(t))
-            mod(se, *make_inputs(t))
+    step_both(cmod, mod, sc, se, L + 1, check=False)
     assert replay_compile.flush(other) == 0          # not this model's state
     assert replay_compile.flush({"layers": [sc]}) == 1
     torch.testing.assert_close(sc, se, rtol=1e-5, atol=1e-5)
-    with torch.no_grad():
-        cmod(sc, *make_inputs(0))
-        mod(se, *make_inputs(0))
+    step_both(cmod, mod, sc, se, 1, check=False)
     assert replay_compile.flush(mod) == 1
     torch.testing.assert_close(sc, se, rtol=1e-5, atol=1e-5)
     assert replay_compile.flush(mod) == 0

@@ -72,6 +72,7 @@ class Mamba2Match:
     out_dtype: torch.dtype
     x_dtype: torch.dtype
     B_dtype: torch.dtype
+    rec_dtype: torch.dtype          # dt / log-decay records and the ops' compute dtype (fp64 only for fp64 states)
     family: str = FAMILY
 
     @property
@@ -226,7 +227,7 @@ class Mamba2Matcher:
             x=Recipe(list(p_side), lambda *v, _f=x_fn: _f(*v).to(x_dtype)),
             B=Recipe(list(n_side), lambda *v, _f=B_fn: _f(*v).to(B_dtype)),
             C=Recipe([C_src], C_fn),
-            out_shape=out_shape, out_dtype=dtype(readout), x_dtype=x_dtype, B_dtype=B_dtype)
+            out_shape=out_shape, out_dtype=dtype(readout), x_dtype=x_dtype, B_dtype=B_dtype, rec_dtype=rec)
 
     # -- pieces ----------------------------------------------------------------------------------------------
     def _split_terms(self, terms, state):

@@ -28,8 +28,7 @@ RING_NAMES = ("x_ring", "dt_ring", "la_ring", "B_ring", "cursor")
 
 
 def ring_spec(m: Mamba2Match, L: int) -> Mamba2RingSpec:
-    rec = torch.float64 if m.state.meta["example_value"].dtype == torch.float64 else torch.float32
-    return Mamba2RingSpec(H=m.H, P=m.P, N=m.N, G=m.G, L=L, x_dtype=m.x_dtype, B_dtype=m.B_dtype, rec_dtype=rec)
+    return Mamba2RingSpec(H=m.H, P=m.P, N=m.N, G=m.G, L=L, x_dtype=m.x_dtype, B_dtype=m.B_dtype, rec_dtype=m.rec_dtype)
 
 
 def _fake_rings(m: Mamba2Match, spec: Mamba2RingSpec) -> tuple:

@@ -27,10 +27,17 @@ def tolerance(m: Mamba2Match) -> float:
     return 5e-2 if low else 1e-4
 
 
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b| over the finite elements; inf unless both have the same non-finite values at the same
+    places (NaN where the other has NaN, the same infinities)."""
     a, b = a.double(), b.double()
-    if not torch.isfinite(a).all() or not torch.isfinite(b).all():
-        return float("inf") if not torch.equal(torch.isfinite(a), torch.isfinite(b)) else 0.0
+    fa, fb = torch.isfinite(a), torch.isfinite(b)
+    if not torch.equal(fa, fb) or not torch.equal(torch.isnan(a), torch.isnan(b)) \
+            or not torch.equal(a[torch.isinf(a)], b[torch.isinf(b)]):
+        return float("inf")
+    if not fa.any():
+        return 0.0
+    a, b = a[fa], b[fb]
     return float((a - b).abs().max() / (b.abs().max() + 1e-12))
 
 
@@ -95,13 +102,13 @@ class _Checker(fx.Interpreter):
             self.errors[id(m)].append(f"could not evaluate {sorted(missing)} before the state write")
             return
         S0 = self.env[m.state]
-        cdt = torch.float64 if S0.dtype == torch.float64 else torch.float32
+        cdt = m.rec_dtype
         Bh = c["B"].to(cdt).repeat_interleave(m.H // m.G, dim=1)
         ref = torch.exp(c["la"].to(cdt))[..., None, None] * S0.to(cdt) + \
             (c["dt"].to(cdt)[..., None] * c["x"].to(cdt))[..., None] * Bh[:, :, None, :]
         self.ref_new[id(m)] = ref
         got = self.env[cp.args[1]]
-        self.errors[id(m)].append(("new state", _rel_err(got, ref)))
+        self.errors[id(m)].append(("new state", rel_err(got, ref)))
 
     def _check_readout(self, m: Mamba2Match, out: torch.Tensor):
         ref = self.ref_new.pop(id(m), None)
@@ -111,7 +118,7 @@ class _Checker(fx.Interpreter):
             return
         Ch = C.to(ref.dtype).repeat_interleave(m.H // C.shape[1], dim=1)
         y = torch.einsum("bhpn,bhn->bhp", ref, Ch)
-        self.errors[id(m)].append(("readout", _rel_err(out.reshape(y.shape), y)))
+        self.errors[id(m)].append(("readout", rel_err(out.reshape(y.shape), y)))
 
 
 def _concrete(a):

@@ -16,6 +16,7 @@ import torch
 
 from .. import backend as _backend
 from .. import state as replay_state
+from ..passes.validate import rel_err
 
 
 @dataclasses.dataclass
@@ -70,11 +71,6 @@ def _cache_tensors(cache) -> list[torch.Tensor]:
     return [t for t in replay_state._tensors_in(cache, depth=5) if t.dim() >= 3 and t.is_floating_point()]
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).abs().max() / (b.abs().max() + 1e-12)) if a.numel() else 0.0
-
-
 def check_equivalence(model, input_ids: torch.Tensor, *, max_new_tokens: int | None = None, buffer_len: int = 16,
                       options: dict | None = None, logit_rtol: float = 1e-3, state_rtol: float = 1e-3,
                       **generate_kwargs) -> EquivalenceReport:
@@ -118,7 +114,7 @@ def check_equivalence(model, input_ids: torch.Tensor, *, max_new_tokens: int | N
     scale = max((float(a.abs().max()) for a in ref.logits[:upto]), default=0.0)
     ref_t, out_t = _cache_tensors(ref.past_key_values), _cache_tensors(out.past_key_values)
     pairs = [(a, b) for a, b in zip(out_t, ref_t) if a.shape == b.shape]
-    state_diff = max((_rel(a, b) for a, b in pairs), default=float("inf")) if first is None else float("inf")
+    state_diff = max((rel_err(a, b) for a, b in pairs if a.numel()), default=float("inf")) if first is None else float("inf")
     reps = _backend.reports()
     stepped = [rs for rs in replay_state.all_states() if any(rs.state is t for t in out_t)]
     return EquivalenceReport(
