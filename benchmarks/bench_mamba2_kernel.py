@@ -142,26 +142,31 @@ def bench_point(ssu, H, P, N, G, bs, state_dtype, L, act=torch.bfloat16):
 
 
 def sweep_configs(ssu, bw, L, out):
-    """Launch-config sweep at bs256, fp32 state (non-flush and flush), to pick tiles per geometry."""
+    """Launch-config sweep, fp32 state: BLOCK_P x num_warps at bs256 (non-flush, flush, L-avg) and bs1 (L-avg),
+    with the baseline of the same batch, to pick the defaults of ``mamba2_triton.launch_config``."""
     from replay_compile.kernels import mamba2_triton as kt
 
     rows = []
-    print(f"{'geom':6} {'BP':>3} {'BN':>4} {'wp':>2} {'nonfl us':>9} {'flush us':>9} {'% floor(nf)':>11}")
+    print(f"{'geom':6} {'BP':>3} {'wp':>2} {'nonfl us':>9} {'flush us':>9} {'Lavg us':>8} {'x256':>5} "
+          f"{'% floor(nf)':>11} {'bs1 us':>7} {'x1':>5}")
     for gname, (H, P, N, G) in GEOMS.items():
+        base = {bs: bench_point(ssu, H, P, N, G, bs, torch.float32, L)["baseline_us"] for bs in (1, 256)}
         for bp in (16, 32, 64):
-            for bn in (32, 64, 128):
-                for wp in (2, 4, 8):
-                    kt.TUNING.clear()
-                    kt.TUNING.update(BLOCK_P=bp, BLOCK_N=bn, num_warps=wp)
-                    try:
-                        r = bench_point(None, H, P, N, G, 256, torch.float32, L)
-                    except Exception as e:  # noqa: BLE001 - a config that does not compile is just skipped
-                        print(gname, bp, bn, wp, "failed:", type(e).__name__)
-                        continue
-                    pct = r["bytes_nonflush"] / (r["nonflush_us"] * 1e-6) / bw * 100
-                    rows.append(dict(geom=gname, BLOCK_P=bp, BLOCK_N=bn, warps=wp, **r))
-                    print(f"{gname:6} {bp:>3} {bn:>4} {wp:>2} {r['nonflush_us']:>9.1f} {r['flush_us']:>9.1f} "
-                          f"{pct:>11.0f}", flush=True)
+            for wp in (1, 2, 4, 8):
+                kt.TUNING.clear()
+                kt.TUNING.update(BLOCK_P=bp, num_warps=wp)
+                try:
+                    r = bench_point(None, H, P, N, G, 256, torch.float32, L)
+                    r1 = bench_point(None, H, P, N, G, 1, torch.float32, L)
+                except Exception as e:  # noqa: BLE001 - a config that does not compile is just skipped
+                    print(gname, bp, wp, "failed:", type(e).__name__, str(e)[:120])
+                    continue
+                pct = r["bytes_nonflush"] / (r["nonflush_us"] * 1e-6) / bw * 100
+                rows.append(dict(geom=gname, BLOCK_P=bp, warps=wp, **r, baseline_us=base[256],
+                                 bs1_lavg_us=r1["lavg_us"], bs1_baseline_us=base[1]))
+                print(f"{gname:6} {bp:>3} {wp:>2} {r['nonflush_us']:>9.1f} {r['flush_us']:>9.1f} {r['lavg_us']:>8.1f} "
+                      f"{base[256] / r['lavg_us']:>5.2f} {pct:>11.0f} {r1['lavg_us']:>7.2f} "
+                      f"{base[1] / r1['lavg_us']:>5.2f}", flush=True)
     kt.TUNING.clear()
     with open(os.path.join(out, "mamba2_kernel_configs.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -162,3 +162,46 @@ def test_flush_on_empty_ring_is_a_no_op_and_padding_is_ignored():
     assert rings[-1].tolist() == [1, 0, 0]
     assert torch.equal(state[0], before[0]) and torch.equal(state[1], before[1])
     assert not torch.equal(state[2], before[2])
+
+
+def test_stochastic_round_fp16_is_unbiased_and_picks_a_neighbour():
+    from replay_compile.kernels.mamba2_reference import stochastic_round_fp16
+
+    lo = torch.tensor([1.0, -3.0, 2.0**-20, 60000.0], dtype=torch.float16)       # normal, negative, subnormal, big
+    hi = (lo.view(torch.int16) + 1).view(torch.float16)
+    for frac in (0.1, 0.5, 0.9):
+        v = lo.float() + frac * (hi.float() - lo.float())                          # [4], between neighbours
+        vv = v[None, None, :, None].expand(1, 1, 4, 4096).contiguous()             # 4096 draws per value
+        las = torch.linspace(-1, -0.01, 64)
+        outs = torch.stack([stochastic_round_fp16(vv, la.view(1, 1), torch.tensor([0]), 1) for la in las])
+        assert bool(((outs == lo[:, None]) | (outs == hi[:, None])).all()), "rounded to a non-neighbour"
+        p_hi = (outs == hi[:, None]).double().mean(dim=(0, 1, 2, 4))               # per value
+        assert torch.allclose(p_hi, torch.full_like(p_hi, frac), atol=0.01), (frac, p_hi)
+    exact = torch.tensor([1.0, 0.0, -2.5, float("inf"), -float("inf")])[None, None, :, None]
+    out = stochastic_round_fp16(exact, torch.tensor([[-0.5]]), torch.tensor([3]), 1)
+    assert torch.equal(out.float(), exact), "representable values must not move"
+    assert torch.isnan(stochastic_round_fp16(torch.full((1, 1, 1, 1), float("nan")), torch.tensor([[-0.5]]),
+                                             torch.tensor([0]), 1)).all()
+    big = stochastic_round_fp16(torch.full((1, 1, 1, 8), 1e6), torch.tensor([[-0.5]]), torch.tensor([0]), 1)
+    assert bool(torch.isinf(big).all()) or bool((big == 65504).all())
+
+
+def test_fp16_flush_rounds_stochastically_and_tracks_the_exact_state():
+    """Many flushes of a slowly decaying state: stochastic rounding keeps the fp16 checkpoint unbiased where
+    round-to-nearest of tiny increments would stall (each increment is below half an fp16 ulp)."""
+    H, P, N, L = 1, 16, 16, 2
+    state16 = torch.ones(1, H, P, N, dtype=torch.float16)
+    exact = torch.ones(1, H, P, N, dtype=torch.float64)
+    spec = Mamba2RingSpec(H, P, N, 1, L, torch.float32, torch.float32)
+    rings = spec.allocate(1, "cpu")
+    x = torch.full((1, H, P), 2.0**-7)
+    B = torch.full((1, 1, N), 2.0**-7)
+    C = torch.ones(1, 1, N)
+    for t in range(400):
+        la = torch.full((1, H), -1e-9 * (t + 1))           # a different key each flush
+        dt = torch.ones(1, H)
+        step_op(state16, *rings, x, dt, la, B, C)
+        exact = exact * torch.exp(la.double())[..., None, None] + 2.0**-14
+    # 400 increments of 2^-14 (a quarter ulp of fp16 at 1.0) add ~0.024: round-to-nearest would stay at 1.0
+    got, want = state16.double().mean(), exact.mean()
+    assert abs(float(got - want)) < 2e-3, (float(got), float(want))

@@ -92,3 +92,33 @@ def test_padded_rows_are_untouched_and_zero():
                            torch.tensor([-1, -1], dtype=torch.int32, device=DEV))
     assert torch.count_nonzero(y) == 0
     assert all(torch.equal(a, b) for a, b in zip(before, (state, *rg)))
+
+
+def test_fp16_flush_stochastic_rounding_is_bit_identical_to_the_reference():
+    """Inputs on a dyadic grid make every fold exact in fp32 whatever the summation order, so the kernel and the
+    reference round the same fp32 values with the same hash: the fp16 checkpoints must agree bit for bit, and
+    they must differ from plain round-to-nearest (the stochastic path is really taken)."""
+    H, P, N, G, L, b = 4, 20, 24, 2, 4, 3
+    gen = torch.Generator().manual_seed(0)
+
+    def grid(*shape, scale):                    # integers in [-8, 8] times 2^-scale: exact products and sums
+        return torch.randint(-8, 9, shape, generator=gen).float() * 2.0**-scale
+
+    state = (1 + grid(b, H, P, N, scale=4)).to(torch.float16)
+    sa, sb, sc = state.clone().to(DEV), state.clone(), state.float()          # sc: fp32 checkpoint, exact here
+    geom = Mamba2Geometry(b, H, P, N, G, G)
+    ra, rb, rc = (rings(geom, L, torch.float32, s) for s in (sa, sb, sc))
+    for t in range(2 * L):
+        x, B, C = grid(b, H, P, scale=6), grid(b, G, N, scale=6), grid(b, G, N, scale=3)
+        dt, la = torch.full((b, H), 0.25), torch.zeros(b, H)
+        ya = replay_step_triton(sa, *ra, x.to(DEV), dt.to(DEV), la.to(DEV), B.to(DEV), C.to(DEV), None)
+        yb = replay_step_reference(sb, *rb, x, dt, la, B, C, None)
+        replay_step_reference(sc, *rc, x, dt, la, B, C, None)
+        assert rel(ya, yb) < 1e-6, f"step {t}"
+        assert torch.equal(sa.cpu().view(torch.int16), sb.view(torch.int16)), f"step {t}: fp16 checkpoint bits"
+        assert torch.equal(ra[-1].cpu(), rb[-1]), f"step {t}: cursor"
+        if t == L - 1:                          # first flush: stochastic vs nearest rounding of the same values
+            ulp = (sb.float() - sc).abs() / sc.abs().clamp_min(2.0**-14)
+            assert float(ulp.max()) <= 2.0**-10, "more than one fp16 ulp from the exact fold"
+            assert not torch.equal(sb, sc.to(torch.float16)), "stochastic rounding was not applied"
+            assert not torch.equal(sb, state), "the fold must have changed the state"

@@ -32,7 +32,8 @@ Ring layout (``S`` slots in the pool, ``L`` the buffer length)::
     cursor  [S]           int32, records held (0 <= w < L)
 
 A step with ``w == L-1`` is a flush: it folds the ``L-1`` records and the current token into the checkpoint,
-writes it once and sets ``w = 0``. Any other step writes only its record. Rows whose ``slot_idx`` is negative are
+writes it once and sets ``w = 0``. Flushes round an fp16 checkpoint stochastically (:func:`stochastic_round_fp16`)
+so that rounding errors do not accumulate with a bias over many flushes; bf16 and fp32 round to nearest. Any other step writes only its record. Rows whose ``slot_idx`` is negative are
 padding: nothing of theirs is read or written and their output is zero.
 """
 
@@ -47,6 +48,7 @@ __all__ = [
     "replay_step_reference",
     "replay_flush_reference",
     "replay_materialize_reference",
+    "stochastic_round_fp16",
 ]
 
 
@@ -102,6 +104,57 @@ def mamba2_plain_step(state, x, dt, la, B, C):
         (dt.to(cdt)[..., None] * x.to(cdt))[..., None] * Bh[:, :, None, :]
     state.copy_(new.to(state.dtype))
     return torch.einsum("bhpn,bhn->bhp", new, Ch)
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 integer hash on int64 tensors holding uint32 values (the Triton kernel computes the same)."""
+    def mul32(v, c):                         # v * c mod 2**32 without overflowing int64
+        return (v * (c & 0xFFFF) + (((v * (c >> 16)) & 0xFFFF) << 16)) & 0xFFFFFFFF
+    x = x ^ (x >> 16)
+    x = mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _fp32_bits(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float32).contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+
+
+def stochastic_round_fp16(v: torch.Tensor, la: torch.Tensor, slots: torch.Tensor, H: int) -> torch.Tensor:
+    """Round a folded checkpoint to fp16 stochastically (unbiased), exactly as the Triton kernel does.
+
+    Each value goes to one of its two fp16 neighbours with probability proportional to proximity; the uniform
+    number is a hash of (slot, head, element offset within the head, bits of the fp32 log-decay ``la``), so the
+    result is deterministic for given inputs, differs from flush to flush, and leaves the global RNG alone.
+
+    Args:
+        v: [r, H, P, N] folded state (any float dtype; rounded from its fp32 value).
+        la: [r, H] log-decay whose bits key the hash (the flushing token's); slots: [r] slot of each row.
+    Returns:
+        [r, H, P, N] float16.
+    """
+    v = v.to(torch.float32)
+    r, _, P, N = v.shape
+    rn = v.to(torch.float16)
+    bits = rn.view(torch.int16)
+    lo_bits = torch.where(rn.to(torch.float32).abs() > v.abs(), bits - 1, bits)
+    lo, hi = lo_bits.view(torch.float16), (lo_bits + 1).view(torch.float16)
+    lo_f = lo.to(torch.float32)
+    frac = (v.abs() - lo_f.abs()) / (hi.to(torch.float32).abs() - lo_f.abs())
+    head = slots.to(torch.int64)[:, None] * H + torch.arange(H, device=v.device)[None, :]        # [r, H]
+    key = _hash32(_fp32_bits(la) ^ _hash32(head & 0xFFFFFFFF))
+    offs = torch.arange(P * N, device=v.device, dtype=torch.int64).view(P, N)
+    u = (_hash32(key[:, :, None, None] ^ offs) >> 8).to(torch.float32) * (1.0 / 16777216.0)
+    return torch.where(u < frac, hi, lo)
+
+
+def _store_checkpoint(state, slots, S_new, la_key):
+    """Write folded states into the checkpoint: stochastic rounding for fp16, round-to-nearest otherwise."""
+    if state.dtype == torch.float16:
+        state[slots] = stochastic_round_fp16(S_new, la_key, slots, state.shape[1])
+    else:
+        state[slots] = S_new.to(state.dtype)
 
 
 def _window_coefficients(la_win, dt_win, valid):
@@ -177,7 +230,7 @@ def replay_step_reference(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt
         f = flush.nonzero().flatten()
         S_new = torch.exp(total[f])[..., None, None] * S0[f] + torch.einsum("rhl,rhlp,rhln->rhpn", coef[f], X[f], Bh[f])
         out[f] = torch.einsum("rhpn,rhn->rhp", S_new, Ch[f])            # read out the folded state itself
-        state[slots[f]] = S_new.to(state.dtype)
+        _store_checkpoint(state, slots[f], S_new, la[rows[f]])
     nf = (~flush).nonzero().flatten()
     if nf.numel():
         s, wn, rn = slots[nf], w[nf], rows[nf]
@@ -190,6 +243,30 @@ def replay_step_reference(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt
     return y
 
 
+def _fold(state, x_ring, dt_ring, la_ring, B_ring, cursor, count, slot_idx):
+    """(rows, slots, S) with S [r, H, P, N] the state after ``count`` records of each non-padded row, in the
+    compute dtype (the checkpoint itself, converted exactly, where ``count == 0``)."""
+    b = state.shape[0] if slot_idx is None else slot_idx.shape[0]
+    L, H = x_ring.shape[2], state.shape[1]
+    rows, slots = _rows(slot_idx, b, state.device)
+    cdt = _compute_dtype(state, dt_ring)
+    if rows.numel() == 0:
+        return rows, slots, state.new_zeros((0,) + tuple(state.shape[1:]), dtype=cdt)
+    w = cursor[slots].long()
+    n = w if count is None else count[rows].long()
+    if bool((n < 0).any() or (n > w).any()):
+        raise ValueError(f"replay_compile: materialize count must lie in [0, cursor]; got count={n.tolist()}, "
+                         f"cursor={w.tolist()}")
+    X, DT, LA, BW = _gather_window((x_ring, dt_ring, la_ring, B_ring), slots, cdt)
+    valid = torch.arange(L, device=state.device)[None, :] < n[:, None]
+    total, coef = _window_coefficients(LA, DT, valid)
+    X = torch.where(valid[:, None, :, None], X, torch.zeros((), dtype=cdt))
+    Bh = _per_head(torch.where(valid[:, None, :, None], BW, torch.zeros((), dtype=cdt)), H)
+    S0 = state[slots].to(cdt)
+    S = torch.exp(total)[..., None, None] * S0 + torch.einsum("rhl,rhlp,rhln->rhpn", coef, X, Bh)
+    return rows, slots, torch.where((n == 0)[:, None, None, None], S0, S)     # no records: bit-exact copy
+
+
 def replay_materialize_reference(state, x_ring, dt_ring, la_ring, B_ring, cursor, count=None, slot_idx=None):
     """The true state after the first ``count`` records of each slot; reads only, returns a new tensor.
 
@@ -199,29 +276,11 @@ def replay_materialize_reference(state, x_ring, dt_ring, la_ring, B_ring, cursor
             records. ``count == 0`` is an exact copy of the checkpoint.
         slot_idx: [b] slots to materialise (negative: padding, zero output); ``None`` means all slots in order.
     Returns:
-        [b, H, P, N] in ``state.dtype``.
+        [b, H, P, N] in ``state.dtype`` (rounded to nearest: a read, not a flush).
     """
     b = state.shape[0] if slot_idx is None else slot_idx.shape[0]
-    L = x_ring.shape[2]
-    H = state.shape[1]
     out = torch.zeros((b,) + tuple(state.shape[1:]), dtype=state.dtype, device=state.device)
-    rows, slots = _rows(slot_idx, b, state.device)
-    if rows.numel() == 0:
-        return out
-    w = cursor[slots].long()
-    n = w if count is None else count[rows].long()
-    if bool((n < 0).any() or (n > w).any()):
-        raise ValueError(f"replay_compile: materialize count must lie in [0, cursor]; got count={n.tolist()}, "
-                         f"cursor={w.tolist()}")
-    cdt = _compute_dtype(state, dt_ring)
-    X, DT, LA, BW = _gather_window((x_ring, dt_ring, la_ring, B_ring), slots, cdt)
-    valid = torch.arange(L, device=state.device)[None, :] < n[:, None]
-    total, coef = _window_coefficients(LA, DT, valid)
-    X = torch.where(valid[:, None, :, None], X, torch.zeros((), dtype=cdt))
-    Bh = _per_head(torch.where(valid[:, None, :, None], BW, torch.zeros((), dtype=cdt)), H)
-    S = torch.exp(total)[..., None, None] * state[slots].to(cdt) + torch.einsum("rhl,rhlp,rhln->rhpn", coef, X, Bh)
-    exact = n == 0                                                      # no records: bit-exact copy
-    S = torch.where(exact[:, None, None, None], state[slots].to(cdt), S)
+    rows, _, S = _fold(state, x_ring, dt_ring, la_ring, B_ring, cursor, count, slot_idx)
     out[rows] = S.to(state.dtype)
     return out
 
@@ -242,5 +301,7 @@ def replay_flush_reference(state, x_ring, dt_ring, la_ring, B_ring, cursor, slot
     slots = slots[has]
     if slots.numel() == 0:
         return
-    state[slots] = replay_materialize_reference(state, x_ring, dt_ring, la_ring, B_ring, cursor, slot_idx=slots)
+    _, _, S = _fold(state, x_ring, dt_ring, la_ring, B_ring, cursor, None, slots)
+    last = (cursor[slots].long() - 1)[:, None, None].expand(-1, state.shape[1], 1)
+    _store_checkpoint(state, slots, S, la_ring[slots].gather(2, last)[..., 0])    # key: the last record's la
     cursor[slots] = 0

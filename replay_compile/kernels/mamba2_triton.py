@@ -1,18 +1,36 @@
-"""Triton kernels of the Mamba-2 ReplaySSM step (the CUDA implementation of ``replay_compile::mamba2_step``).
+"""Triton kernel of the Mamba-2 ReplaySSM step (the CUDA implementation of ``replay_compile::mamba2_step``).
 
 Same signature and in-place contract as :func:`~replay_compile.kernels.mamba2_reference.replay_step_reference`.
 
-One launch per step serves every row: each program reads its row's cursor ``w`` and takes the flush branch
-(``w == L-1``: fold, write the checkpoint tile once) or the output-only branch (read the checkpoint, append the
-record) on the device, so one captured CUDA graph replays every step. A second, tiny launch advances the cursors
-afterwards: no program may change a cursor that programs of other heads are still reading.
+One launch per step serves every row and every step: each program reads its row's cursor ``w`` and, on the device,
+either folds and writes its checkpoint tile (``w == L-1``, the flush) or appends its record (any other ``w``), so
+one captured CUDA graph replays every step.
 
-Grid ``(cdiv(P, BLOCK_P), batch, H)``. A program holds a ``BLOCK_P x BLOCK_N`` tile of the checkpoint at a time
-(streamed over N), the window of up to ``L`` records on a power-of-two axis ``BLOCK_L`` (masked by the logical
-index ``j <= w``), and computes in fp32 whatever the storage dtypes. Exponents are suffix sums of log-decays,
-clamped at 0 from above, so nothing can overflow. No autotuning: the kernel writes its inputs in place.
-Loop trip counts are constexpr: the triton 3.6 interpreter (the CI's CPU test path) fails on runtime loop bounds
-with numpy >= 2.4.
+Grid ``(cdiv(P, BLOCK_P), batch, H)``. A program holds one ``BLOCK_P x N`` tile of the checkpoint (N padded to a
+power of two) and the window of up to ``L`` records on a power-of-two axis ``BLOCK_L`` (masked by the logical
+index ``j <= w``); everything is computed in fp32 whatever the storage dtypes. Exponents are suffix sums of
+log-decays, clamped at 0 from above, so nothing can overflow.
+
+Latency is what matters at small batch, so nothing waits for the cursor that does not have to: the checkpoint
+tile, the whole ring window (positions ``< L``, unmasked by ``w``; stale slots are discarded in registers), x, B, C
+are all loaded while the cursor is still in flight, and the output ``y`` uses the same formula on both branches::
+
+    y = exp(Σ la) (S_0 C) + Σ_j coef_j (B_j·C) x_j
+
+The flush branch then writes ``exp(Σ la) S_0 + (coef X)ᵀ B`` (one ``tl.dot``, IEEE fp32) from the tile it holds.
+
+Cursor advance without a second launch: the cursor word carries an arrival count in its high 16 bits while the
+kernel runs. Every program of a row reads ``w`` with one relaxed ``atomic_add(1 << 16)``; the program that
+arrives last (all others have read ``w``) stores the advanced cursor with the count cleared. Between launches the
+word is always the plain cursor, so every other op and the Python side see ``0 <= w < L``.
+
+fp16 checkpoints are rounded stochastically at the flush (unbiased: each value goes to one of its two fp16
+neighbours with probability proportional to proximity), from a counter-based hash of (slot, head, element, the
+token's log-decay bits): deterministic for given inputs, fresh at every flush, and computed bit-identically by
+the CPU reference (:func:`~replay_compile.kernels.mamba2_reference.stochastic_round_fp16`).
+
+No autotuning: the kernel writes its inputs in place. Loops have constexpr trip counts: the triton 3.6
+interpreter (the CI's CPU test path) fails on runtime loop bounds with numpy >= 2.4.
 """
 
 from __future__ import annotations
@@ -21,12 +39,43 @@ import torch
 import triton
 import triton.language as tl
 
+_ARRIVAL = 1 << 16          # one arrival in the cursor word's high half; w lives in the low 16 bits
+
+
+@triton.jit
+def _hash32(x):
+    """lowbias32 integer hash (uint32 -> uint32); the CPU reference computes the same function."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    x = x ^ (x >> 16)
+    return x
+
+
+@triton.jit
+def _stochastic_round_fp16(v, key, offs):
+    """fp32 -> fp16, rounding to one of the two neighbours with probability proportional to proximity.
+
+    ``key``: uint32 scalar (per program); ``offs``: uint32 element offsets, same shape as ``v``.
+    """
+    rn = v.to(tl.float16)                                      # round to nearest, then step toward zero if
+    bits = rn.to(tl.int16, bitcast=True)                       # it went away from zero: lo = truncation of v
+    lo_bits = tl.where(tl.abs(rn.to(tl.float32)) > tl.abs(v), bits - 1, bits)
+    hi_bits = lo_bits + 1                                      # next magnitude, same sign (max finite -> inf)
+    lo = lo_bits.to(tl.float16, bitcast=True)
+    hi = hi_bits.to(tl.float16, bitcast=True)
+    lo_f = lo.to(tl.float32)
+    frac = (tl.abs(v) - tl.abs(lo_f)) / (tl.abs(hi.to(tl.float32)) - tl.abs(lo_f))   # in [0, 1); NaN for NaN/inf
+    u = (_hash32(key ^ offs) >> 8).to(tl.float32) * (1.0 / 16777216.0)              # 24-bit uniform in [0, 1)
+    return tl.where(u < frac, hi, lo)
+
 
 @triton.jit
 def _mamba2_replay_step_kernel(
     state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, cursor_ptr,
     x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr, y_ptr,
-    P, N, L, heads_per_g, heads_per_gc,
+    H, P, N, L, heads_per_g, heads_per_gc, arrivals,
     s_sb, s_sh, s_sp, s_sn,                 # state [S, H, P, N]
     s_xrb, s_xrh, s_xrl, s_xrp,             # x_ring [S, H, L, P]
     s_drb, s_drh, s_drl,                    # dt_ring [S, H, L]
@@ -38,7 +87,7 @@ def _mamba2_replay_step_kernel(
     s_cb, s_cg, s_cn,                       # C [b, Gc, N]
     s_yb, s_yh, s_yp,                       # y [b, H, P]
     HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    N_TILES: tl.constexpr,
+    STOCHASTIC_FP16: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
@@ -53,111 +102,90 @@ def _mamba2_replay_step_kernel(
     if slot < 0:                                   # padding row: zero output, touch nothing else
         tl.store(y_ptrs, tl.zeros([BLOCK_P], dtype=tl.float32), mask=mask_p)
         return
+
+    # read w and count this program's arrival in one atomic; the last to arrive advances the cursor
+    word = tl.atomic_add(cursor_ptr + slot, _ARRIVAL, sem="relaxed")
+    w = word & (_ARRIVAL - 1)
+    if (word >> 16) == arrivals - 1:
+        tl.atomic_xchg(cursor_ptr + slot, tl.where(w == L - 1, 0, w + 1), sem="relaxed")
+
     g = h // heads_per_g
     gc = h // heads_per_gc
-    w = tl.load(cursor_ptr + slot)
     offs_l = tl.arange(0, BLOCK_L)
+    offs_n = tl.arange(0, BLOCK_N)
+    in_ring = offs_l < L
+    mask_n = offs_n < N
+    tile_mask = mask_p[:, None] & mask_n[None, :]
+
+    # loads that do not depend on w: checkpoint tile, whole ring window, this token
+    st_ptrs = state_ptr + slot * s_sb + h * s_sh + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
+    s0 = tl.load(st_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
+    c = tl.load(C_ptr + row * s_cb + gc * s_cg + offs_n * s_cn, mask=mask_n, other=0.0).to(tl.float32)
+    b_cur = tl.load(B_ptr + row * s_bb + g * s_bg + offs_n * s_bn, mask=mask_n, other=0.0)
+    x_cur = tl.load(x_ptr + row * s_xb + h * s_xh + offs_p * s_xp, mask=mask_p, other=0.0)
+    la_cur = tl.load(la_ptr + row * s_lb + h * s_lh)
+    dt_cur = tl.load(dt_ptr + row * s_db + h * s_dh)
+    br_base = Br_ptr + slot * s_brb + g * s_brg
+    bw = tl.load(br_base + offs_l[:, None] * s_brl + offs_n[None, :] * s_brn,
+                 mask=in_ring[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+    xw = tl.load(xr_ptr + slot * s_xrb + h * s_xrh + offs_l[:, None] * s_xrl + offs_p[None, :] * s_xrp,
+                 mask=in_ring[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
+    la_w = tl.load(lar_ptr + slot * s_lrb + h * s_lrh + offs_l * s_lrl, mask=in_ring, other=0.0).to(tl.float32)
+    dt_w = tl.load(dtr_ptr + slot * s_drb + h * s_drh + offs_l * s_drl, mask=in_ring, other=0.0).to(tl.float32)
+
+    # the window: held records j < w, this token at j == w, nothing after (stale ring slots never leak: where)
     hist = offs_l < w
     cur = offs_l == w
-    valid = offs_l <= w
-
-    # window scalars: held records j < w from the ring, this token at j == w
-    la_cur = tl.load(la_ptr + row * s_lb + h * s_lh).to(tl.float32)
-    dt_cur = tl.load(dt_ptr + row * s_db + h * s_dh).to(tl.float32)
-    la_w = tl.load(lar_ptr + slot * s_lrb + h * s_lrh + offs_l * s_lrl, mask=hist, other=0.0).to(tl.float32)
-    dt_w = tl.load(dtr_ptr + slot * s_drb + h * s_drh + offs_l * s_drl, mask=hist, other=0.0).to(tl.float32)
-    la_w = tl.where(cur, la_cur, tl.where(hist, la_w, 0.0))
-    dt_w = tl.where(cur, dt_cur, tl.where(hist, dt_w, 0.0))
+    la_w = tl.where(cur, la_cur.to(tl.float32), tl.where(hist, la_w, 0.0))
+    dt_w = tl.where(cur, dt_cur.to(tl.float32), tl.where(hist, dt_w, 0.0))
+    bw = tl.where(cur[:, None], b_cur.to(tl.float32)[None, :], tl.where(hist[:, None], bw, 0.0))
+    xw = tl.where(cur[:, None], x_cur.to(tl.float32)[None, :], tl.where(hist[:, None], xw, 0.0))
     total = tl.sum(la_w, axis=0)
-    suffix = tl.cumsum(la_w, axis=0, reverse=True)           # Σ_{i>=j}
-    after = tl.minimum(suffix - la_w, 0.0)                   # Σ_{j<i<=w}: small terms only, never a big difference
-    coef = tl.where(valid, dt_w * tl.exp(after), 0.0)        # [BLOCK_L]
+    after = tl.minimum(tl.cumsum(la_w, axis=0, reverse=True) - la_w, 0.0)   # Σ_{j<i<=w}: small terms only
+    coef = tl.where(offs_l <= w, dt_w * tl.exp(after), 0.0)                # [BLOCK_L]
     decay = tl.exp(tl.minimum(total, 0.0))
 
-    # x window [BLOCK_L, BLOCK_P]
-    x_cur = tl.load(x_ptr + row * s_xb + h * s_xh + offs_p * s_xp, mask=mask_p, other=0.0)
-    xw = tl.load(xr_ptr + slot * s_xrb + h * s_xrh + offs_l[:, None] * s_xrl + offs_p[None, :] * s_xrp,
-                 mask=hist[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
-    xw = tl.where(cur[:, None], x_cur.to(tl.float32)[None, :], xw)
+    sc = tl.sum(s0 * c[None, :], axis=1)                                    # S_0 C      [BLOCK_P]
+    bc = tl.sum(bw * c[None, :], axis=1)                                    # B_j·C      [BLOCK_L]
+    y = decay * sc + tl.sum((coef * bc)[:, None] * xw, axis=0)
+    tl.store(y_ptrs, y, mask=mask_p)
 
-    is_flush = w == L - 1
-    st_base = state_ptr + slot * s_sb + h * s_sh
-    br_base = Br_ptr + slot * s_brb + g * s_brg
-    b_base = B_ptr + row * s_bb + g * s_bg
-    c_base = C_ptr + row * s_cb + gc * s_cg
-    if is_flush:
-        # S_new = exp(total) S0 + (coef * X)^T B ; written once; y = S_new C
-        xc = tl.trans(xw * coef[:, None])                    # [BLOCK_P, BLOCK_L]
-        acc_y = tl.zeros([BLOCK_P], dtype=tl.float32)
-        for nt in range(N_TILES):                          # constexpr trip count (see module notes)
-            offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < N
-            bw = tl.load(br_base + offs_l[:, None] * s_brl + offs_n[None, :] * s_brn,
-                         mask=hist[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-            b_cur = tl.load(b_base + offs_n * s_bn, mask=mask_n, other=0.0).to(tl.float32)
-            bw = tl.where(cur[:, None], b_cur[None, :], bw)
-            s_ptrs = st_base + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
-            tile_mask = mask_p[:, None] & mask_n[None, :]
-            s0 = tl.load(s_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
-            s_new = decay * s0 + tl.dot(xc, bw, input_precision="ieee")
-            tl.store(s_ptrs, s_new.to(state_ptr.dtype.element_ty), mask=tile_mask)
-            c = tl.load(c_base + offs_n * s_cn, mask=mask_n, other=0.0).to(tl.float32)
-            acc_y += tl.sum(s_new * c[None, :], axis=1)
-        tl.store(y_ptrs, acc_y, mask=mask_p)
+    if w == L - 1:
+        # flush: S_new = exp(Σ la) S_0 + (coef X)ᵀ B, written once; nothing appended (w -> 0)
+        s_new = decay * s0 + tl.dot(tl.trans(xw * coef[:, None]), bw, input_precision="ieee")
+        if STOCHASTIC_FP16:
+            key = _hash32(la_cur.to(tl.float32).to(tl.uint32, bitcast=True) ^ _hash32((slot * H + h).to(tl.uint32)))
+            offs_e = (offs_p[:, None] * N + offs_n[None, :]).to(tl.uint32)
+            tl.store(st_ptrs, _stochastic_round_fp16(s_new, key, offs_e), mask=tile_mask)
+        else:
+            tl.store(st_ptrs, s_new.to(state_ptr.dtype.element_ty), mask=tile_mask)
     else:
-        # y = exp(total) (S0 C) + Σ_j coef_j (B_j·C) x_j ; the checkpoint is only read
-        acc_sc = tl.zeros([BLOCK_P], dtype=tl.float32)
-        bc = tl.zeros([BLOCK_L], dtype=tl.float32)
-        for nt in range(N_TILES):                          # constexpr trip count (see module notes)
-            offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < N
-            c = tl.load(c_base + offs_n * s_cn, mask=mask_n, other=0.0).to(tl.float32)
-            s0 = tl.load(st_base + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn,
-                         mask=mask_p[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-            acc_sc += tl.sum(s0 * c[None, :], axis=1)
-            bw = tl.load(br_base + offs_l[:, None] * s_brl + offs_n[None, :] * s_brn,
-                         mask=hist[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-            b_cur = tl.load(b_base + offs_n * s_bn, mask=mask_n, other=0.0).to(tl.float32)
-            bw = tl.where(cur[:, None], b_cur[None, :], bw)
-            bc += tl.sum(bw * c[None, :], axis=1)
-            if (pid_p == 0) & (h % heads_per_g == 0):        # one program per group appends B_t
-                tl.store(br_base + w * s_brl + offs_n * s_brn, b_cur.to(Br_ptr.dtype.element_ty), mask=mask_n)
-        y = decay * acc_sc + tl.sum((coef * bc)[:, None] * xw, axis=0)
-        tl.store(y_ptrs, y, mask=mask_p)
         tl.store(xr_ptr + slot * s_xrb + h * s_xrh + w * s_xrl + offs_p * s_xrp,
                  x_cur.to(xr_ptr.dtype.element_ty), mask=mask_p)
         if pid_p == 0:
             tl.store(dtr_ptr + slot * s_drb + h * s_drh + w * s_drl, dt_cur)
             tl.store(lar_ptr + slot * s_lrb + h * s_lrh + w * s_lrl, la_cur)
+            if h % heads_per_g == 0:                  # one program per group appends B_t
+                tl.store(br_base + w * s_brl + offs_n * s_brn, b_cur.to(Br_ptr.dtype.element_ty), mask=mask_n)
 
 
-@triton.jit
-def _advance_cursor_kernel(cursor_ptr, slot_ptr, n_rows, L, HAS_SLOT: tl.constexpr, BLOCK: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = rows < n_rows
-    if HAS_SLOT:
-        slots = tl.load(slot_ptr + rows, mask=m, other=-1).to(tl.int64)
-    else:
-        slots = rows.to(tl.int64)
-    m = m & (slots >= 0)
-    w = tl.load(cursor_ptr + slots, mask=m, other=0)
-    tl.store(cursor_ptr + slots, tl.where(w == L - 1, 0, w + 1), mask=m)
-
-
-# Launch configuration override for benchmarks: {"BLOCK_P": .., "BLOCK_N": .., "num_warps": ..}. Empty in use.
+# Launch configuration override for benchmarks: {"BLOCK_P": .., "num_warps": ..}. Empty in use.
 TUNING: dict = {}
 
 
-def _block_sizes(P: int, N: int, L: int) -> tuple[int, int, int, int]:
-    # tl.dot needs every dim >= 16; the window sits on a power-of-two axis
-    # From the H200 sweep (benchmarks/results/mamba2_kernel_configs.csv, bs256 fp32): 64 x 64 tiles, 2 warps where
-    # 64 divides P (Nemotron-Super: 359 us non-flush vs 435 us at 4 warps); 32 x 32, 2 warps otherwise (Nano, P=80:
-    # 391 us vs 522 us with a 75%-masked second 64-row block).
+def launch_config(P: int, N: int, L: int) -> tuple[int, int, int, int]:
+    """(BLOCK_P, BLOCK_N, BLOCK_L, num_warps) for a geometry.
+
+    N is held whole (padded to a power of two); BLOCK_P is the largest of 16/32 dividing P (else 16): ``tl.dot``
+    needs every dim >= 16. Warps are chosen so the fp32 checkpoint tile and the window each take <= 64 registers
+    per thread (see benchmarks/NOTES.md for the sweep behind these numbers).
+    """
+    block_n = max(16, triton.next_power_of_2(N))
     block_l = max(16, triton.next_power_of_2(L))
-    bp = 64 if P % 64 == 0 else 32
-    block_p = TUNING.get("BLOCK_P") or max(16, min(bp, triton.next_power_of_2(P)))
-    block_n = TUNING.get("BLOCK_N") or max(16, min(bp, triton.next_power_of_2(N)))
-    return block_p, block_n, block_l, TUNING.get("num_warps", 2)
+    block_p = TUNING.get("BLOCK_P") or (32 if P % 32 == 0 else 16)
+    elems = max(block_p, block_l) * block_n
+    warps = TUNING.get("num_warps") or max(1, min(8, elems // (32 * 64)))
+    return block_p, block_n, block_l, warps
 
 
 def replay_step_triton(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_idx=None):
@@ -169,17 +197,20 @@ def replay_step_triton(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, l
     y = torch.empty((b, H, P), dtype=torch.float32, device=x.device)
     if b == 0:
         return y
-    block_p, block_n, block_l, warps = _block_sizes(P, N, L)
+    block_p, block_n, block_l, warps = launch_config(P, N, L)
+    n_pb = triton.cdiv(P, block_p)
+    if n_pb * H >= 1 << 15 or L >= _ARRIVAL:
+        raise ValueError(f"replay_compile.mamba2: {H} heads x {n_pb} P-blocks (or L={L}) exceed the cursor word's "
+                         "arrival counter; use fewer heads per layer")
     has_slot = slot_idx is not None
     slot_arg = slot_idx if has_slot else cursor          # any pointer; unused when HAS_SLOT is False
-    grid = (triton.cdiv(P, block_p), b, H)
-    _mamba2_replay_step_kernel[grid](
+    _mamba2_replay_step_kernel[(n_pb, b, H)](
         state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, y,
-        P, N, L, H // G, H // Gc,
+        H, P, N, L, H // G, H // Gc, n_pb * H,
         *state.stride(), *x_ring.stride(), *dt_ring.stride(), *la_ring.stride(), *B_ring.stride(),
         *x.stride(), *dt.stride(), *la.stride(), *B.stride(), *C.stride(), *y.stride(),
-        HAS_SLOT=has_slot, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_L=block_l, N_TILES=triton.cdiv(N, block_n),
+        HAS_SLOT=has_slot, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_L=block_l,
+        STOCHASTIC_FP16=state.dtype == torch.float16,
         num_warps=warps,
     )
-    _advance_cursor_kernel[(triton.cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
     return y
