@@ -152,7 +152,7 @@ def sweep_configs(ssu, bw, L, out):
     for gname, (H, P, N, G) in GEOMS.items():
         base = {bs: bench_point(ssu, H, P, N, G, bs, torch.float32, L)["baseline_us"] for bs in (1, 256)}
         for bp in (16, 32, 64):
-            for wp in (1, 2, 4, 8):
+            for wp in (1, 2, 4):
                 kt.TUNING.clear()
                 kt.TUNING.update(BLOCK_P=bp, num_warps=wp)
                 try:

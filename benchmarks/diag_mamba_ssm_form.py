@@ -37,14 +37,18 @@ def recording(gm, example_inputs, **kw):
 
 model = MAMBA2_FAMILY["nemotron_h"]().cuda()
 import transformers.models.nemotron_h.modeling_nemotron_h as mh  # noqa: E402
-print("HF implementation:", getattr(mh.mamba2_selective_state_update, "__wrapped__", None),
-      mh.mamba2_selective_state_update)
+cells = [c.cell_contents for c in (mh.mamba2_selective_state_update.__closure__ or ())
+         if callable(getattr(c, "cell_contents", None))]
+print("HF wrapper closure:", [(getattr(f, "__module__", "?"), getattr(f, "__name__", "?")) for f in cells])
 ids = make_inputs(model, batch=2, prompt_len=6).cuda()
 with torch.no_grad():
     ref = model.generate(ids, max_new_tokens=24, do_sample=False)
     model.forward = torch.compile(model.forward, backend=recording)
-    out = model.generate(ids, max_new_tokens=24, do_sample=False)
-print("tokens identical:", bool((out == ref).all()))
+    try:
+        out = model.generate(ids, max_new_tokens=24, do_sample=False)
+        print("tokens identical:", bool((out == ref).all()))
+    except Exception as e:  # noqa: BLE001 - still show the graphs
+        print("compiled generate failed:", type(e).__name__, str(e)[:800])
 for i, gm in enumerate(graphs):
     hops = [n for n in gm.graph.nodes if "triton_kernel_wrapper" in str(n.target)]
     print(f"--- graph {i}: {len(list(gm.graph.nodes))} nodes, {len(hops)} triton kernel HOPs")

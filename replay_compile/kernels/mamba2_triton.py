@@ -20,9 +20,11 @@ are all loaded while the cursor is still in flight, and the output ``y`` uses th
 The flush branch then writes ``exp(Σ la) S_0 + (coef X)ᵀ B`` (one ``tl.dot``, IEEE fp32) from the tile it holds.
 
 Cursor advance without a second launch: the cursor word carries an arrival count in its high 16 bits while the
-kernel runs. Every program of a row reads ``w`` with one relaxed ``atomic_add(1 << 16)``; the program that
-arrives last (all others have read ``w``) stores the advanced cursor with the count cleared. Between launches the
-word is always the plain cursor, so every other op and the Python side see ``0 <= w < L``.
+kernel runs. Every program reads ``w`` (the low half) with a plain load up front and, at its very end, counts its
+arrival with ``atomic_add(1 << 16, sem="release")``; the program that arrives last (so every other one has read
+``w``) stores the advanced cursor with the count cleared. Nothing waits on an atomic before the loads are issued
+(an atomic up front cost ~25% of bandwidth: v2a in benchmarks/NOTES.md). Between launches the word is always the
+plain cursor, so every other op and the Python side see ``0 <= w < L``.
 
 fp16 checkpoints are rounded stochastically at the flush (unbiased: each value goes to one of its two fp16
 neighbours with probability proportional to proximity), from a counter-based hash of (slot, head, element, the
@@ -40,6 +42,7 @@ import triton
 import triton.language as tl
 
 _ARRIVAL = 1 << 16          # one arrival in the cursor word's high half; w lives in the low 16 bits
+_ARRIVAL_C = tl.constexpr(_ARRIVAL)
 
 
 @triton.jit
@@ -103,11 +106,7 @@ def _mamba2_replay_step_kernel(
         tl.store(y_ptrs, tl.zeros([BLOCK_P], dtype=tl.float32), mask=mask_p)
         return
 
-    # read w and count this program's arrival in one atomic; the last to arrive advances the cursor
-    word = tl.atomic_add(cursor_ptr + slot, _ARRIVAL, sem="relaxed")
-    w = word & (_ARRIVAL - 1)
-    if (word >> 16) == arrivals - 1:
-        tl.atomic_xchg(cursor_ptr + slot, tl.where(w == L - 1, 0, w + 1), sem="relaxed")
+    w = tl.load(cursor_ptr + slot) & (_ARRIVAL_C - 1)   # low half: other programs may have arrived already
 
     g = h // heads_per_g
     gc = h // heads_per_gc
@@ -167,6 +166,12 @@ def _mamba2_replay_step_kernel(
             tl.store(lar_ptr + slot * s_lrb + h * s_lrh + w * s_lrl, la_cur)
             if h % heads_per_g == 0:                  # one program per group appends B_t
                 tl.store(br_base + w * s_brl + offs_n * s_brn, b_cur.to(Br_ptr.dtype.element_ty), mask=mask_n)
+
+    # arrive (release: this program's read of the cursor is ordered before it); the last program of the row to
+    # arrive knows every other one has read w, and advances the cursor with the count cleared
+    word = tl.atomic_add(cursor_ptr + slot, _ARRIVAL_C, sem="release")
+    if (word >> 16) == arrivals - 1:
+        tl.atomic_xchg(cursor_ptr + slot, tl.where(w == L - 1, 0, w + 1), sem="relaxed")
 
 
 # Launch configuration override for benchmarks: {"BLOCK_P": .., "num_warps": ..}. Empty in use.
