@@ -199,7 +199,7 @@ def main(argv=None):
           f"copy bandwidth {bw / 1e12:.2f} TB/s, baseline: {'mamba_ssm selective_state_update' if ssu else 'none'}")
     rows = []
     hdr = f"{'geom':6} {'dtype':8} {'bs':>4} {'base us':>9} {'nonfl us':>9} {'%bw':>5} {'flush us':>9} " \
-          f"{'L-avg us':>9} {'speedup':>7} {'floor x':>7}"
+          f"{'L-avg us':>9} {'speedup':>7} {'floor x':>7} {'chosen':>6} {'xwhole':>6} {'xtiled':>6}"
     if args.sweep_configs:
         return sweep_configs(ssu, bw, args.L, args.out)
     print(hdr)
@@ -208,17 +208,27 @@ def main(argv=None):
         for dname in args.dtypes.split(","):
             sdt = getattr(torch, dname)
             for bs in map(int, args.batches.split(",")):
-                r = bench_point(ssu, H, P, N, G, bs, sdt, args.L)
-                base = r.get("baseline_us", float("nan"))
+                from replay_compile.kernels import mamba2_triton as kt
+                chosen = kt.launch_config(bs, H, P, N, args.L)["variant"]
+                per = {}
+                for variant in ("whole", "tiled"):           # both variants, the baseline once
+                    kt.TUNING.update(variant=variant)
+                    per[variant] = bench_point(ssu if variant == "whole" else None, H, P, N, G, bs, sdt, args.L)
+                    kt.TUNING.clear()
+                r = dict(per[chosen])
+                base = per["whole"].get("baseline_us", float("nan"))
                 pct = r["bytes_nonflush"] / (r["nonflush_us"] * 1e-6) / bw * 100
                 floor_l = ((args.L - 1) * r["bytes_nonflush"] + r["bytes_flush"]) / args.L / bw * 1e6
-                row = dict(geom=gname, dtype=dname, bs=bs, L=args.L, copy_bw_TBs=bw / 1e12, **r,
-                           speedup=base / r["lavg_us"], lavg_floor_us=floor_l,
-                           baseline_floor_us=r["bytes_baseline"] / bw * 1e6)
+                r.pop("baseline_us", None)
+                row = dict(geom=gname, dtype=dname, bs=bs, L=args.L, copy_bw_TBs=bw / 1e12, variant=chosen,
+                           baseline_us=base, **r, speedup=base / r["lavg_us"], lavg_floor_us=floor_l,
+                           baseline_floor_us=r["bytes_baseline"] / bw * 1e6,
+                           whole_lavg_us=per["whole"]["lavg_us"], tiled_lavg_us=per["tiled"]["lavg_us"])
                 rows.append(row)
                 print(f"{gname:6} {dname:8} {bs:>4} {base:>9.1f} {r['nonflush_us']:>9.1f} {pct:>5.0f} "
                       f"{r['flush_us']:>9.1f} {r['lavg_us']:>9.1f} {row['speedup']:>7.2f} "
-                      f"{row['baseline_floor_us'] / floor_l:>7.2f}", flush=True)
+                      f"{row['baseline_floor_us'] / floor_l:>7.2f} {chosen:>6} {base / per['whole']['lavg_us']:>6.2f} "
+                      f"{base / per['tiled']['lavg_us']:>6.2f}", flush=True)
     with open(os.path.join(args.out, "mamba2_kernel.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()

@@ -61,4 +61,6 @@ with torch.no_grad():
         tok = o.logits[:, -1:].argmax(-1)
         torch.cuda.synchronize()
         mems.append(torch.cuda.memory_allocated())
+import transformers  # noqa: E402
+print("transformers", transformers.__version__)
 print("memory_allocated over steps 20..40 constant:", len(set(mems[20:])) == 1, mems[19:23])

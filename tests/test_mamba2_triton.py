@@ -4,12 +4,15 @@ On a machine without a GPU the kernels run under ``TRITON_INTERPRET=1`` (set by 
 GPU the same tests run the compiled kernels on CUDA tensors.
 """
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
 triton = pytest.importorskip("triton")
 
+from replay_compile.kernels import mamba2_triton as kt  # noqa: E402
 from replay_compile.kernels.mamba2_reference import replay_step_reference  # noqa: E402
 from replay_compile.kernels.mamba2_triton import replay_step_triton  # noqa: E402
 from replay_compile.state import Mamba2RingSpec  # noqa: E402
@@ -17,6 +20,17 @@ from replay_compile.testing.strategies import (  # noqa: E402
     ExactMamba2Oracle, Mamba2Geometry, mamba2_geometries, mamba2_problem, step_schedules)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+VARIANTS = ("whole", "tiled")
+
+
+@contextlib.contextmanager
+def variant(name):
+    """Force one kernel variant (``launch_config`` otherwise picks by batch size)."""
+    kt.TUNING["variant"] = name
+    try:
+        yield
+    finally:
+        kt.TUNING.clear()
 
 
 def rings(geom, L, act, state):
@@ -34,6 +48,11 @@ def rel(a, b):
 @settings(max_examples=10)
 @given(geom=mamba2_geometries(max_batch=3, max_heads=4, max_p=20, max_n=20), L=st.integers(1, 6), data=st.data())
 def test_kernel_tracks_the_exact_recurrence(geom, L, data):
+    with variant(data.draw(st.sampled_from(VARIANTS), label="variant")):
+        _track_exact(geom, L, data)
+
+
+def _track_exact(geom, L, data):
     steps = 2 * L + 2
     sched = data.draw(step_schedules(geom.batch, steps), label="schedule")
     state0, seq = mamba2_problem(geom, steps, dtype=torch.float32, seed=data.draw(st.integers(0, 999)))
@@ -56,8 +75,14 @@ def test_kernel_tracks_the_exact_recurrence(geom, L, data):
                                      (Mamba2Geometry(1, 2, 3, 40, 1, 2), 1), (Mamba2Geometry(2, 2, 8, 8, 2, 2), 20)])
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_kernel_matches_reference_bitwise_contract(geom, L, act, state_dtype):
+@pytest.mark.parametrize("kind", VARIANTS)
+def test_kernel_matches_reference_bitwise_contract(geom, L, act, state_dtype, kind):
     """Same outputs, same checkpoint, same rings and cursors as the reference, step for step."""
+    with variant(kind):
+        _match_reference(geom, L, act, state_dtype)
+
+
+def _match_reference(geom, L, act, state_dtype):
     st0, seq = mamba2_problem(geom, 2 * L + 3, dtype=torch.float32, seed=3)
     sa = st0.to(DEV, state_dtype)
     sb = sa.clone()
@@ -79,7 +104,13 @@ def test_kernel_matches_reference_bitwise_contract(geom, L, act, state_dtype):
             assert rel(ra[k].float(), rb[k].float()) < tol, f"step {t}: ring {k}"
 
 
-def test_padded_rows_are_untouched_and_zero():
+@pytest.mark.parametrize("kind", VARIANTS)
+def test_padded_rows_are_untouched_and_zero(kind):
+    with variant(kind):
+        _padded_rows()
+
+
+def _padded_rows():
     geom = Mamba2Geometry(2, 2, 4, 4, 1, 1)
     st0, seq = mamba2_problem(geom, 1, dtype=torch.float32)
     state = st0.to(DEV)
@@ -94,7 +125,13 @@ def test_padded_rows_are_untouched_and_zero():
     assert all(torch.equal(a, b) for a, b in zip(before, (state, *rg)))
 
 
-def test_fp16_flush_stochastic_rounding_is_bit_identical_to_the_reference():
+@pytest.mark.parametrize("kind", VARIANTS)
+def test_fp16_flush_stochastic_rounding_is_bit_identical_to_the_reference(kind):
+    with variant(kind):
+        _fp16_stochastic()
+
+
+def _fp16_stochastic():
     """Inputs on a dyadic grid make every fold exact in fp32 whatever the summation order, so the kernel and the
     reference round the same fp32 values with the same hash: the fp16 checkpoints must agree bit for bit, and
     they must differ from plain round-to-nearest (the stochastic path is really taken)."""

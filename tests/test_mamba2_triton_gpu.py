@@ -10,6 +10,7 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
+from replay_compile.kernels import mamba2_triton as kt  # noqa: E402
 from replay_compile.kernels.mamba2_triton import replay_step_triton  # noqa: E402
 from replay_compile.state import Mamba2RingSpec  # noqa: E402
 from replay_compile.testing.strategies import ExactMamba2Oracle, Mamba2Geometry, mamba2_problem  # noqa: E402
@@ -25,7 +26,16 @@ def rel(a, b):
     (Mamba2Geometry(2, 8, 24, 40, 2, 2), 64),         # the longest buffer
 ])
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
-def test_real_geometry_vs_fp64_over_4L_steps(geom, L, act):
+@pytest.mark.parametrize("kind", ["whole", "tiled"])
+def test_real_geometry_vs_fp64_over_4L_steps(geom, L, act, kind):
+    kt.TUNING["variant"] = kind
+    try:
+        _vs_fp64(geom, L, act)
+    finally:
+        kt.TUNING.clear()
+
+
+def _vs_fp64(geom, L, act):
     steps = 4 * L
     state0, seq = mamba2_problem(geom, steps, dtype=torch.float32, seed=7, decay=(0.9, 1.0))
     state = state0.cuda()

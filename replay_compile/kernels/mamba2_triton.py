@@ -4,27 +4,24 @@ Same signature and in-place contract as :func:`~replay_compile.kernels.mamba2_re
 
 One launch per step serves every row and every step: each program reads its row's cursor ``w`` and, on the device,
 either folds and writes its checkpoint tile (``w == L-1``, the flush) or appends its record (any other ``w``), so
-one captured CUDA graph replays every step.
+one captured CUDA graph replays every step. Grid ``(cdiv(P, BLOCK_P), batch, H)``; everything is computed in fp32
+whatever the storage dtypes; exponents are suffix sums of log-decays clamped at 0, so nothing can overflow; the
+window of up to ``L`` records sits on a power-of-two axis ``BLOCK_L``, masked by the logical index ``j <= w``.
 
-Grid ``(cdiv(P, BLOCK_P), batch, H)``. A program holds one ``BLOCK_P x N`` tile of the checkpoint (N padded to a
-power of two) and the window of up to ``L`` records on a power-of-two axis ``BLOCK_L`` (masked by the logical
-index ``j <= w``); everything is computed in fp32 whatever the storage dtypes. Exponents are suffix sums of
-log-decays, clamped at 0 from above, so nothing can overflow.
+Two variants of the same contract, picked by :func:`launch_config` from the batch:
 
-Latency is what matters at small batch, so nothing waits for the cursor that does not have to: the checkpoint
-tile, the whole ring window (positions ``< L``, unmasked by ``w``; stale slots are discarded in registers), x, B, C
-are all loaded while the cursor is still in flight, and the output ``y`` uses the same formula on both branches::
-
-    y = exp(Σ la) (S_0 C) + Σ_j coef_j (B_j·C) x_j
-
-The flush branch then writes ``exp(Σ la) S_0 + (coef X)ᵀ B`` (one ``tl.dot``, IEEE fp32) from the tile it holds.
+* ``whole`` (latency: small batches). A program holds a ``BLOCK_P x N`` checkpoint tile (N padded to a power of
+  two) and issues every load (tile, whole ring window, x, B, C) before it needs ``w``; stale ring slots are
+  discarded in registers. ``y = exp(Σ la)(S_0 C) + Σ_j coef_j (B_j·C) x_j`` on both branches; the flush then writes
+  ``exp(Σ la) S_0 + (coef X)ᵀ B`` (one ``tl.dot``, IEEE fp32) from the tile it holds.
+* ``tiled`` (bandwidth: large batches). Branches on ``w`` first and streams the checkpoint over N in
+  ``BLOCK_P x BLOCK_N`` tiles with one tile live: fewer registers, more programs per SM.
 
 Cursor advance without a second launch: the cursor word carries an arrival count in its high 16 bits while the
-kernel runs. Every program reads ``w`` (the low half) with a plain load up front and, at its very end, counts its
-arrival with ``atomic_add(1 << 16, sem="release")``; the program that arrives last (so every other one has read
-``w``) stores the advanced cursor with the count cleared. Nothing waits on an atomic before the loads are issued
-(an atomic up front cost ~25% of bandwidth: v2a in benchmarks/NOTES.md). Between launches the word is always the
-plain cursor, so every other op and the Python side see ``0 <= w < L``.
+kernel runs. Every program reads ``w`` and counts its arrival in one relaxed ``atomic_add(1 << 16)``; the program
+that arrives last (so every other one has read ``w``) stores the advanced cursor with the count cleared. Between
+launches the word is always the plain cursor, so every other op and the Python side see ``0 <= w < L``. (Counting
+the arrival at the end with a release atomic instead was slower: benchmarks/NOTES.md, v2b.)
 
 fp16 checkpoints are rounded stochastically at the flush (unbiased: each value goes to one of its two fp16
 neighbours with probability proportional to proximity), from a counter-based hash of (slot, head, element, the
@@ -75,7 +72,31 @@ def _stochastic_round_fp16(v, key, offs):
 
 
 @triton.jit
-def _mamba2_replay_step_kernel(
+def _arrive(cursor_ptr, slot, arrivals, L):
+    """Read this row's cursor and count the program's arrival in one relaxed atomic; returns ``w``.
+
+    The program that arrives last (every other program of the row has read ``w``) stores the advanced cursor
+    with the count cleared.
+    """
+    word = tl.atomic_add(cursor_ptr + slot, _ARRIVAL_C, sem="relaxed")
+    w = word & (_ARRIVAL_C - 1)
+    if (word >> 16) == arrivals - 1:
+        tl.atomic_xchg(cursor_ptr + slot, tl.where(w == L - 1, 0, w + 1), sem="relaxed")
+    return w
+
+
+@triton.jit
+def _store_checkpoint(st_ptrs, s_new, tile_mask, la_cur, key_base, offs_e, STOCHASTIC_FP16: tl.constexpr):
+    """Write a folded checkpoint tile: stochastic rounding for fp16 (see module notes), nearest otherwise."""
+    if STOCHASTIC_FP16:
+        key = _hash32(la_cur.to(tl.float32).to(tl.uint32, bitcast=True) ^ _hash32(key_base.to(tl.uint32)))
+        tl.store(st_ptrs, _stochastic_round_fp16(s_new, key, offs_e.to(tl.uint32)), mask=tile_mask)
+    else:
+        tl.store(st_ptrs, s_new.to(st_ptrs.dtype.element_ty), mask=tile_mask)
+
+
+@triton.jit
+def _mamba2_replay_whole_kernel(
     state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, cursor_ptr,
     x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr, y_ptr,
     H, P, N, L, heads_per_g, heads_per_gc, arrivals,
@@ -106,7 +127,7 @@ def _mamba2_replay_step_kernel(
         tl.store(y_ptrs, tl.zeros([BLOCK_P], dtype=tl.float32), mask=mask_p)
         return
 
-    w = tl.load(cursor_ptr + slot) & (_ARRIVAL_C - 1)   # low half: other programs may have arrived already
+    w = _arrive(cursor_ptr, slot, arrivals, L)
 
     g = h // heads_per_g
     gc = h // heads_per_gc
@@ -152,12 +173,8 @@ def _mamba2_replay_step_kernel(
     if w == L - 1:
         # flush: S_new = exp(Σ la) S_0 + (coef X)ᵀ B, written once; nothing appended (w -> 0)
         s_new = decay * s0 + tl.dot(tl.trans(xw * coef[:, None]), bw, input_precision="ieee")
-        if STOCHASTIC_FP16:
-            key = _hash32(la_cur.to(tl.float32).to(tl.uint32, bitcast=True) ^ _hash32((slot * H + h).to(tl.uint32)))
-            offs_e = (offs_p[:, None] * N + offs_n[None, :]).to(tl.uint32)
-            tl.store(st_ptrs, _stochastic_round_fp16(s_new, key, offs_e), mask=tile_mask)
-        else:
-            tl.store(st_ptrs, s_new.to(state_ptr.dtype.element_ty), mask=tile_mask)
+        _store_checkpoint(st_ptrs, s_new, tile_mask, la_cur, slot * H + h, offs_p[:, None] * N + offs_n[None, :],
+                          STOCHASTIC_FP16)
     else:
         tl.store(xr_ptr + slot * s_xrb + h * s_xrh + w * s_xrl + offs_p * s_xrp,
                  x_cur.to(xr_ptr.dtype.element_ty), mask=mask_p)
@@ -167,30 +184,136 @@ def _mamba2_replay_step_kernel(
             if h % heads_per_g == 0:                  # one program per group appends B_t
                 tl.store(br_base + w * s_brl + offs_n * s_brn, b_cur.to(Br_ptr.dtype.element_ty), mask=mask_n)
 
-    # arrive (release: this program's read of the cursor is ordered before it); the last program of the row to
-    # arrive knows every other one has read w, and advances the cursor with the count cleared
-    word = tl.atomic_add(cursor_ptr + slot, _ARRIVAL_C, sem="release")
-    if (word >> 16) == arrivals - 1:
-        tl.atomic_xchg(cursor_ptr + slot, tl.where(w == L - 1, 0, w + 1), sem="relaxed")
+
+@triton.jit
+def _mamba2_replay_tiled_kernel(
+    state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, cursor_ptr,
+    x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr, y_ptr,
+    H, P, N, L, heads_per_g, heads_per_gc, arrivals,
+    s_sb, s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl,
+    s_brb, s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn,
+    s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,     # strides as in _mamba2_replay_whole_kernel
+    HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+    N_TILES: tl.constexpr, STOCHASTIC_FP16: tl.constexpr,
+):
+    """Bandwidth variant: branch on ``w`` first, then stream the checkpoint over N in ``BLOCK_P x BLOCK_N``
+    tiles (only one tile live at a time: low register use, many programs per SM)."""
+    pid_p = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2).to(tl.int64)
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    mask_p = offs_p < P
+    y_ptrs = y_ptr + row * s_yb + h * s_yh + offs_p * s_yp
+    if HAS_SLOT:
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+    else:
+        slot = row
+    if slot < 0:                                   # padding row: zero output, touch nothing else
+        tl.store(y_ptrs, tl.zeros([BLOCK_P], dtype=tl.float32), mask=mask_p)
+        return
+    w = _arrive(cursor_ptr, slot, arrivals, L)
+    g = h // heads_per_g
+    gc = h // heads_per_gc
+    offs_l = tl.arange(0, BLOCK_L)
+    hist = offs_l < w
+    cur = offs_l == w
+
+    la_cur = tl.load(la_ptr + row * s_lb + h * s_lh)
+    dt_cur = tl.load(dt_ptr + row * s_db + h * s_dh)
+    la_w = tl.load(lar_ptr + slot * s_lrb + h * s_lrh + offs_l * s_lrl, mask=hist, other=0.0).to(tl.float32)
+    dt_w = tl.load(dtr_ptr + slot * s_drb + h * s_drh + offs_l * s_drl, mask=hist, other=0.0).to(tl.float32)
+    la_w = tl.where(cur, la_cur.to(tl.float32), tl.where(hist, la_w, 0.0))
+    dt_w = tl.where(cur, dt_cur.to(tl.float32), tl.where(hist, dt_w, 0.0))
+    total = tl.sum(la_w, axis=0)
+    after = tl.minimum(tl.cumsum(la_w, axis=0, reverse=True) - la_w, 0.0)
+    coef = tl.where(offs_l <= w, dt_w * tl.exp(after), 0.0)
+    decay = tl.exp(tl.minimum(total, 0.0))
+
+    x_cur = tl.load(x_ptr + row * s_xb + h * s_xh + offs_p * s_xp, mask=mask_p, other=0.0)
+    xw = tl.load(xr_ptr + slot * s_xrb + h * s_xrh + offs_l[:, None] * s_xrl + offs_p[None, :] * s_xrp,
+                 mask=hist[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
+    xw = tl.where(cur[:, None], x_cur.to(tl.float32)[None, :], tl.where(hist[:, None], xw, 0.0))
+
+    st_base = state_ptr + slot * s_sb + h * s_sh
+    br_base = Br_ptr + slot * s_brb + g * s_brg
+    b_base = B_ptr + row * s_bb + g * s_bg
+    c_base = C_ptr + row * s_cb + gc * s_cg
+    if w == L - 1:
+        # flush: S_new = exp(Σ la) S_0 + (coef X)ᵀ B, tile by tile, written once; y = S_new C
+        xc = tl.trans(xw * coef[:, None])                    # [BLOCK_P, BLOCK_L]
+        acc_y = tl.zeros([BLOCK_P], dtype=tl.float32)
+        for nt in range(N_TILES):                          # constexpr trip count (see module notes)
+            offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < N
+            bw = tl.load(br_base + offs_l[:, None] * s_brl + offs_n[None, :] * s_brn,
+                         mask=hist[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+            b_cur = tl.load(b_base + offs_n * s_bn, mask=mask_n, other=0.0).to(tl.float32)
+            bw = tl.where(cur[:, None], b_cur[None, :], tl.where(hist[:, None], bw, 0.0))
+            s_ptrs = st_base + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
+            tile_mask = mask_p[:, None] & mask_n[None, :]
+            s0 = tl.load(s_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
+            s_new = decay * s0 + tl.dot(xc, bw, input_precision="ieee")
+            _store_checkpoint(s_ptrs, s_new, tile_mask, la_cur, slot * H + h,
+                              offs_p[:, None] * N + offs_n[None, :], STOCHASTIC_FP16)
+            c = tl.load(c_base + offs_n * s_cn, mask=mask_n, other=0.0).to(tl.float32)
+            acc_y += tl.sum(s_new * c[None, :], axis=1)
+        tl.store(y_ptrs, acc_y, mask=mask_p)
+    else:
+        # y = exp(Σ la) (S_0 C) + Σ_j coef_j (B_j·C) x_j ; the checkpoint is only read
+        acc_sc = tl.zeros([BLOCK_P], dtype=tl.float32)
+        bc = tl.zeros([BLOCK_L], dtype=tl.float32)
+        for nt in range(N_TILES):                          # constexpr trip count (see module notes)
+            offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < N
+            c = tl.load(c_base + offs_n * s_cn, mask=mask_n, other=0.0).to(tl.float32)
+            s0 = tl.load(st_base + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn,
+                         mask=mask_p[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+            acc_sc += tl.sum(s0 * c[None, :], axis=1)
+            bw = tl.load(br_base + offs_l[:, None] * s_brl + offs_n[None, :] * s_brn,
+                         mask=hist[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+            b_cur = tl.load(b_base + offs_n * s_bn, mask=mask_n, other=0.0)
+            bw = tl.where(cur[:, None], b_cur.to(tl.float32)[None, :], tl.where(hist[:, None], bw, 0.0))
+            bc += tl.sum(bw * c[None, :], axis=1)
+            if (pid_p == 0) & (h % heads_per_g == 0):        # one program per group appends B_t
+                tl.store(br_base + w * s_brl + offs_n * s_brn, b_cur.to(Br_ptr.dtype.element_ty), mask=mask_n)
+        y = decay * acc_sc + tl.sum((coef * bc)[:, None] * xw, axis=0)
+        tl.store(y_ptrs, y, mask=mask_p)
+        tl.store(xr_ptr + slot * s_xrb + h * s_xrh + w * s_xrl + offs_p * s_xrp,
+                 x_cur.to(xr_ptr.dtype.element_ty), mask=mask_p)
+        if pid_p == 0:
+            tl.store(dtr_ptr + slot * s_drb + h * s_drh + w * s_drl, dt_cur)
+            tl.store(lar_ptr + slot * s_lrb + h * s_lrh + w * s_lrl, la_cur)
 
 
-# Launch configuration override for benchmarks: {"BLOCK_P": .., "num_warps": ..}. Empty in use.
+# Launch configuration override for benchmarks: {"variant": "whole"|"tiled", "BLOCK_P", "BLOCK_N", "num_warps"}.
+# Empty in use.
 TUNING: dict = {}
 
+# Rows x heads up to which the latency variant runs (from the H200 sweep, benchmarks/NOTES.md).
+WHOLE_MAX_ROW_HEADS = 2048
 
-def launch_config(P: int, N: int, L: int) -> tuple[int, int, int, int]:
-    """(BLOCK_P, BLOCK_N, BLOCK_L, num_warps) for a geometry.
 
-    N is held whole (padded to a power of two); BLOCK_P is the largest of 16/32 dividing P (else 16): ``tl.dot``
-    needs every dim >= 16. Warps are chosen so the fp32 checkpoint tile and the window each take <= 64 registers
-    per thread (see benchmarks/NOTES.md for the sweep behind these numbers).
+def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
+    """Kernel variant and launch configuration for a step of ``b`` rows.
+
+    * ``whole`` (latency, small batch): ``BLOCK_P`` = 16 rows of P (or 32), all of N in one tile, 1 warp per 2048
+      tile elements; every load is issued before ``w`` is known. bs1 Nemotron-Super: 3.9 us vs 5.0 us baseline.
+    * ``tiled`` (bandwidth, large batch): 64 x 64 tiles, 2 warps where 64 divides P (Nemotron-Super), else 32 x 32
+      (Nano, P = 80): streams the checkpoint over N with one tile live.
+    ``tl.dot`` needs every dim >= 16; the window sits on a power-of-two axis >= 16.
     """
-    block_n = max(16, triton.next_power_of_2(N))
     block_l = max(16, triton.next_power_of_2(L))
-    block_p = TUNING.get("BLOCK_P") or (32 if P % 32 == 0 else 16)
-    elems = max(block_p, block_l) * block_n
-    warps = TUNING.get("num_warps") or max(1, min(8, elems // (32 * 64)))
-    return block_p, block_n, block_l, warps
+    variant = TUNING.get("variant") or ("whole" if b * H <= WHOLE_MAX_ROW_HEADS else "tiled")
+    if variant == "whole":
+        block_n = max(16, triton.next_power_of_2(N))
+        block_p = TUNING.get("BLOCK_P") or (32 if P % 32 == 0 and P > 64 else 16)
+        warps = TUNING.get("num_warps") or max(1, min(8, max(block_p, block_l) * block_n // (32 * 64)))
+    else:
+        bp = 64 if P % 64 == 0 else 32
+        block_p = TUNING.get("BLOCK_P") or max(16, min(bp, triton.next_power_of_2(P)))
+        block_n = TUNING.get("BLOCK_N") or max(16, min(bp, triton.next_power_of_2(N)))
+        warps = TUNING.get("num_warps") or (2 if block_l <= 16 else 4)
+    return dict(variant=variant, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_L=block_l, num_warps=warps)
 
 
 def replay_step_triton(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_idx=None):
@@ -202,20 +325,21 @@ def replay_step_triton(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, l
     y = torch.empty((b, H, P), dtype=torch.float32, device=x.device)
     if b == 0:
         return y
-    block_p, block_n, block_l, warps = launch_config(P, N, L)
-    n_pb = triton.cdiv(P, block_p)
+    cfg = launch_config(b, H, P, N, L)
+    n_pb = triton.cdiv(P, cfg["BLOCK_P"])
     if n_pb * H >= 1 << 15 or L >= _ARRIVAL:
         raise ValueError(f"replay_compile.mamba2: {H} heads x {n_pb} P-blocks (or L={L}) exceed the cursor word's "
                          "arrival counter; use fewer heads per layer")
     has_slot = slot_idx is not None
     slot_arg = slot_idx if has_slot else cursor          # any pointer; unused when HAS_SLOT is False
-    _mamba2_replay_step_kernel[(n_pb, b, H)](
-        state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, y,
-        H, P, N, L, H // G, H // Gc, n_pb * H,
-        *state.stride(), *x_ring.stride(), *dt_ring.stride(), *la_ring.stride(), *B_ring.stride(),
-        *x.stride(), *dt.stride(), *la.stride(), *B.stride(), *C.stride(), *y.stride(),
-        HAS_SLOT=has_slot, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_L=block_l,
-        STOCHASTIC_FP16=state.dtype == torch.float16,
-        num_warps=warps,
-    )
+    args = (state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, y,
+            H, P, N, L, H // G, H // Gc, n_pb * H,
+            *state.stride(), *x_ring.stride(), *dt_ring.stride(), *la_ring.stride(), *B_ring.stride(),
+            *x.stride(), *dt.stride(), *la.stride(), *B.stride(), *C.stride(), *y.stride())
+    common = dict(HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_P"], BLOCK_N=cfg["BLOCK_N"], BLOCK_L=cfg["BLOCK_L"],
+                  STOCHASTIC_FP16=state.dtype == torch.float16, num_warps=cfg["num_warps"])
+    if cfg["variant"] == "whole":
+        _mamba2_replay_whole_kernel[(n_pb, b, H)](*args, **common)
+    else:
+        _mamba2_replay_tiled_kernel[(n_pb, b, H)](*args, N_TILES=triton.cdiv(N, cfg["BLOCK_N"]), **common)
     return y

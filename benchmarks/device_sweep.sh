@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One device call: kernel GPU tests, the full kernel sweep (both variants, baseline in the same run), the CUDA-graph
+# check under the image's transformers and (if carried in .wheels/) a newer one, and the mamba_ssm-form diagnostic.
+# Usage on the GPU machine:  OUT=... bash benchmarks/device_sweep.sh [steps...]   (steps: tests sweep graphs form)
+set -uo pipefail
+OUT=${OUT:-device-logs}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
+python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1
+NEWTF=""
+if ls .wheels/transformers-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-deps --target /tmp/newtf .wheels/*.whl >> "$OUT/install.log" 2>&1 && NEWTF=/tmp/newtf
+fi
+steps=${*:-tests sweep graphs form}
+for s in $steps; do case $s in
+  tests) timeout 150 python3 -m pytest -q tests/test_mamba2_triton_gpu.py tests/test_mamba2_triton.py \
+           -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/pytest_kernels.txt" ;;
+  sweep) timeout 330 python3 benchmarks/bench_mamba2_kernel.py --out "$OUT" 2>&1 | grep -v Warn | tee "$OUT/sweep.txt" ;;
+  graphs) timeout 120 python3 benchmarks/check_cudagraphs.py 2>&1 | grep -v "^\[transformers\]" | tail -12 \
+            | tee "$OUT/cudagraphs.txt"
+          [ -n "$NEWTF" ] && PYTHONPATH=$NEWTF timeout 120 python3 benchmarks/check_cudagraphs.py 2>&1 \
+            | grep -v "^\[transformers\]" | tail -12 | tee "$OUT/cudagraphs_newtf.txt" ;;
+  form) [ -n "$NEWTF" ] && PYTHONPATH=$NEWTF timeout 150 python3 benchmarks/diag_mamba_ssm_form.py \
+          > "$OUT/diag_form_newtf.txt" 2>&1; grep -v "^      " "$OUT/diag_form_newtf.txt" | cut -c1-400 | tail -25 ;;
+esac; done
