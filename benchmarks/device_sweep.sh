@@ -15,10 +15,10 @@ for s in $steps; do case $s in
   tests) timeout 150 python3 -m pytest -q tests/test_mamba2_triton_gpu.py tests/test_mamba2_triton.py \
            -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/pytest_kernels.txt" ;;
   sweep) timeout 330 python3 benchmarks/bench_mamba2_kernel.py --out "$OUT" 2>&1 | grep -v Warn | tee "$OUT/sweep.txt" ;;
-  graphs) timeout 120 python3 benchmarks/check_cudagraphs.py 2>&1 | grep -v "^\[transformers\]" | tail -12 \
+  graphs) timeout 120 python3 benchmarks/check_cudagraphs.py 2>&1 | grep -v "^\[transformers\]" | tail -8 \
             | tee "$OUT/cudagraphs.txt"
           [ -n "$NEWTF" ] && PYTHONPATH=$NEWTF timeout 120 python3 benchmarks/check_cudagraphs.py 2>&1 \
-            | grep -v "^\[transformers\]" | tail -12 | tee "$OUT/cudagraphs_newtf.txt" ;;
+            | grep -v "^\[transformers\]" | tail -8 | tee "$OUT/cudagraphs_newtf.txt" ;;
   form) [ -n "$NEWTF" ] && PYTHONPATH=$NEWTF timeout 150 python3 benchmarks/diag_mamba_ssm_form.py \
           > "$OUT/diag_form_newtf.txt" 2>&1; grep -v "^      " "$OUT/diag_form_newtf.txt" | cut -c1-400 | tail -25 ;;
 esac; done

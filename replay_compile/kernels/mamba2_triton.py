@@ -17,11 +17,13 @@ Two variants of the same contract, picked by :func:`launch_config` from the batc
 * ``tiled`` (bandwidth: large batches). Branches on ``w`` first and streams the checkpoint over N in
   ``BLOCK_P x BLOCK_N`` tiles with one tile live: fewer registers, more programs per SM.
 
-Cursor advance without a second launch: the cursor word carries an arrival count in its high 16 bits while the
+Cursor advance in the ``whole`` variant, without a second launch (one launch matters at small batch): the cursor word carries an arrival count in its high 16 bits while the
 kernel runs. Every program reads ``w`` and counts its arrival in one relaxed ``atomic_add(1 << 16)``; the program
 that arrives last (so every other one has read ``w``) stores the advanced cursor with the count cleared. Between
 launches the word is always the plain cursor, so every other op and the Python side see ``0 <= w < L``. (Counting
-the arrival at the end with a release atomic instead was slower: benchmarks/NOTES.md, v2b.)
+the arrival at the end with a release atomic instead was slower: benchmarks/NOTES.md, v2b.) The ``tiled`` variant
+reads the cursor with a plain load and a second tiny launch advances it: at large batch the atomic cost more than
+the launch.
 
 fp16 checkpoints are rounded stochastically at the flush (unbiased: each value goes to one of its two fp16
 neighbours with probability proportional to proximity), from a counter-based hash of (slot, head, element, the
@@ -197,7 +199,8 @@ def _mamba2_replay_tiled_kernel(
     N_TILES: tl.constexpr, STOCHASTIC_FP16: tl.constexpr,
 ):
     """Bandwidth variant: branch on ``w`` first, then stream the checkpoint over N in ``BLOCK_P x BLOCK_N``
-    tiles (only one tile live at a time: low register use, many programs per SM)."""
+    tiles (only one tile live at a time: low register use, many programs per SM). Reads the cursor with a plain
+    load; a second tiny launch advances it (the fused arrival atomic cost ~5% at bs256: benchmarks/NOTES.md)."""
     pid_p = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
@@ -211,7 +214,7 @@ def _mamba2_replay_tiled_kernel(
     if slot < 0:                                   # padding row: zero output, touch nothing else
         tl.store(y_ptrs, tl.zeros([BLOCK_P], dtype=tl.float32), mask=mask_p)
         return
-    w = _arrive(cursor_ptr, slot, arrivals, L)
+    w = tl.load(cursor_ptr + slot)                  # advanced afterwards by _advance_cursor_kernel
     g = h // heads_per_g
     gc = h // heads_per_gc
     offs_l = tl.arange(0, BLOCK_L)
@@ -285,19 +288,34 @@ def _mamba2_replay_tiled_kernel(
             tl.store(lar_ptr + slot * s_lrb + h * s_lrh + w * s_lrl, la_cur)
 
 
+@triton.jit
+def _advance_cursor_kernel(cursor_ptr, slot_ptr, n_rows, L, HAS_SLOT: tl.constexpr, BLOCK: tl.constexpr):
+    """w -> w + 1, or 0 after a flush, for every non-padded row (the tiled variant's second launch)."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = rows < n_rows
+    if HAS_SLOT:
+        slots = tl.load(slot_ptr + rows, mask=m, other=-1).to(tl.int64)
+    else:
+        slots = rows.to(tl.int64)
+    m = m & (slots >= 0)
+    w = tl.load(cursor_ptr + slots, mask=m, other=0)
+    tl.store(cursor_ptr + slots, tl.where(w == L - 1, 0, w + 1), mask=m)
+
+
 # Launch configuration override for benchmarks: {"variant": "whole"|"tiled", "BLOCK_P", "BLOCK_N", "num_warps"}.
 # Empty in use.
 TUNING: dict = {}
 
 # Rows x heads up to which the latency variant runs (from the H200 sweep, benchmarks/NOTES.md).
-WHOLE_MAX_ROW_HEADS = 2048
+WHOLE_MAX_ROW_HEADS = 512
 
 
 def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
     """Kernel variant and launch configuration for a step of ``b`` rows.
 
     * ``whole`` (latency, small batch): ``BLOCK_P`` = 16 rows of P (or 32), all of N in one tile, 1 warp per 2048
-      tile elements; every load is issued before ``w`` is known. bs1 Nemotron-Super: 3.9 us vs 5.0 us baseline.
+      tile elements; every load is issued before ``w`` is known; one launch. bs1 Nemotron-Super: 3.9 us vs 5.1 us
+      baseline; at bs8 the tiled variant is already faster (1.48x vs 1.31x), hence the threshold.
     * ``tiled`` (bandwidth, large batch): 64 x 64 tiles, 2 warps where 64 divides P (Nemotron-Super), else 32 x 32
       (Nano, P = 80): streams the checkpoint over N with one tile live.
     ``tl.dot`` needs every dim >= 16; the window sits on a power-of-two axis >= 16.
@@ -342,4 +360,5 @@ def replay_step_triton(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, l
         _mamba2_replay_whole_kernel[(n_pb, b, H)](*args, **common)
     else:
         _mamba2_replay_tiled_kernel[(n_pb, b, H)](*args, N_TILES=triton.cdiv(N, cfg["BLOCK_N"]), **common)
+        _advance_cursor_kernel[(triton.cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
     return y
