@@ -46,9 +46,9 @@ def decode(forward):
         for t in range(STEPS):
             o = forward(tok, past_key_values=cache, use_cache=True,
                         cache_position=torch.tensor([ids.shape[1] + t], device="cuda"))
-            logits.append(o.logits[:, -1].float().clone())       # graph outputs are overwritten by the next replay
+            logits.append(o.logits[:, -1].float().cpu())         # host copies: device memory is the step's alone
             tok = o.logits[:, -1:].argmax(-1)
-            toks.append(tok)
+            toks.append(tok.cpu())
             torch.cuda.synchronize()
             mems.append(torch.cuda.memory_allocated())
     return torch.cat(toks, 1), logits, mems, cache

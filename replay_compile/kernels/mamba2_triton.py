@@ -225,8 +225,8 @@ def _mamba2_replay_tiled_kernel(
     dt_cur = tl.load(dt_ptr + row * s_db + h * s_dh)
     la_w = tl.load(lar_ptr + slot * s_lrb + h * s_lrh + offs_l * s_lrl, mask=hist, other=0.0).to(tl.float32)
     dt_w = tl.load(dtr_ptr + slot * s_drb + h * s_drh + offs_l * s_drl, mask=hist, other=0.0).to(tl.float32)
-    la_w = tl.where(cur, la_cur.to(tl.float32), tl.where(hist, la_w, 0.0))
-    dt_w = tl.where(cur, dt_cur.to(tl.float32), tl.where(hist, dt_w, 0.0))
+    la_w = tl.where(cur, la_cur.to(tl.float32), la_w)
+    dt_w = tl.where(cur, dt_cur.to(tl.float32), dt_w)
     total = tl.sum(la_w, axis=0)
     after = tl.minimum(tl.cumsum(la_w, axis=0, reverse=True) - la_w, 0.0)
     coef = tl.where(offs_l <= w, dt_w * tl.exp(after), 0.0)
@@ -235,7 +235,7 @@ def _mamba2_replay_tiled_kernel(
     x_cur = tl.load(x_ptr + row * s_xb + h * s_xh + offs_p * s_xp, mask=mask_p, other=0.0)
     xw = tl.load(xr_ptr + slot * s_xrb + h * s_xrh + offs_l[:, None] * s_xrl + offs_p[None, :] * s_xrp,
                  mask=hist[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
-    xw = tl.where(cur[:, None], x_cur.to(tl.float32)[None, :], tl.where(hist[:, None], xw, 0.0))
+    xw = tl.where(cur[:, None], x_cur.to(tl.float32)[None, :], xw)     # masked loads: zeros past w already
 
     st_base = state_ptr + slot * s_sb + h * s_sh
     br_base = Br_ptr + slot * s_brb + g * s_brg
@@ -251,7 +251,7 @@ def _mamba2_replay_tiled_kernel(
             bw = tl.load(br_base + offs_l[:, None] * s_brl + offs_n[None, :] * s_brn,
                          mask=hist[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
             b_cur = tl.load(b_base + offs_n * s_bn, mask=mask_n, other=0.0).to(tl.float32)
-            bw = tl.where(cur[:, None], b_cur[None, :], tl.where(hist[:, None], bw, 0.0))
+            bw = tl.where(cur[:, None], b_cur[None, :], bw)
             s_ptrs = st_base + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
             tile_mask = mask_p[:, None] & mask_n[None, :]
             s0 = tl.load(s_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
@@ -275,7 +275,7 @@ def _mamba2_replay_tiled_kernel(
             bw = tl.load(br_base + offs_l[:, None] * s_brl + offs_n[None, :] * s_brn,
                          mask=hist[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
             b_cur = tl.load(b_base + offs_n * s_bn, mask=mask_n, other=0.0)
-            bw = tl.where(cur[:, None], b_cur.to(tl.float32)[None, :], tl.where(hist[:, None], bw, 0.0))
+            bw = tl.where(cur[:, None], b_cur.to(tl.float32)[None, :], bw)
             bc += tl.sum(bw * c[None, :], axis=1)
             if (pid_p == 0) & (h % heads_per_g == 0):        # one program per group appends B_t
                 tl.store(br_base + w * s_brl + offs_n * s_brn, b_cur.to(Br_ptr.dtype.element_ty), mask=mask_n)
