@@ -52,6 +52,33 @@ class Mamba2RingSpec:
             self.G * self.L * self.N * es(self.B_dtype) + 4
 
 
+@dataclasses.dataclass(frozen=True)
+class DeltaRingSpec:
+    """Sizes and dtypes of one delta-rule layer's rings (Gated DeltaNet, or KDA when ``kda``)."""
+
+    HV: int
+    Hk: int
+    K: int
+    V: int
+    L: int
+    d_dtype: torch.dtype = torch.float32
+    k_dtype: torch.dtype = torch.float32
+    kda: bool = False
+    rec_dtype: torch.dtype = torch.float32
+
+    def allocate(self, slots, device) -> tuple:
+        """Zeroed (d_ring [S, HV, L, V], k_ring [S, Hk, L, K], g_ring [S, HV, L(, K)], cursor [S]) for ``slots``."""
+        z = lambda shape, dt: torch.zeros(shape, dtype=dt, device=device)  # noqa: E731
+        g_shape = (slots, self.HV, self.L) + ((self.K,) if self.kda else ())
+        return (z((slots, self.HV, self.L, self.V), self.d_dtype), z((slots, self.Hk, self.L, self.K), self.k_dtype),
+                z(g_shape, self.rec_dtype), z((slots,), torch.int32))
+
+    def nbytes_per_slot(self) -> int:
+        es = lambda d: torch.empty((), dtype=d).element_size()  # noqa: E731
+        return self.L * (self.HV * self.V * es(self.d_dtype) + self.Hk * self.K * es(self.k_dtype) +
+                         self.HV * (self.K if self.kda else 1) * es(self.rec_dtype)) + 4
+
+
 def tensor_version(t: torch.Tensor) -> int | None:
     """The in-place version counter, or None where torch does not track it (inference-mode tensors)."""
     try:
