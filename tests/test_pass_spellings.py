@@ -210,7 +210,20 @@ class TwoReadouts(torch.nn.Module):
         return torch.einsum("bhpn,bhn->bhp", new, C.repeat_interleave(2, 1)) + new.sum(-1)
 
 
+class UpdateReadsTheState(torch.nn.Module):
+    """A delta-rule-like correction in Mamba-2's layout: the N-side factor reads the decayed state. One step from a
+    fresh checkpoint would validate; later steps would read the checkpoint instead of the state: must be refused."""
+
+    def forward(self, state, x, dt, B, C):
+        decayed = state * torch.exp(-dt.abs())[:, :, None, None]
+        corr = B.repeat_interleave(2, 1) - (decayed * x[..., None]).sum(-2)          # [b, H, N], reads the state
+        new = decayed + x[..., None] * corr[:, :, None, :]
+        state.copy_(new)
+        return torch.einsum("bhpn,bhn->bhp", new, C.repeat_interleave(2, 1))
+
+
 @pytest.mark.parametrize("case, reason", [
+    (UpdateReadsTheState, "computed from the state itself"),
     (PerChannelDecay, "not provably constant along P"),
     (ReturnsNewState, "also read by"),
     (FullRankUpdate, "not a rank-1 update"),

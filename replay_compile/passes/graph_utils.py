@@ -107,6 +107,20 @@ def real_users(n: fx.Node) -> list[fx.Node]:
     return [u for u in n.users if op_name(u) not in METADATA]
 
 
+def depends_on(n: Any, target: fx.Node) -> bool:
+    """Whether the value of ``n`` is computed (transitively) from ``target``."""
+    seen, todo = set(), [n] if isinstance(n, fx.Node) else []
+    while todo:
+        x = todo.pop()
+        if x is target:
+            return True
+        if x in seen:
+            continue
+        seen.add(x)
+        todo.extend(x.all_input_nodes)
+    return False
+
+
 def is_inplace(n: fx.Node) -> bool:
     name = op_name(n)
     return bool(name) and name.endswith("_") and not name.startswith("_")

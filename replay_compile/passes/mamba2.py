@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from .broadcast import FULL, BroadcastAnalysis, same_size
-from .graph_utils import (CAST_LIKE, dtype, flatten, module_path, op_name, real_users, shape,
+from .graph_utils import (CAST_LIKE, depends_on, dtype, flatten, module_path, op_name, real_users, shape,
                           strip, is_static_int)
 
 FAMILY = "mamba2"
@@ -195,6 +195,11 @@ class Mamba2Matcher:
                 raise NoMatch(f"update factor {f.name} {fs} varies along both P and N: not a rank-1 update")
         if not p_side or not n_side:
             raise NoMatch("update term is not an outer product of a P-side and an N-side factor")
+        for f in p_side + n_side + scal:
+            if depends_on(f, state):
+                # e.g. a delta rule (Gated DeltaNet's S·k): the replay op would read it from the checkpoint
+                raise NoMatch(f"update factor {f.name} is computed from the state itself (a delta rule?), not "
+                              f"from this token's inputs alone")
 
         # groups of B: block-repeat along H
         G = self._groups(n_side, H)
