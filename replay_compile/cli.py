@@ -28,7 +28,8 @@ def _torch_setup(threads: int | None):
 def _build(args):
     import torch
 
-    from .testing.hf_models import MAMBA2_FAMILY, make_inputs
+    from .testing.hf_models import DELTA_FAMILY, MAMBA2_FAMILY, make_inputs
+    builders = {**MAMBA2_FAMILY, **DELTA_FAMILY}
 
     dtype = getattr(torch, args.dtype)
     if args.config:
@@ -39,9 +40,9 @@ def _build(args):
         model = AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
         name = f"{type(model).__name__} from {args.config} (random weights)"
     else:
-        if args.family not in MAMBA2_FAMILY:
-            raise SystemExit(f"replay-compile: unknown family {args.family!r}; choose from {sorted(MAMBA2_FAMILY)}")
-        model = MAMBA2_FAMILY[args.family](dtype=dtype, seed=args.seed)
+        if args.family not in builders:
+            raise SystemExit(f"replay-compile: unknown family {args.family!r}; choose from {sorted(builders)}")
+        model = builders[args.family](dtype=dtype, seed=args.seed)
         name = f"tiny {type(model).__name__} (embedded config, random weights, seed {args.seed})"
     ids = make_inputs(model, batch=args.batch, prompt_len=args.prompt_len, seed=args.seed)
     if args.device != "cpu":

@@ -22,7 +22,7 @@ ENV_VARS: dict[str, tuple[str, Any, str]] = {
     "REPLAY_COMPILE_VALIDATE": ("validate", lambda s: s not in ("", "0", "false", "False"),
                                 "0: skip the numerical check of each match at compile time"),
     "REPLAY_COMPILE_FAMILIES": ("families", lambda s: tuple(x for x in s.split(",") if x),
-                                "comma list of families to rewrite; default all (mamba2)"),
+                                "comma list of families to rewrite; default all (mamba2, gdn, kda)"),
     "REPLAY_COMPILE_DISABLE": ("enabled", lambda s: s in ("", "0", "false", "False"),
                                "1: compile with the lowering only, rewrite nothing"),
 }
@@ -32,7 +32,7 @@ OTHER_ENV_VARS = {
     "REPLAY_COMPILE_LOG": "info / debug: log rewrites and skips (and graphs at debug) to stderr",
 }
 
-SUPPORTED_FAMILIES = ("mamba2",)
+SUPPORTED_FAMILIES = ("mamba2", "gdn", "kda")
 SUPPORTED_LOWERINGS = ("inductor", "eager")
 
 
@@ -46,7 +46,7 @@ class ReplayConfig:
         strict: raise :class:`~replay_compile.errors.ReplayCompileError` when a state update anchor is found
             but cannot be rewritten, instead of leaving it unchanged with a log line.
         validate: numerically check every match on small inputs before rewriting it.
-        families: SSM families to rewrite.
+        families: SSM families to rewrite ("mamba2", "gdn": Gated DeltaNet, "kda": Kimi Delta Attention).
         enabled: rewrite at all (``False`` gives plain lowering, useful for A/B runs).
         lower: ``"inductor"`` (default) or ``"eager"`` (run the rewritten FX graph as is; for debugging).
     """

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import Any, Iterator
+from typing import Any, ClassVar, Iterator
 
 import torch
 
@@ -38,6 +38,12 @@ class Mamba2RingSpec:
     x_dtype: torch.dtype
     B_dtype: torch.dtype
     rec_dtype: torch.dtype = torch.float32
+    FLUSH_OP: ClassVar[str] = "mamba2_flush"
+    MATERIALIZE_OP: ClassVar[str] = "mamba2_materialize"
+
+    @property
+    def family(self) -> str:
+        return "mamba2"
 
     def allocate(self, slots, device) -> tuple:
         """Zeroed (x_ring, dt_ring, la_ring, B_ring, cursor) for ``slots`` sequences."""
@@ -65,6 +71,12 @@ class DeltaRingSpec:
     k_dtype: torch.dtype = torch.float32
     kda: bool = False
     rec_dtype: torch.dtype = torch.float32
+    FLUSH_OP: ClassVar[str] = "delta_flush"
+    MATERIALIZE_OP: ClassVar[str] = "delta_materialize"
+
+    @property
+    def family(self) -> str:
+        return "kda" if self.kda else "gdn"
 
     def allocate(self, slots, device) -> tuple:
         """Zeroed (d_ring [S, HV, L, V], k_ring [S, Hk, L, K], g_ring [S, HV, L(, K)], cursor [S]) for ``slots``."""
@@ -90,8 +102,8 @@ def tensor_version(t: torch.Tensor) -> int | None:
 class ReplayState:
     """Rings + cursor of one cache state tensor. See the module docstring for the invariants."""
 
-    def __init__(self, state: torch.Tensor, spec: Mamba2RingSpec, layer: str, family: str = "mamba2"):
-        self.family = family
+    def __init__(self, state: torch.Tensor, spec, layer: str):
+        self.family = spec.family
         self.spec = spec
         self.layer = layer
         self._state = weakref.ref(state)
@@ -129,14 +141,14 @@ class ReplayState:
         self.check_external_write(st)
         if not self.dirty:
             return
-        torch.ops.replay_compile.mamba2_flush(st, *self.rings)
+        getattr(torch.ops.replay_compile, self.spec.FLUSH_OP)(st, *self.rings)
         self.dirty = False
         self.version = tensor_version(st)
 
     def materialize(self) -> torch.Tensor:
         """The true current state, out of place; the cache and rings are not touched."""
         st = self.state
-        return torch.ops.replay_compile.mamba2_materialize(st, *self.rings)
+        return getattr(torch.ops.replay_compile, self.spec.MATERIALIZE_OP)(st, *self.rings)
 
     def check_external_write(self, st: torch.Tensor) -> None:
         v = tensor_version(st)
@@ -153,7 +165,7 @@ def lookup(t: torch.Tensor) -> ReplayState | None:
     return rs if rs is not None and rs.state is t else None
 
 
-def bind(t: torch.Tensor, spec: Mamba2RingSpec, layer: str) -> ReplayState:
+def bind(t: torch.Tensor, spec, layer: str) -> ReplayState:
     """The replay state of ``t``, created (zeroed rings, cursor 0) on first use."""
     rs = lookup(t)
     if rs is not None:

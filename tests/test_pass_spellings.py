@@ -212,7 +212,8 @@ class TwoReadouts(torch.nn.Module):
 
 class UpdateReadsTheState(torch.nn.Module):
     """A delta-rule-like correction in Mamba-2's layout: the N-side factor reads the decayed state. One step from a
-    fresh checkpoint would validate; later steps would read the checkpoint instead of the state: must be refused."""
+    fresh checkpoint would validate; later steps would read the checkpoint instead of the state: the Mamba-2 matcher
+    must refuse it (it did not, before the state-dependence check), and the delta matcher refuses its readout."""
 
     def forward(self, state, x, dt, B, C):
         decayed = state * torch.exp(-dt.abs())[:, :, None, None]
@@ -223,7 +224,7 @@ class UpdateReadsTheState(torch.nn.Module):
 
 
 @pytest.mark.parametrize("case, reason", [
-    (UpdateReadsTheState, "computed from the state itself"),
+    (UpdateReadsTheState, "is not (new * q).sum(-2)"),
     (PerChannelDecay, "not provably constant along P"),
     (ReturnsNewState, "also read by"),
     (FullRankUpdate, "not a rank-1 update"),

@@ -30,6 +30,9 @@ ELEMENTWISE = CAST_LIKE | {
 }
 
 
+REDUCTIONS = {"sum", "mean", "amax", "amin", "prod", "logsumexp"}
+
+
 def _default(shp) -> list:
     return [FULL if same_size(s, 1) else 1 for s in shp]
 
@@ -180,6 +183,8 @@ class BroadcastAnalysis:
                 return normalise([r[d % len(r)] for d in dims], shp)
             if name == "repeat_interleave":
                 return self._repeat_interleave(n, shp)
+            if name in REDUCTIONS:
+                return self._reduction(n, shp)
             if name == "getitem":
                 return self._getitem(n, shp)
         except (KeyError, IndexError, TypeError, ValueError):
@@ -196,6 +201,17 @@ class BroadcastAnalysis:
             sa = [1] * (len(shp) - len(shape(a))) + list(shape(a))
             for d in range(len(shp)):
                 out[d] = combine(out[d], FULL if same_size(sa[d], 1) else r[d])
+        return normalise(out, shp)
+
+    def _reduction(self, n: fx.Node, shp) -> list:
+        """sum/mean/... over ``dim``: the other dims keep their rep; a kept reduced dim is constant (size 1)."""
+        r = list(self.rep(n.args[0]))
+        dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
+        keep = n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
+        if dim is None:
+            return _default(shp)
+        dims = {d % len(r) for d in (dim if isinstance(dim, (list, tuple)) else (dim,))}
+        out = [FULL if d in dims else x for d, x in enumerate(r) if keep or d not in dims]
         return normalise(out, shp)
 
     def _repeat_interleave(self, n: fx.Node, shp) -> list:

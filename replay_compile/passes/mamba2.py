@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
+from ..state import Mamba2RingSpec
 from .broadcast import FULL, BroadcastAnalysis, same_size
 from .graph_utils import (CAST_LIKE, depends_on, dtype, flatten, module_path, op_name, real_users, shape,
                           strip, is_static_int)
@@ -78,6 +79,32 @@ class Mamba2Match:
     @property
     def recipes(self) -> dict:
         return {"la": self.la, "dt": self.dt, "x": self.x, "B": self.B, "C": self.C}
+
+    # -- what the rewrite and the validation need (DeltaMatch has the same interface) --------------------------
+    op = property(lambda self: torch.ops.replay_compile.mamba2_step.default)
+    op_keys = ("x", "dt", "la", "B", "C")
+    ring_names = ("x_ring", "dt_ring", "la_ring", "B_ring", "cursor")
+    new_keys = ("la", "dt", "x", "B")
+
+    def ring_spec(self, L: int) -> Mamba2RingSpec:
+        return Mamba2RingSpec(H=self.H, P=self.P, N=self.N, G=self.G, L=L, x_dtype=self.x_dtype,
+                              B_dtype=self.B_dtype, rec_dtype=self.rec_dtype)
+
+    def low_precision(self) -> bool:
+        return any(d in (torch.bfloat16, torch.float16) for d in (self.x_dtype, self.B_dtype, self.out_dtype))
+
+    def exact_new(self, S0: torch.Tensor, c: dict) -> torch.Tensor:
+        cdt = self.rec_dtype
+        Bh = c["B"].to(cdt).repeat_interleave(self.H // self.G, dim=1)
+        return torch.exp(c["la"].to(cdt))[..., None, None] * S0.to(cdt) + \
+            (c["dt"].to(cdt)[..., None] * c["x"].to(cdt))[..., None] * Bh[:, :, None, :]
+
+    def exact_readout(self, new: torch.Tensor, c: dict) -> torch.Tensor:
+        Ch = c["C"].to(new.dtype).repeat_interleave(self.H // c["C"].shape[1], dim=1)
+        return torch.einsum("bhpn,bhn->bhp", new, Ch)
+
+    def describe(self, spec) -> str:
+        return f"H={self.H} P={self.P} N={self.N} G={self.G} L={spec.L} x:{str(self.x_dtype).replace('torch.', '')}"
 
 
 def _apply(node: fx.Node, value):

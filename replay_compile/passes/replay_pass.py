@@ -21,8 +21,8 @@ from torch._dynamo.utils import counters
 from .._logging import log
 from ..config import ReplayConfig
 from ..errors import ReplayCompileError
-from ..state import Mamba2RingSpec
-from . import broadcast, graph_utils, mamba2, rewrite, validate
+from . import broadcast, delta, graph_utils, mamba2, rewrite, validate
+from .delta import DeltaMatcher
 from .mamba2 import Mamba2Matcher, NoMatch
 
 
@@ -31,12 +31,11 @@ class Rewrite:
     layer: str
     family: str
     form: str
-    spec: Mamba2RingSpec
+    spec: object            # Mamba2RingSpec or DeltaRingSpec
+    detail: str = ""
 
     def __str__(self):
-        s = self.spec
-        return (f"{self.layer}: {self.family} [{self.form}] H={s.H} P={s.P} N={s.N} G={s.G} L={s.L} "
-                f"x:{str(s.x_dtype).replace('torch.', '')}")
+        return f"{self.layer}: {self.family} [{self.form}] {self.detail}".rstrip()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +53,7 @@ class Site:
     """What the runner needs for one rewritten layer: which input is the state, and its ring layout."""
 
     state_index: int
-    spec: Mamba2RingSpec
+    spec: object
     layer: str
 
 
@@ -92,6 +91,11 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     return new_gm
 
 
+def _reference_kernels_requested() -> bool:
+    import os
+    return os.environ.get("REPLAY_COMPILE_KERNELS", "").lower() == "reference"
+
+
 # reasons raised before the update is known to be "decay * state + update" are not worth a warning
 _QUIET_PREFIXES = ("new state is a sum of", "no term of the form", "the value written")
 
@@ -105,7 +109,7 @@ class ReplaySSMPass:
     def uuid(self) -> str:
         """Changes whenever the pass's code or config does (for FX graph caches)."""
         h = hashlib.sha256(repr(self.config).encode())
-        for mod in (broadcast, graph_utils, mamba2, rewrite, validate):
+        for mod in (broadcast, delta, graph_utils, mamba2, rewrite, validate):
             h.update(inspect.getsource(mod).encode())
         return h.hexdigest()
 
@@ -113,18 +117,19 @@ class ReplaySSMPass:
         """Rewrite a copy of ``gm`` (Dynamo keeps using the original graph); the copy is ``result.gm``."""
         res = PassResult(gm=gm)
         res.ops_before = res.ops_after = count_ops(gm)
-        if not self.config.enabled or "mamba2" not in self.config.families:
+        families = set(self.config.families)
+        if not self.config.enabled or not families & {"mamba2", "gdn", "kda"}:
             return res
         if not Mamba2Matcher.anchors(gm):
             return res
         gm = res.gm = copy_graph_module(gm)
-        matcher = Mamba2Matcher(gm)
+        m2, dm = Mamba2Matcher(gm), DeltaMatcher(gm)
         matches = []
         for cp in Mamba2Matcher.anchors(gm):
             try:
                 if graph_utils.real_users(cp):
                     raise NoMatch("the result of the state write is used")
-                matches.append(matcher.match(cp))
+                matches.append(self._match(cp, m2, dm, families))
             except NoMatch as e:
                 self._skip(res, graph_utils.module_path(cp, default=f"state input `{cp.args[0].name}`"), str(e))
         if matches and self.config.validate:
@@ -141,7 +146,7 @@ class ReplaySSMPass:
             rewrite.apply(gm, m, rings)
             res.fake_inputs.extend(r.meta["example_value"] for r in rings)
             res.sites.append(Site(placeholders.index(m.state), spec, m.layer))
-            rw = Rewrite(m.layer, m.family, m.form, spec)
+            rw = Rewrite(m.layer, m.family, m.form, spec, m.describe(spec))
             res.rewrites.append(rw)
             counters["replay_compile"][m.family] += 1
             log.info("replay_compile: rewrote %s", rw)
@@ -152,6 +157,34 @@ class ReplaySSMPass:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("replay_compile: graph after rewrite:\n%s", gm.code)
         return res
+
+    @staticmethod
+    def _match(cp, m2: Mamba2Matcher, dm: DeltaMatcher, families: set):
+        """Mamba-2 first, then the delta rule; the reason given for a miss is the one of the matcher that got
+        further (a delta rule fails the Mamba-2 matcher at "computed from the state itself")."""
+        err = None
+        if "mamba2" in families:
+            try:
+                return m2.match(cp)
+            except NoMatch as e:
+                err = e
+        if families & {"gdn", "kda"}:
+            try:
+                m = dm.match(cp)
+                dev = getattr(m.state.meta.get("example_value"), "device", None)
+                if m.family not in families:
+                    err = NoMatch(f"a {m.family} update, but family {m.family!r} is not enabled")
+                elif dev is not None and dev.type == "cuda" and not _reference_kernels_requested():
+                    # the CUDA kernels of the delta families are not written yet (issue 4): the PyTorch reference
+                    # would be correct but slower than the model's own step and not CUDA-graph safe
+                    err = NoMatch(f"a {m.family} update on CUDA: no CUDA kernel for it yet; set "
+                                  f"REPLAY_COMPILE_KERNELS=reference to rewrite it with the PyTorch reference ops")
+                else:
+                    return m
+            except NoMatch as e:
+                if err is None or "state itself" in str(err) or "dim -2" in str(err):
+                    err = e
+        raise err
 
     def _skip(self, res: PassResult, layer: str, reason: str) -> None:
         quiet = reason.startswith(_QUIET_PREFIXES)

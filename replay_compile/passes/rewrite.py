@@ -1,4 +1,5 @@
-"""Apply a :class:`~.mamba2.Mamba2Match`: replace the state write and its readout with one replay op.
+"""Apply a match (:class:`~.mamba2.Mamba2Match`, :class:`~.delta.DeltaMatch`): replace the state write and its
+readout with one replay op.
 
 Before::
 
@@ -9,29 +10,25 @@ After::
     y = replay_compile.mamba2_step(S, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, None)
           .to(y.dtype).reshape(y.shape)
 
+(likewise ``replay_compile.delta_step(S, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, None)`` for GDN/KDA).
 The rings and cursor enter the graph as new placeholders appended after the existing ones; the backend's runner
 passes the right tensors for the cache state it is given. Nodes that only fed the removed write/readout are erased.
 """
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 from torch.fx.proxy import GraphAppendingTracer, Proxy
 
 from .. import ops  # noqa: F401 - registers torch.ops.replay_compile
-from ..state import Mamba2RingSpec
 from .graph_utils import is_inplace
-from .mamba2 import Mamba2Match
-
-RING_NAMES = ("x_ring", "dt_ring", "la_ring", "B_ring", "cursor")
 
 
-def ring_spec(m: Mamba2Match, L: int) -> Mamba2RingSpec:
-    return Mamba2RingSpec(H=m.H, P=m.P, N=m.N, G=m.G, L=L, x_dtype=m.x_dtype, B_dtype=m.B_dtype, rec_dtype=m.rec_dtype)
+def ring_spec(m, L: int):
+    return m.ring_spec(L)
 
 
-def _fake_rings(m: Mamba2Match, spec: Mamba2RingSpec) -> tuple:
+def _fake_rings(m, spec) -> tuple:
     """Fake ring tensors whose slot count is the state's own (possibly symbolic) batch size."""
     sv = m.state.meta["example_value"]
     mode = getattr(sv, "fake_mode", None)
@@ -41,13 +38,13 @@ def _fake_rings(m: Mamba2Match, spec: Mamba2RingSpec) -> tuple:
         return spec.allocate(sv.shape[0], sv.device)
 
 
-def add_ring_placeholders(gm: fx.GraphModule, m: Mamba2Match, spec: Mamba2RingSpec, index: int) -> list[fx.Node]:
+def add_ring_placeholders(gm: fx.GraphModule, m, spec, index: int) -> list[fx.Node]:
     graph = gm.graph
     last = [n for n in graph.nodes if n.op == "placeholder"][-1]
     fakes = _fake_rings(m, spec)
     out = []
     with graph.inserting_after(last):
-        for name, fake in reversed(list(zip(RING_NAMES, fakes))):
+        for name, fake in reversed(list(zip(m.ring_names, fakes))):
             ph = graph.placeholder(f"replay{index}_{name}")
             ph.meta["example_value"] = fake
             ph.meta["val"] = fake
@@ -72,7 +69,7 @@ def _erase_dead(graph: fx.Graph, roots: list) -> None:
         todo.extend(inputs)
 
 
-def apply(gm: fx.GraphModule, m: Mamba2Match, rings: list[fx.Node]) -> fx.Node:
+def apply(gm: fx.GraphModule, m, rings: list[fx.Node]) -> fx.Node:
     """Rewrite one match in place; returns the op node."""
     graph = gm.graph
     tracer = GraphAppendingTracer(graph)
@@ -80,9 +77,7 @@ def apply(gm: fx.GraphModule, m: Mamba2Match, rings: list[fx.Node]) -> fx.Node:
         vals = {}
         for key, recipe in m.recipes.items():
             vals[key] = recipe([Proxy(s, tracer) for s in recipe.sources]).node
-        op = graph.call_function(
-            torch.ops.replay_compile.mamba2_step.default,
-            (m.state, *rings, vals["x"], vals["dt"], vals["la"], vals["B"], vals["C"], None))
+        op = graph.call_function(m.op, (m.state, *rings, *(vals[k] for k in m.op_keys), None))
         op.meta["nn_module_stack"] = m.copy_node.meta.get("nn_module_stack", {})
         op.meta["stack_trace"] = m.copy_node.meta.get("stack_trace")
         y = Proxy(op, tracer).to(m.out_dtype).reshape(m.out_shape).node

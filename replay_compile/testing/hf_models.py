@@ -191,3 +191,60 @@ def make_inputs(model, batch: int = 2, prompt_len: int = 5, seed: int = 0) -> to
     """Random prompt ids in [3, vocab) (avoids pad/bos/eos), shape [batch, prompt_len]."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, model.config.vocab_size, (batch, prompt_len), generator=g)
+
+
+# --- delta-rule families (Gated DeltaNet: Qwen3-Next, Qwen3.5 dense/MoE; KDA: Kimi-Linear) -----------------------
+# Grouped value heads (4 value heads over 2 key heads) and K != V, so the rewrite has to find the key groups.
+_GDN = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=6,
+            linear_conv_kernel_dim=4)
+_GDN_LAYERS = dict(num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
+                   head_dim=8)
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+
+
+def _qwen3_next_cfg():
+    from transformers import Qwen3NextConfig
+    return Qwen3NextConfig, dict(decoder_sparse_step=1, **_MOE, **_GDN, **_GDN_LAYERS, **_ATTN, **_COMMON)
+
+
+def _qwen3_5_cfg():
+    from transformers import Qwen3_5TextConfig
+    return Qwen3_5TextConfig, dict(**_GDN, **_GDN_LAYERS, **_ATTN, **_COMMON)
+
+
+def _qwen3_5_moe_cfg():
+    from transformers import Qwen3_5MoeTextConfig
+    return Qwen3_5MoeTextConfig, dict(**_MOE, **_GDN, **_GDN_LAYERS, **_ATTN, **_COMMON)
+
+
+def _kimi_linear_cfg():
+    from transformers import KimiLinearConfig
+    attn = {**_ATTN, "num_key_value_heads": _ATTN["num_attention_heads"]}      # MLA: one KV head per head
+    return KimiLinearConfig, dict(
+        num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
+        linear_num_heads=4, linear_head_dim=8, linear_conv_kernel_dim=4, moe_intermediate_size=32,
+        num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1, mlp_layer_types=["dense", "sparse", "dense"],
+        kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, **attn, **_COMMON)
+
+
+def _delta_builder(cfg_fn: Callable[[], Any], model_cls_name: str) -> Callable[..., torch.nn.Module]:
+    def build(dtype: torch.dtype = torch.float32, seed: int = 0, initializer_range: float = 0.5,
+              **overrides) -> torch.nn.Module:
+        import transformers
+        cfg_cls, kw = cfg_fn()
+        config = cfg_cls(**{**kw, "initializer_range": initializer_range, **overrides})
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = getattr(transformers, model_cls_name)(config)
+        model.generation_config.eos_token_id = None  # always run max_new_tokens
+        return model.to(dtype).eval()
+    build.__doc__ = f"Build a tiny random {model_cls_name} (eval mode)."
+    return build
+
+
+DELTA_FAMILY: Dict[str, Callable[..., torch.nn.Module]] = {
+    "qwen3_next": _delta_builder(_qwen3_next_cfg, "Qwen3NextForCausalLM"),
+    "qwen3_5": _delta_builder(_qwen3_5_cfg, "Qwen3_5ForCausalLM"),
+    "qwen3_5_moe": _delta_builder(_qwen3_5_moe_cfg, "Qwen3_5MoeForCausalLM"),
+    "kimi_linear": _delta_builder(_kimi_linear_cfg, "KimiLinearForCausalLM"),
+}
