@@ -8,9 +8,10 @@
 ``replay_compile::delta_materialize``  the true state after ``count`` records, out of place.
 
 GDN and KDA share the ops: the log-gate's shape tells them apart (``g: [b, HV]`` and ``g_ring: [S, HV, L]`` for
-GDN; ``g: [b, HV, K]`` and ``g_ring: [S, HV, L, K]`` for KDA's per-key-channel gate). The CPU implementation (and,
-until the Triton kernels land, every device's) is the vectorised reference in
-:mod:`replay_compile.kernels.delta_reference`, where shapes and the in-place contract are documented.
+GDN; ``g: [b, HV, K]`` and ``g_ring: [S, HV, L, K]`` for KDA's per-key-channel gate). The CPU implementation is the
+vectorised reference in :mod:`replay_compile.kernels.delta_reference`, where shapes and the in-place contract are
+documented; on CUDA the step runs the Triton kernel of :mod:`replay_compile.kernels.delta_triton`
+(``REPLAY_COMPILE_KERNELS=reference`` to bypass it).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import delta_reference as ref
-from .mamba2 import _FLOATS, _STATE_DTYPES
+from .mamba2 import _FLOATS, _STATE_DTYPES, use_triton
 
 
 def _fail(msg: str):
@@ -87,6 +88,16 @@ def delta_step(
     """One ReplaySSM delta-rule decode step. See :func:`delta_replay_step_reference` for shapes and semantics."""
     check_step_args(state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slot_idx)
     return ref.delta_replay_step_reference(state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slot_idx)
+
+
+@delta_step.register_kernel("cuda")
+def _(state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slot_idx=None):
+    check_step_args(state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slot_idx)
+    if not use_triton():
+        return ref.delta_replay_step_reference(state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slot_idx)
+    from ..kernels.delta_triton import delta_replay_step_triton  # imported lazily: triton is only needed on GPUs
+
+    return delta_replay_step_triton(state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slot_idx)
 
 
 @delta_step.register_fake

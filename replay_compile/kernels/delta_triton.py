@@ -1,0 +1,180 @@
+"""Triton kernel of the delta-rule ReplaySSM step (GDN and KDA): the CUDA implementation of
+``replay_compile::delta_step``, same signature and in-place contract as
+:func:`~replay_compile.kernels.delta_reference.delta_replay_step_reference`.
+
+The delta rule needs ``S'ᵀk`` as well as ``S'ᵀq``, so every step reads the checkpoint (there is no output-only
+route); what replay saves is the write: non-flush steps append ``(d, k, g)`` and leave the checkpoint untouched.
+
+Grid ``(cdiv(V, BLOCK_V), batch, HV)``. A program holds the checkpoint's ``K x BLOCK_V`` slice (K padded to a power
+of two >= 16) and the window of up to ``L`` records on a power-of-two axis ``BLOCK_L >= 16``: keys ``[BLOCK_L, K]``
+of its key head, its slice of the corrected values ``[BLOCK_L, BLOCK_V]``, gates ``[BLOCK_L]`` (GDN) or
+``[BLOCK_L, K]`` (KDA). With ``E_j = Σ_{j<i<=w} g_i`` (suffix sums, <= 0) and ``KE_j = k_j ⊙ exp(E_j)``::
+
+    S'ᵀx = S_0ᵀ (exp(E_tot) ⊙ x) + Σ_{j<w} d_j (KE_j · x)        for x = k_t and x = q_t
+    d_t  = beta (v_t - S'ᵀk_t) ;  o_t = S'ᵀq_t + d_t (k_t · q_t)
+    flush: S_new = exp(E_tot) ⊙_K S_0 + KEᵀ D + k_t d_tᵀ           (one tl.dot, IEEE fp32), written once
+
+Every load is issued before the cursor is known (ring slots past ``w`` are discarded in registers), the cursor
+advance is folded in with the arrival count of :func:`~replay_compile.kernels.mamba2_triton._arrive`, fp16
+checkpoints are rounded stochastically at the flush exactly as the reference does. No autotuning (the kernel writes
+its inputs in place); constexpr loop bounds only (the interpreter's numpy>=2.4 limitation).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .mamba2_triton import _ARRIVAL, _arrive, _store_checkpoint
+
+
+@triton.jit
+def _delta_replay_step_kernel(
+    state_ptr, dr_ptr, kr_ptr, gr_ptr, cursor_ptr,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, slot_ptr, o_ptr,
+    HV, K, V, L, v_per_k, v_per_q, arrivals,
+    s_sb, s_sh, s_sk, s_sv,                 # state [S, HV, K, V]
+    s_drb, s_drh, s_drl, s_drv,             # d_ring [S, HV, L, V]
+    s_krb, s_krh, s_krl, s_krk,             # k_ring [S, Hk, L, K]
+    s_grb, s_grh, s_grl, s_grk,             # g_ring [S, HV, L(, K)] (s_grk unused for GDN)
+    s_qb, s_qh, s_qk, s_kb, s_kh, s_kk,     # q [b, Hq, K], k [b, Hk, K]
+    s_vb, s_vh, s_vv,                       # v [b, HV, V]
+    s_gb, s_gh, s_gk,                       # g [b, HV(, K)]
+    s_bb, s_bh,                             # beta [b, HV]
+    s_ob, s_oh, s_ov,                       # o [b, HV, V]
+    HAS_SLOT: tl.constexpr, KDA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr,
+):
+    pid_v = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2).to(tl.int64)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_v = offs_v < V
+    o_ptrs = o_ptr + row * s_ob + h * s_oh + offs_v * s_ov
+    if HAS_SLOT:
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+    else:
+        slot = row
+    if slot < 0:                                   # padding row: zero output, touch nothing else
+        tl.store(o_ptrs, tl.zeros([BLOCK_V], dtype=tl.float32), mask=mask_v)
+        return
+    w = _arrive(cursor_ptr, slot, arrivals, L)
+
+    hk = h // v_per_k
+    hq = h // v_per_q
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_l = tl.arange(0, BLOCK_L)
+    mask_k = offs_k < K
+    in_ring = offs_l < L
+    tile_mask = mask_k[:, None] & mask_v[None, :]
+
+    # loads that do not depend on w
+    st_ptrs = state_ptr + slot * s_sb + h * s_sh + offs_k[:, None] * s_sk + offs_v[None, :] * s_sv
+    s0 = tl.load(st_ptrs, mask=tile_mask, other=0.0).to(tl.float32)                       # [BLOCK_K, BLOCK_V]
+    q = tl.load(q_ptr + row * s_qb + hq * s_qh + offs_k * s_qk, mask=mask_k, other=0.0).to(tl.float32)
+    k_raw = tl.load(k_ptr + row * s_kb + hk * s_kh + offs_k * s_kk, mask=mask_k, other=0.0)
+    k = k_raw.to(tl.float32)
+    v = tl.load(v_ptr + row * s_vb + h * s_vh + offs_v * s_vv, mask=mask_v, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + row * s_bb + h * s_bh).to(tl.float32)
+    kw = tl.load(kr_ptr + slot * s_krb + hk * s_krh + offs_l[:, None] * s_krl + offs_k[None, :] * s_krk,
+                 mask=in_ring[:, None] & mask_k[None, :], other=0.0).to(tl.float32)          # [BLOCK_L, BLOCK_K]
+    dw = tl.load(dr_ptr + slot * s_drb + h * s_drh + offs_l[:, None] * s_drl + offs_v[None, :] * s_drv,
+                 mask=in_ring[:, None] & mask_v[None, :], other=0.0).to(tl.float32)          # [BLOCK_L, BLOCK_V]
+    if KDA:
+        g_cur = tl.load(g_ptr + row * s_gb + h * s_gh + offs_k * s_gk, mask=mask_k, other=0.0).to(tl.float32)
+        gw = tl.load(gr_ptr + slot * s_grb + h * s_grh + offs_l[:, None] * s_grl + offs_k[None, :] * s_grk,
+                     mask=in_ring[:, None] & mask_k[None, :], other=0.0).to(tl.float32)      # [BLOCK_L, BLOCK_K]
+    else:
+        g_cur = tl.load(g_ptr + row * s_gb + h * s_gh).to(tl.float32)
+        gw = tl.load(gr_ptr + slot * s_grb + h * s_grh + offs_l * s_grl, mask=in_ring, other=0.0).to(tl.float32)
+
+    # the window: records j < w, this token's gate at j == w; stale ring slots never leak (where, not multiply)
+    hist = offs_l < w
+    cur = offs_l == w
+    if KDA:
+        gw = tl.where(cur[:, None], g_cur[None, :], tl.where(hist[:, None], gw, 0.0))
+        e_tot = tl.sum(gw, axis=0)                                                           # [BLOCK_K]
+        after = tl.minimum(tl.cumsum(gw, axis=0, reverse=True) - gw, 0.0)                  # Σ_{j<i<=w}
+        ke = tl.where(hist[:, None], kw * tl.exp(after), 0.0)                                # [BLOCK_L, BLOCK_K]
+        dec = tl.exp(tl.minimum(e_tot, 0.0))                                                 # [BLOCK_K]
+        ak = dec * k
+        aq = dec * q
+    else:
+        gw = tl.where(cur, g_cur, tl.where(hist, gw, 0.0))
+        e_tot = tl.sum(gw, axis=0)
+        after = tl.minimum(tl.cumsum(gw, axis=0, reverse=True) - gw, 0.0)
+        ke = tl.where(hist[:, None], kw * tl.exp(after)[:, None], 0.0)
+        dec = tl.exp(tl.minimum(e_tot, 0.0))
+        ak = dec * k
+        aq = dec * q
+    dw = tl.where(hist[:, None], dw, 0.0)
+
+    sk = tl.sum(s0 * ak[:, None], axis=0) + tl.sum(tl.sum(ke * k[None, :], axis=1)[:, None] * dw, axis=0)
+    sq = tl.sum(s0 * aq[:, None], axis=0) + tl.sum(tl.sum(ke * q[None, :], axis=1)[:, None] * dw, axis=0)
+    d = beta * (v - sk)                                                                       # [BLOCK_V]
+    o = sq + d * tl.sum(k * q, axis=0)
+    tl.store(o_ptrs, o, mask=mask_v)
+
+    if w == L - 1:
+        # flush: S_new = exp(E_tot) ⊙_K S_0 + KEᵀ D + k dᵀ, written once; nothing appended (w -> 0)
+        if KDA:
+            s_new = dec[:, None] * s0
+        else:
+            s_new = dec * s0
+        s_new = s_new + tl.dot(tl.trans(ke), dw, input_precision="ieee") + k[:, None] * d[None, :]
+        if KDA:
+            key_gate = tl.sum(tl.where(offs_k == 0, g_cur, 0.0), axis=0)                   # g[..., 0], as the reference
+        else:
+            key_gate = g_cur
+        _store_checkpoint(st_ptrs, s_new, tile_mask, key_gate, slot * HV + h,
+                          offs_k[:, None] * V + offs_v[None, :], STOCHASTIC_FP16)
+    else:
+        tl.store(dr_ptr + slot * s_drb + h * s_drh + w * s_drl + offs_v * s_drv,
+                 d.to(dr_ptr.dtype.element_ty), mask=mask_v)
+        if pid_v == 0:
+            if KDA:
+                tl.store(gr_ptr + slot * s_grb + h * s_grh + w * s_grl + offs_k * s_grk, g_cur, mask=mask_k)
+            else:
+                tl.store(gr_ptr + slot * s_grb + h * s_grh + w * s_grl, g_cur)
+            if h % v_per_k == 0:                       # one program per key head appends k_t
+                tl.store(kr_ptr + slot * s_krb + hk * s_krh + w * s_krl + offs_k * s_krk,
+                         k_raw.to(kr_ptr.dtype.element_ty), mask=mask_k)
+
+
+def launch_config(K: int, V: int, L: int) -> dict:
+    """BLOCK_V 32 (16 for tiny V), K whole (padded to >= 16), window >= 16; warps so the fp32 tile is <= 64
+    registers per thread."""
+    block_k = max(16, triton.next_power_of_2(K))
+    block_v = 32 if V > 16 else 16
+    block_l = max(16, triton.next_power_of_2(L))
+    warps = max(1, min(8, max(block_k * block_v, block_l * block_k) // (32 * 64)))
+    return dict(BLOCK_K=block_k, BLOCK_V=block_v, BLOCK_L=block_l, num_warps=warps)
+
+
+def delta_replay_step_triton(state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slot_idx=None):
+    """Triton implementation of :func:`delta_replay_step_reference` (same arguments, same in-place contract)."""
+    S, HV, K, V = state.shape
+    b = v.shape[0]
+    L = d_ring.shape[2]
+    kda = g_ring.dim() == 4
+    o = torch.empty((b, HV, V), dtype=torch.float32, device=v.device)
+    if b == 0:
+        return o
+    cfg = launch_config(K, V, L)
+    n_vb = triton.cdiv(V, cfg["BLOCK_V"])
+    if n_vb * HV >= 1 << 15 or L >= _ARRIVAL:
+        raise ValueError(f"replay_compile.delta: {HV} heads x {n_vb} V-blocks (or L={L}) exceed the cursor word's "
+                         "arrival counter")
+    has_slot = slot_idx is not None
+    g_strides = tuple(g_ring.stride()) + ((0,) if not kda else ())
+    gi_strides = tuple(g.stride()) + ((0,) if not kda else ())
+    _delta_replay_step_kernel[(n_vb, b, HV)](
+        state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slot_idx if has_slot else cursor, o,
+        HV, K, V, L, HV // k_ring.shape[1], HV // q.shape[1], n_vb * HV,
+        *state.stride(), *d_ring.stride(), *k_ring.stride(), *g_strides,
+        *q.stride(), *k.stride(), *v.stride(), *gi_strides, *beta.stride(), *o.stride(),
+        HAS_SLOT=has_slot, KDA=kda, BLOCK_K=cfg["BLOCK_K"], BLOCK_V=cfg["BLOCK_V"], BLOCK_L=cfg["BLOCK_L"],
+        STOCHASTIC_FP16=state.dtype == torch.float16, num_warps=cfg["num_warps"],
+    )
+    return o
