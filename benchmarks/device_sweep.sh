@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
 # One device call: kernel GPU tests, the full kernel sweep (both variants, baseline in the same run), the CUDA-graph
-# check under the image's transformers and (if carried in .wheels/) a newer one, and the mamba_ssm-form diagnostic.
-# Usage on the GPU machine:  OUT=... bash benchmarks/device_sweep.sh [steps...]   (steps: tests sweep graphs form)
+# check under the image's transformers and (if carried in .wheels/) a newer one, the mamba_ssm-form diagnostic, and
+# the delta-rule kernel tests + sweep against fla (fla-core wheels carried in .wheels/:
+#   pip download fla-core flash-linear-attention --no-deps -d .wheels).
+# Usage on the GPU machine:  OUT=... bash benchmarks/device_sweep.sh [steps...]
+#   (steps: tests sweep graphs form delta; default: tests sweep graphs form)
 set -uo pipefail
 OUT=${OUT:-device-logs}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1
+if ls .wheels/fla_core-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-deps .wheels/fla_core-*.whl .wheels/flash_linear_attention-*.whl >> "$OUT/install.log" 2>&1
+fi
 NEWTF=""
 if ls .wheels/transformers-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-deps --target /tmp/newtf .wheels/*.whl >> "$OUT/install.log" 2>&1 && NEWTF=/tmp/newtf
@@ -21,4 +27,7 @@ for s in $steps; do case $s in
             | grep -v "^\[transformers\]" | tail -8 | tee "$OUT/cudagraphs_newtf.txt" ;;
   form) [ -n "$NEWTF" ] && PYTHONPATH=$NEWTF timeout 150 python3 benchmarks/diag_mamba_ssm_form.py \
           > "$OUT/diag_form_newtf.txt" 2>&1; grep -v "^      " "$OUT/diag_form_newtf.txt" | cut -c1-400 | tail -25 ;;
+  delta) timeout 120 python3 -m pytest -q tests/test_delta_triton.py -p no:cacheprovider 2>&1 | tail -4 \
+           | tee "$OUT/pytest_delta.txt"
+         timeout 300 python3 benchmarks/bench_delta_kernel.py --out "$OUT" 2>&1 | grep -v Warn | tee "$OUT/delta_sweep.txt" ;;
 esac; done
