@@ -19,6 +19,7 @@ out of graph values; :func:`replay_compile::delta_step` replaces the write and t
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import torch
 import torch.fx as fx
@@ -44,6 +45,20 @@ def flatten_users(new):
             out.add(n)
             todo.extend(a for a in n.args if isinstance(a, fx.Node))
     return out
+
+
+def _einsum_parts(n: fx.Node, state_like: fx.Node):
+    """(operands [state_like, other], state letters, other letters, output letters) of a two-operand einsum in
+    which one operand is ``state_like`` (casts seen through); NoMatch otherwise."""
+    eq, ops = n.args[0], list(n.args[1:])
+    if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
+        ops = list(ops[0])
+    m = re.fullmatch(r"\s*(\w+)\s*,\s*(\w+)\s*->\s*(\w*)\s*", eq) if isinstance(eq, str) else None
+    idx = [i for i, o in enumerate(ops) if strip(o) is strip(state_like)] if len(ops) == 2 else []
+    if not m or len(idx) != 1 or len(m.group(1 + idx[0])) != 4:
+        raise NoMatch(f"einsum `{n.name}` is not (state, vector) -> vector")
+    i = idx[0]
+    return [ops[i], ops[1 - i]], m.group(1 + i), m.group(2 - i), m.group(3)
 
 
 def _adds_dims_only(n: fx.Node) -> bool:
@@ -166,23 +181,25 @@ class DeltaMatcher(Mamba2Matcher):
         v_node, kvm = sub.args
         if not isinstance(v_node, fx.Node) or depends_on(v_node, state):
             raise NoMatch("value term v is computed from the state")
-        self._check_kv_mem(kvm, s1, kfac)
-        self._check_decayed_uses(s1, new, strip(kvm).args[0])
+        kvm_reader = self._check_kv_mem(kvm, s1, kfac)
+        self._check_decayed_uses(s1, new, kvm_reader)
         beta_parts = [f for f in dparts if f is not reading[0]]
         if not all(isinstance(f, fx.Node) for f in beta_parts):
             raise NoMatch("corrected value has a non-tensor factor")
 
         self._check_state_uses(state, cp, s1)
-        readout, qfac = self._readout_q(new, cp, s1)
+        readout, qfac, q_dims = self._readout_q(new, cp, s1)
         if depends_on(qfac, state):
             raise NoMatch("query factor is computed from the state")
 
         # groups of q and k: block repeats along the value heads
         Hk = self._groups([kfac], HV)
-        Hq = self._groups([qfac], HV)
+        rq = self.bx.rep(qfac)[q_dims.index(H_)] if H_ in q_dims else FULL
+        rq = HV if rq == FULL else rq
+        Hq = HV // rq if HV % rq == 0 else HV
         rec = torch.float64 if dtype(state) == torch.float64 else torch.float32
         k_fn = self._product([kfac], {B_: 1, H_: HV // Hk, K_: 1}, {B_: -1, H_: Hk, K_: K, V_: V})
-        q_fn = self._product([qfac], {B_: 1, H_: HV // Hq, K_: 1}, {B_: -1, H_: Hq, K_: K, V_: V})
+        q_fn = _extractor(shape(qfac), q_dims, {B_: 1, H_: HV // Hq, K_: 1}, {B_: -1, H_: Hq, K_: K})
         d3 = [B_, H_, V_]                                         # the frame of delta: [b, HV, V]
         v_cut = _extractor(shape(v_node), d3[3 - len(shape(v_node)):], {B_: 1, H_: 1, V_: 1}, {B_: -1, H_: HV, V_: V})
         for f in beta_parts:
@@ -216,8 +233,15 @@ class DeltaMatcher(Mamba2Matcher):
     def _check_kv_mem(self, kvm, s1, kfac):
         """``kvm`` must be ``(s1 * k).sum(-2)`` with the update's own k (and nothing else reading the state)."""
         kvm = strip(kvm)
+        if op_name(kvm) == "einsum":
+            ops, s_st, s_x, s_out = _einsum_parts(kvm, s1)
+            if s_out != s_st[0] + s_st[1] + s_st[3] or sorted(s_x) != sorted(s_st[:3]):
+                raise NoMatch(f"S'ᵀk einsum {kvm.args[0]!r} does not contract the state's K dim with a key")
+            if _base(ops[1]) is not _base(kfac):
+                raise NoMatch("S'ᵀk uses another key than the update")
+            return kvm
         if op_name(kvm) != "sum":
-            raise NoMatch(f"S'ᵀk is not a sum (found {op_name(kvm)})")
+            raise NoMatch(f"S'ᵀk is not a sum or einsum (found {op_name(kvm)})")
         dim = kvm.args[1] if len(kvm.args) > 1 else kvm.kwargs.get("dim")
         dim = dim[0] if isinstance(dim, (list, tuple)) and len(dim) == 1 else dim
         if dim not in (-2, 2) or kvm.kwargs.get("keepdim", False):
@@ -229,6 +253,7 @@ class DeltaMatcher(Mamba2Matcher):
         other = next(p for p in parts if strip(p) is not s1)
         if _base(other) is not _base(kfac):
             raise NoMatch("S'ᵀk uses another key than the update")
+        return prod
 
     def _check_decayed_uses(self, s1, new, kvm_mul):
         """The decayed state may feed only the new state and S'ᵀk: anything else would read the checkpoint."""
@@ -246,8 +271,14 @@ class DeltaMatcher(Mamba2Matcher):
         if len(uses) != 1:
             raise NoMatch(f"the new state has {len(uses)} readers; expected one readout (new * q).sum(-2)")
         alias, u = uses[0]
+        if op_name(u) == "einsum" and len(shape(alias) or ()) == 4:
+            ops, s_st, s_q, s_out = _einsum_parts(u, alias)
+            if s_out != s_st[0] + s_st[1] + s_st[3] or sorted(s_q) != sorted(s_st[:3]):
+                raise NoMatch(f"readout einsum {u.args[0]!r} does not contract the state's K dim with q")
+            frame = {s_st[0]: B_, s_st[1]: H_, s_st[2]: K_}
+            return u, ops[1], [frame[ch] for ch in s_q]
         if op_name(u) != "mul" or len(u.args) != 2:
-            raise NoMatch(f"readout `{u.name}` ({op_name(u)}) is not (new * q).sum(-2)")
+            raise NoMatch(f"readout `{u.name}` ({op_name(u)}) is not (new * q).sum(-2) or an einsum over K")
         q = next((a for a in u.args if a is not alias), None)
         sums = real_users(u)
         if not isinstance(q, fx.Node) or len(sums) != 1 or op_name(sums[0]) != "sum":
@@ -261,4 +292,4 @@ class DeltaMatcher(Mamba2Matcher):
             raise NoMatch("query factor varies along V")
         if not all(same_size(a, c) for a, c in zip(shape(s)[-2:], (shape(new)[1], shape(new)[3]))):
             raise NoMatch(f"readout shape {shape(s)} is not [b, HV, V]")
-        return s, q
+        return s, q, list(range(4 - len(shape(q)), 4))
