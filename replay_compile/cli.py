@@ -1,8 +1,9 @@
-"""``replay-compile``: demo, verify, env.
+"""``replay-compile``: demo, verify, explain, env.
 
     replay-compile demo                 # the embedded tiny hybrid model, compiled vs eager
     replay-compile verify --family bamba --dtype bfloat16
     replay-compile verify --config path/to/config.json   # any transformers config, random weights
+    replay-compile explain --family qwen3_5               # which layers are rewritten, which not, and why
     replay-compile env
 """
 
@@ -76,6 +77,63 @@ def _run_check(args, title: str) -> int:
     return 0 if rep.passed else 1
 
 
+def explain_model(model, ids, buffer_len: int = 16) -> dict:
+    """Compile ``model`` with the replayssm backend (eager lowering), run a prefill and two decode steps, and say
+    per layer what the pass did: ``{layer: (verdict, detail)}`` with verdict "rewritten", "left unchanged" or
+    "prefill" (state writes of prompt processing, never rewritten by design)."""
+    import torch
+
+    from . import backend
+
+    backend.clear_reports()
+    original = model.forward
+    model.forward = torch.compile(original, backend="replayssm",
+                                  options={"lower": "eager", "buffer_len": buffer_len})
+    try:
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    finally:
+        model.forward = original
+        from . import state as replay_state
+        replay_state.flush(model)
+    verdicts: dict = {}
+    for rep in backend.reports():
+        for rw in rep.rewrites:
+            verdicts[rw.layer] = ("rewritten", f"{rw.family} [{rw.form}] {rw.detail}")
+        for sk in rep.skipped:
+            if sk.layer in verdicts and verdicts[sk.layer][0] == "rewritten":
+                continue
+            if sk.quiet:
+                verdicts.setdefault(sk.layer, ("prefill", sk.reason))
+            else:
+                verdicts[sk.layer] = ("left unchanged", sk.reason)
+    return verdicts
+
+
+def _explain(args) -> int:
+    _torch_setup(args.threads)
+    model, ids, name = _build(args)
+    print(f"explain: {name}")
+    verdicts = explain_model(model, ids, args.buffer_len)
+    if not verdicts:
+        print("  no recurrent-state write found in the compiled graphs (no SSM layer, or a form the pass does not "
+              "anchor on)")
+        return 1
+    width = max(len(k) for k in verdicts)
+    for layer in sorted(verdicts, key=_layer_key):
+        verdict, detail = verdicts[layer]
+        print(f"  {layer:<{width}}  {verdict:<14}  {detail}")
+    n = sum(1 for v, _ in verdicts.values() if v == "rewritten")
+    print(f"  {n} of {len(verdicts)} state-writing layers rewritten")
+    return 0
+
+
+def _layer_key(name: str):
+    import re
+
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
 def _env(_args) -> int:
     import importlib
 
@@ -131,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     _add_common(demo, tokens=64)
     verify = sub.add_parser("verify", help="check any supported model: compiled vs eager over >= 2L+1 steps")
     _add_common(verify, tokens=33)
+    explain = sub.add_parser("explain", help="which SSM layers the pass rewrites, which it leaves and why")
+    _add_common(explain, tokens=3)
     sub.add_parser("env", help="versions and devices")
     args = parser.parse_args(argv)
     if args.cmd == "env":
@@ -140,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("replay-compile: this command needs transformers: pip install 'replay-compile[hf]'", file=sys.stderr)
         return 2
+    if args.cmd == "explain":
+        return _explain(args)
     return _run_check(args, "demo" if args.cmd == "demo" else "verify")
 
 

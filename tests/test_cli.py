@@ -38,3 +38,17 @@ def test_env(capsys):
     assert main(["env"]) == 0
     out = capsys.readouterr().out
     assert "torch" in out and "replay_compile" in out
+
+
+def test_explain_lists_rewritten_layers(capsys):
+    assert main(["explain", "--family", "qwen3_5", "--buffer-len", "4"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("rewritten  ") == 2 and "gdn [gdn/grouped] HV=4 Hk=2" in out, out
+    assert "2 of 2 state-writing layers rewritten" in out
+
+
+def test_explain_says_why_a_layer_is_left_unchanged(capsys, monkeypatch):
+    monkeypatch.setenv("REPLAY_COMPILE_FAMILIES", "mamba2")
+    assert main(["explain", "--family", "kimi_linear", "--buffer-len", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "left unchanged" in out and "0 of 2 state-writing layers rewritten" in out, out

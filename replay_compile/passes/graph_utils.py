@@ -8,6 +8,8 @@ copies that do not change values' meaning, :func:`flatten` collects the operands
 
 from __future__ import annotations
 
+import re
+
 import operator
 from typing import Any, Iterable
 
@@ -134,6 +136,7 @@ def module_path(n: fx.Node, default: str | None = None) -> str:
         path = path.replace("L['self'].", "").replace("L['self']", "")
         for junk in ("._modules['", "']", "['", "._modules"):
             path = path.replace(junk, "." if junk.endswith("['") else "")
+        path = re.sub(r"^L\.(args\[0\]|self)(\.|$)", "", path)      # a forward reached through a wrapper(self, ...)
         return path.strip(".") or "<root>"
     return default or n.name
 
