@@ -4,6 +4,7 @@
     replay-compile verify --family bamba --dtype bfloat16
     replay-compile verify --config path/to/config.json   # any transformers config, random weights
     replay-compile explain --family qwen3_5               # which layers are rewritten, which not, and why
+    replay-compile bench --device cuda                    # decode-step benchmark, real-size hybrids (GPU)
     replay-compile env
 """
 
@@ -128,10 +129,38 @@ def _explain(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    torch = _torch_setup(args.threads)
+    from . import bench
+
+    cuda = args.device.startswith("cuda")
+    models = (args.models or ("nemotron_h_nano4b,qwen35_4b,mamba2_2p7b" if cuda else "tiny_nemotron_h")).split(",")
+    batches = [int(b) for b in (args.batches or ("1,8,32,64,128,256,512" if cuda else "1,2")).split(",")]
+    modes = (args.modes or (",".join(bench.MODES) if cuda else "eager,replayssm")).split(",")
+    unknown = set(modes) - set(bench.MODES)
+    if unknown:
+        raise SystemExit(f"replay-compile bench: unknown modes {sorted(unknown)}; choose from {bench.MODES}")
+    print(f"bench: {models} batches {batches} modes {modes}, {args.steps} decode steps, L={args.buffer_len}, "
+          f"{args.dtype} on {args.device}, torch {torch.__version__}" +
+          (f", first {args.layers} layers only" if args.layers else ""))
+    rows = bench.run(models, batches, modes, args.steps, args.buffer_len, args.device, args.dtype, args.layers,
+                     args.out)
+    print(f"wrote {os.path.join(args.out, 'bench.csv')} and bench.md ({len(rows)} rows)")
+    return 0 if rows else 1
+
+
 def _layer_key(name: str):
     import re
 
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001 - no torch: the command will say so later
+        return False
 
 
 def _env(_args) -> int:
@@ -191,6 +220,18 @@ def main(argv: list[str] | None = None) -> int:
     _add_common(verify, tokens=33)
     explain = sub.add_parser("explain", help="which SSM layers the pass rewrites, which it leaves and why")
     _add_common(explain, tokens=3)
+    b = sub.add_parser("bench", help="decode-step benchmark: eager / torch.compile / replayssm across batch sizes")
+    b.add_argument("--models", help="comma list: nemotron_h_nano4b, qwen35_4b, mamba2_2p7b, tiny_<family> "
+                                    "(default: the three real-size models on CUDA, tiny_nemotron_h on CPU)")
+    b.add_argument("--batches", help="comma list (default 1..512 on CUDA, 1,2 on CPU)")
+    b.add_argument("--modes", help="comma list of eager, inductor, inductor-ro, replayssm, replayssm-ro")
+    b.add_argument("--steps", type=int, default=48, help="timed decode steps (default: %(default)s)")
+    b.add_argument("--buffer-len", type=int, default=16)
+    b.add_argument("--layers", type=int, default=None, help="keep only the first N layers (say why in reports)")
+    b.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    b.add_argument("--device", default="cuda" if _cuda_available() else "cpu")
+    b.add_argument("--threads", type=int, default=None)
+    b.add_argument("--out", default="bench-results")
     sub.add_parser("env", help="versions and devices")
     args = parser.parse_args(argv)
     if args.cmd == "env":
@@ -202,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.cmd == "explain":
         return _explain(args)
+    if args.cmd == "bench":
+        return _bench(args)
     return _run_check(args, "demo" if args.cmd == "demo" else "verify")
 
 

@@ -52,3 +52,17 @@ def test_explain_says_why_a_layer_is_left_unchanged(capsys, monkeypatch):
     assert main(["explain", "--family", "kimi_linear", "--buffer-len", "4"]) == 0
     out = capsys.readouterr().out
     assert "left unchanged" in out and "0 of 2 state-writing layers rewritten" in out, out
+
+
+def test_bench_smoke_on_cpu(tmp_path, capsys):
+    """The benchmark command end to end on a tiny model (CPU, wall-clock timing): rows, CSV, table, rewrites."""
+    import csv
+
+    assert main(["bench", "--models", "tiny_mamba2", "--batches", "2", "--modes", "eager,replayssm",
+                 "--steps", "9", "--buffer-len", "4", "--dtype", "float32", "--device", "cpu",
+                 "--out", str(tmp_path)]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "bench.csv")))
+    assert [r["mode"] for r in rows] == ["eager", "replayssm"]
+    assert rows[0]["rewrites"] == "0" and int(rows[1]["rewrites"]) >= 2
+    assert float(rows[1]["flush_ms"]) > 0 and float(rows[1]["nonflush_ms"]) > 0
+    assert "| tiny_mamba2" in capsys.readouterr().out and (tmp_path / "bench.md").exists()

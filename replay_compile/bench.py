@@ -1,0 +1,249 @@
+"""``replay-compile bench``: whole decode steps of hybrid models, unmodified vs rewritten, across batch sizes.
+
+Per (model, batch, mode): random-weight model, static cache allocated and prefilled eagerly (so CUDA graphs can own
+nothing of it), then decode steps through ``forward`` compiled as the mode says:
+
+* ``eager``                  the model as written
+* ``inductor``, ``inductor-ro``     plain ``torch.compile`` (default / ``mode="reduce-overhead"``)
+* ``replayssm``, ``replayssm-ro``   ``backend="replayssm"`` (default / ``mode="reduce-overhead"``)
+
+Each decode step is timed with CUDA events on GPUs (wall clock on CPU). Steps are labelled flush / non-flush by
+their position (the cursor is 0 after the prefill, so step ``t`` flushes when ``t % L == L - 1``). Reported:
+tokens/s, mean step time, flush and non-flush step times, peak memory, time of the first compiled step (compile).
+Results go to a CSV, a Markdown table and, with matplotlib, a PNG of the speedup over plain ``torch.compile`` in the
+same mode.
+
+Models: real-size configurations with random weights (``nemotron_h_nano4b``, ``qwen35_4b``, ``mamba2_2p7b``;
+``--layers`` keeps the first N layers when memory or time forces it, and the table says so) and the tiny test
+models of :mod:`replay_compile.testing.hf_models` (``tiny_<family>``) for CPU smoke runs.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import statistics
+import sys
+import time
+from typing import Callable
+
+MODES = ("eager", "inductor", "inductor-ro", "replayssm", "replayssm-ro")
+
+
+def _nemotron_h_nano4b(layers: int | None):
+    from transformers import NemotronHConfig
+    # Nemotron-Nano-4B-like: 96 Mamba-2 heads x 80, 8 groups, state 128; attention every 7th block, MLP between
+    pattern = (["linear_attention", "mlp"] * 3 + ["full_attention", "mlp"]) * 7
+    n = layers or len(pattern)
+    return NemotronHConfig(
+        hidden_size=3072, layers_block_type=pattern[:n], mamba_num_heads=96, mamba_head_dim=80, n_groups=8,
+        ssm_state_size=128, conv_kernel=4, expand=2.5, intermediate_size=12288, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=131072), "NemotronHForCausalLM"
+
+
+def _qwen35_4b(layers: int | None):
+    from transformers import Qwen3_5TextConfig
+    n = layers or 32
+    return Qwen3_5TextConfig(
+        hidden_size=2560, num_hidden_layers=n, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (n // 4)
+        + ["linear_attention"] * (n % 4), linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, intermediate_size=9216, num_attention_heads=16,
+        num_key_value_heads=4, head_dim=256, vocab_size=248320), "Qwen3_5ForCausalLM"
+
+
+def _mamba2_2p7b(layers: int | None):
+    from transformers import Mamba2Config
+    return Mamba2Config(hidden_size=2560, num_hidden_layers=layers or 64, num_heads=80, head_dim=64, n_groups=1,
+                        state_size=128, expand=2, vocab_size=50288), "Mamba2ForCausalLM"
+
+
+REAL: dict[str, Callable] = {"nemotron_h_nano4b": _nemotron_h_nano4b, "qwen35_4b": _qwen35_4b,
+                             "mamba2_2p7b": _mamba2_2p7b}
+
+
+def build_model(name: str, dtype, device, layers: int | None = None, seed: int = 0):
+    import torch
+    import transformers
+
+    if name.startswith("tiny_"):
+        from .testing.hf_models import DELTA_FAMILY, MAMBA2_FAMILY
+        fam = name[len("tiny_"):]
+        builders = {**MAMBA2_FAMILY, **DELTA_FAMILY}
+        if fam not in builders:
+            raise SystemExit(f"replay-compile bench: unknown model {name!r}")
+        return builders[fam](dtype=dtype, seed=seed).to(device)
+    if name not in REAL:
+        raise SystemExit(f"replay-compile bench: unknown model {name!r}; choose from {sorted(REAL)} or tiny_<family>")
+    cfg, cls = REAL[name](layers)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = getattr(transformers, cls)(cfg).to(dtype)
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+class _Timer:
+    def __init__(self, device):
+        import torch
+        self.cuda = str(device).startswith("cuda")
+        self.torch = torch
+
+    def __call__(self, fn):
+        """(result, seconds) of ``fn()``."""
+        t = self.torch
+        if self.cuda:
+            a, b = t.cuda.Event(enable_timing=True), t.cuda.Event(enable_timing=True)
+            a.record()
+            out = fn()
+            b.record()
+            t.cuda.synchronize()
+            return out, a.elapsed_time(b) * 1e-3
+        t0 = time.perf_counter()
+        out = fn()
+        return out, time.perf_counter() - t0
+
+
+def _forward_for(model, mode: str, L: int):
+    import torch
+    if mode == "eager":
+        return model.forward
+    backend = "replayssm" if mode.startswith("replayssm") else "inductor"
+    kw = {"mode": "reduce-overhead"} if mode.endswith("-ro") else {}
+    options = {"buffer_len": L} if backend == "replayssm" else None
+    if options is not None and kw:
+        options["mode"] = kw.pop("mode")
+    return torch.compile(model.forward, backend=backend, options=options, **kw)
+
+
+def cache_kwarg(model) -> str:
+    """The forward's cache argument: ``cache`` (transformers >= 5.2x), else ``past_key_values`` / ``cache_params``.
+    A wrong name is swallowed by ``**kwargs`` and silently decodes without a cache, so look it up."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    for name in ("cache", "past_key_values", "cache_params"):
+        if name in params:
+            return name
+    raise SystemExit(f"replay-compile bench: {type(model).__name__}.forward takes no cache argument")
+
+
+def bench_one(model, batch: int, mode: str, steps: int, L: int, prompt_len: int = 16, seed: int = 0) -> dict:
+    """Decode ``steps`` tokens after an eager prefill; per-step times. The first compiled step is the compile."""
+    import torch
+    from transformers import StaticCache
+
+    from . import backend as rb
+    from . import state as rs
+
+    device = next(model.parameters()).device
+    torch._dynamo.reset()
+    rb.clear_reports()
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, model.config.vocab_size, (batch, prompt_len), generator=gen).to(device)
+    cache = StaticCache(config=model.config, max_cache_len=prompt_len + steps + 2)
+    timer = _Timer(device)
+    if timer.cuda:
+        torch.cuda.reset_peak_memory_stats()
+    forward = _forward_for(model, mode, L)
+    ck = cache_kwarg(model)
+    times = []
+    with torch.no_grad():
+        out = model(ids, use_cache=True, **{ck: cache})
+        tok = out.logits[:, -1:].argmax(-1)
+        for t in range(steps + 1):
+            pos = torch.tensor([prompt_len + t], device=device)
+            out, dt = timer(lambda: forward(tok, use_cache=True, cache_position=pos, **{ck: cache}))
+            tok = out.logits[:, -1:].argmax(-1)
+            times.append(dt)
+        rs.flush(cache)
+    first, rest = times[0], times[1:]              # step 0 compiles (or warms up eager)
+    flush = [x for i, x in enumerate(rest, start=1) if i % L == L - 1]
+    nonflush = [x for i, x in enumerate(rest, start=1) if i % L != L - 1]
+    mean = statistics.mean(rest)
+    rewrites = sum(len(r.rewrites) for r in rb.reports())
+    return dict(batch=batch, mode=mode, steps=steps, step_ms=mean * 1e3,
+                median_step_ms=statistics.median(rest) * 1e3,
+                nonflush_ms=statistics.mean(nonflush) * 1e3 if nonflush else float("nan"),
+                flush_ms=statistics.mean(flush) * 1e3 if flush and mode.startswith("replayssm") else float("nan"),
+                tokens_per_s=batch / mean, first_step_s=first,
+                peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if timer.cuda else float("nan"),
+                rewrites=rewrites)
+
+
+def run(models, batches, modes, steps, L, device, dtype_name, layers, out_dir, progress=True) -> list[dict]:
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    os.makedirs(out_dir, exist_ok=True)
+    rows = []
+    total = len(models) * len(batches) * len(modes)
+    done = 0
+    for name in models:
+        model = build_model(name, dtype, device, layers)
+        n_layers = getattr(model.config, "num_hidden_layers", None)
+        for bs in batches:
+            for mode in modes:
+                done += 1
+                if progress:
+                    print(f"[{done}/{total}] {name} bs={bs} {mode} ...", file=sys.stderr, flush=True)
+                try:
+                    r = bench_one(model, bs, mode, steps, L)
+                except torch.cuda.OutOfMemoryError:
+                    torch.cuda.empty_cache()
+                    print(f"  {name} bs={bs} {mode}: out of memory, skipped", file=sys.stderr)
+                    continue
+                rows.append(dict(model=name, layers=n_layers, dtype=dtype_name, L=L, **r))
+        del model
+    _write(rows, out_dir)
+    return rows
+
+
+def _speedups(rows):
+    base = {(r["model"], r["batch"], r["mode"].replace("replayssm", "inductor")): r["step_ms"] for r in rows
+            if r["mode"].startswith("inductor")}
+    for r in rows:
+        ref = base.get((r["model"], r["batch"], r["mode"].replace("replayssm", "inductor")))
+        r["speedup_vs_compile"] = ref / r["step_ms"] if ref and r["mode"].startswith("replayssm") else float("nan")
+
+
+def _write(rows, out_dir):
+    if not rows:
+        return
+    _speedups(rows)
+    with open(os.path.join(out_dir, "bench.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    lines = ["| model (layers) | batch | mode | step ms | non-flush ms | flush ms | tokens/s | first step s | "
+             "peak GiB | rewrites | speedup vs torch.compile |", "|" + " --- |" * 11]
+    for r in rows:
+        lines.append(f"| {r['model']} ({r['layers']}) | {r['batch']} | {r['mode']} | {r['step_ms']:.3f} | "
+                     f"{r['nonflush_ms']:.3f} | {r['flush_ms']:.3f} | {r['tokens_per_s']:.1f} | "
+                     f"{r['first_step_s']:.1f} | {r['peak_mem_gib']:.2f} | {r['rewrites']} | "
+                     f"{r['speedup_vs_compile']:.2f} |")
+    table = "\n".join(lines)
+    with open(os.path.join(out_dir, "bench.md"), "w") as f:
+        f.write(table + "\n")
+    print(table)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    for model in sorted({r["model"] for r in rows}):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for mode in ("replayssm", "replayssm-ro"):
+            pts = [r for r in rows if r["model"] == model and r["mode"] == mode]
+            if pts:
+                ax.plot([r["batch"] for r in pts], [r["speedup_vs_compile"] for r in pts], marker="o", label=mode)
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch")
+        ax.set_ylabel("decode step speedup vs torch.compile (same mode)")
+        ax.set_title(model)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, f"bench_{model}.png"), dpi=120)
+        plt.close(fig)
