@@ -224,7 +224,7 @@ class UpdateReadsTheState(torch.nn.Module):
 
 
 @pytest.mark.parametrize("case, reason", [
-    (UpdateReadsTheState, "is not (new * q).sum(-2)"),
+    (UpdateReadsTheState, "does not contract the state's K dim with q"),
     (PerChannelDecay, "not provably constant along P"),
     (ReturnsNewState, "also read by"),
     (FullRankUpdate, "not a rank-1 update"),
