@@ -97,3 +97,34 @@ def test_ring_wraps_and_flushes_on_a_long_run():
     wraps = sum(1 for a, b in zip(origins, origins[1:]) if b < a)
     assert wraps >= 3, origins
     assert rel(spec_materialize_reference(state, *rings, w, origin, 0), true) < 1e-10
+
+
+def test_ops_wrap_the_reference_and_pass_opcheck():
+    import replay_compile  # noqa: F401 - registers the ops
+    verify, commit = torch.ops.replay_compile.mamba2_spec_verify, torch.ops.replay_compile.mamba2_spec_commit
+    H, P, N, G, Bbud, T, b = 2, 3, 4, 1, 8, 3, 2
+    buf = spec_buf_len(Bbud, T)
+    g = torch.Generator().manual_seed(1)
+    state = torch.randn(b, H, P, N, generator=g)
+    rings = (torch.zeros(b, H, buf, P), torch.zeros(b, H, buf), torch.zeros(b, H, buf), torch.zeros(b, G, buf, N))
+    w, origin, fl = torch.zeros(b, dtype=torch.int32), torch.zeros(b, dtype=torch.int32), torch.zeros(b, dtype=torch.bool)
+    true = [state[s].double().clone() for s in range(b)]
+    for step in range(8):
+        tok = draw_tokens(g, b, T, H, P, N, G, G, torch.float32)
+        args = (tok["x"], tok["dt"], tok["la"], tok["B"], tok["C"])
+        if step == 0:
+            torch.library.opcheck(verify, (state.clone(), *(r.clone() for r in rings), w.clone(), origin.clone(),
+                                           fl.clone(), *args))
+        y = verify(state, *rings, w, origin, fl, *args)
+        n = torch.tensor([1 + step % T, T])
+        for s in range(b):
+            want, states = oracle_outputs(true[s], tok, s, T)
+            assert rel(y[s], want) < 3e-4
+            true[s] = states[int(n[s]) - 1]
+        if step == 0:
+            torch.library.opcheck(commit, (w.clone(), origin.clone(), fl.clone(), n, Bbud, T))
+        commit(w, origin, fl, n, Bbud, T)
+    bad = torch.zeros(b, H, 12, P)                    # not a power of two
+    import pytest
+    with pytest.raises(ValueError, match="power of two"):
+        verify(state, bad, torch.zeros(b, H, 12), torch.zeros(b, H, 12), torch.zeros(b, G, 12, N), w, origin, fl, *args)
