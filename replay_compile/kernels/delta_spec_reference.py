@@ -1,0 +1,74 @@
+"""Reference math of speculative decoding with ReplaySSM for the delta rule (GDN, KDA): verify and commit.
+
+Same ring, cursors, flush rule and commit as :mod:`.mamba2_spec_reference` (read its notes); the records are the
+delta rule's ``(d, k, g)`` of :mod:`.delta_reference`. Verify computes, for each of the ``T`` tokens of a row, the
+corrected value ``d_s = beta_s (v_s - S'_sᵀ k_s)`` and the output ``o_s`` from the committed state and the window's
+earlier tokens, and writes the ``T`` records after the history. Here that is done by stepping a temporary copy of
+the committed state through the window: the semantics the chunkwise (WY/UT) kernels must reproduce without
+materialising any state. The checkpoint is written only by flush rows (history folded first, once).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .delta_reference import _compute_dtype, _per_value_head, _store_checkpoint, delta_exact_step
+
+__all__ = ["delta_spec_materialize_reference", "delta_spec_verify_reference"]
+
+
+def delta_spec_materialize_reference(state, d_ring, k_ring, g_ring, w, origin, slot: int):
+    """The committed state of one slot (checkpoint + its ``w`` history records), compute dtype [HV, K, V]."""
+    cdt = _compute_dtype(state, g_ring)
+    buf = d_ring.shape[2]
+    HV = state.shape[1]
+    S = state[slot].to(cdt)
+    for j in range(int(w[slot])):
+        p = (int(origin[slot]) + j) & (buf - 1)
+        a = torch.exp(g_ring[slot, :, p].to(cdt))
+        a = a[:, None, None] if g_ring.dim() == 3 else a[..., None]
+        kh = _per_value_head(k_ring[slot:slot + 1, :, p].to(cdt), HV)[0]            # [HV, K]
+        S = a * S + kh[..., :, None] * d_ring[slot, :, p].to(cdt)[..., None, :]
+    return S
+
+
+def delta_spec_verify_reference(state, d_ring, k_ring, g_ring, w, origin, is_flush, q, k, v, g, beta,
+                                slot_idx=None):
+    """Verify ``T`` tokens per row; returns ``o`` [b, T, HV, V].
+
+    Args:
+        state: [S, HV, K, V]; d_ring [S, HV, buf, V]; k_ring [S, Hk, buf, K]; g_ring [S, HV, buf(, K)];
+            w, origin [S] int32; is_flush [S] bool (not changed here).
+        q, k: [b, T, Hk, K]; v: [b, T, HV, V]; g: [b, T, HV] or [b, T, HV, K]; beta: [b, T, HV].
+    """
+    cdt = _compute_dtype(state, q, k, v, g, beta)
+    b, T, HV, V = v.shape
+    buf = d_ring.shape[2]
+    mask = buf - 1
+    o = torch.zeros(b, T, HV, V, dtype=cdt, device=v.device)
+    for r in range(b):
+        s = r if slot_idx is None else int(slot_idx[r])
+        if s < 0:
+            continue
+        ww, org = int(w[s]), int(origin[s])
+        if ww + T > buf:
+            raise ValueError(f"replay_compile.spec: slot {s} holds {ww} records, {T} more do not fit a ring of {buf}")
+        S = delta_spec_materialize_reference(state, d_ring, k_ring, g_ring, w, origin, s)
+        if bool(is_flush[s]) and ww > 0:
+            _store_checkpoint(state, torch.tensor([s]), S[None],
+                              g_ring[s, :, (org + ww - 1) & mask].reshape(1, HV, -1)[..., 0])
+        S = S[None].clone()
+        for t in range(T):
+            before = S.clone()
+            pick = lambda x: x[r:r + 1, t].to(cdt)  # noqa: E731
+            o[r, t] = delta_exact_step(S, pick(q), pick(k), pick(v), pick(g), pick(beta))[0]
+            # the record: the corrected value this token added (S = decayed before + k dᵀ)
+            a = torch.exp(pick(g))
+            a = a[..., None, None] if g.dim() == 3 else a[..., None]
+            kh = _per_value_head(pick(k), HV)[0]                                            # [HV, K]
+            dvec = beta[r, t].to(cdt)[:, None] * (v[r, t].to(cdt) - torch.einsum("hkv,hk->hv", (a * before)[0], kh))
+            p = (org + ww + t) & mask
+            d_ring[s, :, p] = dvec.to(d_ring.dtype)
+            k_ring[s, :, p] = k[r, t].to(k_ring.dtype)
+            g_ring[s, :, p] = g[r, t].to(g_ring.dtype)
+    return o
