@@ -43,13 +43,16 @@ def _teacher_forced(model, forward, seq, prompt_len):
     """Logits [B, steps, V] (fp32) of the prefill and of one step per token of ``seq[:, prompt_len:-1]``."""
     from transformers import DynamicCache
 
+    from replay_compile.bench import cache_kwarg
+
     cache = DynamicCache(config=model.config)
+    ck = {cache_kwarg(model): cache}            # "cache" in transformers >= 5.2x, "past_key_values" before
     out = []
     with torch.no_grad():
-        o = forward(input_ids=seq[:, :prompt_len], cache=cache, use_cache=True)
+        o = forward(input_ids=seq[:, :prompt_len], use_cache=True, **ck)
         out.append(o.logits[:, -1].float())
         for t in range(prompt_len, seq.shape[1] - 1):
-            o = forward(input_ids=seq[:, t:t + 1], cache=cache, use_cache=True)
+            o = forward(input_ids=seq[:, t:t + 1], use_cache=True, **ck)
             out.append(o.logits[:, -1].float())
     return torch.stack(out, 1), cache
 
