@@ -14,7 +14,6 @@ fla always writes an fp32 final state, so its bf16-state row moves more bytes th
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import platform
 import sys
@@ -22,7 +21,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_mamba2_kernel import copy_bandwidth, time_graph, warm_clocks  # noqa: E402
+from bench_mamba2_kernel import copy_bandwidth, time_graph, warm_clocks, write_results  # noqa: E402
 
 # name: (Hk, HV, K, V, kda)
 GEOMS = {"qwen35_4b": (16, 32, 128, 128, False), "qwen35_122b": (16, 64, 128, 128, False),
@@ -123,29 +122,8 @@ def main(argv=None):
                 rows.append(row)
                 print(f"{gname:12} {dname:8} {bs:>4} {base:>9.1f} {r['nonflush_us']:>9.1f} {pct:>5.0f} "
                       f"{r['flush_us']:>9.1f} {r['lavg_us']:>9.1f} {row['speedup']:>7.2f}", flush=True)
-    with open(os.path.join(args.out, "delta_kernel.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for gname in args.geoms.split(","):
-            for dname in args.dtypes.split(","):
-                pts = [r for r in rows if r["geom"] == gname and r["dtype"] == dname]
-                ax.plot([r["bs"] for r in pts], [r["speedup"] for r in pts], marker="o", label=f"{gname} {dname}")
-        ax.axhline(1.0, color="gray", lw=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch")
-        ax.set_ylabel("L-step average speedup vs fla fused recurrent")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(os.path.join(args.out, "delta_kernel_speedup.png"), dpi=120)
-    except ImportError:
-        pass
-
+    write_results(rows, args.out, "delta_kernel", args.geoms.split(","), args.dtypes.split(","),
+                  "L-step average speedup vs fla fused recurrent")
 
 if __name__ == "__main__":
     main()

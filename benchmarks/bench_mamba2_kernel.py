@@ -174,6 +174,33 @@ def sweep_configs(ssu, bw, L, out):
         w.writerows(rows)
 
 
+def write_results(rows, out, stem, geoms, dtypes, ylabel):
+    """``<stem>.csv`` with every row and, with matplotlib, ``<stem>_speedup.png`` (speedup vs batch per geometry and
+    state dtype). Shared by the kernel benchmarks."""
+    with open(os.path.join(out, f"{stem}.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for gname in geoms:
+        for dname in dtypes:
+            pts = [r for r in rows if r["geom"] == gname and r["dtype"] == dname]
+            ax.plot([r["bs"] for r in pts], [r["speedup"] for r in pts], marker="o", label=f"{gname} {dname}")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch")
+    ax.set_ylabel(ylabel)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, f"{stem}_speedup.png"), dpi=120)
+
+
 def warm_clocks():
     x = torch.empty(2**28, device="cuda")
     for _ in range(200):
@@ -229,29 +256,8 @@ def main(argv=None):
                       f"{r['flush_us']:>9.1f} {r['lavg_us']:>9.1f} {row['speedup']:>7.2f} "
                       f"{row['baseline_floor_us'] / floor_l:>7.2f} {chosen:>6} {base / per['whole']['lavg_us']:>6.2f} "
                       f"{base / per['tiled']['lavg_us']:>6.2f}", flush=True)
-    with open(os.path.join(args.out, "mamba2_kernel.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for gname in args.geoms.split(","):
-            for dname in args.dtypes.split(","):
-                pts = [r for r in rows if r["geom"] == gname and r["dtype"] == dname]
-                ax.plot([r["bs"] for r in pts], [r["speedup"] for r in pts], marker="o", label=f"{gname} {dname}")
-        ax.axhline(1.0, color="gray", lw=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch")
-        ax.set_ylabel("L-step average speedup vs selective_state_update")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(os.path.join(args.out, "mamba2_kernel_speedup.png"), dpi=120)
-    except ImportError:
-        pass
-
+    write_results(rows, args.out, "mamba2_kernel", args.geoms.split(","), args.dtypes.split(","),
+                  "L-step average speedup vs selective_state_update")
 
 if __name__ == "__main__":
     main()

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from .mamba2_reference import _compute_dtype, _rows, _store_checkpoint
+from .mamba2_reference import _compute_dtype, _fold_rows, _rows, _store_checkpoint
 
 __all__ = [
     "delta_exact_step",
@@ -168,17 +168,11 @@ def delta_replay_step_reference(state, d_ring, k_ring, g_ring, cursor, q, k, v, 
 
 def _fold(state, d_ring, k_ring, g_ring, cursor, count, slot_idx):
     """(rows, slots, S): the state after ``count`` records of each non-padded row, in the compute dtype."""
-    b = state.shape[0] if slot_idx is None else slot_idx.shape[0]
     HV, L = state.shape[1], d_ring.shape[2]
-    rows, slots = _rows(slot_idx, b, state.device)
     cdt = _compute_dtype(state, g_ring)
+    rows, slots, n = _fold_rows(state, cursor, count, slot_idx)
     if rows.numel() == 0:
         return rows, slots, state.new_zeros((0,) + tuple(state.shape[1:]), dtype=cdt)
-    w = cursor[slots].long()
-    n = w if count is None else count[rows].long()
-    if bool((n < 0).any() or (n > w).any()):
-        raise ValueError(f"replay_compile: materialize count must lie in [0, cursor]; got count={n.tolist()}, "
-                         f"cursor={w.tolist()}")
     # the window of the first n records: gates summed over j < i < n, as if token n-1 were the last one
     r = n.shape[0]
     ar = torch.arange(L, device=state.device)

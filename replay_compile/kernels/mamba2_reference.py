@@ -243,20 +243,27 @@ def replay_step_reference(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt
     return y
 
 
-def _fold(state, x_ring, dt_ring, la_ring, B_ring, cursor, count, slot_idx):
-    """(rows, slots, S) with S [r, H, P, N] the state after ``count`` records of each non-padded row, in the
-    compute dtype (the checkpoint itself, converted exactly, where ``count == 0``)."""
+def _fold_rows(state, cursor, count, slot_idx):
+    """(rows, slots, n) for folding the first ``n = count`` (default: all held) records of each non-padded row;
+    raises if a count lies outside ``[0, cursor]``. Shared by the families' fold/materialize references."""
     b = state.shape[0] if slot_idx is None else slot_idx.shape[0]
-    L, H = x_ring.shape[2], state.shape[1]
     rows, slots = _rows(slot_idx, b, state.device)
-    cdt = _compute_dtype(state, dt_ring)
-    if rows.numel() == 0:
-        return rows, slots, state.new_zeros((0,) + tuple(state.shape[1:]), dtype=cdt)
     w = cursor[slots].long()
     n = w if count is None else count[rows].long()
     if bool((n < 0).any() or (n > w).any()):
         raise ValueError(f"replay_compile: materialize count must lie in [0, cursor]; got count={n.tolist()}, "
                          f"cursor={w.tolist()}")
+    return rows, slots, n
+
+
+def _fold(state, x_ring, dt_ring, la_ring, B_ring, cursor, count, slot_idx):
+    """(rows, slots, S) with S [r, H, P, N] the state after ``count`` records of each non-padded row, in the
+    compute dtype (the checkpoint itself, converted exactly, where ``count == 0``)."""
+    L, H = x_ring.shape[2], state.shape[1]
+    cdt = _compute_dtype(state, dt_ring)
+    rows, slots, n = _fold_rows(state, cursor, count, slot_idx)
+    if rows.numel() == 0:
+        return rows, slots, state.new_zeros((0,) + tuple(state.shape[1:]), dtype=cdt)
     X, DT, LA, BW = _gather_window((x_ring, dt_ring, la_ring, B_ring), slots, cdt)
     valid = torch.arange(L, device=state.device)[None, :] < n[:, None]
     total, coef = _window_coefficients(LA, DT, valid)

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import delta_reference as ref
-from .mamba2 import _FLOATS, _STATE_DTYPES, use_triton
+from .mamba2 import _STATE_DTYPES, check_token_args, use_triton
 
 
 def _fail(msg: str):
@@ -70,14 +70,7 @@ def check_step_args(state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slo
         _fail(f"g must be {list(want_g)} to match g_ring {tuple(g_ring.shape)}, got {tuple(g.shape)}")
     if tuple(beta.shape) != (b, HV):
         _fail(f"beta must be [b={b}, HV={HV}], got {tuple(beta.shape)}")
-    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        if t.dtype not in _FLOATS:
-            _fail(f"{name} dtype {t.dtype} unsupported")
-    if slot_idx is None:
-        if b != S:
-            _fail(f"without slot_idx the batch ({b}) must equal the number of state slots ({S})")
-    elif tuple(slot_idx.shape) != (b,) or slot_idx.dtype not in (torch.int32, torch.int64):
-        _fail(f"slot_idx must be int32/int64 [b={b}], got {slot_idx.dtype} {tuple(slot_idx.shape)}")
+    check_token_args((("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)), slot_idx, b, S, _fail)
 
 
 @torch.library.custom_op("replay_compile::delta_step", mutates_args=("state", "d_ring", "k_ring", "g_ring", "cursor"))

@@ -73,14 +73,20 @@ def check_step_args(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, 
         _fail(f"B must be [b={b}, G={B_ring.shape[1]}, N={N}], got {tuple(B.shape)}")
     if C.dim() != 3 or C.shape[0] != b or C.shape[2] != N or H % C.shape[1]:
         _fail(f"C must be [b={b}, Gc, N={N}] with H % Gc == 0, got {tuple(C.shape)}")
-    for name, t in (("x", x), ("dt", dt), ("la", la), ("B", B), ("C", C)):
+    check_token_args((("x", x), ("dt", dt), ("la", la), ("B", B), ("C", C)), slot_idx, b, S, _fail)
+
+
+def check_token_args(named, slot_idx, b: int, S: int, fail) -> None:
+    """Per-token tensors are floats; ``slot_idx`` is int32/int64 [b], or absent with b == S. ``fail`` raises with
+    the family's prefix. Shared by the families' op checks."""
+    for name, t in named:
         if t.dtype not in _FLOATS:
-            _fail(f"{name} dtype {t.dtype} unsupported")
+            fail(f"{name} dtype {t.dtype} unsupported")
     if slot_idx is None:
         if b != S:
-            _fail(f"without slot_idx the batch ({b}) must equal the number of state slots ({S})")
+            fail(f"without slot_idx the batch ({b}) must equal the number of state slots ({S})")
     elif tuple(slot_idx.shape) != (b,) or slot_idx.dtype not in (torch.int32, torch.int64):
-        _fail(f"slot_idx must be int32/int64 [b={b}], got {slot_idx.dtype} {tuple(slot_idx.shape)}")
+        fail(f"slot_idx must be int32/int64 [b={b}], got {slot_idx.dtype} {tuple(slot_idx.shape)}")
 
 
 @torch.library.custom_op(

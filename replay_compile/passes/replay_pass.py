@@ -21,6 +21,7 @@ from torch._dynamo.utils import counters
 from .._logging import log
 from ..config import ReplayConfig
 from ..errors import ReplayCompileError
+from ..ops.mamba2 import use_triton
 from . import broadcast, delta, graph_utils, mamba2, rewrite, validate
 from .delta import DeltaMatcher
 from .mamba2 import Mamba2Matcher, NoMatch
@@ -89,11 +90,6 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
         if hasattr(gm, attr):
             setattr(new_gm, attr, getattr(gm, attr))
     return new_gm
-
-
-def _reference_kernels_requested() -> bool:
-    import os
-    return os.environ.get("REPLAY_COMPILE_KERNELS", "").lower() == "reference"
 
 
 # reasons raised before the update is known to be "decay * state + update" are not worth a warning
@@ -174,7 +170,7 @@ class ReplaySSMPass:
                 dev = getattr(m.state.meta.get("example_value"), "device", None)
                 if m.family not in families:
                     err = NoMatch(f"a {m.family} update, but family {m.family!r} is not enabled")
-                elif dev is not None and dev.type == "cuda" and not _reference_kernels_requested():
+                elif dev is not None and dev.type == "cuda" and use_triton():
                     # the CUDA kernels of the delta families are not written yet (issue 4): the PyTorch reference
                     # would be correct but slower than the model's own step and not CUDA-graph safe
                     err = NoMatch(f"a {m.family} update on CUDA: no CUDA kernel for it yet; set "
