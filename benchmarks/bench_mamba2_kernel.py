@@ -2,6 +2,7 @@
 
     python benchmarks/bench_mamba2_kernel.py --out results/            # full sweep
     python benchmarks/bench_mamba2_kernel.py --batches 256 --geoms super # one point
+    python benchmarks/bench_mamba2_kernel.py --batches 1,256 --configs 'tiled;stream:BLOCK_P=32,num_warps=4'
 
 Per (geometry, batch, state dtype): the baseline step, our non-flush step, our flush step and the average over L
 consecutive steps (one flush), each replayed from a CUDA graph (median of repeats; the state of a large batch is far
@@ -141,33 +142,34 @@ def bench_point(ssu, H, P, N, G, bs, state_dtype, L, act=torch.bfloat16):
     return res
 
 
-def sweep_configs(ssu, bw, L, out):
-    """Launch-config sweep, fp32 state: BLOCK_P x num_warps at bs256 (non-flush, flush, L-avg) and bs1 (L-avg),
-    with the baseline of the same batch, to pick the defaults of ``mamba2_triton.launch_config``."""
+def sweep_configs(ssu, bw, L, out, configs, batches, geoms):
+    """Launch-config comparison, fp32 state: each ``configs`` entry (a ``mamba2_triton.parse_tuning`` string such
+    as ``stream:BLOCK_P=32,num_warps=4``) at each batch and geometry, with the baseline of the same batch and
+    point measured once in the same run; used to pick the defaults of ``mamba2_triton.launch_config``."""
     from replay_compile.kernels import mamba2_triton as kt
 
     rows = []
-    print(f"{'geom':6} {'BP':>3} {'wp':>2} {'nonfl us':>9} {'flush us':>9} {'Lavg us':>8} {'x256':>5} "
-          f"{'% floor(nf)':>11} {'bs1 us':>7} {'x1':>5}")
-    for gname, (H, P, N, G) in GEOMS.items():
-        base = {bs: bench_point(ssu, H, P, N, G, bs, torch.float32, L)["baseline_us"] for bs in (1, 256)}
-        for bp in (16, 32, 64):
-            for wp in (1, 2, 4):
+    print(f"{'geom':6} {'bs':>4} {'config':40} {'nonfl us':>9} {'% floor':>7} {'flush us':>9} {'Lavg us':>8} "
+          f"{'base us':>8} {'x':>5}")
+    for gname in geoms:
+        H, P, N, G = GEOMS[gname]
+        for bs in batches:
+            base = bench_point(ssu, H, P, N, G, bs, torch.float32, L).get("baseline_us", float("nan"))
+            for spec in configs:
                 kt.TUNING.clear()
-                kt.TUNING.update(BLOCK_P=bp, num_warps=wp)
+                kt.TUNING.update(kt.parse_tuning(spec))
                 try:
-                    r = bench_point(None, H, P, N, G, 256, torch.float32, L)
-                    r1 = bench_point(None, H, P, N, G, 1, torch.float32, L)
+                    r = bench_point(None, H, P, N, G, bs, torch.float32, L)
                 except Exception as e:  # noqa: BLE001 - a config that does not compile is just skipped
-                    print(gname, bp, wp, "failed:", type(e).__name__, str(e)[:120])
+                    print(gname, bs, spec, "failed:", type(e).__name__, str(e)[:160])
                     continue
+                finally:
+                    kt.TUNING.clear()
                 pct = r["bytes_nonflush"] / (r["nonflush_us"] * 1e-6) / bw * 100
-                rows.append(dict(geom=gname, BLOCK_P=bp, warps=wp, **r, baseline_us=base[256],
-                                 bs1_lavg_us=r1["lavg_us"], bs1_baseline_us=base[1]))
-                print(f"{gname:6} {bp:>3} {wp:>2} {r['nonflush_us']:>9.1f} {r['flush_us']:>9.1f} {r['lavg_us']:>8.1f} "
-                      f"{base[256] / r['lavg_us']:>5.2f} {pct:>11.0f} {r1['lavg_us']:>7.2f} "
-                      f"{base[1] / r1['lavg_us']:>5.2f}", flush=True)
-    kt.TUNING.clear()
+                rows.append(dict(geom=gname, bs=bs, config=spec, **r, baseline_us=base, pct_floor_nonflush=pct,
+                                 speedup=base / r["lavg_us"]))
+                print(f"{gname:6} {bs:>4} {spec:40} {r['nonflush_us']:>9.1f} {pct:>7.0f} {r['flush_us']:>9.1f} "
+                      f"{r['lavg_us']:>8.1f} {base:>8.1f} {base / r['lavg_us']:>5.2f}", flush=True)
     with open(os.path.join(out, "mamba2_kernel_configs.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
@@ -215,7 +217,9 @@ def main(argv=None):
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--L", type=int, default=16)
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-results"))
-    ap.add_argument("--sweep-configs", action="store_true", help="launch-config sweep at bs256 instead")
+    ap.add_argument("--configs", default="",
+                    help="';'-separated launch configs (e.g. 'tiled;stream:BLOCK_P=32,num_warps=4') compared at "
+                         "--batches, fp32 state, instead of the sweep")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     ssu = load_baseline()
@@ -227,8 +231,9 @@ def main(argv=None):
     rows = []
     hdr = f"{'geom':6} {'dtype':8} {'bs':>4} {'base us':>9} {'nonfl us':>9} {'%bw':>5} {'flush us':>9} " \
           f"{'L-avg us':>9} {'speedup':>7} {'floor x':>7} {'chosen':>6} {'xwhole':>6} {'xtiled':>6}"
-    if args.sweep_configs:
-        return sweep_configs(ssu, bw, args.L, args.out)
+    if args.configs:
+        return sweep_configs(ssu, bw, args.L, args.out, args.configs.split(";"), list(map(int, args.batches.split(","))),
+                             args.geoms.split(","))
     print(hdr)
     for gname in args.geoms.split(","):
         H, P, N, G = GEOMS[gname]

@@ -4,7 +4,9 @@
 # the delta-rule kernel tests + sweep against fla (fla-core wheels carried in .wheels/:
 #   pip download fla-core flash-linear-attention --no-deps -d .wheels).
 # Usage on the GPU machine:  OUT=... bash benchmarks/device_sweep.sh [steps...]
-#   (steps: tests sweep graphs form delta; default: tests sweep graphs form)
+#   (steps: tests sweep configs graphs form delta; default: tests sweep graphs form)
+#   configs: launch configs compared at $CONFIG_BATCHES (default 64,256) on both geometries; set $CONFIGS to
+#   a ';'-separated list of mamba2_triton.parse_tuning strings.
 set -uo pipefail
 OUT=${OUT:-device-logs}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
@@ -18,16 +20,18 @@ if ls .wheels/transformers-*.whl >/dev/null 2>&1; then
 fi
 steps=${*:-tests sweep graphs form}
 for s in $steps; do case $s in
-  tests) timeout 150 python3 -m pytest -q tests/test_mamba2_triton_gpu.py tests/test_mamba2_triton.py \
+  tests) timeout 200 python3 -m pytest -q tests/test_mamba2_triton_gpu.py tests/test_mamba2_triton.py \
            -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/pytest_kernels.txt" ;;
   sweep) timeout 330 python3 benchmarks/bench_mamba2_kernel.py --out "$OUT" 2>&1 | grep -v Warn | tee "$OUT/sweep.txt" ;;
+  configs) timeout 300 python3 benchmarks/bench_mamba2_kernel.py --out "$OUT" --batches "${CONFIG_BATCHES:-64,256}" \
+            --configs "${CONFIGS:-tiled;stream;stream:BLOCK_P=32,num_warps=4}" 2>&1 | grep -v Warn | tee "$OUT/configs.txt" ;;
   graphs) timeout 120 python3 benchmarks/check_cudagraphs.py 2>&1 | grep -v "^\[transformers\]" | tail -8 \
             | tee "$OUT/cudagraphs.txt"
           [ -n "$NEWTF" ] && PYTHONPATH=$NEWTF timeout 120 python3 benchmarks/check_cudagraphs.py 2>&1 \
             | grep -v "^\[transformers\]" | tail -8 | tee "$OUT/cudagraphs_newtf.txt" ;;
   form) [ -n "$NEWTF" ] && PYTHONPATH=$NEWTF timeout 150 python3 benchmarks/diag_mamba_ssm_form.py \
           > "$OUT/diag_form_newtf.txt" 2>&1; grep -v "^      " "$OUT/diag_form_newtf.txt" | cut -c1-400 | tail -25 ;;
-  delta) timeout 120 python3 -m pytest -q tests/test_delta_triton.py -p no:cacheprovider 2>&1 | tail -4 \
+  delta) timeout 150 python3 -m pytest -q tests/test_delta_triton_gpu.py tests/test_delta_triton.py -p no:cacheprovider 2>&1 | tail -4 \
            | tee "$OUT/pytest_delta.txt"
          timeout 300 python3 benchmarks/bench_delta_kernel.py --out "$OUT" 2>&1 | grep -v Warn | tee "$OUT/delta_sweep.txt" ;;
 esac; done

@@ -20,13 +20,13 @@ from replay_compile.testing.strategies import (  # noqa: E402
     ExactMamba2Oracle, Mamba2Geometry, mamba2_geometries, mamba2_problem, step_schedules)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-VARIANTS = ("whole", "tiled")
+VARIANTS = ("whole", "tiled", "stream", "stream:P_CHUNKS=1")
 
 
 @contextlib.contextmanager
 def variant(name):
-    """Force one kernel variant (``launch_config`` otherwise picks by batch size)."""
-    kt.TUNING["variant"] = name
+    """Force one kernel variant and configuration (``launch_config`` otherwise picks by batch size)."""
+    kt.TUNING.update(kt.parse_tuning(name))
     try:
         yield
     finally:
