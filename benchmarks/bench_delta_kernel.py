@@ -2,6 +2,7 @@
 
     python benchmarks/bench_delta_kernel.py --out results/                 # full sweep
     python benchmarks/bench_delta_kernel.py --geoms qwen35_4b --batches 256
+    python benchmarks/bench_delta_kernel.py --batches 1,256 --configs 'fused;split:BLOCK_V=8,num_warps=1'
 
 Per (geometry, batch, state dtype): the baseline step (fla ``fused_recurrent_gated_delta_rule`` for GDN,
 ``fused_recurrent_kda`` for KDA, T = 1, reading ``initial_state`` and writing the final state), our non-flush step,
@@ -14,6 +15,7 @@ fla always writes an fp32 final state, so its bf16-state row moves more bytes th
 from __future__ import annotations
 
 import argparse
+import csv
 import os
 import platform
 import sys
@@ -91,6 +93,43 @@ def bench_point(base_fn, Hk, HV, K, V, kda, bs, state_dtype, L, act=torch.bfloat
     return res
 
 
+def sweep_configs(bw, L, out, configs, batches, geoms):
+    """Launch-config comparison, fp32 state: each ``configs`` entry (a ``parse_tuning`` string such as
+    ``split:BLOCK_V=8,num_warps=1``) at each batch and geometry, against the fla baseline of the same point."""
+    from replay_compile.kernels import delta_triton as kd
+    from replay_compile.kernels.mamba2_triton import parse_tuning
+
+    rows = []
+    print(f"{'geom':12} {'bs':>4} {'config':34} {'nonfl us':>9} {'%bw':>5} {'flush us':>9} {'Lavg us':>8} "
+          f"{'base us':>8} {'x':>5}")
+    for gname in geoms:
+        Hk, HV, K, V, kda = GEOMS[gname]
+        base_fn = load_baseline(kda)
+        for bs in batches:
+            base = float("nan")
+            if base_fn is not None:
+                base = bench_point(base_fn, Hk, HV, K, V, kda, bs, torch.float32, L)["baseline_us"]
+            for spec in configs:
+                kd.TUNING.clear()
+                kd.TUNING.update(parse_tuning(spec))
+                try:
+                    r = bench_point(None, Hk, HV, K, V, kda, bs, torch.float32, L)
+                except Exception as e:  # noqa: BLE001 - a config that does not compile is just skipped
+                    print(gname, bs, spec, "failed:", type(e).__name__, str(e)[:160])
+                    continue
+                finally:
+                    kd.TUNING.clear()
+                pct = r["bytes_nonflush"] / (r["nonflush_us"] * 1e-6) / bw * 100
+                rows.append(dict(geom=gname, bs=bs, config=spec, **r, baseline_us=base, pct_floor_nonflush=pct,
+                                 speedup=base / r["lavg_us"]))
+                print(f"{gname:12} {bs:>4} {spec:34} {r['nonflush_us']:>9.1f} {pct:>5.0f} {r['flush_us']:>9.1f} "
+                      f"{r['lavg_us']:>8.1f} {base:>8.1f} {base / r['lavg_us']:>5.2f}", flush=True)
+    with open(os.path.join(out, "delta_kernel_configs.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--geoms", default=",".join(GEOMS))
@@ -98,6 +137,9 @@ def main(argv=None):
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--L", type=int, default=16)
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-results"))
+    ap.add_argument("--configs", default="",
+                    help="';'-separated launch configs (e.g. 'fused;split:BLOCK_V=8,num_warps=1') compared at "
+                         "--batches, fp32 state, instead of the sweep")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     warm_clocks()
@@ -105,6 +147,9 @@ def main(argv=None):
     p = torch.cuda.get_device_properties(0)
     print(f"# {p.name} sm_{p.major}{p.minor}, torch {torch.__version__}, python {platform.python_version()}, "
           f"copy bandwidth {bw / 1e12:.2f} TB/s, L={args.L}, bf16 activations")
+    if args.configs:
+        return sweep_configs(bw, args.L, args.out, args.configs.split(";"), list(map(int, args.batches.split(","))),
+                             args.geoms.split(","))
     print(f"{'geom':12} {'dtype':8} {'bs':>4} {'base us':>9} {'nonfl us':>9} {'%bw':>5} {'flush us':>9} "
           f"{'L-avg us':>9} {'speedup':>7}")
     rows = []
@@ -117,7 +162,9 @@ def main(argv=None):
                 r = bench_point(base_fn, Hk, HV, K, V, kda, bs, sdt, args.L)
                 base = r.get("baseline_us", float("nan"))
                 pct = r["bytes_nonflush"] / (r["nonflush_us"] * 1e-6) / bw * 100
-                row = dict(geom=gname, dtype=dname, bs=bs, L=args.L, copy_bw_TBs=bw / 1e12, **r,
+                from replay_compile.kernels.delta_triton import launch_config
+                row = dict(geom=gname, dtype=dname, bs=bs, L=args.L, copy_bw_TBs=bw / 1e12,
+                           variant=launch_config(bs, HV, K, V, args.L)["variant"], **r,
                            speedup=base / r["lavg_us"])
                 rows.append(row)
                 print(f"{gname:12} {dname:8} {bs:>4} {base:>9.1f} {r['nonflush_us']:>9.1f} {pct:>5.0f} "

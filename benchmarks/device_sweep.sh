@@ -4,7 +4,7 @@
 # the delta-rule kernel tests + sweep against fla (fla-core wheels carried in .wheels/:
 #   pip download fla-core flash-linear-attention --no-deps -d .wheels).
 # Usage on the GPU machine:  OUT=... bash benchmarks/device_sweep.sh [steps...]
-#   (steps: tests sweep configs graphs form delta; default: tests sweep graphs form)
+#   (steps: tests sweep configs graphs form delta delta-configs; default: tests sweep graphs form)
 #   configs: launch configs compared at $CONFIG_BATCHES (default 64,256) on both geometries; set $CONFIGS to
 #   a ';'-separated list of mamba2_triton.parse_tuning strings.
 set -uo pipefail
@@ -25,6 +25,11 @@ for s in $steps; do case $s in
   sweep) timeout 330 python3 benchmarks/bench_mamba2_kernel.py --out "$OUT" 2>&1 | grep -v Warn | tee "$OUT/sweep.txt" ;;
   configs) timeout 300 python3 benchmarks/bench_mamba2_kernel.py --out "$OUT" --batches "${CONFIG_BATCHES:-64,256}" \
             --configs "${CONFIGS:-tiled;stream;stream:BLOCK_P=32,num_warps=4}" 2>&1 | grep -v Warn | tee "$OUT/configs.txt" ;;
+  delta-configs) timeout 100 python3 -m pytest -q tests/test_delta_triton_gpu.py -p no:cacheprovider 2>&1 | tail -3 \
+           | tee "$OUT/pytest_delta_gpu.txt"
+         timeout 240 python3 benchmarks/bench_delta_kernel.py --out "$OUT" --batches "${CONFIG_BATCHES:-1,32,256}" \
+           --geoms qwen35_4b,kimi_linear --configs "${DELTA_CONFIGS:-fused;split}" 2>&1 | grep -v Warn \
+           | tee "$OUT/delta_configs.txt" ;;
   graphs) timeout 120 python3 benchmarks/check_cudagraphs.py 2>&1 | grep -v "^\[transformers\]" | tail -8 \
             | tee "$OUT/cudagraphs.txt"
           [ -n "$NEWTF" ] && PYTHONPATH=$NEWTF timeout 120 python3 benchmarks/check_cudagraphs.py 2>&1 \

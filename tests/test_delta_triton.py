@@ -4,6 +4,8 @@ Without a GPU the kernel runs under ``TRITON_INTERPRET=1`` (set by conftest) on 
 tests run it compiled on CUDA tensors.
 """
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -11,13 +13,26 @@ from hypothesis import given, settings, strategies as st
 triton = pytest.importorskip("triton")
 
 from replay_compile.kernels.delta_reference import delta_replay_step_reference  # noqa: E402
+from replay_compile.kernels import delta_triton as kd  # noqa: E402
 from replay_compile.kernels.delta_triton import delta_replay_step_triton  # noqa: E402
+from replay_compile.kernels.mamba2_triton import parse_tuning  # noqa: E402
 from replay_compile.state import DeltaRingSpec  # noqa: E402
 from replay_compile.testing.strategies import (  # noqa: E402
     DeltaGeometry, ExactDeltaOracle, delta_geometries, delta_problem, step_schedules)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 KEYS = ("q", "k", "v", "g", "beta")
+VARIANTS = ("fused", "split", "split:BLOCK_V=8,num_warps=1")
+
+
+@contextlib.contextmanager
+def variant(name):
+    """Force one kernel variant and configuration (``launch_config`` otherwise picks by batch size)."""
+    kd.TUNING.update(parse_tuning(name))
+    try:
+        yield
+    finally:
+        kd.TUNING.clear()
 
 
 def rings(geom, L, state, rec=torch.float32, fill=float("nan")):
@@ -35,6 +50,11 @@ def rel(a, b):
 @settings(max_examples=10)
 @given(geom=delta_geometries(max_batch=3, max_heads=4, max_k=20, max_v=20), L=st.integers(1, 6), data=st.data())
 def test_kernel_tracks_the_exact_recurrence(geom, L, data):
+    with variant(data.draw(st.sampled_from(VARIANTS), label="variant")):
+        _track_exact(geom, L, data)
+
+
+def _track_exact(geom, L, data):
     steps = 2 * L + 2
     sched = data.draw(step_schedules(geom.batch, steps), label="schedule")
     state0, seq = delta_problem(geom, steps, dtype=torch.float32, seed=data.draw(st.integers(0, 999)))
@@ -55,8 +75,14 @@ def test_kernel_tracks_the_exact_recurrence(geom, L, data):
                                      (DeltaGeometry(2, 6, 3, 5, 40, False), 1), (DeltaGeometry(2, 2, 1, 16, 16, True), 20)])
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_kernel_matches_reference_contract(geom, L, act, state_dtype):
+@pytest.mark.parametrize("kind", VARIANTS[:2])
+def test_kernel_matches_reference_contract(geom, L, act, state_dtype, kind):
     """Same outputs, checkpoint, rings and cursors as the reference, step for step (padded and permuted rows)."""
+    with variant(kind):
+        _contract(geom, L, act, state_dtype)
+
+
+def _contract(geom, L, act, state_dtype):
     st0, seq = delta_problem(geom, 2 * L + 3, dtype=torch.float32, seed=3)
     sa = st0.to(DEV, state_dtype)
     sb = sa.clone()
@@ -75,7 +101,8 @@ def test_kernel_matches_reference_contract(geom, L, act, state_dtype):
 
 
 @pytest.mark.parametrize("kda", [False, True])
-def test_fp16_flush_rounding_is_bit_identical_to_the_reference(kda):
+@pytest.mark.parametrize("kind", VARIANTS[:2])
+def test_fp16_flush_rounding_is_bit_identical_to_the_reference(kda, kind):
     """Dyadic inputs and zero gates make every fold exact in fp32, so kernel and reference round the same values
     with the same hash: the fp16 checkpoints agree bit for bit."""
     geom = DeltaGeometry(2, 4, 2, 16, 20, kda)
@@ -92,19 +119,22 @@ def test_fp16_flush_rounding_is_bit_identical_to_the_reference(kda):
     for t in range(2 * L):
         inp = dict(q=grid(2, 2, 16, scale=4), k=grid(2, 2, 16, scale=4), v=grid(2, 4, 20, scale=3),
                    g=torch.zeros(gshape), beta=torch.full((2, 4), 0.5))
-        delta_replay_step_triton(sa, *ra, *(inp[k].to(DEV) for k in KEYS), None)
+        with variant(kind):
+            delta_replay_step_triton(sa, *ra, *(inp[k].to(DEV) for k in KEYS), None)
         delta_replay_step_reference(sb, *rb, *(inp[k] for k in KEYS), None)
         assert torch.equal(sa.cpu().view(torch.int16), sb.view(torch.int16)), f"step {t}: fp16 checkpoint bits"
     assert not torch.equal(sb, state)
 
 
-def test_padded_rows_are_untouched_and_zero():
+@pytest.mark.parametrize("kind", VARIANTS[:2])
+def test_padded_rows_are_untouched_and_zero(kind):
     geom = DeltaGeometry(2, 2, 1, 4, 4, True)
     st0, seq = delta_problem(geom, 1, dtype=torch.float32)
     state = st0.to(DEV)
     rg = rings(geom, 4, state, fill=0.0)
     before = [t.clone() for t in (state, *rg)]
-    o = delta_replay_step_triton(state, *rg, *(seq[0][k].to(DEV) for k in KEYS),
-                                 torch.tensor([-1, -1], dtype=torch.int32, device=DEV))
+    with variant(kind):
+        o = delta_replay_step_triton(state, *rg, *(seq[0][k].to(DEV) for k in KEYS),
+                                     torch.tensor([-1, -1], dtype=torch.int32, device=DEV))
     assert torch.count_nonzero(o) == 0
     assert all(torch.equal(a, b) for a, b in zip(before, (state, *rg)))

@@ -10,7 +10,9 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
+from replay_compile.kernels import delta_triton as kd  # noqa: E402
 from replay_compile.kernels.delta_triton import delta_replay_step_triton  # noqa: E402
+from replay_compile.kernels.mamba2_triton import parse_tuning  # noqa: E402
 from replay_compile.state import DeltaRingSpec  # noqa: E402
 from replay_compile.testing.strategies import DeltaGeometry, ExactDeltaOracle, delta_problem  # noqa: E402
 
@@ -28,7 +30,16 @@ def rel(a, b):
     (DeltaGeometry(2, 4, 2, 72, 40, True), 5),          # KDA, odd L
 ])
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
-def test_real_geometry_vs_fp64_over_4L_steps(geom, L, act):
+@pytest.mark.parametrize("kind", ["fused", "split", "split:BLOCK_V=32,num_warps=4"])
+def test_real_geometry_vs_fp64_over_4L_steps(geom, L, act, kind):
+    kd.TUNING.update(parse_tuning(kind))
+    try:
+        _vs_fp64(geom, L, act)
+    finally:
+        kd.TUNING.clear()
+
+
+def _vs_fp64(geom, L, act):
     steps = 4 * L
     state0, seq = delta_problem(geom, steps, dtype=torch.float32, seed=11, decay=(0.9, 1.0))
     state = state0.cuda()

@@ -142,14 +142,194 @@ def _delta_replay_step_kernel(
                          k_raw.to(kr_ptr.dtype.element_ty), mask=mask_k)
 
 
-def launch_config(K: int, V: int, L: int) -> dict:
-    """BLOCK_V 32 (16 for tiny V), K whole (padded to >= 16), window >= 16; warps so the fp32 tile is <= 64
-    registers per thread."""
+@triton.jit
+def _delta_window_kernel(
+    cursor_ptr, kr_ptr, gr_ptr, q_ptr, k_ptr, g_ptr, slot_ptr, win_ptr, vec_ptr, wrow_ptr,
+    K, L, v_per_k, v_per_q,
+    s_krb, s_krh, s_krl, s_krk, s_grb, s_grh, s_grl, s_grk,
+    s_qb, s_qh, s_qk, s_kb, s_kh, s_kk, s_gb, s_gh, s_gk,
+    HAS_SLOT: tl.constexpr, KDA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
+):
+    """Split variant, launch 1 of 2, grid ``(batch, HV)``: everything of the step that does not touch the checkpoint,
+    once per (row, value head) instead of once per V-block. Writes ``w`` [b] (from head 0), the window scalars
+    ``win[row, h] = (u_j = KE_j·k_t, v_j = KE_j·q_t, k_t·q_t)`` and the decayed vectors
+    ``vec[row, h] = (exp(E_tot) ⊙ k_t, exp(E_tot) ⊙ q_t)``. Reads the cursor, writes nothing of the cache."""
+    row = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    HV = tl.num_programs(1)
+    if HAS_SLOT:
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+    else:
+        slot = row
+    if slot < 0:
+        return
+    w = tl.load(cursor_ptr + slot)
+    if h == 0:
+        tl.store(wrow_ptr + row, w)
+    hk = h // v_per_k
+    hq = h // v_per_q
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_l = tl.arange(0, BLOCK_L)
+    mask_k = offs_k < K
+    hist = offs_l < w
+    cur = offs_l == w
+    q = tl.load(q_ptr + row * s_qb + hq * s_qh + offs_k * s_qk, mask=mask_k, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + row * s_kb + hk * s_kh + offs_k * s_kk, mask=mask_k, other=0.0).to(tl.float32)
+    kw = tl.load(kr_ptr + slot * s_krb + hk * s_krh + offs_l[:, None] * s_krl + offs_k[None, :] * s_krk,
+                 mask=hist[:, None] & mask_k[None, :], other=0.0).to(tl.float32)        # [BLOCK_L, BLOCK_K]
+    if KDA:
+        g_cur = tl.load(g_ptr + row * s_gb + h * s_gh + offs_k * s_gk, mask=mask_k, other=0.0).to(tl.float32)
+        gw = tl.load(gr_ptr + slot * s_grb + h * s_grh + offs_l[:, None] * s_grl + offs_k[None, :] * s_grk,
+                     mask=hist[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+        gw = tl.where(cur[:, None], g_cur[None, :], gw)
+        after = tl.minimum(tl.cumsum(gw, axis=0, reverse=True) - gw, 0.0)             # Σ_{j<i<=w}
+        ke = tl.where(hist[:, None], kw * tl.exp(after), 0.0)
+        dec = tl.exp(tl.minimum(tl.sum(gw, axis=0), 0.0))                              # [BLOCK_K]
+    else:
+        g_cur = tl.load(g_ptr + row * s_gb + h * s_gh).to(tl.float32)
+        gw = tl.load(gr_ptr + slot * s_grb + h * s_grh + offs_l * s_grl, mask=hist, other=0.0).to(tl.float32)
+        gw = tl.where(cur, g_cur, gw)
+        after = tl.minimum(tl.cumsum(gw, axis=0, reverse=True) - gw, 0.0)
+        ke = tl.where(hist[:, None], kw * tl.exp(after)[:, None], 0.0)
+        dec = tl.exp(tl.minimum(tl.sum(gw, axis=0), 0.0))
+    wb = win_ptr + (row * HV + h) * (3 * BLOCK_L)
+    tl.store(wb + offs_l, tl.sum(ke * k[None, :], axis=1))
+    tl.store(wb + BLOCK_L + offs_l, tl.sum(ke * q[None, :], axis=1))
+    tl.store(wb + 2 * BLOCK_L + offs_l, tl.where(offs_l == 0, tl.sum(k * q, axis=0), 0.0))
+    vb = vec_ptr + (row * HV + h) * (2 * BLOCK_K)
+    tl.store(vb + offs_k, dec * k)
+    tl.store(vb + BLOCK_K + offs_k, dec * q)
+
+
+@triton.jit
+def _delta_apply_kernel(
+    state_ptr, dr_ptr, kr_ptr, gr_ptr, cursor_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, slot_ptr, o_ptr,
+    win_ptr, vec_ptr, wrow_ptr,
+    HV, K, V, L, v_per_k,
+    s_sb, s_sh, s_sk, s_sv, s_drb, s_drh, s_drl, s_drv, s_krb, s_krh, s_krl, s_krk, s_grb, s_grh, s_grl, s_grk,
+    s_kb, s_kh, s_kk, s_vb, s_vh, s_vv, s_gb, s_gh, s_gk, s_bb, s_bh, s_ob, s_oh, s_ov,
+    HAS_SLOT: tl.constexpr, KDA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr,
+):
+    """Split variant, launch 2 of 2, grid ``(cdiv(V, BLOCK_V), batch, HV)``: reads its ``K x BLOCK_V`` checkpoint
+    slice (issued first) and the window's corrected values, takes the rest from launch 1::
+
+        S'ᵀk_t = S_0ᵀ(exp(E_tot) ⊙ k_t) + Σ_j u_j d_j     (same for q_t with v_j)
+
+    Non-flush rows append ``d`` (and ``k``, ``g`` once per key / value head); flush rows rebuild the scaled keys
+    row by row from the ring (suffix sums accumulated from the newest record down, so no differences of sums) and
+    write ``exp(E_tot) ⊙_K S_0 + KEᵀ D + k dᵀ`` once. One program per row advances the cursor: launch 1 has already
+    read it and this launch reads ``w`` from launch 1's copy, so nobody reads it after the write."""
+    pid_v = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2).to(tl.int64)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_v = offs_v < V
+    o_ptrs = o_ptr + row * s_ob + h * s_oh + offs_v * s_ov
+    if HAS_SLOT:
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+    else:
+        slot = row
+    if slot < 0:                                   # padding row: zero output, touch nothing else
+        tl.store(o_ptrs, tl.zeros([BLOCK_V], dtype=tl.float32), mask=mask_v)
+        return
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_l = tl.arange(0, BLOCK_L)
+    mask_k = offs_k < K
+    tile_mask = mask_k[:, None] & mask_v[None, :]
+    st_ptrs = state_ptr + slot * s_sb + h * s_sh + offs_k[:, None] * s_sk + offs_v[None, :] * s_sv
+    s0 = tl.load(st_ptrs, mask=tile_mask, other=0.0).to(tl.float32)                      # [BLOCK_K, BLOCK_V]
+    v = tl.load(v_ptr + row * s_vb + h * s_vh + offs_v * s_vv, mask=mask_v, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + row * s_bb + h * s_bh).to(tl.float32)
+    w = tl.load(wrow_ptr + row)
+    wb = win_ptr + (row * HV + h) * (3 * BLOCK_L)
+    u = tl.load(wb + offs_l)
+    uq = tl.load(wb + BLOCK_L + offs_l)
+    kq = tl.load(wb + 2 * BLOCK_L)
+    vb = vec_ptr + (row * HV + h) * (2 * BLOCK_K)
+    ak = tl.load(vb + offs_k)
+    aq = tl.load(vb + BLOCK_K + offs_k)
+    hist = offs_l < w
+    dr_base = dr_ptr + slot * s_drb + h * s_drh
+    dw = tl.load(dr_base + offs_l[:, None] * s_drl + offs_v[None, :] * s_drv,
+                 mask=hist[:, None] & mask_v[None, :], other=0.0).to(tl.float32)          # [BLOCK_L, BLOCK_V]
+    sk = tl.sum(s0 * ak[:, None], axis=0) + tl.sum(u[:, None] * dw, axis=0)
+    sq = tl.sum(s0 * aq[:, None], axis=0) + tl.sum(uq[:, None] * dw, axis=0)
+    d = beta * (v - sk)
+    tl.store(o_ptrs, sq + d * kq, mask=mask_v)
+
+    hk = h // v_per_k
+    kr_base = kr_ptr + slot * s_krb + hk * s_krh
+    gr_base = gr_ptr + slot * s_grb + h * s_grh
+    if KDA:
+        g_cur = tl.load(g_ptr + row * s_gb + h * s_gh + offs_k * s_gk, mask=mask_k, other=0.0).to(tl.float32)
+    else:
+        g_cur = tl.load(g_ptr + row * s_gb + h * s_gh).to(tl.float32)
+    k_raw = tl.load(k_ptr + row * s_kb + hk * s_kh + offs_k * s_kk, mask=mask_k, other=0.0)
+    if w == L - 1:
+        acc = k_raw.to(tl.float32)[:, None] * d[None, :]
+        suf = g_cur                                                  # Σ_{j<i<=w} g_i, built from the newest down
+        for i in range(BLOCK_L):                                     # constexpr trip count (see module notes)
+            j = BLOCK_L - 1 - i
+            live = j < w
+            kj = tl.load(kr_base + j * s_krl + offs_k * s_krk, mask=mask_k & live, other=0.0).to(tl.float32)
+            dj = tl.load(dr_base + j * s_drl + offs_v * s_drv, mask=mask_v & live, other=0.0).to(tl.float32)
+            acc += (kj * tl.exp(tl.minimum(suf, 0.0)))[:, None] * dj[None, :]
+            if KDA:
+                suf += tl.load(gr_base + j * s_grl + offs_k * s_grk, mask=mask_k & live, other=0.0).to(tl.float32)
+            else:
+                suf += tl.load(gr_base + j * s_grl, mask=live, other=0.0).to(tl.float32)
+        dec = tl.exp(tl.minimum(suf, 0.0))                           # exp(E_tot)
+        if KDA:
+            s_new = dec[:, None] * s0 + acc
+            key_gate = tl.sum(tl.where(offs_k == 0, g_cur, 0.0), axis=0)                   # g[..., 0], as the reference
+        else:
+            s_new = dec * s0 + acc
+            key_gate = g_cur
+        _store_checkpoint(st_ptrs, s_new, tile_mask, key_gate, slot * HV + h,
+                          offs_k[:, None] * V + offs_v[None, :], STOCHASTIC_FP16)
+        if (pid_v == 0) & (h == 0):
+            tl.store(cursor_ptr + slot, 0)
+    else:
+        tl.store(dr_base + w * s_drl + offs_v * s_drv, d.to(dr_ptr.dtype.element_ty), mask=mask_v)
+        if pid_v == 0:
+            if KDA:
+                tl.store(gr_base + w * s_grl + offs_k * s_grk, g_cur, mask=mask_k)
+            else:
+                tl.store(gr_base + w * s_grl, g_cur)
+            if h % v_per_k == 0:                       # one program per key head appends k_t
+                tl.store(kr_base + w * s_krl + offs_k * s_krk, k_raw.to(kr_ptr.dtype.element_ty), mask=mask_k)
+            if h == 0:
+                tl.store(cursor_ptr + slot, w + 1)
+
+
+# Launch configuration override for benchmarks and tests (``mamba2_triton.parse_tuning`` strings):
+# {"variant": "fused"|"split", "BLOCK_V", "num_warps"}. Empty in use.
+TUNING: dict = {}
+
+# Rows x value heads above which the split variant runs (from the H200 sweep, benchmarks/NOTES.md).
+FUSED_MAX_ROW_HEADS = 256
+
+
+def launch_config(b: int, HV: int, K: int, V: int, L: int) -> dict:
+    """Kernel variant and launch configuration for a step of ``b`` rows.
+
+    * ``fused`` (latency, small batch): one launch; each program recomputes the window for its V-block.
+    * ``split`` (bandwidth, large batch): launch 1 computes the window once per (row, value head); launch 2
+      streams the checkpoint in small ``K x BLOCK_V`` slices (as fla's fused recurrent kernel does) with little
+      else live, so many programs fit per SM.
+    K is held whole (padded to a power of two >= 16); the window sits on a power-of-two axis >= 16.
+    """
     block_k = max(16, triton.next_power_of_2(K))
-    block_v = 32 if V > 16 else 16
     block_l = max(16, triton.next_power_of_2(L))
-    warps = max(1, min(8, max(block_k * block_v, block_l * block_k) // (32 * 64)))
-    return dict(BLOCK_K=block_k, BLOCK_V=block_v, BLOCK_L=block_l, num_warps=warps)
+    variant = TUNING.get("variant") or ("fused" if b * HV <= FUSED_MAX_ROW_HEADS else "split")
+    if variant == "fused":
+        block_v = TUNING.get("BLOCK_V") or (32 if V > 16 else 16)
+        warps = TUNING.get("num_warps") or max(1, min(8, max(block_k * block_v, block_l * block_k) // (32 * 64)))
+    else:
+        block_v = TUNING.get("BLOCK_V") or 16
+        warps = TUNING.get("num_warps") or max(1, min(8, block_k * block_v // (32 * 32)))
+    return dict(variant=variant, BLOCK_K=block_k, BLOCK_V=block_v, BLOCK_L=block_l, num_warps=warps)
 
 
 def delta_replay_step_triton(state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slot_idx=None):
@@ -161,20 +341,38 @@ def delta_replay_step_triton(state, d_ring, k_ring, g_ring, cursor, q, k, v, g, 
     o = torch.empty((b, HV, V), dtype=torch.float32, device=v.device)
     if b == 0:
         return o
-    cfg = launch_config(K, V, L)
+    cfg = launch_config(b, HV, K, V, L)
     n_vb = triton.cdiv(V, cfg["BLOCK_V"])
     if n_vb * HV >= 1 << 15 or L >= _ARRIVAL:
         raise ValueError(f"replay_compile.delta: {HV} heads x {n_vb} V-blocks (or L={L}) exceed the cursor word's "
                          "arrival counter")
     has_slot = slot_idx is not None
+    slot_arg = slot_idx if has_slot else cursor
     g_strides = tuple(g_ring.stride()) + ((0,) if not kda else ())
     gi_strides = tuple(g.stride()) + ((0,) if not kda else ())
-    _delta_replay_step_kernel[(n_vb, b, HV)](
-        state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slot_idx if has_slot else cursor, o,
-        HV, K, V, L, HV // k_ring.shape[1], HV // q.shape[1], n_vb * HV,
+    v_per_k, v_per_q = HV // k_ring.shape[1], HV // q.shape[1]
+    common = dict(HAS_SLOT=has_slot, KDA=kda, BLOCK_K=cfg["BLOCK_K"], BLOCK_L=cfg["BLOCK_L"])
+    if cfg["variant"] == "fused":
+        _delta_replay_step_kernel[(n_vb, b, HV)](
+            state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slot_arg, o,
+            HV, K, V, L, v_per_k, v_per_q, n_vb * HV,
+            *state.stride(), *d_ring.stride(), *k_ring.stride(), *g_strides,
+            *q.stride(), *k.stride(), *v.stride(), *gi_strides, *beta.stride(), *o.stride(),
+            BLOCK_V=cfg["BLOCK_V"], STOCHASTIC_FP16=state.dtype == torch.float16, num_warps=cfg["num_warps"],
+            **common)
+        return o
+    # split: window once per (row, value head) into scratch, then the checkpoint pass (which advances the cursor)
+    win = torch.empty((b, HV, 3 * cfg["BLOCK_L"]), dtype=torch.float32, device=v.device)
+    vec = torch.empty((b, HV, 2 * cfg["BLOCK_K"]), dtype=torch.float32, device=v.device)
+    wrow = torch.empty((b,), dtype=cursor.dtype, device=v.device)
+    _delta_window_kernel[(b, HV)](
+        cursor, k_ring, g_ring, q, k, g, slot_arg, win, vec, wrow, K, L, v_per_k, v_per_q,
+        *k_ring.stride(), *g_strides, *q.stride(), *k.stride(), *gi_strides,
+        num_warps=4 if cfg["BLOCK_K"] * cfg["BLOCK_L"] >= 2048 else 1, **common)
+    _delta_apply_kernel[(n_vb, b, HV)](
+        state, d_ring, k_ring, g_ring, cursor, k, v, g, beta, slot_arg, o, win, vec, wrow,
+        HV, K, V, L, v_per_k,
         *state.stride(), *d_ring.stride(), *k_ring.stride(), *g_strides,
-        *q.stride(), *k.stride(), *v.stride(), *gi_strides, *beta.stride(), *o.stride(),
-        HAS_SLOT=has_slot, KDA=kda, BLOCK_K=cfg["BLOCK_K"], BLOCK_V=cfg["BLOCK_V"], BLOCK_L=cfg["BLOCK_L"],
-        STOCHASTIC_FP16=state.dtype == torch.float16, num_warps=cfg["num_warps"],
-    )
+        *k.stride(), *v.stride(), *gi_strides, *beta.stride(), *o.stride(),
+        BLOCK_V=cfg["BLOCK_V"], STOCHASTIC_FP16=state.dtype == torch.float16, num_warps=cfg["num_warps"], **common)
     return o

@@ -196,7 +196,7 @@ def _mamba2_replay_tiled_kernel(
     s_brb, s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn,
     s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,     # strides as in _mamba2_replay_whole_kernel
     HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    N_TILES: tl.constexpr, STOCHASTIC_FP16: tl.constexpr,
+    N_TILES: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, PREFETCH: tl.constexpr = False,
 ):
     """Bandwidth variant: branch on ``w`` first, then stream the checkpoint over N in ``BLOCK_P x BLOCK_N``
     tiles (only one tile live at a time: low register use, many programs per SM). Reads the cursor with a plain
@@ -214,6 +214,11 @@ def _mamba2_replay_tiled_kernel(
     if slot < 0:                                   # padding row: zero output, touch nothing else
         tl.store(y_ptrs, tl.zeros([BLOCK_P], dtype=tl.float32), mask=mask_p)
         return
+    st_base = state_ptr + slot * s_sb + h * s_sh
+    if PREFETCH:                                    # first checkpoint tile issued before the cursor is read
+        offs_n0 = tl.arange(0, BLOCK_N)
+        s_first = tl.load(st_base + offs_p[:, None] * s_sp + offs_n0[None, :] * s_sn,
+                          mask=mask_p[:, None] & (offs_n0 < N)[None, :], other=0.0)
     w = tl.load(cursor_ptr + slot)                  # advanced afterwards by _advance_cursor_kernel
     g = h // heads_per_g
     gc = h // heads_per_gc
@@ -237,7 +242,6 @@ def _mamba2_replay_tiled_kernel(
                  mask=hist[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
     xw = tl.where(cur[:, None], x_cur.to(tl.float32)[None, :], xw)     # masked loads: zeros past w already
 
-    st_base = state_ptr + slot * s_sb + h * s_sh
     br_base = Br_ptr + slot * s_brb + g * s_brg
     b_base = B_ptr + row * s_bb + g * s_bg
     c_base = C_ptr + row * s_cb + gc * s_cg
@@ -245,7 +249,7 @@ def _mamba2_replay_tiled_kernel(
         # flush: S_new = exp(Σ la) S_0 + (coef X)ᵀ B, tile by tile, written once; y = S_new C
         xc = tl.trans(xw * coef[:, None])                    # [BLOCK_P, BLOCK_L]
         acc_y = tl.zeros([BLOCK_P], dtype=tl.float32)
-        for nt in range(N_TILES):                          # constexpr trip count (see module notes)
+        for nt in tl.static_range(N_TILES):
             offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
             mask_n = offs_n < N
             bw = tl.load(br_base + offs_l[:, None] * s_brl + offs_n[None, :] * s_brn,
@@ -254,7 +258,10 @@ def _mamba2_replay_tiled_kernel(
             bw = tl.where(cur[:, None], b_cur[None, :], bw)
             s_ptrs = st_base + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
             tile_mask = mask_p[:, None] & mask_n[None, :]
-            s0 = tl.load(s_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
+            if PREFETCH and nt == 0:
+                s0 = s_first.to(tl.float32)
+            else:
+                s0 = tl.load(s_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
             s_new = decay * s0 + tl.dot(xc, bw, input_precision="ieee")
             _store_checkpoint(s_ptrs, s_new, tile_mask, la_cur, slot * H + h,
                               offs_p[:, None] * N + offs_n[None, :], STOCHASTIC_FP16)
@@ -265,12 +272,15 @@ def _mamba2_replay_tiled_kernel(
         # y = exp(Σ la) (S_0 C) + Σ_j coef_j (B_j·C) x_j ; the checkpoint is only read
         acc_sc = tl.zeros([BLOCK_P], dtype=tl.float32)
         bc = tl.zeros([BLOCK_L], dtype=tl.float32)
-        for nt in range(N_TILES):                          # constexpr trip count (see module notes)
+        for nt in tl.static_range(N_TILES):
             offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
             mask_n = offs_n < N
             c = tl.load(c_base + offs_n * s_cn, mask=mask_n, other=0.0).to(tl.float32)
-            s0 = tl.load(st_base + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn,
-                         mask=mask_p[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+            if PREFETCH and nt == 0:
+                s0 = s_first.to(tl.float32)
+            else:
+                s0 = tl.load(st_base + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn,
+                             mask=mask_p[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
             acc_sc += tl.sum(s0 * c[None, :], axis=1)
             bw = tl.load(br_base + offs_l[:, None] * s_brl + offs_n[None, :] * s_brn,
                          mask=hist[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
@@ -459,6 +469,8 @@ def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
         block_p = TUNING.get("BLOCK_P") or max(16, min(bp, triton.next_power_of_2(P)))
         block_n = TUNING.get("BLOCK_N") or max(16, min(bp, triton.next_power_of_2(N)))
         warps = TUNING.get("num_warps") or (2 if block_l <= 16 else 4)
+        return dict(variant=variant, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_L=block_l, num_warps=warps,
+                    PREFETCH=TUNING.get("PREFETCH", 0))
     return dict(variant=variant, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_L=block_l, num_warps=warps)
 
 
@@ -490,6 +502,7 @@ def replay_step_triton(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, l
         if cfg["variant"] == "stream":
             _mamba2_replay_stream_kernel[(n_pb, b, H)](*args, P_CHUNKS=cfg["P_CHUNKS"], **common)
         else:
-            _mamba2_replay_tiled_kernel[(n_pb, b, H)](*args, N_TILES=triton.cdiv(N, cfg["BLOCK_N"]), **common)
+            _mamba2_replay_tiled_kernel[(n_pb, b, H)](*args, N_TILES=triton.cdiv(N, cfg["BLOCK_N"]),
+                                                      PREFETCH=bool(cfg.get("PREFETCH", 0)), **common)
         _advance_cursor_kernel[(triton.cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
     return y
