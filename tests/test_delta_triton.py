@@ -22,7 +22,7 @@ from replay_compile.testing.strategies import (  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 KEYS = ("q", "k", "v", "g", "beta")
-VARIANTS = ("fused", "split", "split:BLOCK_V=8,num_warps=1")
+VARIANTS = ("fused", "split", "split:BLOCK_V=32,num_warps=2")
 
 
 @contextlib.contextmanager

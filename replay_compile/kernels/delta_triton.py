@@ -144,7 +144,7 @@ def _delta_replay_step_kernel(
 
 @triton.jit
 def _delta_window_kernel(
-    cursor_ptr, kr_ptr, gr_ptr, q_ptr, k_ptr, g_ptr, slot_ptr, win_ptr, vec_ptr, wrow_ptr,
+    cursor_ptr, kr_ptr, gr_ptr, q_ptr, k_ptr, g_ptr, slot_ptr, win_ptr, vec_ptr, ke_ptr, wrow_ptr,
     K, L, v_per_k, v_per_q,
     s_krb, s_krh, s_krl, s_krk, s_grb, s_grh, s_grl, s_grk,
     s_qb, s_qh, s_qk, s_kb, s_kh, s_kk, s_gb, s_gh, s_gk,
@@ -152,8 +152,9 @@ def _delta_window_kernel(
 ):
     """Split variant, launch 1 of 2, grid ``(batch, HV)``: everything of the step that does not touch the checkpoint,
     once per (row, value head) instead of once per V-block. Writes ``w`` [b] (from head 0), the window scalars
-    ``win[row, h] = (u_j = KE_j·k_t, v_j = KE_j·q_t, k_t·q_t)`` and the decayed vectors
-    ``vec[row, h] = (exp(E_tot) ⊙ k_t, exp(E_tot) ⊙ q_t)``. Reads the cursor, writes nothing of the cache."""
+    ``win[row, h] = (u_j = KE_j·k_t, v_j = KE_j·q_t, k_t·q_t)``, the decayed vectors
+    ``vec[row, h] = (exp(E_tot) ⊙ k_t, exp(E_tot) ⊙ q_t, exp(E_tot))`` and, for flushing rows only, the scaled keys
+    ``ke[row, h] = KE [BLOCK_L, BLOCK_K]``. Reads the cursor, writes nothing of the cache."""
     row = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     HV = tl.num_programs(1)
@@ -196,15 +197,18 @@ def _delta_window_kernel(
     tl.store(wb + offs_l, tl.sum(ke * k[None, :], axis=1))
     tl.store(wb + BLOCK_L + offs_l, tl.sum(ke * q[None, :], axis=1))
     tl.store(wb + 2 * BLOCK_L + offs_l, tl.where(offs_l == 0, tl.sum(k * q, axis=0), 0.0))
-    vb = vec_ptr + (row * HV + h) * (2 * BLOCK_K)
+    vb = vec_ptr + (row * HV + h) * (3 * BLOCK_K)
     tl.store(vb + offs_k, dec * k)
     tl.store(vb + BLOCK_K + offs_k, dec * q)
+    if w == L - 1:
+        tl.store(vb + 2 * BLOCK_K + offs_k, dec + tl.zeros([BLOCK_K], dtype=tl.float32))
+        tl.store(ke_ptr + (row * HV + h) * (BLOCK_L * BLOCK_K) + offs_l[:, None] * BLOCK_K + offs_k[None, :], ke)
 
 
 @triton.jit
 def _delta_apply_kernel(
     state_ptr, dr_ptr, kr_ptr, gr_ptr, cursor_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, slot_ptr, o_ptr,
-    win_ptr, vec_ptr, wrow_ptr,
+    win_ptr, vec_ptr, ke_ptr, wrow_ptr,
     HV, K, V, L, v_per_k,
     s_sb, s_sh, s_sk, s_sv, s_drb, s_drh, s_drl, s_drv, s_krb, s_krh, s_krl, s_krk, s_grb, s_grh, s_grl, s_grk,
     s_kb, s_kh, s_kk, s_vb, s_vh, s_vv, s_gb, s_gh, s_gk, s_bb, s_bh, s_ob, s_oh, s_ov,
@@ -216,10 +220,10 @@ def _delta_apply_kernel(
 
         S'ᵀk_t = S_0ᵀ(exp(E_tot) ⊙ k_t) + Σ_j u_j d_j     (same for q_t with v_j)
 
-    Non-flush rows append ``d`` (and ``k``, ``g`` once per key / value head); flush rows rebuild the scaled keys
-    row by row from the ring (suffix sums accumulated from the newest record down, so no differences of sums) and
-    write ``exp(E_tot) ⊙_K S_0 + KEᵀ D + k dᵀ`` once. One program per row advances the cursor: launch 1 has already
-    read it and this launch reads ``w`` from launch 1's copy, so nobody reads it after the write."""
+    Non-flush rows append ``d`` (and ``k``, ``g`` once per key / value head); flush rows write
+    ``exp(E_tot) ⊙_K S_0 + KEᵀ D + k dᵀ`` once (one ``tl.dot``, IEEE fp32, with launch 1's scaled keys). Only
+    what a branch needs is loaded in it. One program per row advances the cursor: launch 1 has already read it and
+    this launch reads ``w`` from launch 1's copy, so nobody reads it after the write."""
     pid_v = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
@@ -246,7 +250,7 @@ def _delta_apply_kernel(
     u = tl.load(wb + offs_l)
     uq = tl.load(wb + BLOCK_L + offs_l)
     kq = tl.load(wb + 2 * BLOCK_L)
-    vb = vec_ptr + (row * HV + h) * (2 * BLOCK_K)
+    vb = vec_ptr + (row * HV + h) * (3 * BLOCK_K)
     ak = tl.load(vb + offs_k)
     aq = tl.load(vb + BLOCK_K + offs_k)
     hist = offs_l < w
@@ -261,31 +265,13 @@ def _delta_apply_kernel(
     hk = h // v_per_k
     kr_base = kr_ptr + slot * s_krb + hk * s_krh
     gr_base = gr_ptr + slot * s_grb + h * s_grh
-    if KDA:
-        g_cur = tl.load(g_ptr + row * s_gb + h * s_gh + offs_k * s_gk, mask=mask_k, other=0.0).to(tl.float32)
-    else:
-        g_cur = tl.load(g_ptr + row * s_gb + h * s_gh).to(tl.float32)
-    k_raw = tl.load(k_ptr + row * s_kb + hk * s_kh + offs_k * s_kk, mask=mask_k, other=0.0)
+    k_ptrs = k_ptr + row * s_kb + hk * s_kh + offs_k * s_kk
     if w == L - 1:
-        acc = k_raw.to(tl.float32)[:, None] * d[None, :]
-        suf = g_cur                                                  # Σ_{j<i<=w} g_i, built from the newest down
-        for i in range(BLOCK_L):                                     # constexpr trip count (see module notes)
-            j = BLOCK_L - 1 - i
-            live = j < w
-            kj = tl.load(kr_base + j * s_krl + offs_k * s_krk, mask=mask_k & live, other=0.0).to(tl.float32)
-            dj = tl.load(dr_base + j * s_drl + offs_v * s_drv, mask=mask_v & live, other=0.0).to(tl.float32)
-            acc += (kj * tl.exp(tl.minimum(suf, 0.0)))[:, None] * dj[None, :]
-            if KDA:
-                suf += tl.load(gr_base + j * s_grl + offs_k * s_grk, mask=mask_k & live, other=0.0).to(tl.float32)
-            else:
-                suf += tl.load(gr_base + j * s_grl, mask=live, other=0.0).to(tl.float32)
-        dec = tl.exp(tl.minimum(suf, 0.0))                           # exp(E_tot)
-        if KDA:
-            s_new = dec[:, None] * s0 + acc
-            key_gate = tl.sum(tl.where(offs_k == 0, g_cur, 0.0), axis=0)                   # g[..., 0], as the reference
-        else:
-            s_new = dec * s0 + acc
-            key_gate = g_cur
+        k_cur = tl.load(k_ptrs, mask=mask_k, other=0.0).to(tl.float32)
+        ke = tl.load(ke_ptr + (row * HV + h) * (BLOCK_L * BLOCK_K) + offs_l[:, None] * BLOCK_K + offs_k[None, :])
+        dec = tl.load(vb + 2 * BLOCK_K + offs_k)
+        s_new = dec[:, None] * s0 + tl.dot(tl.trans(ke), dw, input_precision="ieee") + k_cur[:, None] * d[None, :]
+        key_gate = tl.load(g_ptr + row * s_gb + h * s_gh).to(tl.float32)    # g (GDN) or g[..., 0] (KDA)
         _store_checkpoint(st_ptrs, s_new, tile_mask, key_gate, slot * HV + h,
                           offs_k[:, None] * V + offs_v[None, :], STOCHASTIC_FP16)
         if (pid_v == 0) & (h == 0):
@@ -294,10 +280,12 @@ def _delta_apply_kernel(
         tl.store(dr_base + w * s_drl + offs_v * s_drv, d.to(dr_ptr.dtype.element_ty), mask=mask_v)
         if pid_v == 0:
             if KDA:
-                tl.store(gr_base + w * s_grl + offs_k * s_grk, g_cur, mask=mask_k)
+                g_cur = tl.load(g_ptr + row * s_gb + h * s_gh + offs_k * s_gk, mask=mask_k, other=0.0)
+                tl.store(gr_base + w * s_grl + offs_k * s_grk, g_cur.to(tl.float32), mask=mask_k)
             else:
-                tl.store(gr_base + w * s_grl, g_cur)
+                tl.store(gr_base + w * s_grl, tl.load(g_ptr + row * s_gb + h * s_gh).to(tl.float32))
             if h % v_per_k == 0:                       # one program per key head appends k_t
+                k_raw = tl.load(k_ptrs, mask=mask_k, other=0.0)
                 tl.store(kr_base + w * s_krl + offs_k * s_krk, k_raw.to(kr_ptr.dtype.element_ty), mask=mask_k)
             if h == 0:
                 tl.store(cursor_ptr + slot, w + 1)
@@ -327,8 +315,8 @@ def launch_config(b: int, HV: int, K: int, V: int, L: int) -> dict:
         block_v = TUNING.get("BLOCK_V") or (32 if V > 16 else 16)
         warps = TUNING.get("num_warps") or max(1, min(8, max(block_k * block_v, block_l * block_k) // (32 * 64)))
     else:
-        block_v = TUNING.get("BLOCK_V") or 16
-        warps = TUNING.get("num_warps") or max(1, min(8, block_k * block_v // (32 * 32)))
+        block_v = max(16, TUNING.get("BLOCK_V") or 16)            # the flush's tl.dot needs >= 16
+        warps = TUNING.get("num_warps") or 1
     return dict(variant=variant, BLOCK_K=block_k, BLOCK_V=block_v, BLOCK_L=block_l, num_warps=warps)
 
 
@@ -363,14 +351,15 @@ def delta_replay_step_triton(state, d_ring, k_ring, g_ring, cursor, q, k, v, g, 
         return o
     # split: window once per (row, value head) into scratch, then the checkpoint pass (which advances the cursor)
     win = torch.empty((b, HV, 3 * cfg["BLOCK_L"]), dtype=torch.float32, device=v.device)
-    vec = torch.empty((b, HV, 2 * cfg["BLOCK_K"]), dtype=torch.float32, device=v.device)
+    vec = torch.empty((b, HV, 3 * cfg["BLOCK_K"]), dtype=torch.float32, device=v.device)
+    ke = torch.empty((b, HV, cfg["BLOCK_L"] * cfg["BLOCK_K"]), dtype=torch.float32, device=v.device)
     wrow = torch.empty((b,), dtype=cursor.dtype, device=v.device)
     _delta_window_kernel[(b, HV)](
-        cursor, k_ring, g_ring, q, k, g, slot_arg, win, vec, wrow, K, L, v_per_k, v_per_q,
+        cursor, k_ring, g_ring, q, k, g, slot_arg, win, vec, ke, wrow, K, L, v_per_k, v_per_q,
         *k_ring.stride(), *g_strides, *q.stride(), *k.stride(), *gi_strides,
         num_warps=4 if cfg["BLOCK_K"] * cfg["BLOCK_L"] >= 2048 else 1, **common)
     _delta_apply_kernel[(n_vb, b, HV)](
-        state, d_ring, k_ring, g_ring, cursor, k, v, g, beta, slot_arg, o, win, vec, wrow,
+        state, d_ring, k_ring, g_ring, cursor, k, v, g, beta, slot_arg, o, win, vec, ke, wrow,
         HV, K, V, L, v_per_k,
         *state.stride(), *d_ring.stride(), *k_ring.stride(), *g_strides,
         *k.stride(), *v.stride(), *gi_strides, *beta.stride(), *o.stride(),

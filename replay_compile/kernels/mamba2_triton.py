@@ -254,8 +254,8 @@ def _mamba2_replay_tiled_kernel(
             mask_n = offs_n < N
             bw = tl.load(br_base + offs_l[:, None] * s_brl + offs_n[None, :] * s_brn,
                          mask=hist[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-            b_cur = tl.load(b_base + offs_n * s_bn, mask=mask_n, other=0.0).to(tl.float32)
-            bw = tl.where(cur[:, None], b_cur[None, :], bw)
+            b_cur = tl.load(b_base + offs_n * s_bn, mask=mask_n, other=0.0)     # same type on both branches
+            bw = tl.where(cur[:, None], b_cur.to(tl.float32)[None, :], bw)      # (static_range: names leak)
             s_ptrs = st_base + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
             tile_mask = mask_p[:, None] & mask_n[None, :]
             if PREFETCH and nt == 0:
