@@ -2,7 +2,7 @@
 
     python benchmarks/bench_mamba2_kernel.py --out results/            # full sweep
     python benchmarks/bench_mamba2_kernel.py --batches 256 --geoms super # one point
-    python benchmarks/bench_mamba2_kernel.py --batches 1,256 --configs 'tiled;stream:BLOCK_P=32,num_warps=4'
+    python benchmarks/bench_mamba2_kernel.py --batches 1,256 --configs 'tiled;tiled:BLOCK_P=32,num_warps=4'
 
 Per (geometry, batch, state dtype): the baseline step, our non-flush step, our flush step and the average over L
 consecutive steps (one flush), each replayed from a CUDA graph (median of repeats; the state of a large batch is far
@@ -144,7 +144,7 @@ def bench_point(ssu, H, P, N, G, bs, state_dtype, L, act=torch.bfloat16):
 
 def sweep_configs(ssu, bw, L, out, configs, batches, geoms):
     """Launch-config comparison, fp32 state: each ``configs`` entry (a ``mamba2_triton.parse_tuning`` string such
-    as ``stream:BLOCK_P=32,num_warps=4``) at each batch and geometry, with the baseline of the same batch and
+    as ``tiled:BLOCK_P=32,num_warps=4``) at each batch and geometry, with the baseline of the same batch and
     point measured once in the same run; used to pick the defaults of ``mamba2_triton.launch_config``."""
     from replay_compile.kernels import mamba2_triton as kt
 
@@ -218,7 +218,7 @@ def main(argv=None):
     ap.add_argument("--L", type=int, default=16)
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-results"))
     ap.add_argument("--configs", default="",
-                    help="';'-separated launch configs (e.g. 'tiled;stream:BLOCK_P=32,num_warps=4') compared at "
+                    help="';'-separated launch configs (e.g. 'tiled;tiled:BLOCK_P=32,num_warps=4') compared at "
                          "--batches, fp32 state, instead of the sweep")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)

@@ -1,7 +1,8 @@
 """Does the rewritten decode step run inside CUDA graphs (mode="reduce-overhead") with no skips and no allocation
-per step? Tiny NemotronH on CUDA, static cache, greedy, compared with an eager decode loop.
+per step? A tiny hybrid model on CUDA (NemotronH by default), static cache, greedy, compared with an eager decode
+loop.
 
-    python benchmarks/check_cudagraphs.py
+    python benchmarks/check_cudagraphs.py [nemotron_h | qwen3_next | qwen3_5 | qwen3_5_moe | kimi_linear | ...]
 
 The cache is allocated and prefilled eagerly, then only the one-token decode step is compiled: the way a serving
 loop uses CUDA graphs. (Letting ``generate`` create a hybrid cache inside the first compiled call makes the cache
@@ -10,13 +11,14 @@ with "accessing tensor output of CUDAGraphs that has been overwritten". That is 
 allocation, not of our rewrite.)
 """
 import logging
+import sys
 
 import torch
 import transformers
 from transformers import StaticCache
 
 import replay_compile
-from replay_compile.testing.hf_models import MAMBA2_FAMILY, make_inputs
+from replay_compile.testing.hf_models import DELTA_FAMILY, MAMBA2_FAMILY, make_inputs
 
 skips = []
 
@@ -32,7 +34,8 @@ for name in ("torch._inductor", "torch._inductor.cudagraph_trees", "torch._induc
     logging.getLogger(name).addHandler(_Catch())
 
 STEPS = 48
-model = MAMBA2_FAMILY["nemotron_h"]().cuda().eval()
+family = sys.argv[1] if len(sys.argv) > 1 else "nemotron_h"
+model = {**MAMBA2_FAMILY, **DELTA_FAMILY}[family]().cuda().eval()
 ids = make_inputs(model, batch=4, prompt_len=8).cuda()
 
 
@@ -54,7 +57,7 @@ def decode(forward):
     return torch.cat(toks, 1), logits, mems, cache
 
 
-print("transformers", transformers.__version__, "torch", torch.__version__)
+print(family, "transformers", transformers.__version__, "torch", torch.__version__)
 ref_toks, ref_logits, _, _ = decode(model.forward)
 for backend in ("inductor", "replayssm"):
     torch._dynamo.reset()

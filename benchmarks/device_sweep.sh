@@ -24,7 +24,7 @@ for s in $steps; do case $s in
            -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/pytest_kernels.txt" ;;
   sweep) timeout 330 python3 benchmarks/bench_mamba2_kernel.py --out "$OUT" 2>&1 | grep -v Warn | tee "$OUT/sweep.txt" ;;
   configs) timeout 300 python3 benchmarks/bench_mamba2_kernel.py --out "$OUT" --batches "${CONFIG_BATCHES:-64,256}" \
-            --configs "${CONFIGS:-tiled;stream;stream:BLOCK_P=32,num_warps=4}" 2>&1 | grep -v Warn | tee "$OUT/configs.txt" ;;
+            --configs "${CONFIGS:-whole;tiled}" 2>&1 | grep -v Warn | tee "$OUT/configs.txt" ;;
   delta-configs) timeout 100 python3 -m pytest -q tests/test_delta_triton_gpu.py -p no:cacheprovider 2>&1 | tail -3 \
            | tee "$OUT/pytest_delta_gpu.txt"
          timeout 240 python3 benchmarks/bench_delta_kernel.py --out "$OUT" --batches "${CONFIG_BATCHES:-1,32,256}" \

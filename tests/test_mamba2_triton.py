@@ -20,7 +20,7 @@ from replay_compile.testing.strategies import (  # noqa: E402
     ExactMamba2Oracle, Mamba2Geometry, mamba2_geometries, mamba2_problem, step_schedules)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-VARIANTS = ("whole", "tiled", "stream", "stream:P_CHUNKS=1", "tiled:PREFETCH=1")
+VARIANTS = ("whole", "tiled")
 
 
 @contextlib.contextmanager

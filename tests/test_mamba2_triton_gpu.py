@@ -26,7 +26,7 @@ def rel(a, b):
     (Mamba2Geometry(2, 8, 24, 40, 2, 2), 64),         # the longest buffer
 ])
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kind", ["whole", "tiled", "tiled:PREFETCH=1", "stream"])
+@pytest.mark.parametrize("kind", ["whole", "tiled", "tiled:BLOCK_P=32,num_warps=4"])
 def test_real_geometry_vs_fp64_over_4L_steps(geom, L, act, kind):
     kt.TUNING.update(kt.parse_tuning(kind))
     try:

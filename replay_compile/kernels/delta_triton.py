@@ -221,8 +221,8 @@ def _delta_apply_kernel(
         S'ᵀk_t = S_0ᵀ(exp(E_tot) ⊙ k_t) + Σ_j u_j d_j     (same for q_t with v_j)
 
     Non-flush rows append ``d`` (and ``k``, ``g`` once per key / value head); flush rows write
-    ``exp(E_tot) ⊙_K S_0 + KEᵀ D + k dᵀ`` once (one ``tl.dot``, IEEE fp32, with launch 1's scaled keys). Only
-    what a branch needs is loaded in it. One program per row advances the cursor: launch 1 has already read it and
+    ``exp(E_tot) ⊙_K S_0 + KEᵀ D + k dᵀ`` once, with launch 1's scaled keys (no ``tl.dot``: its operand layouts
+    slowed the non-flush path by 20% on the H200, benchmarks/NOTES.md). Only what a branch needs is loaded in it. One program per row advances the cursor: launch 1 has already read it and
     this launch reads ``w`` from launch 1's copy, so nobody reads it after the write."""
     pid_v = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
@@ -268,9 +268,14 @@ def _delta_apply_kernel(
     k_ptrs = k_ptr + row * s_kb + hk * s_kh + offs_k * s_kk
     if w == L - 1:
         k_cur = tl.load(k_ptrs, mask=mask_k, other=0.0).to(tl.float32)
-        ke = tl.load(ke_ptr + (row * HV + h) * (BLOCK_L * BLOCK_K) + offs_l[:, None] * BLOCK_K + offs_k[None, :])
         dec = tl.load(vb + 2 * BLOCK_K + offs_k)
-        s_new = dec[:, None] * s0 + tl.dot(tl.trans(ke), dw, input_precision="ieee") + k_cur[:, None] * d[None, :]
+        s_new = dec[:, None] * s0 + k_cur[:, None] * d[None, :]
+        ke_base = ke_ptr + (row * HV + h) * (BLOCK_L * BLOCK_K)
+        for j in range(BLOCK_L):                     # KEᵀ D as L outer products: a tl.dot here would put the
+            live = j < w                             # shared tile in a dot layout and slow the non-flush path
+            ke_j = tl.load(ke_base + j * BLOCK_K + offs_k, mask=live, other=0.0)
+            d_j = tl.load(dr_base + j * s_drl + offs_v * s_drv, mask=mask_v & live, other=0.0).to(tl.float32)
+            s_new += ke_j[:, None] * d_j[None, :]
         key_gate = tl.load(g_ptr + row * s_gb + h * s_gh).to(tl.float32)    # g (GDN) or g[..., 0] (KDA)
         _store_checkpoint(st_ptrs, s_new, tile_mask, key_gate, slot * HV + h,
                           offs_k[:, None] * V + offs_v[None, :], STOCHASTIC_FP16)
@@ -315,7 +320,7 @@ def launch_config(b: int, HV: int, K: int, V: int, L: int) -> dict:
         block_v = TUNING.get("BLOCK_V") or (32 if V > 16 else 16)
         warps = TUNING.get("num_warps") or max(1, min(8, max(block_k * block_v, block_l * block_k) // (32 * 64)))
     else:
-        block_v = max(16, TUNING.get("BLOCK_V") or 16)            # the flush's tl.dot needs >= 16
+        block_v = TUNING.get("BLOCK_V") or 16
         warps = TUNING.get("num_warps") or 1
     return dict(variant=variant, BLOCK_K=block_k, BLOCK_V=block_v, BLOCK_L=block_l, num_warps=warps)
 

@@ -196,7 +196,7 @@ def _mamba2_replay_tiled_kernel(
     s_brb, s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn,
     s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,     # strides as in _mamba2_replay_whole_kernel
     HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    N_TILES: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, PREFETCH: tl.constexpr = False,
+    N_TILES: tl.constexpr, STOCHASTIC_FP16: tl.constexpr,
 ):
     """Bandwidth variant: branch on ``w`` first, then stream the checkpoint over N in ``BLOCK_P x BLOCK_N``
     tiles (only one tile live at a time: low register use, many programs per SM). Reads the cursor with a plain
@@ -214,11 +214,6 @@ def _mamba2_replay_tiled_kernel(
     if slot < 0:                                   # padding row: zero output, touch nothing else
         tl.store(y_ptrs, tl.zeros([BLOCK_P], dtype=tl.float32), mask=mask_p)
         return
-    st_base = state_ptr + slot * s_sb + h * s_sh
-    if PREFETCH:                                    # first checkpoint tile issued before the cursor is read
-        offs_n0 = tl.arange(0, BLOCK_N)
-        s_first = tl.load(st_base + offs_p[:, None] * s_sp + offs_n0[None, :] * s_sn,
-                          mask=mask_p[:, None] & (offs_n0 < N)[None, :], other=0.0)
     w = tl.load(cursor_ptr + slot)                  # advanced afterwards by _advance_cursor_kernel
     g = h // heads_per_g
     gc = h // heads_per_gc
@@ -242,6 +237,7 @@ def _mamba2_replay_tiled_kernel(
                  mask=hist[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
     xw = tl.where(cur[:, None], x_cur.to(tl.float32)[None, :], xw)     # masked loads: zeros past w already
 
+    st_base = state_ptr + slot * s_sb + h * s_sh
     br_base = Br_ptr + slot * s_brb + g * s_brg
     b_base = B_ptr + row * s_bb + g * s_bg
     c_base = C_ptr + row * s_cb + gc * s_cg
@@ -249,19 +245,16 @@ def _mamba2_replay_tiled_kernel(
         # flush: S_new = exp(Σ la) S_0 + (coef X)ᵀ B, tile by tile, written once; y = S_new C
         xc = tl.trans(xw * coef[:, None])                    # [BLOCK_P, BLOCK_L]
         acc_y = tl.zeros([BLOCK_P], dtype=tl.float32)
-        for nt in tl.static_range(N_TILES):
+        for nt in range(N_TILES):                          # constexpr trip count (see module notes)
             offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
             mask_n = offs_n < N
             bw = tl.load(br_base + offs_l[:, None] * s_brl + offs_n[None, :] * s_brn,
                          mask=hist[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-            b_cur = tl.load(b_base + offs_n * s_bn, mask=mask_n, other=0.0)     # same type on both branches
-            bw = tl.where(cur[:, None], b_cur.to(tl.float32)[None, :], bw)      # (static_range: names leak)
+            b_cur = tl.load(b_base + offs_n * s_bn, mask=mask_n, other=0.0).to(tl.float32)
+            bw = tl.where(cur[:, None], b_cur[None, :], bw)
             s_ptrs = st_base + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
             tile_mask = mask_p[:, None] & mask_n[None, :]
-            if PREFETCH and nt == 0:
-                s0 = s_first.to(tl.float32)
-            else:
-                s0 = tl.load(s_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
+            s0 = tl.load(s_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
             s_new = decay * s0 + tl.dot(xc, bw, input_precision="ieee")
             _store_checkpoint(s_ptrs, s_new, tile_mask, la_cur, slot * H + h,
                               offs_p[:, None] * N + offs_n[None, :], STOCHASTIC_FP16)
@@ -272,15 +265,12 @@ def _mamba2_replay_tiled_kernel(
         # y = exp(Σ la) (S_0 C) + Σ_j coef_j (B_j·C) x_j ; the checkpoint is only read
         acc_sc = tl.zeros([BLOCK_P], dtype=tl.float32)
         bc = tl.zeros([BLOCK_L], dtype=tl.float32)
-        for nt in tl.static_range(N_TILES):
+        for nt in range(N_TILES):                          # constexpr trip count (see module notes)
             offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
             mask_n = offs_n < N
             c = tl.load(c_base + offs_n * s_cn, mask=mask_n, other=0.0).to(tl.float32)
-            if PREFETCH and nt == 0:
-                s0 = s_first.to(tl.float32)
-            else:
-                s0 = tl.load(st_base + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn,
-                             mask=mask_p[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+            s0 = tl.load(st_base + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn,
+                         mask=mask_p[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
             acc_sc += tl.sum(s0 * c[None, :], axis=1)
             bw = tl.load(br_base + offs_l[:, None] * s_brl + offs_n[None, :] * s_brn,
                          mask=hist[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
@@ -299,115 +289,6 @@ def _mamba2_replay_tiled_kernel(
 
 
 @triton.jit
-def _mamba2_replay_stream_kernel(
-    state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, cursor_ptr,
-    x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr, y_ptr,
-    H, P, N, L, heads_per_g, heads_per_gc, arrivals,
-    s_sb, s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl,
-    s_brb, s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn,
-    s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,     # strides as in _mamba2_replay_whole_kernel
-    HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    P_CHUNKS: tl.constexpr, STOCHASTIC_FP16: tl.constexpr,
-):
-    """Bandwidth variant: a program owns ``P_CHUNKS * BLOCK_P`` rows of one head's checkpoint and streams them in
-    contiguous ``BLOCK_P x N`` chunks (whole rows of N: one DRAM burst per chunk), with the next chunk's load issued
-    before the current one is reduced (manual double buffering; the first chunk is issued before the cursor is
-    read). The window term ``B_j·C`` is computed once per program, not once per tile. Plain cursor load; the
-    cursor advance is a second tiny launch, as in the tiled variant."""
-    pid_p = tl.program_id(0)
-    row = tl.program_id(1).to(tl.int64)
-    h = tl.program_id(2).to(tl.int64)
-    p_lo = pid_p * (P_CHUNKS * BLOCK_P)
-    p_hi = tl.minimum(p_lo + P_CHUNKS * BLOCK_P, P)
-    ar_p = tl.arange(0, BLOCK_P)
-    if HAS_SLOT:
-        slot = tl.load(slot_ptr + row).to(tl.int64)
-    else:
-        slot = row
-    if slot < 0:                                   # padding row: zero output, touch nothing else
-        for i in range(P_CHUNKS):
-            offs_p = p_lo + i * BLOCK_P + ar_p
-            tl.store(y_ptr + row * s_yb + h * s_yh + offs_p * s_yp, tl.zeros([BLOCK_P], dtype=tl.float32),
-                     mask=offs_p < p_hi)
-        return
-    g = h // heads_per_g
-    gc = h // heads_per_gc
-    offs_n = tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    offs_l = tl.arange(0, BLOCK_L)
-    st_base = state_ptr + slot * s_sb + h * s_sh
-    xr_base = xr_ptr + slot * s_xrb + h * s_xrh
-    br_base = Br_ptr + slot * s_brb + g * s_brg
-
-    # issued before w is known: the first checkpoint chunk, this token's C, B, x chunk, la, dt
-    offs_p = p_lo + ar_p
-    mask_p = offs_p < p_hi
-    s0 = tl.load(st_base + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn,
-                 mask=mask_p[:, None] & mask_n[None, :], other=0.0)
-    x_cur = tl.load(x_ptr + row * s_xb + h * s_xh + offs_p * s_xp, mask=mask_p, other=0.0)
-    c = tl.load(C_ptr + row * s_cb + gc * s_cg + offs_n * s_cn, mask=mask_n, other=0.0).to(tl.float32)
-    b_cur = tl.load(B_ptr + row * s_bb + g * s_bg + offs_n * s_bn, mask=mask_n, other=0.0)
-    la_cur = tl.load(la_ptr + row * s_lb + h * s_lh)
-    dt_cur = tl.load(dt_ptr + row * s_db + h * s_dh)
-    w = tl.load(cursor_ptr + slot)                  # advanced afterwards by _advance_cursor_kernel
-    hist = offs_l < w
-    cur = offs_l == w
-
-    # the window, once per program: coefficients, decay, B_j·C (stale ring slots are never loaded: mask hist)
-    la_w = tl.load(lar_ptr + slot * s_lrb + h * s_lrh + offs_l * s_lrl, mask=hist, other=0.0).to(tl.float32)
-    dt_w = tl.load(dtr_ptr + slot * s_drb + h * s_drh + offs_l * s_drl, mask=hist, other=0.0).to(tl.float32)
-    la_w = tl.where(cur, la_cur.to(tl.float32), la_w)
-    dt_w = tl.where(cur, dt_cur.to(tl.float32), dt_w)
-    total = tl.sum(la_w, axis=0)
-    after = tl.minimum(tl.cumsum(la_w, axis=0, reverse=True) - la_w, 0.0)
-    coef = tl.where(offs_l <= w, dt_w * tl.exp(after), 0.0)
-    decay = tl.exp(tl.minimum(total, 0.0))
-    bw = tl.load(br_base + offs_l[:, None] * s_brl + offs_n[None, :] * s_brn,
-                 mask=hist[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-    bw = tl.where(cur[:, None], b_cur.to(tl.float32)[None, :], bw)
-    cbc = coef * tl.sum(bw * c[None, :], axis=1)                      # coef_j (B_j·C)   [BLOCK_L]
-    flush = w == L - 1
-    xw = tl.load(xr_base + offs_l[:, None] * s_xrl + offs_p[None, :] * s_xrp,
-                 mask=hist[:, None] & mask_p[None, :], other=0.0)
-
-    for i in range(P_CHUNKS):                          # constexpr trip count (see module notes)
-        offs_p = p_lo + i * BLOCK_P + ar_p
-        mask_p = offs_p < p_hi
-        tile_mask = mask_p[:, None] & mask_n[None, :]
-        nx_p = offs_p + BLOCK_P                        # next chunk, issued before this one is reduced
-        nx_mask = nx_p < p_hi
-        s_nx = tl.load(st_base + nx_p[:, None] * s_sp + offs_n[None, :] * s_sn,
-                       mask=nx_mask[:, None] & mask_n[None, :], other=0.0)
-        x_nx = tl.load(x_ptr + row * s_xb + h * s_xh + nx_p * s_xp, mask=nx_mask, other=0.0)
-        xw_nx = tl.load(xr_base + offs_l[:, None] * s_xrl + nx_p[None, :] * s_xrp,
-                        mask=hist[:, None] & nx_mask[None, :], other=0.0)
-
-        s0f = s0.to(tl.float32)
-        xwf = tl.where(cur[:, None], x_cur.to(tl.float32)[None, :], xw.to(tl.float32))   # [BLOCK_L, BLOCK_P]
-        y_ptrs = y_ptr + row * s_yb + h * s_yh + offs_p * s_yp
-        if flush:
-            # S_new = exp(Σ la) S_0 + (coef X)ᵀ B for this chunk, written once; y = S_new C
-            s_new = decay * s0f + tl.dot(tl.trans(xwf * coef[:, None]), bw, input_precision="ieee")
-            s_ptrs = st_base + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
-            _store_checkpoint(s_ptrs, s_new, tile_mask, la_cur, slot * H + h,
-                              offs_p[:, None] * N + offs_n[None, :], STOCHASTIC_FP16)
-            tl.store(y_ptrs, tl.sum(s_new * c[None, :], axis=1), mask=mask_p)
-        else:
-            y = decay * tl.sum(s0f * c[None, :], axis=1) + tl.sum(cbc[:, None] * xwf, axis=0)
-            tl.store(y_ptrs, y, mask=mask_p)
-            tl.store(xr_base + w * s_xrl + offs_p * s_xrp, x_cur.to(xr_ptr.dtype.element_ty), mask=mask_p)
-        s0 = s_nx
-        x_cur = x_nx
-        xw = xw_nx
-
-    if (pid_p == 0) & (w != L - 1):
-        tl.store(dtr_ptr + slot * s_drb + h * s_drh + w * s_drl, dt_cur)
-        tl.store(lar_ptr + slot * s_lrb + h * s_lrh + w * s_lrl, la_cur)
-        if h % heads_per_g == 0:                      # one program per group appends B_t
-            tl.store(br_base + w * s_brl + offs_n * s_brn, b_cur.to(Br_ptr.dtype.element_ty), mask=mask_n)
-
-
-@triton.jit
 def _advance_cursor_kernel(cursor_ptr, slot_ptr, n_rows, L, HAS_SLOT: tl.constexpr, BLOCK: tl.constexpr):
     """w -> w + 1, or 0 after a flush, for every non-padded row (the tiled variant's second launch)."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -421,8 +302,8 @@ def _advance_cursor_kernel(cursor_ptr, slot_ptr, n_rows, L, HAS_SLOT: tl.constex
     tl.store(cursor_ptr + slots, tl.where(w == L - 1, 0, w + 1), mask=m)
 
 
-# Launch configuration override for benchmarks and tests: {"variant": "whole"|"tiled"|"stream", "BLOCK_P",
-# "BLOCK_N", "num_warps", "P_CHUNKS" (stream only)}.
+# Launch configuration override for benchmarks and tests (parse_tuning strings): {"variant": "whole"|"tiled",
+# "BLOCK_P", "BLOCK_N", "num_warps"}.
 # Empty in use.
 TUNING: dict = {}
 
@@ -431,7 +312,7 @@ WHOLE_MAX_ROW_HEADS = 512
 
 
 def parse_tuning(spec: str) -> dict:
-    """``"stream:BLOCK_P=32,num_warps=4"`` -> ``{"variant": "stream", "BLOCK_P": 32, "num_warps": 4}`` (tests and
+    """``"tiled:BLOCK_P=32,num_warps=4"`` -> ``{"variant": "tiled", "BLOCK_P": 32, "num_warps": 4}`` (tests and
     benchmarks force a variant and configuration through :data:`TUNING` with these strings)."""
     name, _, rest = spec.partition(":")
     out: dict = {"variant": name}
@@ -457,20 +338,11 @@ def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
         block_n = max(16, triton.next_power_of_2(N))
         block_p = TUNING.get("BLOCK_P") or (32 if P % 32 == 0 and P > 64 else 16)
         warps = TUNING.get("num_warps") or max(1, min(8, max(block_p, block_l) * block_n // (32 * 64)))
-    elif variant == "stream":
-        block_n = max(16, triton.next_power_of_2(N))
-        block_p = TUNING.get("BLOCK_P") or 16
-        chunks = TUNING.get("P_CHUNKS") or triton.cdiv(P, block_p)
-        warps = TUNING.get("num_warps") or 2
-        return dict(variant=variant, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_L=block_l, num_warps=warps,
-                    P_CHUNKS=chunks)
     else:
         bp = 64 if P % 64 == 0 else 32
         block_p = TUNING.get("BLOCK_P") or max(16, min(bp, triton.next_power_of_2(P)))
         block_n = TUNING.get("BLOCK_N") or max(16, min(bp, triton.next_power_of_2(N)))
         warps = TUNING.get("num_warps") or (2 if block_l <= 16 else 4)
-        return dict(variant=variant, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_L=block_l, num_warps=warps,
-                    PREFETCH=TUNING.get("PREFETCH", 0))
     return dict(variant=variant, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_L=block_l, num_warps=warps)
 
 
@@ -484,7 +356,7 @@ def replay_step_triton(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, l
     if b == 0:
         return y
     cfg = launch_config(b, H, P, N, L)
-    n_pb = triton.cdiv(P, cfg["BLOCK_P"] * cfg.get("P_CHUNKS", 1))
+    n_pb = triton.cdiv(P, cfg["BLOCK_P"])
     if n_pb * H >= 1 << 15 or L >= _ARRIVAL:
         raise ValueError(f"replay_compile.mamba2: {H} heads x {n_pb} P-blocks (or L={L}) exceed the cursor word's "
                          "arrival counter; use fewer heads per layer")
@@ -499,10 +371,6 @@ def replay_step_triton(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, l
     if cfg["variant"] == "whole":
         _mamba2_replay_whole_kernel[(n_pb, b, H)](*args, **common)
     else:
-        if cfg["variant"] == "stream":
-            _mamba2_replay_stream_kernel[(n_pb, b, H)](*args, P_CHUNKS=cfg["P_CHUNKS"], **common)
-        else:
-            _mamba2_replay_tiled_kernel[(n_pb, b, H)](*args, N_TILES=triton.cdiv(N, cfg["BLOCK_N"]),
-                                                      PREFETCH=bool(cfg.get("PREFETCH", 0)), **common)
+        _mamba2_replay_tiled_kernel[(n_pb, b, H)](*args, N_TILES=triton.cdiv(N, cfg["BLOCK_N"]), **common)
         _advance_cursor_kernel[(triton.cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
     return y

@@ -21,7 +21,6 @@ from torch._dynamo.utils import counters
 from .._logging import log
 from ..config import ReplayConfig
 from ..errors import ReplayCompileError
-from ..ops.mamba2 import use_triton
 from . import broadcast, delta, graph_utils, mamba2, rewrite, validate
 from .delta import DeltaMatcher
 from .mamba2 import Mamba2Matcher, NoMatch
@@ -167,14 +166,8 @@ class ReplaySSMPass:
         if families & {"gdn", "kda"}:
             try:
                 m = dm.match(cp)
-                dev = getattr(m.state.meta.get("example_value"), "device", None)
                 if m.family not in families:
                     err = NoMatch(f"a {m.family} update, but family {m.family!r} is not enabled")
-                elif dev is not None and dev.type == "cuda" and use_triton():
-                    # the CUDA kernels of the delta families are not written yet (issue 4): the PyTorch reference
-                    # would be correct but slower than the model's own step and not CUDA-graph safe
-                    err = NoMatch(f"a {m.family} update on CUDA: no CUDA kernel for it yet; set "
-                                  f"REPLAY_COMPILE_KERNELS=reference to rewrite it with the PyTorch reference ops")
                 else:
                     return m
             except NoMatch as e:
