@@ -33,11 +33,12 @@ MODES = ("eager", "inductor", "inductor-ro", "replayssm", "replayssm-ro")
 def _nemotron_h_nano4b(layers: int | None):
     from transformers import NemotronHConfig
     # Nemotron-Nano-4B-like: 96 Mamba-2 heads x 80, 8 groups, state 128; attention every 7th block, MLP between
+    # (the mixer width is heads x head_dim; `expand` is unused and must be an int in transformers 5.17)
     pattern = (["linear_attention", "mlp"] * 3 + ["full_attention", "mlp"]) * 7
     n = layers or len(pattern)
     return NemotronHConfig(
         hidden_size=3072, layers_block_type=pattern[:n], mamba_num_heads=96, mamba_head_dim=80, n_groups=8,
-        ssm_state_size=128, conv_kernel=4, expand=2.5, intermediate_size=12288, num_attention_heads=32,
+        ssm_state_size=128, conv_kernel=4, intermediate_size=12288, num_attention_heads=32,
         num_key_value_heads=8, head_dim=128, vocab_size=131072), "NemotronHForCausalLM"
 
 
@@ -171,6 +172,71 @@ def bench_one(model, batch: int, mode: str, steps: int, L: int, prompt_len: int 
                 rewrites=rewrites)
 
 
+def parity(model, batch: int, steps: int, L: int, mode: str = "replayssm-ro", prompt_len: int = 16,
+           seed: int = 0) -> dict:
+    """Greedy decode of ``steps`` tokens, eager and ``mode`` in lockstep on two caches, both fed eager's tokens
+    (teacher forcing: one disagreement cannot cascade, every step is compared). Returns the fraction of steps whose
+    argmax tokens agree on every row, the first step that disagreed (-1: none), and the largest logit difference,
+    absolute and relative to the largest eager logit."""
+    import torch
+    from transformers import StaticCache
+
+    from . import backend as rb
+    from . import state as rs
+
+    device = next(model.parameters()).device
+    torch._dynamo.reset()
+    rb.clear_reports()
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, model.config.vocab_size, (batch, prompt_len), generator=gen).to(device)
+    ck = cache_kwarg(model)
+    caches = [StaticCache(config=model.config, max_cache_len=prompt_len + steps + 2) for _ in range(2)]
+    forwards = [model.forward, _forward_for(model, mode, L)]
+    agree, first_bad, max_abs, max_ref = 0, -1, 0.0, 0.0
+    with torch.no_grad():
+        outs = [model(ids, use_cache=True, **{ck: c}) for c in caches]
+        tok = outs[0].logits[:, -1:].argmax(-1)
+        for t in range(steps):
+            pos = torch.tensor([prompt_len + t], device=device)
+            la, lb = (f(tok, use_cache=True, cache_position=pos, **{ck: c}).logits[:, -1].float()
+                      for f, c in zip(forwards, caches))
+            same = bool((la.argmax(-1) == lb.argmax(-1)).all())
+            agree += same
+            if not same and first_bad < 0:
+                first_bad = t
+            max_abs = max(max_abs, float((la - lb).abs().max()))
+            max_ref = max(max_ref, float(la.abs().max()))
+            tok = la.argmax(-1, keepdim=True)
+        rs.flush(caches[1])
+    return dict(batch=batch, mode=mode, steps=steps, tokens_agree=agree / steps, first_mismatch=first_bad,
+                max_logit_diff=max_abs, rel_logit_diff=max_abs / max(max_ref, 1e-30),
+                rewrites=sum(len(r.rewrites) for r in rb.reports()))
+
+
+def run_parity(models, batch, steps, L, device, dtype_name, layers, out_dir, mode="replayssm-ro") -> list[dict]:
+    """:func:`parity` for each model; writes ``parity.csv`` and prints one line per model."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    os.makedirs(out_dir, exist_ok=True)
+    rows = []
+    for name in models:
+        model = build_model(name, dtype, device, layers)
+        r = dict(model=name, layers=getattr(model.config, "num_hidden_layers", None), dtype=dtype_name, L=L,
+                 **parity(model, batch, steps, L, mode))
+        rows.append(r)
+        print(f"parity {name} ({r['layers']} layers, {dtype_name}) bs={batch} {mode}: {steps} greedy steps, tokens "
+              f"agree on {100 * r['tokens_agree']:.1f}% (first mismatch {r['first_mismatch']}), max logit diff "
+              f"{r['max_logit_diff']:.2e} ({r['rel_logit_diff']:.1e} of the largest logit), {r['rewrites']} layers rewritten",
+              flush=True)
+        del model
+    with open(os.path.join(out_dir, f"parity_{dtype_name}.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return rows
+
+
 def run(models, batches, modes, steps, L, device, dtype_name, layers, out_dir, progress=True) -> list[dict]:
     import torch
 
@@ -194,6 +260,7 @@ def run(models, batches, modes, steps, L, device, dtype_name, layers, out_dir, p
                     print(f"  {name} bs={bs} {mode}: out of memory, skipped", file=sys.stderr)
                     continue
                 rows.append(dict(model=name, layers=n_layers, dtype=dtype_name, L=L, **r))
+                _write(rows, out_dir, quiet=True)          # a run cut short still leaves its rows
         del model
     _write(rows, out_dir)
     return rows
@@ -207,7 +274,7 @@ def _speedups(rows):
         r["speedup_vs_compile"] = ref / r["step_ms"] if ref and r["mode"].startswith("replayssm") else float("nan")
 
 
-def _write(rows, out_dir):
+def _write(rows, out_dir, quiet=False):
     if not rows:
         return
     _speedups(rows)
@@ -225,6 +292,8 @@ def _write(rows, out_dir):
     table = "\n".join(lines)
     with open(os.path.join(out_dir, "bench.md"), "w") as f:
         f.write(table + "\n")
+    if quiet:
+        return
     print(table)
     try:
         import matplotlib

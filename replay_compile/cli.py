@@ -143,6 +143,12 @@ def _bench(args) -> int:
     print(f"bench: {models} batches {batches} modes {modes}, {args.steps} decode steps, L={args.buffer_len}, "
           f"{args.dtype} on {args.device}, torch {torch.__version__}" +
           (f", first {args.layers} layers only" if args.layers else ""))
+    if args.check:
+        rows = bench.run_parity(models, args.check_batch, args.check, args.buffer_len, args.device, args.dtype,
+                                args.layers, args.out, mode=modes[-1] if args.modes else
+                                ("replayssm-ro" if cuda else "replayssm"))
+        ok = all(r["tokens_agree"] == 1.0 for r in rows)
+        return 0 if ok or args.dtype != "float32" else 1
     rows = bench.run(models, batches, modes, args.steps, args.buffer_len, args.device, args.dtype, args.layers,
                      args.out)
     print(f"wrote {os.path.join(args.out, 'bench.csv')} and bench.md ({len(rows)} rows)")
@@ -232,6 +238,11 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--device", default="cuda" if _cuda_available() else "cpu")
     b.add_argument("--threads", type=int, default=None)
     b.add_argument("--out", default="bench-results")
+    b.add_argument("--check", type=int, default=0, metavar="TOKENS",
+                   help="instead of timing: greedy-decode TOKENS tokens eager and compiled (the last of --modes, "
+                        "default replayssm-ro on CUDA) in lockstep and compare tokens and logits; exit 1 if an fp32 "
+                        "run disagrees on any token")
+    b.add_argument("--check-batch", type=int, default=4)
     sub.add_parser("env", help="versions and devices")
     args = parser.parse_args(argv)
     if args.cmd == "env":

@@ -66,3 +66,16 @@ def test_bench_smoke_on_cpu(tmp_path, capsys):
     assert rows[0]["rewrites"] == "0" and int(rows[1]["rewrites"]) >= 2
     assert float(rows[1]["flush_ms"]) > 0 and float(rows[1]["nonflush_ms"]) > 0
     assert "| tiny_mamba2" in capsys.readouterr().out and (tmp_path / "bench.md").exists()
+
+
+def test_bench_parity_check_on_cpu(tmp_path, capsys):
+    """``bench --check``: eager and compiled greedy decoding in lockstep over > 2L+1 steps (flushes included) agree
+    on every token, the layers were rewritten, and the CSV records it."""
+    import csv
+
+    assert main(["bench", "--models", "tiny_qwen3_5", "--check", "11", "--check-batch", "2", "--buffer-len", "4",
+                 "--dtype", "float32", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    (row,) = list(csv.DictReader(open(tmp_path / "parity_float32.csv")))
+    assert float(row["tokens_agree"]) == 1.0 and row["first_mismatch"] == "-1" and int(row["rewrites"]) >= 2
+    assert float(row["rel_logit_diff"]) < 1e-4
+    assert "tokens agree on 100.0%" in capsys.readouterr().out
