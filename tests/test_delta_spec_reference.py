@@ -52,3 +52,44 @@ def test_random_acceptance_tracks_sequential_decoding(geom, Bbud, T, data, dtype
         for s in range(b):
             got = delta_spec_materialize_reference(state, *rings, w, origin, s)
             assert rel(got, true[s]) < tol, f"step {step} row {s}: committed state"
+
+
+def test_ops_wrap_the_reference_and_pass_opcheck():
+    """``delta_spec_verify`` + ``spec_commit`` as ops: opcheck, outputs track sequential decoding of the accepted
+    tokens (GDN and KDA), clear errors on bad shapes."""
+    import pytest
+
+    import replay_compile  # noqa: F401 - registers the ops
+    from replay_compile.testing.strategies import DeltaGeometry
+
+    verify, commit = torch.ops.replay_compile.delta_spec_verify, torch.ops.replay_compile.spec_commit
+    for kda in (False, True):
+        geom = DeltaGeometry(2, 4, 2, 5, 3, kda)
+        Bbud, T = 8, 3
+        buf = spec_buf_len(Bbud, T)
+        state0, seq = delta_problem(geom, 8 * T, dtype=torch.float32, seed=2)
+        state = state0.clone()
+        true = [state0[s].double().clone() for s in range(2)]
+        gshape = (2, 4, buf, 5) if kda else (2, 4, buf)
+        rings = (torch.zeros(2, 4, buf, 3), torch.zeros(2, 2, buf, 5), torch.zeros(gshape))
+        w, origin, fl = torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.bool)
+        for step in range(8):
+            toks = seq[step * T:(step + 1) * T]
+            args = tuple(torch.stack([t[key] for t in toks], 1) for key in ("q", "k", "v", "g", "beta"))
+            if step == 0:
+                torch.library.opcheck(verify, (state.clone(), *(r.clone() for r in rings), w.clone(), origin.clone(),
+                                               fl.clone(), *args))
+            o = verify(state, *rings, w, origin, fl, *args)
+            n = torch.tensor([1 + step % T, T])
+            for s in range(2):
+                S = true[s][None].clone()
+                for t in range(T):
+                    ref = delta_exact_step(S, *(a[s:s + 1, t].double() for a in args))[0]
+                    assert rel(o[s, t], ref) < 3e-4, f"kda={kda} step {step} row {s} token {t}"
+                    if t == int(n[s]) - 1:
+                        true[s] = S[0].clone()
+            if step == 0:
+                torch.library.opcheck(commit, (w.clone(), origin.clone(), fl.clone(), n, Bbud, T))
+            commit(w, origin, fl, n, Bbud, T)
+        with pytest.raises(ValueError, match="delta_spec: v must be"):
+            verify(state, *rings, w, origin, fl, *args[:2], args[2][:, 0], *args[3:])

@@ -101,7 +101,7 @@ def test_ring_wraps_and_flushes_on_a_long_run():
 
 def test_ops_wrap_the_reference_and_pass_opcheck():
     import replay_compile  # noqa: F401 - registers the ops
-    verify, commit = torch.ops.replay_compile.mamba2_spec_verify, torch.ops.replay_compile.mamba2_spec_commit
+    verify, commit = torch.ops.replay_compile.mamba2_spec_verify, torch.ops.replay_compile.spec_commit
     H, P, N, G, Bbud, T, b = 2, 3, 4, 1, 8, 3, 2
     buf = spec_buf_len(Bbud, T)
     g = torch.Generator().manual_seed(1)

@@ -272,9 +272,11 @@ def _delta_apply_kernel(
         s_new = dec[:, None] * s0 + k_cur[:, None] * d[None, :]
         ke_base = ke_ptr + (row * HV + h) * (BLOCK_L * BLOCK_K)
         for j in range(BLOCK_L):                     # KEᵀ D as L outer products: a tl.dot here would put the
-            live = j < w                             # shared tile in a dot layout and slow the non-flush path
-            ke_j = tl.load(ke_base + j * BLOCK_K + offs_k, mask=live, other=0.0)
-            d_j = tl.load(dr_base + j * s_drl + offs_v * s_drv, mask=mask_v & live, other=0.0).to(tl.float32)
+            # shared tile in a dot layout and slow the non-flush path. Vector masks built from vectors: triton
+            # 3.9's interpreter rejects a mask combined from a scalar comparison of the loop index.
+            ke_j = tl.load(ke_base + j * BLOCK_K + offs_k, mask=(offs_k * 0 + j) < w, other=0.0)
+            d_j = tl.load(dr_base + j * s_drl + offs_v * s_drv, mask=mask_v & ((offs_v * 0 + j) < w),
+                          other=0.0).to(tl.float32)
             s_new += ke_j[:, None] * d_j[None, :]
         key_gate = tl.load(g_ptr + row * s_gb + h * s_gh).to(tl.float32)    # g (GDN) or g[..., 0] (KDA)
         _store_checkpoint(st_ptrs, s_new, tile_mask, key_gate, slot * HV + h,

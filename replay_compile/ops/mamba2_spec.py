@@ -3,10 +3,11 @@
 ``replay_compile::mamba2_spec_verify``  outputs of ``T`` tokens per row from checkpoint + committed history; writes
                                         the ``T`` records after the history (and, on flush rows, the folded
                                         checkpoint). Declares every tensor it mutates.
-``replay_compile::mamba2_spec_commit``  accept ``n`` tokens per row: cursor moves only (rollback is not counting).
+(The commit, cursor moves only, is family-agnostic: ``replay_compile::spec_commit`` in :mod:`.spec`.)
 
-CPU (and, for now, every device) implementation: :mod:`replay_compile.kernels.mamba2_spec_reference`, where the
-ring layout, the cursors and the flush rule are documented.
+CPU implementation: :mod:`replay_compile.kernels.mamba2_spec_reference`, where the ring layout, the cursors and the
+flush rule are documented. CUDA: the Triton verify kernel and the host-sync-free commit of
+:mod:`replay_compile.kernels.mamba2_spec_triton` (``REPLAY_COMPILE_KERNELS=reference`` selects the reference).
 """
 
 from __future__ import annotations
@@ -17,18 +18,12 @@ import torch
 from torch import Tensor
 
 from ..kernels import mamba2_spec_reference as ref
-from .mamba2 import check_ring_args
+from .mamba2 import check_ring_args, use_triton
+from .spec import check_spec_cursors
 
 
 def _fail(msg: str):
     raise ValueError(f"replay_compile.mamba2_spec: {msg}")
-
-
-def _check_cursors(state, w, origin, is_flush):
-    S = state.shape[0]
-    for name, t, dt in (("w", w, torch.int32), ("origin", origin, torch.int32), ("is_flush", is_flush, torch.bool)):
-        if tuple(t.shape) != (S,) or t.dtype != dt:
-            _fail(f"{name} must be {dt} [S={S}], got {t.dtype} {tuple(t.shape)}")
 
 
 @torch.library.custom_op("replay_compile::mamba2_spec_verify",
@@ -39,10 +34,7 @@ def mamba2_spec_verify(state: Tensor, x_ring: Tensor, dt_ring: Tensor, la_ring: 
     """Verify ``T`` tokens per row (x [b, T, H, P]; dt, la [b, T, H]; B [b, T, G, N]; C [b, T, Gc, N]);
     returns y [b, T, H, P]. See :func:`spec_verify_reference`."""
     check_ring_args(state, x_ring, dt_ring, la_ring, B_ring, w)
-    _check_cursors(state, w, origin, is_flush)
-    buf = x_ring.shape[2]
-    if buf & (buf - 1):
-        _fail(f"the ring length must be a power of two (spec_buf_len(B, T)), got {buf}")
+    check_spec_cursors("mamba2_spec", state, x_ring.shape[2], w, origin, is_flush)
     S, H, P, N = state.shape
     if x.dim() != 4 or tuple(x.shape[2:]) != (H, P):
         _fail(f"x must be [b, T, H={H}, P={P}], got {tuple(x.shape)}")
@@ -53,6 +45,12 @@ def mamba2_spec_verify(state: Tensor, x_ring: Tensor, dt_ring: Tensor, la_ring: 
     if tuple(B.shape) != (b, T, B_ring.shape[1], N) or C.dim() != 4 or tuple(C.shape[:2]) != (b, T) \
             or C.shape[3] != N or H % C.shape[2]:
         _fail(f"B must be [b, T, G, N] and C [b, T, Gc, N] with H % Gc == 0; got {tuple(B.shape)}, {tuple(C.shape)}")
+    from ..kernels.mamba2_reference import _compute_dtype
+
+    if x.is_cuda and use_triton() and _compute_dtype(state, x, dt, la) == torch.float32:   # fp64 stays reference
+        from ..kernels.mamba2_spec_triton import spec_verify_triton  # lazily: triton is only needed on GPUs
+        return spec_verify_triton(state, x_ring, dt_ring, la_ring, B_ring, w, origin, is_flush, x, dt, la, B, C,
+                                  slot_idx)
     return ref.spec_verify_reference(state, x_ring, dt_ring, la_ring, B_ring, w, origin, is_flush, x, dt, la, B, C,
                                      slot_idx)
 
@@ -62,17 +60,3 @@ def _(state, x_ring, dt_ring, la_ring, B_ring, w, origin, is_flush, x, dt, la, B
     from ..kernels.mamba2_reference import _compute_dtype
 
     return x.new_empty(x.shape, dtype=_compute_dtype(state, x, dt, la))
-
-
-@torch.library.custom_op("replay_compile::mamba2_spec_commit", mutates_args=("w", "origin", "is_flush"))
-def mamba2_spec_commit(w: Tensor, origin: Tensor, is_flush: Tensor, n_accepted: Tensor, B: int, T: int,
-                       slot_idx: Optional[Tensor] = None) -> None:
-    """Accept ``n_accepted`` [b] (each in 1..T) tokens of the last verify; see :func:`spec_commit_reference`."""
-    if n_accepted.dim() != 1:
-        _fail(f"n_accepted must be [b], got {tuple(n_accepted.shape)}")
-    ref.spec_commit_reference(w, origin, is_flush, n_accepted, B, T, ref.spec_buf_len(B, T), slot_idx)
-
-
-@mamba2_spec_commit.register_fake
-def _(w, origin, is_flush, n_accepted, B, T, slot_idx=None):
-    return None

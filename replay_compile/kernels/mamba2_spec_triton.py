@@ -1,0 +1,189 @@
+"""Triton kernel of the Mamba-2 speculative verify step and a device-side commit, the CUDA implementations of
+``replay_compile::mamba2_spec_verify`` / ``spec_commit``. Same signatures and in-place contracts as
+:func:`~replay_compile.kernels.mamba2_spec_reference.spec_verify_reference` and
+:func:`~replay_compile.kernels.mamba2_spec_reference.spec_commit_reference`, where the ring, the cursors and the
+flush rule are documented.
+
+Verify, grid ``(cdiv(P, BLOCK_P), batch, H)``. A program holds its ``BLOCK_P x N`` checkpoint tile and the whole
+window on one power-of-two axis ``BLOCK_W >= buf``: logical position ``k < w`` is a history record (ring slot
+``(origin + k) & (buf - 1)``), ``w <= k < w + T`` is the ``k - w``-th token of this verify (read from the inputs).
+The checkpoint is read once for all ``T`` outputs::
+
+    y_t = exp(Σ_{lo<=i<=w+t} la_i) (S C_t) + Σ_{lo<=k<=w+t} dt_k exp(Σ_{k<i<=w+t} la_i) (B_k·C_t) x_k
+
+with ``S = S_0, lo = 0`` on ordinary rows and, on flush rows, ``S`` = the checkpoint with the history folded in (one
+``tl.dot``, IEEE fp32; written once when there is history) and ``lo = w``. Each output takes its own suffix sums
+over the masked window (no differences of prefix sums, every exponent <= 0), as the reference does. The ``T`` new
+records go to ring slots ``(origin + w + t) & (buf - 1)``; cursors are left to the commit.
+
+A row whose history and window do not fit the ring (``w + T > buf``, which the commit's flush rule prevents) gets
+NaN outputs and touches nothing: the kernel cannot raise, so the error is made impossible to miss.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _mamba2_spec_verify_kernel(
+    state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, w_ptr, origin_ptr, flush_ptr,
+    x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr, y_ptr,
+    H, P, N, T, heads_per_g, heads_per_gc,
+    s_sb, s_sh, s_sp, s_sn,                 # state [S, H, P, N]
+    s_xrb, s_xrh, s_xrl, s_xrp,             # x_ring [S, H, buf, P]
+    s_drb, s_drh, s_drl,                    # dt_ring [S, H, buf]
+    s_lrb, s_lrh, s_lrl,                    # la_ring [S, H, buf]
+    s_brb, s_brg, s_brl, s_brn,             # B_ring [S, G, buf, N]
+    s_xb, s_xt, s_xh, s_xp,                 # x [b, T, H, P]
+    s_db, s_dt, s_dh, s_lb, s_lt, s_lh,     # dt, la [b, T, H]
+    s_bb, s_bt, s_bg, s_bn,                 # B [b, T, G, N]
+    s_cb, s_ct, s_cg, s_cn,                 # C [b, T, Gc, N]
+    s_yb, s_yt, s_yh, s_yp,                 # y [b, T, H, P]
+    HAS_SLOT: tl.constexpr, BUF: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_p = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2).to(tl.int64)
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    mask_p = offs_p < P
+    offs_t = tl.arange(0, BLOCK_T)
+    y_tile = y_ptr + row * s_yb + offs_t[:, None] * s_yt + h * s_yh + offs_p[None, :] * s_yp      # [BLOCK_T, BLOCK_P]
+    y_mask = (offs_t < T)[:, None] & mask_p[None, :]
+    if HAS_SLOT:
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+    else:
+        slot = row
+    if slot < 0:                                   # padding row: zero output, touch nothing else
+        tl.store(y_tile, tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32), mask=y_mask)
+        return
+    w = tl.load(w_ptr + slot)
+    if w + T > BUF:                                # cannot happen after a commit; never silently wrong
+        tl.store(y_tile, tl.full([BLOCK_T, BLOCK_P], float("nan"), tl.float32), mask=y_mask)
+        return
+    o = tl.load(origin_ptr + slot)
+    fl = tl.load(flush_ptr + slot).to(tl.int32) != 0
+    g = h // heads_per_g
+    gc = h // heads_per_gc
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    tile_mask = mask_p[:, None] & mask_n[None, :]
+
+    # the window on one axis: history from the ring, then this verify's tokens from the inputs
+    offs_k = tl.arange(0, BLOCK_W)
+    hist = offs_k < w
+    new = (offs_k >= w) & (offs_k < w + T)
+    ring_k = (o + offs_k) & (BUF - 1)
+    t_k = tl.where(new, offs_k - w, 0)
+    la_w = tl.where(hist, tl.load(lar_ptr + slot * s_lrb + h * s_lrh + ring_k * s_lrl, mask=hist, other=0.0),
+                    tl.load(la_ptr + row * s_lb + t_k * s_lt + h * s_lh, mask=new, other=0.0)).to(tl.float32)
+    dt_w = tl.where(hist, tl.load(dtr_ptr + slot * s_drb + h * s_drh + ring_k * s_drl, mask=hist, other=0.0),
+                    tl.load(dt_ptr + row * s_db + t_k * s_dt + h * s_dh, mask=new, other=0.0)).to(tl.float32)
+    xh = tl.load(xr_ptr + slot * s_xrb + h * s_xrh + ring_k[:, None] * s_xrl + offs_p[None, :] * s_xrp,
+                 mask=hist[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
+    xn = tl.load(x_ptr + row * s_xb + t_k[:, None] * s_xt + h * s_xh + offs_p[None, :] * s_xp,
+                 mask=new[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
+    xw = tl.where(hist[:, None], xh, xn)                                                    # [BLOCK_W, BLOCK_P]
+    bh = tl.load(Br_ptr + slot * s_brb + g * s_brg + ring_k[:, None] * s_brl + offs_n[None, :] * s_brn,
+                 mask=hist[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+    bn = tl.load(B_ptr + row * s_bb + t_k[:, None] * s_bt + g * s_bg + offs_n[None, :] * s_bn,
+                 mask=new[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+    bw = tl.where(hist[:, None], bh, bn)                                                    # [BLOCK_W, BLOCK_N]
+
+    st_ptrs = state_ptr + slot * s_sb + h * s_sh + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
+    base = tl.load(st_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
+    lo = w * 0                                     # a tensor on both branches
+    if fl:
+        # fold the history into the checkpoint first: S_1 = exp(Σ la) S_0 + (coef X)ᵀ B over k < w
+        la_h = tl.where(hist, la_w, 0.0)
+        after_h = tl.minimum(tl.cumsum(la_h, axis=0, reverse=True) - la_h, 0.0)
+        coef_h = tl.where(hist, dt_w * tl.exp(after_h), 0.0)
+        base = tl.exp(tl.minimum(tl.sum(la_h, axis=0), 0.0)) * base + \
+            tl.dot(tl.trans(xw * coef_h[:, None]), bw, input_precision="ieee")
+        if w > 0:
+            tl.store(st_ptrs, base.to(state_ptr.dtype.element_ty), mask=tile_mask)
+        lo = w
+
+    for t in range(BLOCK_T):                       # constexpr trip count (the interpreter's numpy>=2.4 limit)
+        if t < T:
+            live = (offs_k >= lo) & (offs_k <= w + t)
+            la_t = tl.where(live, la_w, 0.0)
+            after = tl.minimum(tl.cumsum(la_t, axis=0, reverse=True) - la_t, 0.0)      # Σ_{k<i<=w+t}
+            coef = tl.where(live, dt_w * tl.exp(after), 0.0)
+            c = tl.load(C_ptr + row * s_cb + t * s_ct + gc * s_cg + offs_n * s_cn, mask=mask_n,
+                        other=0.0).to(tl.float32)
+            sc = tl.sum(base * c[None, :], axis=1)                                         # [BLOCK_P]
+            bc = tl.sum(bw * c[None, :], axis=1)                                           # [BLOCK_W]
+            y = tl.exp(tl.minimum(tl.sum(la_t, axis=0), 0.0)) * sc + tl.sum((coef * bc)[:, None] * xw, axis=0)
+            tl.store(y_ptr + row * s_yb + t * s_yt + h * s_yh + offs_p * s_yp, y, mask=mask_p)
+
+    # this verify's records after the history (ring slots (origin + w + t) & (buf - 1))
+    tt = offs_t < T
+    slot_t = (o + w + offs_t) & (BUF - 1)
+    x_new = tl.load(x_ptr + row * s_xb + offs_t[:, None] * s_xt + h * s_xh + offs_p[None, :] * s_xp,
+                    mask=y_mask, other=0.0)
+    tl.store(xr_ptr + slot * s_xrb + h * s_xrh + slot_t[:, None] * s_xrl + offs_p[None, :] * s_xrp,
+             x_new.to(xr_ptr.dtype.element_ty), mask=y_mask)
+    if pid_p == 0:
+        la_new = tl.load(la_ptr + row * s_lb + offs_t * s_lt + h * s_lh, mask=tt, other=0.0)
+        dt_new = tl.load(dt_ptr + row * s_db + offs_t * s_dt + h * s_dh, mask=tt, other=0.0)
+        tl.store(lar_ptr + slot * s_lrb + h * s_lrh + slot_t * s_lrl, la_new.to(lar_ptr.dtype.element_ty), mask=tt)
+        tl.store(dtr_ptr + slot * s_drb + h * s_drh + slot_t * s_drl, dt_new.to(dtr_ptr.dtype.element_ty), mask=tt)
+        if h % heads_per_g == 0:                   # one program per group appends B
+            b_new = tl.load(B_ptr + row * s_bb + offs_t[:, None] * s_bt + g * s_bg + offs_n[None, :] * s_bn,
+                            mask=tt[:, None] & mask_n[None, :], other=0.0)
+            tl.store(Br_ptr + slot * s_brb + g * s_brg + slot_t[:, None] * s_brl + offs_n[None, :] * s_brn,
+                     b_new.to(Br_ptr.dtype.element_ty), mask=tt[:, None] & mask_n[None, :])
+
+
+def spec_verify_triton(state, x_ring, dt_ring, la_ring, B_ring, w, origin, is_flush, x, dt, la, B, C,
+                       slot_idx=None):
+    """Triton implementation of :func:`spec_verify_reference` (same arguments, same in-place contract); returns
+    fp32 ``y`` [b, T, H, P]."""
+    S, H, P, N = state.shape
+    b, T = x.shape[:2]
+    buf = x_ring.shape[2]
+    G, Gc = B_ring.shape[1], C.shape[2]
+    y = torch.empty((b, T, H, P), dtype=torch.float32, device=x.device)
+    if b == 0 or T == 0:
+        return y
+    block_n = max(16, triton.next_power_of_2(N))
+    block_p = 16 if P >= 16 else max(1, triton.next_power_of_2(P))
+    block_p = max(16, block_p)                     # tl.dot needs >= 16 on every dim
+    has_slot = slot_idx is not None
+    _mamba2_spec_verify_kernel[(triton.cdiv(P, block_p), b, H)](
+        state, x_ring, dt_ring, la_ring, B_ring, w, origin, is_flush,
+        x, dt, la, B, C, slot_idx if has_slot else w, y,
+        H, P, N, T, H // G, H // Gc,
+        *state.stride(), *x_ring.stride(), *dt_ring.stride(), *la_ring.stride(), *B_ring.stride(),
+        *x.stride(), *dt.stride(), *la.stride(), *B.stride(), *C.stride(), *y.stride(),
+        HAS_SLOT=has_slot, BUF=buf, BLOCK_W=max(16, buf), BLOCK_T=max(1, triton.next_power_of_2(T)),
+        BLOCK_P=block_p, BLOCK_N=block_n, num_warps=max(1, min(8, block_p * block_n // 1024)),
+    )
+    return y
+
+
+def spec_commit_vectorized(w, origin, is_flush, n_accepted, B: int, T: int, buf: int, slot_idx=None):
+    """:func:`spec_commit_reference` as tensor ops on the cursors' device: no host synchronisation, so it is
+    CUDA-graph safe. Accepted counts outside ``1..T`` fail a device-side assertion (asynchronously on GPUs)."""
+    S = w.shape[0]
+    rows = torch.arange(n_accepted.shape[0], device=w.device)
+    slots = rows if slot_idx is None else slot_idx.to(w.device).long()
+    live = slots >= 0
+    n = n_accepted.to(w.device, torch.int32)
+    torch._assert_async((((n >= 1) & (n <= T)) | ~live).all(),
+                        f"replay_compile.spec: accepted counts must be in [1, T={T}]")
+    # padded rows go to a scratch slot S (boolean indexing would need the host to know how many rows are live)
+    s = torch.where(live, slots, S)
+    w_x, o_x, f_x = (torch.cat([t, t.new_zeros(1)]) for t in (w, origin, is_flush))
+    ww, oo, ff = w_x[s], o_x[s], f_x[s]
+    new_w = torch.where(ff, n, ww + n)
+    w_x[s] = new_w.to(w.dtype)
+    o_x[s] = torch.where(ff, (oo + ww) & (buf - 1), oo).to(origin.dtype)
+    f_x[s] = new_w + T > B
+    w.copy_(w_x[:S])
+    origin.copy_(o_x[:S])
+    is_flush.copy_(f_x[:S])

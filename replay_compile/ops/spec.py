@@ -1,0 +1,47 @@
+"""The family-agnostic half of speculative decoding with the replay state (issue 6).
+
+``replay_compile::spec_commit``  accept ``n`` tokens per row of the last verify (Mamba-2 or delta rule): cursor
+                                 moves only; rejected drafts are simply not counted (rollback without a copy).
+
+CPU: :func:`~replay_compile.kernels.mamba2_spec_reference.spec_commit_reference` (the ring, cursors and flush rule
+are documented there); CUDA: :func:`~replay_compile.kernels.mamba2_spec_triton.spec_commit_vectorized` (tensor ops,
+no host synchronisation, so it can sit in a CUDA graph).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..kernels import mamba2_spec_reference as ref
+from .mamba2 import use_triton
+
+
+def check_spec_cursors(op: str, state: Tensor, buf: int, w: Tensor, origin: Tensor, is_flush: Tensor) -> None:
+    """Cursor dtypes/shapes and a power-of-two ring length; a clear ``ValueError`` naming the op otherwise."""
+    S = state.shape[0]
+    for name, t, dt in (("w", w, torch.int32), ("origin", origin, torch.int32), ("is_flush", is_flush, torch.bool)):
+        if tuple(t.shape) != (S,) or t.dtype != dt:
+            raise ValueError(f"replay_compile.{op}: {name} must be {dt} [S={S}], got {t.dtype} {tuple(t.shape)}")
+    if buf & (buf - 1):
+        raise ValueError(f"replay_compile.{op}: the ring length must be a power of two (spec_buf_len(B, T)), "
+                         f"got {buf}")
+
+
+@torch.library.custom_op("replay_compile::spec_commit", mutates_args=("w", "origin", "is_flush"))
+def spec_commit(w: Tensor, origin: Tensor, is_flush: Tensor, n_accepted: Tensor, B: int, T: int,
+                slot_idx: Optional[Tensor] = None) -> None:
+    """Accept ``n_accepted`` [b] (each in 1..T) tokens of the last verify; see :func:`spec_commit_reference`."""
+    if n_accepted.dim() != 1:
+        raise ValueError(f"replay_compile.spec_commit: n_accepted must be [b], got {tuple(n_accepted.shape)}")
+    if w.is_cuda and use_triton():
+        from ..kernels.mamba2_spec_triton import spec_commit_vectorized  # no host sync: CUDA-graph safe
+        return spec_commit_vectorized(w, origin, is_flush, n_accepted, B, T, ref.spec_buf_len(B, T), slot_idx)
+    ref.spec_commit_reference(w, origin, is_flush, n_accepted, B, T, ref.spec_buf_len(B, T), slot_idx)
+
+
+@spec_commit.register_fake
+def _(w, origin, is_flush, n_accepted, B, T, slot_idx=None):
+    return None
