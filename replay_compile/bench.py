@@ -9,7 +9,8 @@ nothing of it), then decode steps through ``forward`` compiled as the mode says:
 
 Each decode step is timed with CUDA events on GPUs (wall clock on CPU). Steps are labelled flush / non-flush by
 their position (the cursor is 0 after the prefill, so step ``t`` flushes when ``t % L == L - 1``). Reported:
-tokens/s, mean step time, flush and non-flush step times, peak memory, time of the first compiled step (compile).
+tokens/s, mean step time, flush and non-flush step times, peak memory (of the whole run, and of the decode loop alone
+after the first step compiled), time of the first compiled step (compile).
 Results go to a CSV, a Markdown table and, with matplotlib, a PNG of the speedup over plain ``torch.compile`` in the
 same mode.
 
@@ -152,14 +153,20 @@ def bench_one(model, batch: int, mode: str, steps: int, L: int, prompt_len: int 
     forward = _forward_for(model, mode, L)
     ck = cache_kwarg(model)
     times = []
+    steady, compile_peak = float("nan"), 0
     with torch.no_grad():
-        out = model(ids, use_cache=True, **{ck: cache})
+        out = model(ids, use_cache=True, cache_position=torch.arange(prompt_len, device=device), **{ck: cache})
         tok = out.logits[:, -1:].argmax(-1)
         for t in range(steps + 1):
             pos = torch.tensor([prompt_len + t], device=device)
             out, dt = timer(lambda: forward(tok, use_cache=True, cache_position=pos, **{ck: cache}))
             tok = out.logits[:, -1:].argmax(-1)
             times.append(dt)
+            if t == 0 and timer.cuda:                # from here on: the steady decode loop, without compilation
+                compile_peak = torch.cuda.max_memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+        if timer.cuda:
+            steady = torch.cuda.max_memory_allocated() / 2**30
         rs.flush(cache)
     first, rest = times[0], times[1:]              # step 0 compiles (or warms up eager)
     flush = [x for i, x in enumerate(rest, start=1) if i % L == L - 1]
@@ -171,7 +178,8 @@ def bench_one(model, batch: int, mode: str, steps: int, L: int, prompt_len: int 
                 nonflush_ms=statistics.mean(nonflush) * 1e3 if nonflush else float("nan"),
                 flush_ms=statistics.mean(flush) * 1e3 if flush and mode.startswith("replayssm") else float("nan"),
                 tokens_per_s=batch / mean, first_step_s=first,
-                peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if timer.cuda else float("nan"),
+                peak_mem_gib=max(compile_peak / 2**30, steady) if timer.cuda else float("nan"),
+                steady_mem_gib=steady,
                 rewrites=rewrites)
 
 
@@ -197,7 +205,8 @@ def parity(model, batch: int, steps: int, L: int, mode: str = "replayssm-ro", pr
     forwards = [model.forward, _forward_for(model, mode, L)]
     agree, first_bad, max_abs, max_ref = 0, -1, 0.0, 0.0
     with torch.no_grad():
-        outs = [model(ids, use_cache=True, **{ck: c}) for c in caches]
+        outs = [model(ids, use_cache=True, cache_position=torch.arange(prompt_len, device=device), **{ck: c})
+                for c in caches]
         tok = outs[0].logits[:, -1:].argmax(-1)
         for t in range(steps):
             pos = torch.tensor([prompt_len + t], device=device)
@@ -240,6 +249,34 @@ def run_parity(models, batch, steps, L, device, dtype_name, layers, out_dir, mod
     return rows
 
 
+class _Progress:
+    """A tqdm bar on stderr (tqdm comes with transformers), or one line per point without it."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.done, self.bar = total, 0, None
+        self.enabled = enabled
+        if enabled:
+            try:
+                from tqdm import tqdm
+                self.bar = tqdm(total=total, unit="point", file=sys.stderr, dynamic_ncols=True)
+            except ImportError:
+                pass
+
+    def next(self, what: str) -> None:
+        if self.done and self.bar is not None:
+            self.bar.update(1)
+        self.done += 1
+        if self.bar is not None:
+            self.bar.set_description(what)
+        elif self.enabled:
+            print(f"[{self.done}/{self.total}] {what} ...", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.close()
+
+
 def run(models, batches, modes, steps, L, device, dtype_name, layers, out_dir, progress=True) -> list[dict]:
     import torch
 
@@ -247,15 +284,13 @@ def run(models, batches, modes, steps, L, device, dtype_name, layers, out_dir, p
     os.makedirs(out_dir, exist_ok=True)
     rows = []
     total = len(models) * len(batches) * len(modes)
-    done = 0
+    bar = _Progress(total, progress)
     for name in models:
         model = build_model(name, dtype, device, layers)
         n_layers = getattr(model.config, "num_hidden_layers", None)
         for bs in batches:
             for mode in modes:
-                done += 1
-                if progress:
-                    print(f"[{done}/{total}] {name} bs={bs} {mode} ...", file=sys.stderr, flush=True)
+                bar.next(f"{name} bs={bs} {mode}")
                 try:
                     r = bench_one(model, bs, mode, steps, L)
                 except torch.cuda.OutOfMemoryError:
@@ -265,6 +300,7 @@ def run(models, batches, modes, steps, L, device, dtype_name, layers, out_dir, p
                 rows.append(dict(model=name, layers=n_layers, dtype=dtype_name, L=L, **r))
                 _write(rows, out_dir, quiet=True)          # a run cut short still leaves its rows
         del model
+    bar.close()
     _write(rows, out_dir)
     return rows
 
@@ -286,11 +322,12 @@ def _write(rows, out_dir, quiet=False):
         w.writeheader()
         w.writerows(rows)
     lines = ["| model (layers) | batch | mode | step ms | non-flush ms | flush ms | tokens/s | first step s | "
-             "peak GiB | rewrites | speedup vs torch.compile |", "|" + " --- |" * 11]
+             "peak GiB | decode-loop peak GiB | rewrites | speedup vs torch.compile |", "|" + " --- |" * 12]
     for r in rows:
         lines.append(f"| {r['model']} ({r['layers']}) | {r['batch']} | {r['mode']} | {r['step_ms']:.3f} | "
                      f"{r['nonflush_ms']:.3f} | {r['flush_ms']:.3f} | {r['tokens_per_s']:.1f} | "
-                     f"{r['first_step_s']:.1f} | {r['peak_mem_gib']:.2f} | {r['rewrites']} | "
+                     f"{r['first_step_s']:.1f} | {r['peak_mem_gib']:.2f} | {r.get('steady_mem_gib', float('nan')):.2f} | "
+                     f"{r['rewrites']} | "
                      f"{r['speedup_vs_compile']:.2f} |")
     table = "\n".join(lines)
     with open(os.path.join(out_dir, "bench.md"), "w") as f:
