@@ -59,7 +59,8 @@ def _qwen35_4b(layers: int | None):
 def _mamba2_2p7b(layers: int | None):
     from transformers import Mamba2Config
     return Mamba2Config(hidden_size=2560, num_hidden_layers=layers or 64, num_heads=80, head_dim=64, n_groups=1,
-                        state_size=128, expand=2, vocab_size=50288), "Mamba2ForCausalLM"
+                        state_size=128, expand=2, vocab_size=50288,
+                        chunk_size=16), "Mamba2ForCausalLM"     # the eager prefill's chunk products: see Nemotron
 
 
 REAL: dict[str, Callable] = {"nemotron_h_nano4b": _nemotron_h_nano4b, "qwen35_4b": _qwen35_4b,
