@@ -15,7 +15,6 @@ fla always writes an fp32 final state, so its bf16-state row moves more bytes th
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import platform
 import sys
@@ -23,7 +22,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_mamba2_kernel import copy_bandwidth, time_graph, warm_clocks, write_results  # noqa: E402
+from bench_mamba2_kernel import (  # noqa: E402
+    compare_configs, copy_bandwidth, time_graph, warm_clocks, write_results)
 
 # name: (Hk, HV, K, V, kda)
 GEOMS = {"qwen35_4b": (16, 32, 128, 128, False), "qwen35_122b": (16, 64, 128, 128, False),
@@ -94,40 +94,19 @@ def bench_point(base_fn, Hk, HV, K, V, kda, bs, state_dtype, L, act=torch.bfloat
 
 
 def sweep_configs(bw, L, out, configs, batches, geoms):
-    """Launch-config comparison, fp32 state: each ``configs`` entry (a ``parse_tuning`` string such as
-    ``split:BLOCK_V=8,num_warps=1``) at each batch and geometry, against the fla baseline of the same point."""
+    """``compare_configs`` for the delta kernel, fp32 state, against the fla baseline of each point."""
     from replay_compile.kernels import delta_triton as kd
-    from replay_compile.kernels.mamba2_triton import parse_tuning
 
-    rows = []
-    print(f"{'geom':12} {'bs':>4} {'config':34} {'nonfl us':>9} {'%bw':>5} {'flush us':>9} {'Lavg us':>8} "
-          f"{'base us':>8} {'x':>5}")
-    for gname in geoms:
-        Hk, HV, K, V, kda = GEOMS[gname]
-        base_fn = load_baseline(kda)
-        for bs in batches:
-            base = float("nan")
-            if base_fn is not None:
-                base = bench_point(base_fn, Hk, HV, K, V, kda, bs, torch.float32, L)["baseline_us"]
-            for spec in configs:
-                kd.TUNING.clear()
-                kd.TUNING.update(parse_tuning(spec))
-                try:
-                    r = bench_point(None, Hk, HV, K, V, kda, bs, torch.float32, L)
-                except Exception as e:  # noqa: BLE001 - a config that does not compile is just skipped
-                    print(gname, bs, spec, "failed:", type(e).__name__, str(e)[:160])
-                    continue
-                finally:
-                    kd.TUNING.clear()
-                pct = r["bytes_nonflush"] / (r["nonflush_us"] * 1e-6) / bw * 100
-                rows.append(dict(geom=gname, bs=bs, config=spec, **r, baseline_us=base, pct_floor_nonflush=pct,
-                                 speedup=base / r["lavg_us"]))
-                print(f"{gname:12} {bs:>4} {spec:34} {r['nonflush_us']:>9.1f} {pct:>5.0f} {r['flush_us']:>9.1f} "
-                      f"{r['lavg_us']:>8.1f} {base:>8.1f} {base / r['lavg_us']:>5.2f}", flush=True)
-    with open(os.path.join(out, "delta_kernel_configs.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    def points():
+        for gname in geoms:
+            Hk, HV, K, V, kda = GEOMS[gname]
+            base_fn = load_baseline(kda)
+            for bs in batches:
+                base = float("nan")
+                if base_fn is not None:
+                    base = bench_point(base_fn, Hk, HV, K, V, kda, bs, torch.float32, L)["baseline_us"]
+                yield gname, bs, base, lambda: bench_point(None, Hk, HV, K, V, kda, bs, torch.float32, L)
+    compare_configs(kd.TUNING, points(), configs, bw, os.path.join(out, "delta_kernel_configs.csv"))
 
 
 def main(argv=None):
@@ -152,6 +131,8 @@ def main(argv=None):
                              args.geoms.split(","))
     print(f"{'geom':12} {'dtype':8} {'bs':>4} {'base us':>9} {'nonfl us':>9} {'%bw':>5} {'flush us':>9} "
           f"{'L-avg us':>9} {'speedup':>7}")
+    from replay_compile.kernels.delta_triton import launch_config
+
     rows = []
     for gname in args.geoms.split(","):
         Hk, HV, K, V, kda = GEOMS[gname]
@@ -162,7 +143,6 @@ def main(argv=None):
                 r = bench_point(base_fn, Hk, HV, K, V, kda, bs, sdt, args.L)
                 base = r.get("baseline_us", float("nan"))
                 pct = r["bytes_nonflush"] / (r["nonflush_us"] * 1e-6) / bw * 100
-                from replay_compile.kernels.delta_triton import launch_config
                 row = dict(geom=gname, dtype=dname, bs=bs, L=args.L, copy_bw_TBs=bw / 1e12,
                            variant=launch_config(bs, HV, K, V, args.L)["variant"], **r,
                            speedup=base / r["lavg_us"])

@@ -142,35 +142,50 @@ def bench_point(ssu, H, P, N, G, bs, state_dtype, L, act=torch.bfloat16):
     return res
 
 
+def compare_configs(tuning: dict, points, configs, bw, csv_path):
+    """Launch-config comparison shared by the kernel benchmarks: for each point ``(geom, batch, baseline_us, run)``
+    (``run()`` times our kernel: a ``bench_point`` result without the baseline), every ``configs`` entry (a
+    ``mamba2_triton.parse_tuning`` string) is forced on the kernel module's ``tuning`` dict and timed; a config that
+    does not compile is reported and skipped (``run`` is called before the next point is drawn, so it may close over
+    the loop variables of a generator). Prints a line per run, writes every row to ``csv_path``."""
+    from replay_compile.kernels.mamba2_triton import tuned
+
+    rows = []
+    print(f"{'geom':12} {'bs':>4} {'config':40} {'nonfl us':>9} {'% floor':>7} {'flush us':>9} {'Lavg us':>8} "
+          f"{'base us':>8} {'x':>5}")
+    for gname, bs, base, run in points:
+        for spec in configs:
+            try:
+                with tuned(tuning, spec):
+                    r = run()
+            except Exception as e:  # noqa: BLE001 - a config that does not compile is just skipped
+                print(gname, bs, spec, "failed:", type(e).__name__, str(e)[:160])
+                continue
+            pct = r["bytes_nonflush"] / (r["nonflush_us"] * 1e-6) / bw * 100
+            rows.append(dict(geom=gname, bs=bs, config=spec, **r, baseline_us=base, pct_floor_nonflush=pct,
+                             speedup=base / r["lavg_us"]))
+            print(f"{gname:12} {bs:>4} {spec:40} {r['nonflush_us']:>9.1f} {pct:>7.0f} {r['flush_us']:>9.1f} "
+                  f"{r['lavg_us']:>8.1f} {base:>8.1f} {base / r['lavg_us']:>5.2f}", flush=True)
+    write_csv(rows, csv_path)
+
+
 def sweep_configs(ssu, bw, L, out, configs, batches, geoms):
-    """Launch-config comparison, fp32 state: each ``configs`` entry (a ``mamba2_triton.parse_tuning`` string such
-    as ``tiled:BLOCK_P=32,num_warps=4``) at each batch and geometry, with the baseline of the same batch and
+    """:func:`compare_configs` for the Mamba-2 kernel, fp32 state, with selective_state_update's time of each
     point measured once in the same run; used to pick the defaults of ``mamba2_triton.launch_config``."""
     from replay_compile.kernels import mamba2_triton as kt
 
-    rows = []
-    print(f"{'geom':6} {'bs':>4} {'config':40} {'nonfl us':>9} {'% floor':>7} {'flush us':>9} {'Lavg us':>8} "
-          f"{'base us':>8} {'x':>5}")
-    for gname in geoms:
-        H, P, N, G = GEOMS[gname]
-        for bs in batches:
-            base = bench_point(ssu, H, P, N, G, bs, torch.float32, L).get("baseline_us", float("nan"))
-            for spec in configs:
-                kt.TUNING.clear()
-                kt.TUNING.update(kt.parse_tuning(spec))
-                try:
-                    r = bench_point(None, H, P, N, G, bs, torch.float32, L)
-                except Exception as e:  # noqa: BLE001 - a config that does not compile is just skipped
-                    print(gname, bs, spec, "failed:", type(e).__name__, str(e)[:160])
-                    continue
-                finally:
-                    kt.TUNING.clear()
-                pct = r["bytes_nonflush"] / (r["nonflush_us"] * 1e-6) / bw * 100
-                rows.append(dict(geom=gname, bs=bs, config=spec, **r, baseline_us=base, pct_floor_nonflush=pct,
-                                 speedup=base / r["lavg_us"]))
-                print(f"{gname:6} {bs:>4} {spec:40} {r['nonflush_us']:>9.1f} {pct:>7.0f} {r['flush_us']:>9.1f} "
-                      f"{r['lavg_us']:>8.1f} {base:>8.1f} {base / r['lavg_us']:>5.2f}", flush=True)
-    with open(os.path.join(out, "mamba2_kernel_configs.csv"), "w", newline="") as f:
+    def points():
+        for gname in geoms:
+            H, P, N, G = GEOMS[gname]
+            for bs in batches:
+                base = bench_point(ssu, H, P, N, G, bs, torch.float32, L).get("baseline_us", float("nan"))
+                yield gname, bs, base, lambda: bench_point(None, H, P, N, G, bs, torch.float32, L)
+    compare_configs(kt.TUNING, points(), configs, bw, os.path.join(out, "mamba2_kernel_configs.csv"))
+
+
+def write_csv(rows, path):
+    """Every row (dicts with the same keys) to a CSV file."""
+    with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
@@ -179,10 +194,7 @@ def sweep_configs(ssu, bw, L, out, configs, batches, geoms):
 def write_results(rows, out, stem, geoms, dtypes, ylabel):
     """``<stem>.csv`` with every row and, with matplotlib, ``<stem>_speedup.png`` (speedup vs batch per geometry and
     state dtype). Shared by the kernel benchmarks."""
-    with open(os.path.join(out, f"{stem}.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(rows, os.path.join(out, f"{stem}.csv"))
     try:
         import matplotlib
         matplotlib.use("Agg")

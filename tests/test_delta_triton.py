@@ -4,8 +4,6 @@ Without a GPU the kernel runs under ``TRITON_INTERPRET=1`` (set by conftest) on 
 tests run it compiled on CUDA tensors.
 """
 
-import contextlib
-
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -15,7 +13,7 @@ triton = pytest.importorskip("triton")
 from replay_compile.kernels.delta_reference import delta_replay_step_reference  # noqa: E402
 from replay_compile.kernels import delta_triton as kd  # noqa: E402
 from replay_compile.kernels.delta_triton import delta_replay_step_triton  # noqa: E402
-from replay_compile.kernels.mamba2_triton import parse_tuning  # noqa: E402
+from replay_compile.kernels.mamba2_triton import tuned  # noqa: E402
 from replay_compile.state import DeltaRingSpec  # noqa: E402
 from replay_compile.testing.strategies import (  # noqa: E402
     DeltaGeometry, ExactDeltaOracle, delta_geometries, delta_problem, step_schedules)
@@ -25,14 +23,9 @@ KEYS = ("q", "k", "v", "g", "beta")
 VARIANTS = ("fused", "split", "split:BLOCK_V=32,num_warps=2")
 
 
-@contextlib.contextmanager
 def variant(name):
     """Force one kernel variant and configuration (``launch_config`` otherwise picks by batch size)."""
-    kd.TUNING.update(parse_tuning(name))
-    try:
-        yield
-    finally:
-        kd.TUNING.clear()
+    return tuned(kd.TUNING, name)
 
 
 def rings(geom, L, state, rec=torch.float32, fill=float("nan")):

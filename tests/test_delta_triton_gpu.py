@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 from replay_compile.kernels import delta_triton as kd  # noqa: E402
 from replay_compile.kernels.delta_triton import delta_replay_step_triton  # noqa: E402
-from replay_compile.kernels.mamba2_triton import parse_tuning  # noqa: E402
+from replay_compile.kernels.mamba2_triton import tuned  # noqa: E402
 from replay_compile.state import DeltaRingSpec  # noqa: E402
 from replay_compile.testing.strategies import DeltaGeometry, ExactDeltaOracle, delta_problem  # noqa: E402
 
@@ -32,11 +32,8 @@ def rel(a, b):
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["fused", "split", "split:BLOCK_V=32,num_warps=4"])
 def test_real_geometry_vs_fp64_over_4L_steps(geom, L, act, kind):
-    kd.TUNING.update(parse_tuning(kind))
-    try:
+    with tuned(kd.TUNING, kind):
         _vs_fp64(geom, L, act)
-    finally:
-        kd.TUNING.clear()
 
 
 def _vs_fp64(geom, L, act):

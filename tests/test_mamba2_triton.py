@@ -4,8 +4,6 @@ On a machine without a GPU the kernels run under ``TRITON_INTERPRET=1`` (set by 
 GPU the same tests run the compiled kernels on CUDA tensors.
 """
 
-import contextlib
-
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -23,14 +21,9 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 VARIANTS = ("whole", "tiled")
 
 
-@contextlib.contextmanager
 def variant(name):
     """Force one kernel variant and configuration (``launch_config`` otherwise picks by batch size)."""
-    kt.TUNING.update(kt.parse_tuning(name))
-    try:
-        yield
-    finally:
-        kt.TUNING.clear()
+    return kt.tuned(kt.TUNING, name)
 
 
 def rings(geom, L, act, state):

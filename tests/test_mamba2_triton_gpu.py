@@ -28,11 +28,8 @@ def rel(a, b):
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["whole", "tiled", "tiled:BLOCK_P=32,num_warps=4"])
 def test_real_geometry_vs_fp64_over_4L_steps(geom, L, act, kind):
-    kt.TUNING.update(kt.parse_tuning(kind))
-    try:
+    with kt.tuned(kt.TUNING, kind):
         _vs_fp64(geom, L, act)
-    finally:
-        kt.TUNING.clear()
 
 
 def _vs_fp64(geom, L, act):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .delta_reference import _compute_dtype, _per_value_head, _store_checkpoint, delta_exact_step
+from .mamba2_spec_reference import spec_rows
 
 __all__ = ["delta_spec_materialize_reference", "delta_spec_verify_reference"]
 
@@ -46,13 +47,7 @@ def delta_spec_verify_reference(state, d_ring, k_ring, g_ring, w, origin, is_flu
     buf = d_ring.shape[2]
     mask = buf - 1
     o = torch.zeros(b, T, HV, V, dtype=cdt, device=v.device)
-    for r in range(b):
-        s = r if slot_idx is None else int(slot_idx[r])
-        if s < 0:
-            continue
-        ww, org = int(w[s]), int(origin[s])
-        if ww + T > buf:
-            raise ValueError(f"replay_compile.spec: slot {s} holds {ww} records, {T} more do not fit a ring of {buf}")
+    for r, s, ww, org in spec_rows(slot_idx, b, w, origin, T, buf):
         S = delta_spec_materialize_reference(state, d_ring, k_ring, g_ring, w, origin, s)
         if bool(is_flush[s]) and ww > 0:
             _store_checkpoint(state, torch.tensor([s]), S[None],

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from .mamba2_reference import _compute_dtype, _per_head
+from .mamba2_reference import _compute_dtype, _per_head, _rows
 
 __all__ = ["spec_buf_len", "spec_reset_reference", "spec_verify_reference", "spec_commit_reference",
            "spec_materialize_reference"]
@@ -45,6 +45,17 @@ def spec_reset_reference(w, origin, is_flush, B: int, T: int, slots=None):
     w[idx] = 0
     origin[idx] = 0
     is_flush[idx] = T > B
+
+
+def spec_rows(slot_idx, b: int, w, origin, T: int | None = None, buf: int | None = None):
+    """``(row, slot, w, origin)`` of each non-padded row, as Python ints (the references loop over rows). With
+    ``T`` and ``buf``: raise if a row's history and a window of ``T`` tokens do not fit the ring."""
+    rows, slots = _rows(slot_idx, b, w.device)
+    for r, s in zip(rows.tolist(), slots.tolist()):
+        ww, o = int(w[s]), int(origin[s])
+        if T is not None and ww + T > buf:
+            raise ValueError(f"replay_compile.spec: slot {s} holds {ww} records, {T} more do not fit a ring of {buf}")
+        yield r, s, ww, o
 
 
 def _window_outputs(base, LA, DT, X, BW, C, first: int):
@@ -101,13 +112,8 @@ def spec_verify_reference(state, x_ring, dt_ring, la_ring, B_ring, w, origin, is
     buf = x_ring.shape[2]
     mask = buf - 1
     y = torch.zeros(b, T, H, P, dtype=cdt, device=x.device)
-    for r in range(b):
-        s = r if slot_idx is None else int(slot_idx[r])
-        if s < 0:
-            continue
-        ww, o, fl = int(w[s]), int(origin[s]), bool(is_flush[s])
-        if ww + T > buf:
-            raise ValueError(f"replay_compile.spec: slot {s} holds {ww} records, {T} more do not fit a ring of {buf}")
+    for r, s, ww, o in spec_rows(slot_idx, b, w, origin, T, buf):
+        fl = bool(is_flush[s])
         hist = [(o + j) & mask for j in range(ww)]
         new = [(o + ww + t) & mask for t in range(T)]
         Xd, DTd, LAd = x[r].transpose(0, 1).to(cdt), dt[r].T.to(cdt), la[r].T.to(cdt)      # [H, T, P], [H, T]
@@ -134,17 +140,13 @@ def spec_verify_reference(state, x_ring, dt_ring, la_ring, B_ring, w, origin, is
 
 def spec_commit_reference(w, origin, is_flush, n_accepted, B: int, T: int, buf: int, slot_idx=None):
     """Accept ``n_accepted[r]`` (1..T) tokens of each row's last verify: cursor moves only (see module notes)."""
-    b = n_accepted.shape[0]
-    for r in range(b):
-        s = r if slot_idx is None else int(slot_idx[r])
-        if s < 0:
-            continue
+    for r, s, ww, o in spec_rows(slot_idx, n_accepted.shape[0], w, origin):
         n = int(n_accepted[r])
         if not 1 <= n <= T:
             raise ValueError(f"replay_compile.spec: row {r} accepted {n} tokens; must be in [1, T={T}]")
         if bool(is_flush[s]):
-            origin[s] = (int(origin[s]) + int(w[s])) & (buf - 1)
+            origin[s] = (o + ww) & (buf - 1)
             w[s] = n
         else:
-            w[s] = int(w[s]) + n
+            w[s] = ww + n
         is_flush[s] = int(w[s]) + T > B

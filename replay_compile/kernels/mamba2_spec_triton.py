@@ -151,8 +151,7 @@ def spec_verify_triton(state, x_ring, dt_ring, la_ring, B_ring, w, origin, is_fl
     if b == 0 or T == 0:
         return y
     block_n = max(16, triton.next_power_of_2(N))
-    block_p = 16 if P >= 16 else max(1, triton.next_power_of_2(P))
-    block_p = max(16, block_p)                     # tl.dot needs >= 16 on every dim
+    block_p = 16                                   # tl.dot (the flush fold) needs >= 16 on every dim
     has_slot = slot_idx is not None
     _mamba2_spec_verify_kernel[(triton.cdiv(P, block_p), b, H)](
         state, x_ring, dt_ring, la_ring, B_ring, w, origin, is_flush,

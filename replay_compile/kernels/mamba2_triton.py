@@ -36,6 +36,8 @@ interpreter (the CI's CPU test path) fails on runtime loop bounds with numpy >= 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -320,6 +322,18 @@ def parse_tuning(spec: str) -> dict:
         key, _, val = item.partition("=")
         out[key.strip()] = int(val)
     return out
+
+
+@contextlib.contextmanager
+def tuned(tuning: dict, spec: str):
+    """Force a kernel module's launch configuration (its ``TUNING`` dict) to the :func:`parse_tuning` string
+    ``spec`` for the duration of the block; cleared afterwards, also on errors."""
+    tuning.clear()
+    tuning.update(parse_tuning(spec))
+    try:
+        yield
+    finally:
+        tuning.clear()
 
 
 def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:

@@ -29,7 +29,7 @@ from ..state import DeltaRingSpec
 from .broadcast import FULL, same_size
 from .graph_utils import CAST_LIKE, depends_on, dtype, flatten, module_path, op_name, real_users, shape, strip
 from .graph_utils import is_static_int
-from .mamba2 import (B_, H_, N_, P_, STATE_DTYPES, Mamba2Matcher, NoMatch, Recipe, _extractor, _promote,
+from .mamba2 import (B_, H_, N_, P_, STATE_DTYPES, Mamba2Matcher, NoMatch, Recipe, SiteMatch, _extractor, _promote,
                      _static_or_minus_one)
 
 K_, V_ = P_, N_                     # the state frame [b, HV, K, V] in the Mamba-2 frame's dim numbers
@@ -77,13 +77,7 @@ def _base(n):
 
 
 @dataclasses.dataclass
-class DeltaMatch:
-    layer: str
-    form: str
-    copy_node: fx.Node
-    state: fx.Node
-    new: fx.Node
-    readout: fx.Node
+class DeltaMatch(SiteMatch):
     HV: int
     Hk: int
     Hq: int

@@ -52,13 +52,23 @@ class Recipe:
 
 
 @dataclasses.dataclass
-class Mamba2Match:
+class SiteMatch:
+    """What every family's match records about its site: the layer, the spelling (``form``), the in-place write
+    of the new state into the cache (``copy_node``), the state input, the new-state value and the readout. Each
+    family adds its sizes and recipes and the interface the rewrite and the validation use: ``op``, ``op_keys``,
+    ``ring_names``, ``new_keys``, ``recipes``, ``ring_spec``, ``low_precision``, ``exact_new``, ``exact_readout``,
+    ``describe``, ``family``."""
+
     layer: str
     form: str
     copy_node: fx.Node
     state: fx.Node
     new: fx.Node
     readout: fx.Node
+
+
+@dataclasses.dataclass
+class Mamba2Match(SiteMatch):
     H: int
     P: int
     N: int
