@@ -1,0 +1,91 @@
+"""Tensor parallelism: head-sharded HF hybrid models (``replay_compile.tensor_parallel``) under the rewrite.
+
+The parity tests start two CPU processes (gloo) and greedy-decode 2L+1 tokens: the unsharded model eagerly (the
+reference), compiled with ``backend="replayssm"`` at TP=1, and the TP=2 model eagerly and compiled (one compile per
+rank). Tokens must be identical, logits and the recurrent states left in the cache (gathered over ranks) close, and
+every rank must have rewritten every SSM layer. One family goes through Inductor, one through the eager lowering
+(the DTensor graph under Inductor is the slower path on 2 CPU cores).
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytestmark = [pytest.mark.hf]
+
+from replay_compile.tensor_parallel import UnsupportedSharding, _permutation, _rows, parallelize_hybrid  # noqa: E402
+from replay_compile.testing.hf_models import DELTA_FAMILY, MAMBA2_FAMILY  # noqa: E402
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,lower", [("nemotron_h", "inductor"), ("qwen3_5", "eager")])
+def test_tp2_matches_tp1_and_eager(family, lower):
+    from replay_compile.testing.tp_parity import tp_parity
+
+    r = tp_parity(family, 2, lower=lower, timeout_s=900)
+    assert r["steps"] >= 2 * r["buffer_len"] + 1
+    for key in ("tp1", "tp2_eager", "tp2"):
+        c = r[key]
+        assert c["tokens_match"], (key, c)
+        assert c["rel_logit_diff"] < 1e-4, (key, c)
+        assert c["states_compared"] == 2, (key, c)          # both SSM layers' states, gathered over the ranks
+        assert c["max_state_rel_err"] < 1e-4, (key, c)
+    assert r["tp1"]["rewrites"] >= 2
+    per_rank = r["tp2"]["rewrites_per_rank"]
+    assert len(per_rank) == 2 and all(len(rw) == 2 for rw in per_rank), per_rank
+    # each rank's layer holds half the heads
+    assert all(("H=2 " in w) or ("HV=2 " in w) for rw in per_rank for w in rw), per_rank
+
+
+@pytest.mark.parametrize("segments,tp", [([8, 8, 4, 4, 2], 2), ([12, 6, 3], 3), ([4], 4)])
+def test_permutation_gives_each_rank_its_share_of_every_segment(segments, tp):
+    perm = _permutation(segments, tp)
+    assert sorted(perm.tolist()) == list(range(sum(segments)))
+    for r, shard in enumerate(perm.chunk(tp)):             # what ColwiseParallel's even split hands rank r
+        assert torch.equal(shard, _rows(segments, tp, r))
+        start = 0
+        for n in segments:                                  # rank r gets rows [r*n/tp, (r+1)*n/tp) of each segment
+            inside = shard[(shard >= start) & (shard < start + n)] - start
+            assert torch.equal(inside, torch.arange(r * n // tp, (r + 1) * n // tp))
+            start += n
+
+
+def _fake_mesh(tp: int, ndim: int = 1):
+    """Enough of a DeviceMesh for the checks that run before anything is sharded."""
+    return types.SimpleNamespace(ndim=ndim, shape=(tp,) * ndim, size=lambda *a: tp, get_local_rank=lambda *a: 0)
+
+
+def _unchanged(model, before):
+    after = model.state_dict()
+    return before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("family,overrides,message", [
+    ("nemotron_h", dict(n_groups=1), "n_groups=1 not divisible by the tensor-parallel degree 2"),
+    ("nemotron_h", dict(mamba_num_heads=3, mamba_head_dim=16, n_groups=1), "num_heads=3"),
+    ("qwen3_5", dict(linear_num_key_heads=1, linear_num_value_heads=2), "num_k_heads=1"),
+])
+def test_unsupported_sharding_names_the_layer_and_changes_nothing(family, overrides, message):
+    model = {**MAMBA2_FAMILY, **DELTA_FAMILY}[family](**overrides)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(UnsupportedSharding, match=message) as e:
+        parallelize_hybrid(model, _fake_mesh(2))
+    assert "model.layers.0" in str(e.value)
+    assert _unchanged(model, before)
+
+
+def test_unknown_ssm_layer_kind_is_refused():
+    model = DELTA_FAMILY["kimi_linear"]()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(UnsupportedSharding, match="KimiLinearDeltaAttention.*does not shard"):
+        parallelize_hybrid(model, _fake_mesh(2))
+    assert _unchanged(model, before)
+
+
+def test_two_dimensional_mesh_is_refused():
+    with pytest.raises(UnsupportedSharding, match="1-D tensor-parallel mesh"):
+        parallelize_hybrid(MAMBA2_FAMILY["nemotron_h"](), _fake_mesh(2, ndim=2))
