@@ -17,6 +17,10 @@ same mode.
 Models: real-size configurations with random weights (``nemotron_h_nano4b``, ``qwen35_4b``, ``mamba2_2p7b``;
 ``--layers`` keeps the first N layers when memory or time forces it, and the table says so) and the tiny test
 models of :mod:`replay_compile.testing.hf_models` (``tiny_<family>``) for CPU smoke runs.
+
+Tensor parallelism: ``torchrun --nproc-per-node N -m replay_compile.cli bench --tp N ...`` shards every model with
+:func:`replay_compile.tensor_parallel.parallelize_hybrid` (one GPU per rank, NCCL) and times the same modes per rank;
+rank 0 writes the results (column ``tp``). Both sides of every ratio run sharded the same way.
 """
 
 from __future__ import annotations
@@ -67,7 +71,37 @@ REAL: dict[str, Callable] = {"nemotron_h_nano4b": _nemotron_h_nano4b, "qwen35_4b
                              "mamba2_2p7b": _mamba2_2p7b}
 
 
-def build_model(name: str, dtype, device, layers: int | None = None, seed: int = 0):
+def tp_setup(tp: int, device: str):
+    """Join the process group torchrun set up; returns ``(mesh, rank, device)`` (the rank's own GPU on CUDA)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != tp or "LOCAL_RANK" not in os.environ:
+        raise SystemExit(f"replay-compile bench --tp {tp}: run it under torchrun --nproc-per-node {tp} "
+                         f"-m replay_compile.cli bench ... (found WORLD_SIZE={world})")
+    cuda = device.startswith("cuda")
+    if cuda:
+        local = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return init_device_mesh("cuda" if cuda else "cpu", (tp,)), dist.get_rank(), device
+
+
+def build_model(name: str, dtype, device, layers: int | None = None, seed: int = 0, mesh=None):
+    """The named model on ``device``; with a tensor-parallel ``mesh``, sharded over it (every rank builds the same
+    weights from ``seed`` first)."""
+    model = _build_model(name, dtype, device, layers, seed)
+    if mesh is not None:
+        from .tensor_parallel import parallelize_hybrid
+        parallelize_hybrid(model, mesh)
+    return model
+
+
+def _build_model(name: str, dtype, device, layers: int | None = None, seed: int = 0):
     import torch
     import transformers
 
@@ -226,23 +260,31 @@ def parity(model, batch: int, steps: int, L: int, mode: str = "replayssm-ro", pr
                 rewrites=sum(len(r.rewrites) for r in rb.reports()))
 
 
-def run_parity(models, batch, steps, L, device, dtype_name, layers, out_dir, mode="replayssm-ro") -> list[dict]:
-    """:func:`parity` for each model; writes ``parity.csv`` and prints one line per model."""
+def run_parity(models, batch, steps, L, device, dtype_name, layers, out_dir, mode="replayssm-ro",
+               tp: int = 1) -> list[dict]:
+    """:func:`parity` for each model; writes ``parity.csv`` and prints one line per model (rank 0 under ``tp``)."""
     import torch
 
+    mesh, rank = None, 0
+    if tp > 1:
+        mesh, rank, device = tp_setup(tp, device)
     dtype = getattr(torch, dtype_name)
     os.makedirs(out_dir, exist_ok=True)
     rows = []
     for name in models:
-        model = build_model(name, dtype, device, layers)
-        r = dict(model=name, layers=getattr(model.config, "num_hidden_layers", None), dtype=dtype_name, L=L,
+        model = build_model(name, dtype, device, layers, mesh=mesh)
+        r = dict(model=name, layers=getattr(model.config, "num_hidden_layers", None), dtype=dtype_name, L=L, tp=tp,
                  **parity(model, batch, steps, L, mode))
         rows.append(r)
+        if rank:
+            continue
         print(f"parity {name} ({r['layers']} layers, {dtype_name}) bs={batch} {mode}: {steps} greedy steps, tokens "
               f"agree on {100 * r['tokens_agree']:.1f}% (first mismatch {r['first_mismatch']}), max logit diff "
               f"{r['max_logit_diff']:.2e} ({r['rel_logit_diff']:.1e} of the largest logit), {r['rewrites']} layers rewritten",
               flush=True)
         del model
+    if rank:
+        return rows
     with open(os.path.join(out_dir, f"parity_{dtype_name}.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
@@ -278,16 +320,21 @@ class _Progress:
             self.bar.close()
 
 
-def run(models, batches, modes, steps, L, device, dtype_name, layers, out_dir, progress=True) -> list[dict]:
+def run(models, batches, modes, steps, L, device, dtype_name, layers, out_dir, progress=True, tp: int = 1) -> list[dict]:
+    """Every (model, batch, mode) point; rows written as they come. Under ``tp`` > 1 (torchrun), every rank runs
+    every point on its shard and rank 0 writes (its own timings: the ranks meet at every all-reduce anyway)."""
     import torch
 
+    mesh, rank = None, 0
+    if tp > 1:
+        mesh, rank, device = tp_setup(tp, device)
     dtype = getattr(torch, dtype_name)
     os.makedirs(out_dir, exist_ok=True)
     rows = []
     total = len(models) * len(batches) * len(modes)
-    bar = _Progress(total, progress)
+    bar = _Progress(total, progress and rank == 0)
     for name in models:
-        model = build_model(name, dtype, device, layers)
+        model = build_model(name, dtype, device, layers, mesh=mesh)
         n_layers = getattr(model.config, "num_hidden_layers", None)
         for bs in batches:
             for mode in modes:
@@ -295,14 +342,18 @@ def run(models, batches, modes, steps, L, device, dtype_name, layers, out_dir, p
                 try:
                     r = bench_one(model, bs, mode, steps, L)
                 except torch.cuda.OutOfMemoryError:
+                    if tp > 1:      # the other ranks would wait for this one at the next all-reduce
+                        raise
                     torch.cuda.empty_cache()
                     print(f"  {name} bs={bs} {mode}: out of memory, skipped", file=sys.stderr)
                     continue
-                rows.append(dict(model=name, layers=n_layers, dtype=dtype_name, L=L, **r))
-                _write(rows, out_dir, quiet=True)          # a run cut short still leaves its rows
+                rows.append(dict(model=name, layers=n_layers, dtype=dtype_name, L=L, tp=tp, **r))
+                if rank == 0:
+                    _write(rows, out_dir, quiet=True)          # a run cut short still leaves its rows
         del model
     bar.close()
-    _write(rows, out_dir)
+    if rank == 0:
+        _write(rows, out_dir)
     return rows
 
 
@@ -322,10 +373,10 @@ def _write(rows, out_dir, quiet=False):
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    lines = ["| model (layers) | batch | mode | step ms | non-flush ms | flush ms | tokens/s | first step s | "
+    lines = ["| model (layers, TP) | batch | mode | step ms | non-flush ms | flush ms | tokens/s | first step s | "
              "peak GiB | decode-loop peak GiB | rewrites | speedup vs torch.compile |", "|" + " --- |" * 12]
     for r in rows:
-        lines.append(f"| {r['model']} ({r['layers']}) | {r['batch']} | {r['mode']} | {r['step_ms']:.3f} | "
+        lines.append(f"| {r['model']} ({r['layers']}, {r.get('tp', 1)}) | {r['batch']} | {r['mode']} | {r['step_ms']:.3f} | "
                      f"{r['nonflush_ms']:.3f} | {r['flush_ms']:.3f} | {r['tokens_per_s']:.1f} | "
                      f"{r['first_step_s']:.1f} | {r['peak_mem_gib']:.2f} | {r.get('steady_mem_gib', float('nan')):.2f} | "
                      f"{r['rewrites']} | "

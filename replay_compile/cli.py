@@ -140,18 +140,21 @@ def _bench(args) -> int:
     unknown = set(modes) - set(bench.MODES)
     if unknown:
         raise SystemExit(f"replay-compile bench: unknown modes {sorted(unknown)}; choose from {bench.MODES}")
-    print(f"bench: {models} batches {batches} modes {modes}, {args.steps} decode steps, L={args.buffer_len}, "
+    lead = int(os.environ.get("RANK", "0")) == 0       # under torchrun (--tp) only rank 0 prints
+    if lead:
+        print(f"bench: {models} batches {batches} modes {modes}, {args.steps} decode steps, L={args.buffer_len}, "
           f"{args.dtype} on {args.device}, torch {torch.__version__}" +
-          (f", first {args.layers} layers only" if args.layers else ""))
+              (f", first {args.layers} layers only" if args.layers else "") + (f", TP={args.tp}" if args.tp > 1 else ""))
     if args.check:
         rows = bench.run_parity(models, args.check_batch, args.check, args.buffer_len, args.device, args.dtype,
                                 args.layers, args.out, mode=modes[-1] if args.modes else
-                                ("replayssm-ro" if cuda else "replayssm"))
+                                ("replayssm-ro" if cuda else "replayssm"), tp=args.tp)
         ok = all(r["tokens_agree"] == 1.0 for r in rows)
         return 0 if ok or args.dtype != "float32" else 1
     rows = bench.run(models, batches, modes, args.steps, args.buffer_len, args.device, args.dtype, args.layers,
-                     args.out)
-    print(f"wrote {os.path.join(args.out, 'bench.csv')} and bench.md ({len(rows)} rows)")
+                     args.out, tp=args.tp)
+    if lead:
+        print(f"wrote {os.path.join(args.out, 'bench.csv')} and bench.md ({len(rows)} rows)")
     return 0 if rows else 1
 
 
@@ -243,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
                         "default replayssm-ro on CUDA) in lockstep and compare tokens and logits; exit 1 if an fp32 "
                         "run disagrees on any token")
     b.add_argument("--check-batch", type=int, default=4)
+    b.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="shard every model over N ranks (tensor parallel); launch with torchrun --nproc-per-node N "
+                        "-m replay_compile.cli bench --tp N ...")
     sub.add_parser("env", help="versions and devices")
     args = parser.parse_args(argv)
     if args.cmd == "env":
