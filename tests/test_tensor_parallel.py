@@ -9,6 +9,7 @@ every rank must have rewritten every SSM layer. One family goes through Inductor
 
 from __future__ import annotations
 
+import functools
 import types
 
 import pytest
@@ -89,3 +90,44 @@ def test_unknown_ssm_layer_kind_is_refused():
 def test_two_dimensional_mesh_is_refused():
     with pytest.raises(UnsupportedSharding, match="1-D tensor-parallel mesh"):
         parallelize_hybrid(MAMBA2_FAMILY["nemotron_h"](), _fake_mesh(2, ndim=2))
+
+
+def _node(graph, target, *args):
+    return graph.create_node("call_function", target, args, name="n")
+
+
+@pytest.mark.parametrize("make_target,expect", [
+    (lambda: functools.partial(_from_local_stub, run_check=False), "identity"),   # how some torch versions record it
+    (lambda: _from_local_stub, "identity"),
+    (lambda: torch.ops._c10d_functional.all_reduce.default, "identity"),
+    (lambda: torch.ops._c10d_functional.wait_tensor.default, "identity"),
+    (lambda: torch.ops._c10d_functional.all_gather_into_tensor.default, "gather"),
+    (lambda: torch.ops.aten.add.Tensor, "not-collective"),
+])
+def test_validation_runs_dtensor_conversions_and_collectives_locally(make_target, expect):
+    """The compile-time check must never communicate: each rank validates alone (a collective entered by one rank
+    hangs the others). Conversions become the identity, collectives local stand-ins of the right shape."""
+    import torch.fx as fx
+
+    from replay_compile.passes.validate import _collective_free
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    target = make_target()
+    extra = {"gather": (2, "group0"), "identity": ("sum", "group0") if "all_reduce" in str(target) else ()}
+    n = _node(g, target, x, *extra.get(expect, ()))
+    t = torch.arange(6.0).reshape(3, 2)
+    local, value = _collective_free(n, (t, *n.args[1:]), {})
+    if expect == "not-collective":
+        assert not local
+    elif expect == "identity":
+        assert local and value is t
+    else:
+        assert local and torch.equal(value, torch.cat([t, t]))
+
+
+def _from_local_stub(t, *args, **kwargs):  # named like DTensor.from_local: recognised by name
+    raise AssertionError("the check must not call it")
+
+
+_from_local_stub.__name__ = _from_local_stub.__qualname__ = "DTensor.from_local"

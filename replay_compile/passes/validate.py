@@ -22,6 +22,7 @@ from typing import Sequence
 
 import torch
 import torch.fx as fx
+from torch.utils import _pytree as pytree
 
 from .graph_utils import VIEW_LIKE, is_inplace, op_name
 
@@ -67,8 +68,15 @@ _COLLECTIVE_IDENTITY = {"all_reduce", "all_reduce_", "wait_tensor", "broadcast",
 
 def _local(value):
     """The local shard of a DTensor (anything else unchanged)."""
-    to_local = getattr(value, "to_local", None)
-    return to_local() if callable(to_local) and type(value).__name__ == "DTensor" else value
+    if type(value).__name__ == "DTensor" and callable(getattr(value, "to_local", None)):
+        return value.to_local()
+    return value
+
+
+def _target_text(target) -> str:
+    """Name and repr of a call target: Dynamo may record ``DTensor.from_local`` as a function or as a
+    ``functools.partial`` of it (no ``__name__``), depending on the torch version."""
+    return f"{getattr(target, '__qualname__', '')} {getattr(target, '__name__', '')} {target}"
 
 
 def _collective_free(n: fx.Node, args, kwargs):
@@ -79,10 +87,13 @@ def _collective_free(n: fx.Node, args, kwargs):
         return True, _local(args[0])
     if n.op != "call_function":
         return False, None
-    if name == "from_local" and "DTensor" in getattr(target, "__qualname__", ""):
-        return True, args[0]
-    ns = getattr(getattr(target, "namespace", None), "lower", lambda: "")() or \
-        str(getattr(target, "__module__", "")).rsplit(".", 1)[-1]
+    text = _target_text(target)
+    if any(k in text for k in ("from_local", "to_local", "redistribute")) and args \
+            and isinstance(_local(args[0]), torch.Tensor):
+        return True, _local(args[0])
+    ns = getattr(target, "namespace", None)          # OpOverload(Packet)s: "_c10d_functional"
+    if not isinstance(ns, str):
+        ns = str(getattr(target, "__module__", ""))   # torch.distributed._functional_collectives.all_reduce
     if "c10d_functional" not in ns and "_functional_collectives" not in ns:
         return False, None
     base = name.split(".")[0]
@@ -114,16 +125,20 @@ class _Checker(fx.Interpreter):
         self.ref_new: dict = {}
         self.errors: dict = {id(m): [] for m in matches}
         self.inputs: set[int] = set()
+        self.current: fx.Node | None = None
 
     def run_node(self, n: fx.Node):
         if n in self.by_copy:
             self._check_new(self.by_copy[n], n)
         if is_inplace(n) and n not in self.by_copy:
             self._copy_on_write(n)
+        self.current = n
         if n.op in ("call_function", "call_method"):
             args, kwargs = self.fetch_args_kwargs_from_env(n)
-            local, value = _collective_free(n, args, kwargs)
-            out = value if local else super().run_node(n)
+            local, out = _collective_free(n, args, kwargs)
+            if not local:       # no DTensor reaches an op: it would dispatch (and communicate) as a DTensor
+                args, kwargs = pytree.tree_map(_local, (args, kwargs))
+                out = getattr(self, n.op)(n.target, args, kwargs)
         else:
             out = super().run_node(n)
         if n.op == "placeholder" and isinstance(out, torch.Tensor):
@@ -211,7 +226,9 @@ def validate(gm: fx.GraphModule, example_inputs: Sequence, matches: Sequence) ->
             checker.run(*args)
         except Exception as e:  # noqa: BLE001 - any failure means we cannot vouch for the rewrite
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            return {id(m): f"validation run failed: {type(e).__name__}: {first}" for m in matches}
+            at = checker.current
+            where = f" (at `{at.name}` = {at.op} {_target_text(at.target).strip()[:120]})" if at is not None else ""
+            return {id(m): f"validation run failed: {type(e).__name__}: {first}{where}" for m in matches}
     failed = {}
     for m in matches:
         tol = tolerance(m)

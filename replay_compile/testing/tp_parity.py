@@ -186,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{fam} {args.device} {args.dtype} {key:>9}: tokens {'identical' if c['tokens_match'] else 'DIFFER'}"
                   f", logits {c['rel_logit_diff']:.1e} rel, states {c['max_state_rel_err']:.1e} rel "
                   f"({c['states_compared']} layers)", flush=True)
-        print(f"{fam} rewrites per rank: {r[f'tp{args.world}']['rewrites_per_rank']}", flush=True)
+        per_rank = r[f"tp{args.world}"]["rewrites_per_rank"]
+        ok &= r["tp1"]["rewrites"] > 0 and all(len(rw) > 0 for rw in per_rank)   # parity without rewrites proves nothing
+        print(f"{fam} rewrites per rank: {per_rank}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
