@@ -15,7 +15,9 @@ LAYERS=${LAYERS:-8}
 for s in ${*:-parity bench check}; do case $s in
   parity) for fam in nemotron_h qwen3_5; do
             timeout 220 python3 -m replay_compile.testing.tp_parity $fam --device cuda --out "$OUT/tp_parity_$fam.json" \
-              2>&1 | grep -v "^\[transformers\]\|warn" | tail -6 | tee -a "$OUT/tp_parity.txt"; done ;;
+              > "$OUT/tp_parity_$fam.log" 2>&1; rc=$?
+            grep -v "^\[transformers\]\|warn" "$OUT/tp_parity_$fam.log" | tail -6 | tee -a "$OUT/tp_parity.txt"
+            [ $rc = 0 ] || { echo "parity $fam failed (rc $rc): stopping"; exit 1; }; done ;;
   bench) timeout "${BENCH_TIMEOUT:-330}" torchrun --nproc-per-node 2 -m replay_compile.cli bench --tp 2 \
            --models "${TP_MODELS:-nemotron_h_nano4b,qwen35_4b}" --batches "${TP_BATCHES:-1,256}" \
            --modes inductor-ro,replayssm-ro --layers "$LAYERS" --steps 48 --out "$OUT/tp_bench" 2>&1 \
