@@ -283,6 +283,7 @@ def run_parity(models, batch, steps, L, device, dtype_name, layers, out_dir, mod
               f"{r['max_logit_diff']:.2e} ({r['rel_logit_diff']:.1e} of the largest logit), {r['rewrites']} layers rewritten",
               flush=True)
         del model
+    _tp_teardown(tp)
     if rank:
         return rows
     with open(os.path.join(out_dir, f"parity_{dtype_name}.csv"), "w", newline="") as f:
@@ -354,7 +355,17 @@ def run(models, batches, modes, steps, L, device, dtype_name, layers, out_dir, p
     bar.close()
     if rank == 0:
         _write(rows, out_dir)
+    _tp_teardown(tp)
     return rows
+
+
+def _tp_teardown(tp: int) -> None:
+    """Leave the process group cleanly (without it, NCCL's teardown at exit kept torchrun waiting)."""
+    if tp > 1:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
 
 
 def _speedups(rows):

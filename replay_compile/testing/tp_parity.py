@@ -84,11 +84,14 @@ def _compare(ref: dict, got: dict, states: list[torch.Tensor]) -> dict:
 
 
 def _worker(rank: int, world: int, port: int, family: str, device_type: str, steps: int, batch: int,
-            buffer_len: int, dtype_name: str, lower: str, result_path: str) -> None:
+            buffer_len: int, dtype_name: str, lower: str, result_path: str, timeout_s: float) -> None:
+    import datetime
+    import faulthandler
+
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    import datetime
+    faulthandler.dump_traceback_later(max(timeout_s - 15, 1), exit=False)   # where a slow or stuck rank is
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -132,6 +135,7 @@ def _worker(rank: int, world: int, port: int, family: str, device_type: str, ste
             with open(result_path, "w") as f:
                 json.dump(result, f, indent=1)
     finally:
+        faulthandler.cancel_dump_traceback_later()
         dist.destroy_process_group()
 
 
@@ -151,7 +155,7 @@ def tp_parity(family: str, world: int = 2, *, device: str = "cpu", steps: int | 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "result.json")
         ctx = mp.spawn(_worker, args=(world, _free_port(), family, device, steps, batch, buffer_len, dtype, lower,
-                                      path), nprocs=world, join=False)
+                                      path, timeout_s), nprocs=world, join=False)
         deadline = time.monotonic() + timeout_s
         while not ctx.join(timeout=5):          # raises ProcessRaisedException if a rank failed
             if time.monotonic() > deadline:
@@ -174,11 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--lower", default="inductor", choices=["inductor", "eager"])
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--timeout", type=float, default=1200, help="seconds before the ranks are stopped")
     args = p.parse_args(argv)
     results, ok = [], True
     for fam in args.family:
         r = tp_parity(fam, args.world, device=args.device, steps=args.steps, batch=args.batch, dtype=args.dtype,
-                      lower=args.lower)
+                      lower=args.lower, timeout_s=args.timeout)
         results.append(r)
         for key in ("tp1", f"tp{args.world}_eager", f"tp{args.world}"):
             c = r[key]
