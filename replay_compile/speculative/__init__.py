@@ -1,0 +1,14 @@
+"""Speculative decoding with the replay state (issue 6): verify drafts without writing the SSM state, roll back by
+moving cursors.
+
+    from replay_compile.speculative import generate_speculative, PromptLookup
+    out = generate_speculative(model, input_ids, max_new_tokens=128, num_draft=3, draft=PromptLookup(ngram=3))
+
+Greedy output is identical to ``model.generate(..., do_sample=False)``. Supported today: the Mamba-2 mixers of the
+HF hybrid families (NemotronH, Mamba2, Bamba, Zamba2, GraniteMoeHybrid); other SSM layers raise a clear error.
+"""
+
+from .drafts import PromptLookup
+from .generate import SpeculativeOutput, generate_speculative
+
+__all__ = ["PromptLookup", "SpeculativeOutput", "generate_speculative"]

@@ -1,0 +1,129 @@
+"""Greedy speculative generation for HF hybrid models with the replay state.
+
+Each round verifies ``[last token, d_1 .. d_k]`` in one forward: SSM layers through the output-only verify op
+(:mod:`.mamba2_layer`), attention layers as the model does it. The drafts that match the model's own greedy choices
+are accepted; the SSM layers commit by moving cursors and the attention caches drop the rejected positions. Every
+row commits the same count (the smallest over the batch), so the output of every row is exactly its greedy decode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import dataclasses
+from typing import Callable
+
+import torch
+
+from ..errors import ReplayCompileError
+from .drafts import PromptLookup
+from .mamba2_layer import SpecMamba2Layer, is_mamba2_mixer
+
+
+@dataclasses.dataclass
+class SpeculativeOutput:
+    sequences: torch.Tensor          # [b, prompt + new] prompt and generated tokens
+    cache: object                    # the model's cache, holding the true state of every fed token
+    rounds: int                      # verify forwards
+    accepted: list                   # tokens emitted per round (1 .. num_draft + 1)
+
+    @property
+    def tokens_per_round(self) -> float:
+        return sum(self.accepted) / max(len(self.accepted), 1)
+
+
+def _spec_layers(model, cache, B: int, T: int) -> list[SpecMamba2Layer]:
+    layers = []
+    for name, m in model.named_modules():
+        if is_mamba2_mixer(m):
+            layers.append(SpecMamba2Layer(name, m, cache, B, T))
+        elif hasattr(m, "A_log") and any(isinstance(c, torch.nn.Conv1d) for c in m.children()):
+            raise ReplayCompileError(
+                f"replay_compile.speculative: {name} ({type(m).__name__}) is an SSM layer this generator cannot "
+                f"verify yet (supported: Mamba-2 mixers). Use model.generate for this model.")
+    if not layers:
+        raise ReplayCompileError(f"replay_compile.speculative: {type(model).__name__} has no Mamba-2 mixer layer")
+    return layers
+
+
+@contextlib.contextmanager
+def _verify_forwards(layers):
+    """Route each mixer's forward to its verify forward for the duration (instance attribute over the class's)."""
+    for layer in layers:
+        layer.mixer.forward = layer.forward
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.mixer.forward
+
+
+def _drop_attention_tail(cache, n: int) -> None:
+    """Forget the last ``n`` positions of every attention layer (the rejected drafts)."""
+    if n <= 0:
+        return
+    for layer in getattr(cache, "layers", []):
+        keys = getattr(layer, "keys", None)
+        if isinstance(keys, torch.Tensor) and keys.dim() == 4 and keys.shape[-2] >= n:
+            layer.keys = keys[..., :-n, :]
+            layer.values = layer.values[..., :-n, :]
+
+
+def _cache_kwarg(model) -> str:
+    params = inspect.signature(model.forward).parameters
+    return next((n for n in ("cache", "past_key_values", "cache_params") if n in params), "past_key_values")
+
+
+def _positions(model, pos: torch.Tensor) -> dict:
+    """Explicit positions: some models (Bamba in transformers 5.24) count a multi-token cached step from 0 without
+    them, which silently shifts RoPE."""
+    return {"position_ids": pos} if "position_ids" in inspect.signature(model.forward).parameters else {}
+
+
+def generate_speculative(model, input_ids: torch.Tensor, max_new_tokens: int, *, num_draft: int = 3,
+                         draft: Callable | None = None, buffer_len: int = 16) -> SpeculativeOutput:
+    """Greedy-decode ``max_new_tokens`` tokens with drafts verified ``num_draft`` at a time.
+
+    Args:
+        model: an HF causal LM whose SSM layers are Mamba-2 mixers (eval mode; runs eagerly).
+        input_ids: [b, prompt] (no padding).
+        draft: ``(tokens [b, n], k) -> [b, k]`` proposer; default :class:`PromptLookup`.
+        buffer_len: history budget ``B`` of the replay rings (records folded into the checkpoint when a verify
+            would not fit).
+    Returns:
+        :class:`SpeculativeOutput`; ``sequences`` equals ``model.generate(input_ids, max_new_tokens=...,
+        do_sample=False)``'s, and ``cache`` holds the state after every fed token, as ``generate``'s does.
+    """
+    if max_new_tokens < 1 or num_draft < 1:
+        raise ValueError(f"generate_speculative: need max_new_tokens >= 1 and num_draft >= 1, got {max_new_tokens}, "
+                         f"{num_draft}")
+    draft = draft or PromptLookup()
+    T = num_draft + 1
+    with torch.no_grad():
+        out = model(input_ids, use_cache=True)
+        cache = getattr(out, "cache", None) or out.past_key_values
+        tok = out.logits[:, -1].argmax(-1, keepdim=True)                    # [b, 1], emitted, not yet fed
+        tokens = torch.cat([input_ids, tok], dim=1)
+        layers = _spec_layers(model, cache, buffer_len, T)
+        ck = _cache_kwarg(model)
+        emitted, accepted = 1, []
+        with _verify_forwards(layers):
+            while emitted < max_new_tokens:
+                k = min(num_draft, max_new_tokens - emitted - 1)   # never feed past what generate would
+                drafts = draft(tokens, k) if k else tok[:, :0]
+                window = torch.cat([tok, drafts.to(tok)], dim=1)              # [b, k + 1]
+                fed = tokens.shape[1] - 1                                      # positions already in the cache
+                pos = torch.arange(fed, fed + k + 1, device=window.device).expand(window.shape[0], -1)
+                pred = model(window, **{ck: cache}, use_cache=True, **_positions(model, pos)).logits.argmax(-1)
+                ok = (drafts == pred[:, :k]).int().cumprod(-1).sum(-1) if k else torch.zeros_like(tok[:, 0])
+                n = int(ok.min()) + 1                                          # same count on every row
+                for layer in layers:
+                    layer.commit(n)
+                _drop_attention_tail(cache, k + 1 - n)
+                tokens = torch.cat([tokens, pred[:, :n]], dim=1)
+                tok = pred[:, n - 1:n]
+                emitted += n
+                accepted.append(n)
+        for layer in layers:
+            layer.finish()
+    return SpeculativeOutput(sequences=tokens, cache=cache, rounds=len(accepted), accepted=accepted)

@@ -1,0 +1,100 @@
+"""One HF Mamba-2 mixer in speculative mode: a verify forward over ``T`` tokens that never writes the SSM state.
+
+While speculative generation runs, the mixer's ``forward`` is replaced by :meth:`SpecMamba2Layer.forward`, which
+computes the same projections, causal conv, gates and norm as the HF decode path, but hands the SSM to
+``replay_compile::mamba2_spec_verify``: outputs after each of the ``T`` tokens from the checkpoint (the cache's
+recurrent state) plus the ring of committed records; the new records go to the ring after the history. Rollback of
+rejected drafts is :meth:`commit` moving cursors; the conv state, a few columns, is advanced by the accepted
+inputs only. :meth:`finish` folds the ring into the cache so it holds the true state again.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import ReplayCompileError
+from ..kernels import mamba2_spec_reference as ref
+
+_MIXER_ATTRS = ("in_proj", "conv1d", "A_log", "dt_bias", "D", "norm", "out_proj", "num_heads", "head_dim", "n_groups",
+                "ssm_state_size", "intermediate_size", "conv_dim", "layer_idx")
+
+
+def is_mamba2_mixer(m: torch.nn.Module) -> bool:
+    return all(hasattr(m, a) for a in _MIXER_ATTRS)
+
+
+class SpecMamba2Layer:
+    """Spec rings, cursors and the pending conv inputs of one mixer.
+
+    Args:
+        mixer: an HF Mamba-2 mixer (NemotronH, Mamba2, Bamba, Zamba2, GraniteMoeHybrid layout).
+        cache: the HF cache after prefill (holds this layer's recurrent state [S, H, P, N] and conv state
+            [S, conv_dim, K]).
+        B: history budget (records kept before a verify flushes them into the checkpoint); T: max tokens per verify.
+    """
+
+    def __init__(self, name: str, mixer: torch.nn.Module, cache, B: int, T: int):
+        self.name, self.mixer, self.B, self.T = name, mixer, B, T
+        idx = mixer.layer_idx
+        self.state = cache.get_recurrent_state(idx)
+        self.conv_state = cache.get_conv_state(idx)
+        if self.state is None or self.conv_state is None:
+            raise ReplayCompileError(f"replay_compile.speculative: {name}: the cache holds no state for layer {idx}; "
+                                     f"prefill the prompt with this cache first.")
+        S, H, P, N = self.state.shape
+        G, buf = mixer.n_groups, ref.spec_buf_len(B, T)
+        act_dtype = mixer.in_proj.weight.dtype
+        dev = self.state.device
+        self.x_ring = torch.zeros(S, H, buf, P, dtype=act_dtype, device=dev)
+        self.dt_ring = torch.zeros(S, H, buf, dtype=torch.float32, device=dev)
+        self.la_ring = torch.zeros(S, H, buf, dtype=torch.float32, device=dev)
+        self.B_ring = torch.zeros(S, G, buf, N, dtype=act_dtype, device=dev)
+        self.w = torch.zeros(S, dtype=torch.int32, device=dev)
+        self.origin = torch.zeros(S, dtype=torch.int32, device=dev)
+        self.is_flush = torch.zeros(S, dtype=torch.bool, device=dev)
+        ref.spec_reset_reference(self.w, self.origin, self.is_flush, B, T)
+        self.pending_conv: torch.Tensor | None = None          # [S, conv_dim, T] inputs of the last verify
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """hidden_states [b, T, hidden] -> [b, T, hidden]; the cache is not written (see the module docstring)."""
+        m = self.mixer
+        b, T, _ = hidden_states.shape
+        if T > self.T:
+            raise ReplayCompileError(f"replay_compile.speculative: {self.name}: {T} tokens in one verify, the rings "
+                                     f"were sized for at most {self.T}")
+        dtype = hidden_states.dtype
+        H, P, G, N = m.num_heads, m.head_dim, m.n_groups, m.ssm_state_size
+        gate, xBC, dt = m.in_proj(hidden_states).split([m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
+        new = xBC.transpose(1, 2)                                               # [b, conv_dim, T]
+        self.pending_conv = new
+        seq = torch.cat([self.conv_state.to(new.dtype), new], dim=-1)         # the decode path's conv, T at once
+        conv = F.conv1d(seq, m.conv1d.weight, m.conv1d.bias, groups=m.conv_dim)[..., -T:]
+        xBC = m.act(conv).transpose(1, 2) if hasattr(m, "act") else F.silu(conv).transpose(1, 2)
+        x, Bm, Cm = torch.split(xBC, [m.intermediate_size, G * N, G * N], dim=-1)
+        x = x.reshape(b, T, H, P)
+        dt = F.softplus(dt + m.dt_bias.to(dt.dtype))                            # [b, T, H], as the decode step
+        la = dt.float() * -torch.exp(m.A_log.float())
+        y = torch.ops.replay_compile.mamba2_spec_verify(
+            self.state, self.x_ring, self.dt_ring, self.la_ring, self.B_ring, self.w, self.origin, self.is_flush,
+            x, dt.float(), la, Bm.reshape(b, T, G, N), Cm.reshape(b, T, G, N))
+        y = (y + x.to(y.dtype) * m.D.to(y.dtype)[:, None]).to(dtype)
+        y = m.norm(y.reshape(b, T, -1), gate)
+        return m.out_proj(y.to(dtype))
+
+    def commit(self, n: int) -> None:
+        """Keep the first ``n`` tokens (1..T) of the last verify on every row: cursor moves, conv state advanced."""
+        b = self.pending_conv.shape[0]
+        n_acc = torch.full((b,), n, dtype=torch.int32, device=self.w.device)
+        torch.ops.replay_compile.spec_commit(self.w, self.origin, self.is_flush, n_acc, self.B, self.T)
+        K = self.conv_state.shape[-1]
+        seq = torch.cat([self.conv_state, self.pending_conv[..., :n].to(self.conv_state.dtype)], dim=-1)
+        self.conv_state.copy_(seq[..., -K:])
+        self.pending_conv = None
+
+    def finish(self) -> None:
+        """Fold the committed history into the cache's state (it then holds the true state) and empty the ring."""
+        for s in range(self.state.shape[0]):
+            self.state[s] = ref.spec_materialize_reference(self.state, self.x_ring, self.dt_ring, self.la_ring,
+                                                           self.B_ring, self.w, self.origin, s).to(self.state.dtype)
+        ref.spec_reset_reference(self.w, self.origin, self.is_flush, self.B, self.T)
