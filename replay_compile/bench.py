@@ -91,6 +91,17 @@ def tp_setup(tp: int, device: str):
     return init_device_mesh("cuda" if cuda else "cpu", (tp,)), dist.get_rank(), device
 
 
+def _setup(tp: int, device: str, dtype_name: str, out_dir: str):
+    """``(mesh, rank, device, dtype)`` for a run: joins the tensor-parallel group when ``tp > 1``; makes ``out_dir``."""
+    import torch
+
+    mesh, rank = None, 0
+    if tp > 1:
+        mesh, rank, device = tp_setup(tp, device)
+    os.makedirs(out_dir, exist_ok=True)
+    return mesh, rank, device, getattr(torch, dtype_name)
+
+
 def build_model(name: str, dtype, device, layers: int | None = None, seed: int = 0, mesh=None):
     """The named model on ``device``; with a tensor-parallel ``mesh``, sharded over it (every rank builds the same
     weights from ``seed`` first)."""
@@ -157,15 +168,13 @@ def _forward_for(model, mode: str, L: int):
 
 
 def cache_kwarg(model) -> str:
-    """The forward's cache argument: ``cache`` (transformers >= 5.2x), else ``past_key_values`` / ``cache_params``.
-    A wrong name is swallowed by ``**kwargs`` and silently decodes without a cache, so look it up."""
-    import inspect
+    """The forward's cache argument (see :func:`~replay_compile.integrations.hf_modules.cache_kwarg`)."""
+    from .integrations.hf_modules import cache_kwarg as lookup
 
-    params = inspect.signature(model.forward).parameters
-    for name in ("cache", "past_key_values", "cache_params"):
-        if name in params:
-            return name
-    raise SystemExit(f"replay-compile bench: {type(model).__name__}.forward takes no cache argument")
+    name = lookup(model)
+    if name is None:
+        raise SystemExit(f"replay-compile bench: {type(model).__name__}.forward takes no cache argument")
+    return name
 
 
 def bench_one(model, batch: int, mode: str, steps: int, L: int, prompt_len: int = 16, seed: int = 0) -> dict:
@@ -263,26 +272,20 @@ def parity(model, batch: int, steps: int, L: int, mode: str = "replayssm-ro", pr
 def run_parity(models, batch, steps, L, device, dtype_name, layers, out_dir, mode="replayssm-ro",
                tp: int = 1) -> list[dict]:
     """:func:`parity` for each model; writes ``parity.csv`` and prints one line per model (rank 0 under ``tp``)."""
-    import torch
-
-    mesh, rank = None, 0
-    if tp > 1:
-        mesh, rank, device = tp_setup(tp, device)
-    dtype = getattr(torch, dtype_name)
-    os.makedirs(out_dir, exist_ok=True)
+    mesh, rank, device, dtype = _setup(tp, device, dtype_name, out_dir)
     rows = []
     for name in models:
         model = build_model(name, dtype, device, layers, mesh=mesh)
         r = dict(model=name, layers=getattr(model.config, "num_hidden_layers", None), dtype=dtype_name, L=L, tp=tp,
                  **parity(model, batch, steps, L, mode))
         rows.append(r)
+        del model
         if rank:
             continue
         print(f"parity {name} ({r['layers']} layers, {dtype_name}) bs={batch} {mode}: {steps} greedy steps, tokens "
               f"agree on {100 * r['tokens_agree']:.1f}% (first mismatch {r['first_mismatch']}), max logit diff "
               f"{r['max_logit_diff']:.2e} ({r['rel_logit_diff']:.1e} of the largest logit), {r['rewrites']} layers rewritten",
               flush=True)
-        del model
     _tp_teardown(tp)
     if rank:
         return rows
@@ -326,11 +329,7 @@ def run(models, batches, modes, steps, L, device, dtype_name, layers, out_dir, p
     every point on its shard and rank 0 writes (its own timings: the ranks meet at every all-reduce anyway)."""
     import torch
 
-    mesh, rank = None, 0
-    if tp > 1:
-        mesh, rank, device = tp_setup(tp, device)
-    dtype = getattr(torch, dtype_name)
-    os.makedirs(out_dir, exist_ok=True)
+    mesh, rank, device, dtype = _setup(tp, device, dtype_name, out_dir)
     rows = []
     total = len(models) * len(batches) * len(modes)
     bar = _Progress(total, progress and rank == 0)

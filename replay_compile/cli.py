@@ -143,7 +143,7 @@ def _bench(args) -> int:
     lead = int(os.environ.get("RANK", "0")) == 0       # under torchrun (--tp) only rank 0 prints
     if lead:
         print(f"bench: {models} batches {batches} modes {modes}, {args.steps} decode steps, L={args.buffer_len}, "
-          f"{args.dtype} on {args.device}, torch {torch.__version__}" +
+              f"{args.dtype} on {args.device}, torch {torch.__version__}" +
               (f", first {args.layers} layers only" if args.layers else "") + (f", TP={args.tp}" if args.tp > 1 else ""))
     if args.check:
         rows = bench.run_parity(models, args.check_batch, args.check, args.buffer_len, args.device, args.dtype,

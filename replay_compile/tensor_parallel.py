@@ -27,12 +27,13 @@ wrongly; MoE expert blocks and embeddings stay replicated.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 from torch import nn
 
 from .errors import ReplayCompileError
+from .integrations.hf_modules import is_mamba2_mixer
 
 
 class UnsupportedSharding(ReplayCompileError):
@@ -92,10 +93,6 @@ def _check(layer: str, tp: int, **sizes: int) -> None:
             f"{', '.join(f'{k}={v}' for k, v in sizes.items())}, or leave this model unsharded.")
 
 
-def _is_mamba2_mixer(m: nn.Module) -> bool:
-    return all(hasattr(m, a) for a in ("A_log", "dt_bias", "D", "in_proj", "conv1d", "out_proj", "n_groups"))
-
-
 def _is_gdn(m: nn.Module) -> bool:
     return all(hasattr(m, a) for a in ("A_log", "dt_bias", "conv1d", "out_proj", "num_v_heads", "num_k_heads"))
 
@@ -129,7 +126,6 @@ def _shard_mamba2_mixer(name: str, m: nn.Module, mesh, tp: int, rank: int) -> No
 
     H, G, N = m.num_heads, m.n_groups, m.ssm_state_size
     d_inner = m.intermediate_size
-    _check_mamba2(name, m, tp)
     norm = getattr(m, "norm", None)
     # in_proj: [z | x B C | dt] -> rank r's contiguous shard is [z_r | x_r B_r C_r | dt_r]
     _permute_out_rows(m.in_proj, _permutation([d_inner, d_inner, G * N, G * N, H], tp))
@@ -147,23 +143,27 @@ def _shard_mamba2_mixer(name: str, m: nn.Module, mesh, tp: int, rank: int) -> No
             setattr(m, attr, getattr(m, attr) // tp)
 
 
+def _check_gdn(name: str, m: nn.Module, tp: int) -> None:
+    H, HV, K, V = m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim
+    layer = f"{name} ({type(m).__name__}: key heads={H}, value heads={HV}, K={K}, V={V})"
+    _check(layer, tp, num_k_heads=H, num_v_heads=HV)
+    if not (hasattr(m, "in_proj_qkv") or hasattr(m, "in_proj_qkvz")):
+        raise UnsupportedSharding(
+            f"replay_compile.tensor_parallel: {layer}: unknown input projections (expected in_proj_qkv/z/b/a or "
+            f"in_proj_qkvz/ba); not sharded.")
+
+
 def _shard_gdn(name: str, m: nn.Module, mesh, tp: int, rank: int) -> None:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     H, HV, K, V = m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim
-    layer = f"{name} ({type(m).__name__}: key heads={H}, value heads={HV}, K={K}, V={V})"
-    _check(layer, tp, num_k_heads=H, num_v_heads=HV)
     kd, vd = H * K, HV * V
     plan = {"out_proj": RowwiseParallel()}
     if hasattr(m, "in_proj_qkv"):                      # Qwen3.5: [q | k | v] packed, z/b/a separate
         _permute_out_rows(m.in_proj_qkv, _permutation([kd, kd, vd], tp))
         plan.update({p: ColwiseParallel() for p in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")})
-    elif hasattr(m, "in_proj_qkvz"):                   # Qwen3-Next: packed per key head already, split evenly
+    else:                                              # Qwen3-Next: packed per key head already, split evenly
         plan.update({"in_proj_qkvz": ColwiseParallel(), "in_proj_ba": ColwiseParallel()})
-    else:
-        raise UnsupportedSharding(
-            f"replay_compile.tensor_parallel: {layer}: unknown input projections (expected in_proj_qkv/z/b/a or "
-            f"in_proj_qkvz/ba); not sharded.")
     parallelize_module(m, mesh, plan)
     _slice_conv(m.conv1d, _rows([kd, kd, vd], tp, rank))    # the conv runs on [q | k | v] in both models
     heads = _rows([HV], tp, rank)
@@ -174,14 +174,17 @@ def _shard_gdn(name: str, m: nn.Module, mesh, tp: int, rank: int) -> None:
     m.conv_dim = 2 * m.key_dim + m.value_dim
 
 
-def _shard_attention(name: str, m: nn.Module, mesh, tp: int) -> None:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
+def _check_attention(name: str, m: nn.Module, tp: int) -> None:
     cfg = getattr(m, "config", None)
     heads = getattr(cfg, "num_attention_heads", None)
     kv = getattr(cfg, "num_key_value_heads", None) or heads
     if heads is not None:
         _check(f"{name} ({type(m).__name__})", tp, num_attention_heads=heads, num_key_value_heads=kv)
+
+
+def _shard_attention(name: str, m: nn.Module, mesh, tp: int, rank: int) -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
     parallelize_module(m, mesh, {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(),
                                  "v_proj": ColwiseParallel(), "o_proj": RowwiseParallel()})
     for attr in ("num_heads", "num_attention_heads", "num_key_value_heads"):
@@ -189,10 +192,13 @@ def _shard_attention(name: str, m: nn.Module, mesh, tp: int) -> None:
             setattr(m, attr, getattr(m, attr) // tp)
 
 
-def _shard_mlp(name: str, m: nn.Module, mesh, tp: int) -> None:
+def _check_mlp(name: str, m: nn.Module, tp: int) -> None:
+    _check(f"{name} ({type(m).__name__})", tp, intermediate=m.down_proj.in_features)
+
+
+def _shard_mlp(name: str, m: nn.Module, mesh, tp: int, rank: int) -> None:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    _check(f"{name} ({type(m).__name__})", tp, intermediate=m.down_proj.in_features)
     plan = {"up_proj": ColwiseParallel(), "down_proj": RowwiseParallel()}
     if isinstance(getattr(m, "gate_proj", None), nn.Linear):
         plan["gate_proj"] = ColwiseParallel()
@@ -216,7 +222,7 @@ def parallelize_hybrid(model: nn.Module, mesh, *, attention: bool = True, mlp: b
     tp, rank = mesh.size(), mesh.get_local_rank()
     plan: list[tuple[str, nn.Module, str]] = []
     for name, m in model.named_modules():
-        if _is_mamba2_mixer(m):
+        if is_mamba2_mixer(m):
             plan.append((name, m, "mamba2"))
         elif _is_gdn(m):
             plan.append((name, m, "gdn"))
@@ -229,25 +235,13 @@ def parallelize_hybrid(model: nn.Module, mesh, *, attention: bool = True, mlp: b
             plan.append((name, m, "attention"))
         elif mlp and _linear(m, "up_proj", "down_proj") and not hasattr(m, "experts") and not hasattr(m, "gate"):
             plan.append((name, m, "mlp"))
-    _precheck(plan, tp)
+    for name, m, kind in plan:            # every check before any layer is touched: no half-sharded model
+        _KINDS[kind][0](name, m, tp)
     for name, m, kind in plan:
-        if kind == "mamba2":
-            _shard_mamba2_mixer(name, m, mesh, tp, rank)
-        elif kind == "gdn":
-            _shard_gdn(name, m, mesh, tp, rank)
-        elif kind == "attention":
-            _shard_attention(name, m, mesh, tp)
-        else:
-            _shard_mlp(name, m, mesh, tp)
+        _KINDS[kind][1](name, m, mesh, tp, rank)
     return model
 
 
-def _precheck(plan: Iterable[tuple[str, nn.Module, str]], tp: int) -> None:
-    """Raise for the first layer that cannot be sharded before any layer is touched (no half-sharded model)."""
-    for name, m, kind in plan:
-        if kind == "mamba2":
-            _check_mamba2(name, m, tp)
-        elif kind == "gdn":
-            _check(f"{name} ({type(m).__name__})", tp, num_k_heads=m.num_k_heads, num_v_heads=m.num_v_heads)
-        elif kind == "mlp":
-            _check(f"{name} ({type(m).__name__})", tp, intermediate=m.down_proj.in_features)
+# kind -> (check: raises UnsupportedSharding, shard: in place)
+_KINDS = {"mamba2": (_check_mamba2, _shard_mamba2_mixer), "gdn": (_check_gdn, _shard_gdn),
+          "attention": (_check_attention, _shard_attention), "mlp": (_check_mlp, _shard_mlp)}

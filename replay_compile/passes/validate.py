@@ -87,10 +87,10 @@ def _collective_free(n: fx.Node, args, kwargs):
         return True, _local(args[0])
     if n.op != "call_function":
         return False, None
-    text = _target_text(target)
-    if any(k in text for k in ("from_local", "to_local", "redistribute")) and args \
-            and isinstance(_local(args[0]), torch.Tensor):
-        return True, _local(args[0])
+    first = _local(args[0]) if args else None
+    if isinstance(first, torch.Tensor) and any(k in _target_text(target) for k in ("from_local", "to_local",
+                                                                                   "redistribute")):
+        return True, first
     ns = getattr(target, "namespace", None)          # OpOverload(Packet)s: "_c10d_functional"
     if not isinstance(ns, str):
         ns = str(getattr(target, "__module__", ""))   # torch.distributed._functional_collectives.all_reduce

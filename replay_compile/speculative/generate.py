@@ -17,7 +17,8 @@ import torch
 
 from ..errors import ReplayCompileError
 from .drafts import PromptLookup
-from .mamba2_layer import SpecMamba2Layer, is_mamba2_mixer
+from ..integrations.hf_modules import cache_kwarg, is_mamba2_mixer, output_cache
+from .mamba2_layer import SpecMamba2Layer
 
 
 @dataclasses.dataclass
@@ -69,15 +70,14 @@ def _drop_attention_tail(cache, n: int) -> None:
             layer.values = layer.values[..., :-n, :]
 
 
-def _cache_kwarg(model) -> str:
-    params = inspect.signature(model.forward).parameters
-    return next((n for n in ("cache", "past_key_values", "cache_params") if n in params), "past_key_values")
-
-
-def _positions(model, pos: torch.Tensor) -> dict:
-    """Explicit positions: some models (Bamba in transformers 5.24) count a multi-token cached step from 0 without
-    them, which silently shifts RoPE."""
-    return {"position_ids": pos} if "position_ids" in inspect.signature(model.forward).parameters else {}
+def _step_kwargs(model) -> tuple[str, bool]:
+    """The forward's cache argument, and whether it takes ``position_ids``: explicit positions are passed because
+    some models (Bamba in transformers 5.24) count a multi-token cached step from 0 without them, which silently
+    shifts RoPE."""
+    ck = cache_kwarg(model)
+    if ck is None:
+        raise ReplayCompileError(f"replay_compile.speculative: {type(model).__name__}.forward takes no cache argument")
+    return ck, "position_ids" in inspect.signature(model.forward).parameters
 
 
 def generate_speculative(model, input_ids: torch.Tensor, max_new_tokens: int, *, num_draft: int = 3,
@@ -101,11 +101,11 @@ def generate_speculative(model, input_ids: torch.Tensor, max_new_tokens: int, *,
     T = num_draft + 1
     with torch.no_grad():
         out = model(input_ids, use_cache=True)
-        cache = getattr(out, "cache", None) or out.past_key_values
+        cache = output_cache(out)
         tok = out.logits[:, -1].argmax(-1, keepdim=True)                    # [b, 1], emitted, not yet fed
         tokens = torch.cat([input_ids, tok], dim=1)
         layers = _spec_layers(model, cache, buffer_len, T)
-        ck = _cache_kwarg(model)
+        ck, takes_positions = _step_kwargs(model)
         emitted, accepted = 1, []
         with _verify_forwards(layers):
             while emitted < max_new_tokens:
@@ -114,7 +114,8 @@ def generate_speculative(model, input_ids: torch.Tensor, max_new_tokens: int, *,
                 window = torch.cat([tok, drafts.to(tok)], dim=1)              # [b, k + 1]
                 fed = tokens.shape[1] - 1                                      # positions already in the cache
                 pos = torch.arange(fed, fed + k + 1, device=window.device).expand(window.shape[0], -1)
-                pred = model(window, **{ck: cache}, use_cache=True, **_positions(model, pos)).logits.argmax(-1)
+                extra = {"position_ids": pos} if takes_positions else {}
+                pred = model(window, **{ck: cache}, use_cache=True, **extra).logits.argmax(-1)
                 ok = (drafts == pred[:, :k]).int().cumprod(-1).sum(-1) if k else torch.zeros_like(tok[:, 0])
                 n = int(ok.min()) + 1                                          # same count on every row
                 for layer in layers:

@@ -16,14 +16,6 @@ import torch.nn.functional as F
 from ..errors import ReplayCompileError
 from ..kernels import mamba2_spec_reference as ref
 
-_MIXER_ATTRS = ("in_proj", "conv1d", "A_log", "dt_bias", "D", "norm", "out_proj", "num_heads", "head_dim", "n_groups",
-                "ssm_state_size", "intermediate_size", "conv_dim", "layer_idx")
-
-
-def is_mamba2_mixer(m: torch.nn.Module) -> bool:
-    return all(hasattr(m, a) for a in _MIXER_ATTRS)
-
-
 class SpecMamba2Layer:
     """Spec rings, cursors and the pending conv inputs of one mixer.
 

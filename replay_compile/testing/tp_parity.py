@@ -43,11 +43,12 @@ def _recurrent_states(cache) -> list[torch.Tensor]:
 
 def _generate(model, ids, steps: int) -> dict:
     from .. import state as replay_state
+    from ..integrations.hf_modules import output_cache
 
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, output_logits=True,
                              return_dict_in_generate=True)
-    cache = getattr(out, "cache", None) or out.past_key_values
+    cache = output_cache(out)
     replay_state.flush(cache)
     return dict(tokens=out.sequences.cpu(), logits=torch.stack(out.logits).double().cpu(),
                 states=_recurrent_states(cache))
