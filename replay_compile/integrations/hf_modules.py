@@ -31,3 +31,33 @@ def output_cache(out):
     ``past_key_values``)."""
     cache = getattr(out, "cache", None)
     return cache if cache is not None else out.past_key_values
+
+
+_DELTA_ATTRS = ("conv1d", "layer_idx", "activation", "conv_kernel_size")
+_GDN_ATTRS = _DELTA_ATTRS + ("A_log", "dt_bias", "norm", "out_proj", "num_v_heads", "num_k_heads", "head_k_dim",
+                             "head_v_dim", "key_dim", "value_dim")
+_KDA_ATTRS = _DELTA_ATTRS + ("q_proj", "k_proj", "v_proj", "forget_gate", "b_proj", "g_a_proj", "g_b_proj", "o_norm",
+                             "o_proj", "num_heads", "head_dim", "qkv_dim")
+
+
+def is_gated_deltanet(m: torch.nn.Module) -> bool:
+    """An HF Gated DeltaNet layer: Qwen3.5 / Qwen3.5-MoE (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
+    ``in_proj_a``) or Qwen3-Next (``in_proj_qkvz``, ``in_proj_ba`` grouped per key head)."""
+    return all(hasattr(m, a) for a in _GDN_ATTRS) and (
+        all(hasattr(m, a) for a in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
+        or all(hasattr(m, a) for a in ("in_proj_qkvz", "in_proj_ba", "fix_query_key_value_ordering")))
+
+
+def is_kimi_delta_attention(m: torch.nn.Module) -> bool:
+    """An HF Kimi Delta Attention layer (Kimi-Linear: per-key-channel forget gate)."""
+    return all(hasattr(m, a) for a in _KDA_ATTRS)
+
+
+def looks_like_ssm(m: torch.nn.Module) -> bool:
+    """A module that has the shape of a recurrent (SSM / linear-attention) layer: a conv1d child and a decay
+    parameter in it or its children, or a class name of that kind. Wide on purpose: callers use it to refuse layers
+    they do not know rather than let them run unnoticed."""
+    if not any(isinstance(c, torch.nn.Conv1d) for c in m.children()):
+        return False
+    decay = hasattr(m, "A_log") or any(hasattr(c, "A_log") for c in m.children())
+    return decay or type(m).__name__.endswith(("DeltaNet", "DeltaAttention", "Mixer", "Mamba", "ShortConv"))

@@ -5,7 +5,9 @@ moving cursors.
     out = generate_speculative(model, input_ids, max_new_tokens=128, num_draft=3, draft=PromptLookup(ngram=3))
 
 Greedy output is identical to ``model.generate(..., do_sample=False)``. Supported today: the Mamba-2 mixers of the
-HF hybrid families (NemotronH, Mamba2, Bamba, Zamba2, GraniteMoeHybrid); other SSM layers raise a clear error.
+HF hybrid families (NemotronH, Mamba2, Bamba, Zamba2, GraniteMoeHybrid), Gated DeltaNet (Qwen3.5, Qwen3.5-MoE,
+Qwen3-Next) and Kimi Delta Attention (Kimi-Linear); other SSM layers (Falcon-H1's mixer, Mamba-1, ...) raise a clear
+error naming the layer.
 """
 
 from .drafts import PromptLookup

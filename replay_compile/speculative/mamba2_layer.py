@@ -13,10 +13,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..errors import ReplayCompileError
 from ..kernels import mamba2_spec_reference as ref
+from .base import SpecLayer
 
-class SpecMamba2Layer:
+
+class SpecMamba2Layer(SpecLayer):
     """Spec rings, cursors and the pending conv inputs of one mixer.
 
     Args:
@@ -27,34 +28,21 @@ class SpecMamba2Layer:
     """
 
     def __init__(self, name: str, mixer: torch.nn.Module, cache, B: int, T: int):
-        self.name, self.mixer, self.B, self.T = name, mixer, B, T
-        idx = mixer.layer_idx
-        self.state = cache.get_recurrent_state(idx)
-        self.conv_state = cache.get_conv_state(idx)
-        if self.state is None or self.conv_state is None:
-            raise ReplayCompileError(f"replay_compile.speculative: {name}: the cache holds no state for layer {idx}; "
-                                     f"prefill the prompt with this cache first.")
+        super().__init__(name, mixer, cache, B, T)
         S, H, P, N = self.state.shape
-        G, buf = mixer.n_groups, ref.spec_buf_len(B, T)
+        G, buf = mixer.n_groups, self.buf
         act_dtype = mixer.in_proj.weight.dtype
         dev = self.state.device
         self.x_ring = torch.zeros(S, H, buf, P, dtype=act_dtype, device=dev)
         self.dt_ring = torch.zeros(S, H, buf, dtype=torch.float32, device=dev)
         self.la_ring = torch.zeros(S, H, buf, dtype=torch.float32, device=dev)
         self.B_ring = torch.zeros(S, G, buf, N, dtype=act_dtype, device=dev)
-        self.w = torch.zeros(S, dtype=torch.int32, device=dev)
-        self.origin = torch.zeros(S, dtype=torch.int32, device=dev)
-        self.is_flush = torch.zeros(S, dtype=torch.bool, device=dev)
-        ref.spec_reset_reference(self.w, self.origin, self.is_flush, B, T)
-        self.pending_conv: torch.Tensor | None = None          # [S, conv_dim, T] inputs of the last verify
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         """hidden_states [b, T, hidden] -> [b, T, hidden]; the cache is not written (see the module docstring)."""
         m = self.mixer
         b, T, _ = hidden_states.shape
-        if T > self.T:
-            raise ReplayCompileError(f"replay_compile.speculative: {self.name}: {T} tokens in one verify, the rings "
-                                     f"were sized for at most {self.T}")
+        self._check_window(T)
         dtype = hidden_states.dtype
         H, P, G, N = m.num_heads, m.head_dim, m.n_groups, m.ssm_state_size
         gate, xBC, dt = m.in_proj(hidden_states).split([m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
@@ -74,19 +62,6 @@ class SpecMamba2Layer:
         y = m.norm(y.reshape(b, T, -1), gate)
         return m.out_proj(y.to(dtype))
 
-    def commit(self, n: int) -> None:
-        """Keep the first ``n`` tokens (1..T) of the last verify on every row: cursor moves, conv state advanced."""
-        b = self.pending_conv.shape[0]
-        n_acc = torch.full((b,), n, dtype=torch.int32, device=self.w.device)
-        torch.ops.replay_compile.spec_commit(self.w, self.origin, self.is_flush, n_acc, self.B, self.T)
-        K = self.conv_state.shape[-1]
-        seq = torch.cat([self.conv_state, self.pending_conv[..., :n].to(self.conv_state.dtype)], dim=-1)
-        self.conv_state.copy_(seq[..., -K:])
-        self.pending_conv = None
-
-    def finish(self) -> None:
-        """Fold the committed history into the cache's state (it then holds the true state) and empty the ring."""
-        for s in range(self.state.shape[0]):
-            self.state[s] = ref.spec_materialize_reference(self.state, self.x_ring, self.dt_ring, self.la_ring,
-                                                           self.B_ring, self.w, self.origin, s).to(self.state.dtype)
-        ref.spec_reset_reference(self.w, self.origin, self.is_flush, self.B, self.T)
+    def _materialize(self, slot: int) -> torch.Tensor:
+        return ref.spec_materialize_reference(self.state, self.x_ring, self.dt_ring, self.la_ring, self.B_ring,
+                                              self.w, self.origin, slot)

@@ -1,0 +1,66 @@
+"""What every SSM layer in speculative mode shares, whatever its family: the cache tensors it works on, the cursors
+of its replay rings, the pending conv inputs of the last verify, and the commit / finish skeleton.
+
+A family subclass (:mod:`.mamba2_layer`, :mod:`.delta_layer`) allocates its rings and provides ``forward`` (the
+verify forward over ``T`` tokens; it leaves the window's conv inputs in ``pending_conv``) and ``_materialize(slot)``
+(the committed state of one slot, for :meth:`SpecLayer.finish`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import ReplayCompileError
+from ..kernels import mamba2_spec_reference as ref
+
+
+class SpecLayer:
+    """Cursors and pending conv inputs of one SSM layer; the cache's recurrent state is the checkpoint.
+
+    Args:
+        name: the module's qualified name (for messages); mixer: the HF module (has ``layer_idx``).
+        cache: the HF cache after prefill (holds this layer's recurrent state [S, ...] and conv state
+            [S, conv_dim, K]).
+        B: history budget (records kept before a verify flushes them into the checkpoint); T: max tokens per verify.
+    """
+
+    def __init__(self, name: str, mixer: torch.nn.Module, cache, B: int, T: int):
+        self.name, self.mixer, self.B, self.T = name, mixer, B, T
+        idx = mixer.layer_idx
+        self.state = cache.get_recurrent_state(idx)
+        self.conv_state = cache.get_conv_state(idx)
+        if self.state is None or self.conv_state is None:
+            raise ReplayCompileError(f"replay_compile.speculative: {name}: the cache holds no state for layer {idx}; "
+                                     f"prefill the prompt with this cache first.")
+        self.buf = ref.spec_buf_len(B, T)
+        dev = self.state.device
+        S = self.state.shape[0]
+        self.w = torch.zeros(S, dtype=torch.int32, device=dev)
+        self.origin = torch.zeros(S, dtype=torch.int32, device=dev)
+        self.is_flush = torch.zeros(S, dtype=torch.bool, device=dev)
+        ref.spec_reset_reference(self.w, self.origin, self.is_flush, B, T)
+        self.pending_conv: torch.Tensor | None = None          # [S, conv_dim, T] inputs of the last verify
+
+    def _check_window(self, T: int) -> None:
+        if T > self.T:
+            raise ReplayCompileError(f"replay_compile.speculative: {self.name}: {T} tokens in one verify, the rings "
+                                     f"were sized for at most {self.T}")
+
+    def commit(self, n: int) -> None:
+        """Keep the first ``n`` tokens (1..T) of the last verify on every row: cursor moves, conv state advanced."""
+        b = self.pending_conv.shape[0]
+        n_acc = torch.full((b,), n, dtype=torch.int32, device=self.w.device)
+        torch.ops.replay_compile.spec_commit(self.w, self.origin, self.is_flush, n_acc, self.B, self.T)
+        K = self.conv_state.shape[-1]
+        seq = torch.cat([self.conv_state, self.pending_conv[..., :n].to(self.conv_state.dtype)], dim=-1)
+        self.conv_state.copy_(seq[..., -K:])
+        self.pending_conv = None
+
+    def _materialize(self, slot: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """Fold the committed history into the cache's state (it then holds the true state) and empty the ring."""
+        for s in range(self.state.shape[0]):
+            self.state[s] = self._materialize(s).to(self.state.dtype)
+        ref.spec_reset_reference(self.w, self.origin, self.is_flush, self.B, self.T)
