@@ -4,9 +4,9 @@
                                        the ``T`` records ``(d, k, g)`` after the history (and, on flush rows, the
                                        folded checkpoint). Declares every tensor it mutates.
 
-The commit is the family-agnostic ``replay_compile::spec_commit`` (:mod:`.spec`). Implementation on every device,
-for now: :func:`~replay_compile.kernels.delta_spec_reference.delta_spec_verify_reference` (correct, not fast; the
-chunkwise WY/UT kernel is still to be written).
+The commit is the family-agnostic ``replay_compile::spec_commit`` (:mod:`.spec`). CPU (and fp64):
+:func:`~replay_compile.kernels.delta_spec_reference.delta_spec_verify_reference`; CUDA: the Triton kernel of
+:mod:`replay_compile.kernels.delta_spec_triton` (``REPLAY_COMPILE_KERNELS=reference`` selects the reference).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 from ..kernels.delta_reference import _compute_dtype
 from ..kernels.delta_spec_reference import delta_spec_verify_reference
 from .delta import check_step_args
+from .mamba2 import use_triton
 from .spec import check_spec_cursors
 
 
@@ -36,6 +37,10 @@ def delta_spec_verify(state: Tensor, d_ring: Tensor, k_ring: Tensor, g_ring: Ten
             raise ValueError(f"replay_compile.delta_spec: {name} must start with [b={b}, T={T}], got {tuple(t.shape)}")
     check_step_args(state, d_ring, k_ring, g_ring, w, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], slot_idx)
     check_spec_cursors("delta_spec", state, d_ring.shape[2], w, origin, is_flush)
+    if v.is_cuda and use_triton() and _compute_dtype(state, q, k, v, g, beta) == torch.float32:
+        from ..kernels.delta_spec_triton import delta_spec_verify_triton  # lazily: triton is only needed on GPUs
+        return delta_spec_verify_triton(state, d_ring, k_ring, g_ring, w, origin, is_flush, q, k, v, g, beta,
+                                        slot_idx)
     return delta_spec_verify_reference(state, d_ring, k_ring, g_ring, w, origin, is_flush, q, k, v, g, beta,
                                        slot_idx)
 

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One device call for speculative decoding (issue 6): GPU tests of the verify kernels, the snapshot baselines and the
+# generate loop; the T=4 verify+commit sweep against the per-draft snapshot baseline; end-to-end generation.
+# Usage on the GPU machine:  OUT=... bash benchmarks/device_spec.sh [steps...]   (steps: tests step generate)
+#   env: SPEC_BATCHES (step sweep, default 1,8,32,64,128,256,512), SPEC_GEOMS (default super,qwen35_4b),
+#        GEN_BATCHES (default 1,8,32), GEN_MODELS (default nemotron_h_nano4b,qwen35_4b), GEN_LAYERS (default 8)
+set -uo pipefail
+OUT=${OUT:-device-logs}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
+python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1
+steps=${*:-tests step generate}
+for s in $steps; do case $s in
+  tests) timeout 240 python3 -m pytest -q tests/test_mamba2_spec_triton.py tests/test_delta_spec_triton.py \
+           tests/test_spec_baselines.py tests/test_delta_spec_reference.py tests/test_mamba2_spec_reference.py \
+           -p no:cacheprovider 2>&1 | tail -6 | tee "$OUT/pytest_spec.txt" ;;
+  step) timeout 300 python3 benchmarks/bench_spec_step.py --out "$OUT" --geoms "${SPEC_GEOMS:-super,qwen35_4b}" \
+          --batches "${SPEC_BATCHES:-1,8,32,64,128,256,512}" 2>&1 | grep -v Warn | tee "$OUT/spec_step.txt" ;;
+  generate)
+    # fp32: tokens must be identical to generate; bf16: the speed rows
+    timeout 150 python3 benchmarks/bench_spec_generate.py --out "$OUT/fp32" --dtype float32 --batches 1,8 \
+      --models "${GEN_MODELS:-nemotron_h_nano4b,qwen35_4b}" --layers "${GEN_LAYERS:-8}" --new 48 2>&1 \
+      | grep -v "^\[transformers\]" | tee "$OUT/spec_generate_fp32.txt"
+    timeout 200 python3 benchmarks/bench_spec_generate.py --out "$OUT" --batches "${GEN_BATCHES:-1,8,32}" \
+      --models "${GEN_MODELS:-nemotron_h_nano4b,qwen35_4b}" --layers "${GEN_LAYERS:-8}" 2>&1 \
+      | grep -v "^\[transformers\]" | tee "$OUT/spec_generate.txt" ;;
+esac; done

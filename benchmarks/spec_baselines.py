@@ -1,0 +1,130 @@
+"""The per-draft snapshot baseline of speculative decoding for SSM layers, as engines do it without replay.
+
+For a verify of ``T`` tokens, each sequence owns ``T + 1`` state slots: the committed state sits in slot ``src``;
+one kernel reads it once, steps through the ``T`` tokens in registers and writes the state after every token to the
+other ``T`` slots (``(src + 1 + t) % (T + 1)``), plus the outputs. Accepting ``n`` tokens is an index move,
+``src <- (src + n) % (T + 1)``: no copy. This is the strongest form of the method (vLLM's spec-decode path for GDN,
+``ssm_state_indices`` of shape [N, T + 1], works this way): one state read and ``T`` state writes per verify, against
+replay's one read and a write every few verifies. State memory: ``T + 1`` states per sequence.
+
+Both kernels are fp32 recurrences written for the benchmark (the libraries' single-token kernels would need a state
+copy per draft, which is slower still); their outputs are checked against our verify op at the start of every
+benchmark point, and against the exact recurrences in tests/test_spec_baselines.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _mamba2_snapshot_kernel(
+    pool_ptr, src_ptr, x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, y_ptr,
+    P, N, T, heads_per_g,
+    s_pb, s_ps, s_ph, s_pp, s_pn,           # pool [b, T+1, H, P, N]
+    s_xb, s_xt, s_xh, s_xp,                 # x [b, T, H, P]
+    s_db, s_dt, s_dh,                       # dt, la [b, T, H] (same strides)
+    s_bb, s_bt, s_bg, s_bn,                 # B, C [b, T, G, N] (same strides)
+    s_yb, s_yt, s_yh, s_yp,                 # y [b, T, H, P]
+    BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_p = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2).to(tl.int64)
+    g = h // heads_per_g
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_p, mask_n = offs_p < P, offs_n < N
+    tile = mask_p[:, None] & mask_n[None, :]
+    src = tl.load(src_ptr + row).to(tl.int64)
+    e = offs_p[:, None] * s_pp + offs_n[None, :] * s_pn
+    S = tl.load(pool_ptr + row * s_pb + src * s_ps + h * s_ph + e, mask=tile, other=0.0)
+    for t in range(BLOCK_T):
+        if t < T:
+            x = tl.load(x_ptr + row * s_xb + t * s_xt + h * s_xh + offs_p * s_xp, mask=mask_p, other=0.0).to(tl.float32)
+            dt = tl.load(dt_ptr + row * s_db + t * s_dt + h * s_dh)
+            la = tl.load(la_ptr + row * s_db + t * s_dt + h * s_dh)
+            Bv = tl.load(B_ptr + row * s_bb + t * s_bt + g * s_bg + offs_n * s_bn, mask=mask_n, other=0.0).to(tl.float32)
+            Cv = tl.load(C_ptr + row * s_bb + t * s_bt + g * s_bg + offs_n * s_bn, mask=mask_n, other=0.0).to(tl.float32)
+            S = tl.exp(la) * S + (dt * x)[:, None] * Bv[None, :]
+            tl.store(y_ptr + row * s_yb + t * s_yt + h * s_yh + offs_p * s_yp, tl.sum(S * Cv[None, :], axis=1),
+                     mask=mask_p)
+            dst = (src + 1 + t) % (T + 1)
+            tl.store(pool_ptr + row * s_pb + dst * s_ps + h * s_ph + e, S, mask=tile)
+
+
+@triton.jit
+def _gdn_snapshot_kernel(
+    pool_ptr, src_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
+    K, V, T, v_per_k,
+    s_pb, s_ps, s_ph, s_pk, s_pv,           # pool [b, T+1, HV, K, V]
+    s_qb, s_qt, s_qh, s_qk,                 # q, k [b, T, Hk, K] (same strides)
+    s_vb, s_vt, s_vh, s_vv,                 # v [b, T, HV, V]
+    s_gb, s_gt, s_gh,                       # g, beta [b, T, HV] (same strides)
+    s_ob, s_ot, s_oh, s_ov,                 # o [b, T, HV, V]
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    pid_v = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2).to(tl.int64)
+    hk = h // v_per_k
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_k, mask_v = offs_k < K, offs_v < V
+    tile = mask_k[:, None] & mask_v[None, :]
+    src = tl.load(src_ptr + row).to(tl.int64)
+    e = offs_k[:, None] * s_pk + offs_v[None, :] * s_pv
+    S = tl.load(pool_ptr + row * s_pb + src * s_ps + h * s_ph + e, mask=tile, other=0.0)
+    for t in range(BLOCK_T):
+        if t < T:
+            q = tl.load(q_ptr + row * s_qb + t * s_qt + hk * s_qh + offs_k * s_qk, mask=mask_k, other=0.0).to(tl.float32)
+            k = tl.load(k_ptr + row * s_qb + t * s_qt + hk * s_qh + offs_k * s_qk, mask=mask_k, other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + row * s_vb + t * s_vt + h * s_vh + offs_v * s_vv, mask=mask_v, other=0.0).to(tl.float32)
+            a = tl.exp(tl.load(g_ptr + row * s_gb + t * s_gt + h * s_gh))
+            beta = tl.load(beta_ptr + row * s_gb + t * s_gt + h * s_gh)
+            S = a * S
+            d = beta * (v - tl.sum(S * k[:, None], axis=0))
+            S = S + k[:, None] * d[None, :]
+            tl.store(o_ptr + row * s_ob + t * s_ot + h * s_oh + offs_v * s_ov, tl.sum(S * q[:, None], axis=0),
+                     mask=mask_v)
+            dst = (src + 1 + t) % (T + 1)
+            tl.store(pool_ptr + row * s_pb + dst * s_ps + h * s_ph + e, S, mask=tile)
+
+
+def mamba2_snapshot_step(pool, src, x, dt, la, B, C):
+    """pool [b, T+1, H, P, N] fp32 (committed state in slot ``src`` [b]); x [b, T, H, P]; dt, la [b, T, H] fp32;
+    B, C [b, T, G, N] (same layout). Writes the state after token t to slot (src + 1 + t) % (T + 1); returns
+    y [b, T, H, P] fp32 (no D skip term, as our verify op)."""
+    b, T, H, P = x.shape
+    N, G = pool.shape[-1], B.shape[2]
+    assert dt.stride() == la.stride() and B.stride() == C.stride()
+    y = torch.empty(b, T, H, P, device=x.device, dtype=torch.float32)
+    bp = 16
+    _mamba2_snapshot_kernel[(triton.cdiv(P, bp), b, H)](
+        pool, src, x, dt, la, B, C, y, P, N, T, H // G, *pool.stride(), *x.stride(), *dt.stride(), *B.stride(),
+        *y.stride(), BLOCK_T=triton.next_power_of_2(T), BLOCK_P=bp, BLOCK_N=max(16, triton.next_power_of_2(N)),
+        num_warps=4)
+    return y
+
+
+def gdn_snapshot_step(pool, src, q, k, v, g, beta):
+    """pool [b, T+1, HV, K, V] fp32 (committed state in slot ``src`` [b]); q, k [b, T, Hk, K] (normalised, q scaled);
+    v [b, T, HV, V]; g, beta [b, T, HV] fp32. Writes the state after token t to slot (src + 1 + t) % (T + 1);
+    returns o [b, T, HV, V] fp32."""
+    b, T, HV, V = v.shape
+    K, Hk = q.shape[-1], q.shape[2]
+    assert q.stride() == k.stride() and g.stride() == beta.stride()
+    o = torch.empty(b, T, HV, V, device=v.device, dtype=torch.float32)
+    bv = 32 if V > 16 else 16
+    _gdn_snapshot_kernel[(triton.cdiv(V, bv), b, HV)](
+        pool, src, q, k, v, g, beta, o, K, V, T, HV // Hk, *pool.stride(), *q.stride(), *v.stride(), *g.stride(),
+        *o.stride(), BLOCK_T=triton.next_power_of_2(T), BLOCK_K=max(16, triton.next_power_of_2(K)), BLOCK_V=bv,
+        num_warps=4)
+    return o
+
+
+def snapshot_commit(src, n_accepted, T: int):
+    """Accept ``n_accepted`` [b] tokens: the committed state is now the snapshot after token n - 1."""
+    src.copy_((src + n_accepted) % (T + 1))
