@@ -21,6 +21,7 @@ written; "% bw" against the copy bandwidth measured at the start.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import platform
 import sys
@@ -146,12 +147,23 @@ def bench_point(family, dims, bs, T, Bbud):
     return res, ours_bytes, base_bytes, fr, err
 
 
+def _tuning(family) -> dict:
+    if family == "mamba2":
+        from replay_compile.kernels.mamba2_spec_triton import TUNING
+    else:
+        from replay_compile.kernels.delta_spec_triton import TUNING
+    return TUNING
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--geoms", default="super,qwen35_4b")
     ap.add_argument("--batches", default="1,8,32,64,128,256,512")
     ap.add_argument("--T", type=int, default=4)
     ap.add_argument("--B", type=int, default=16, help="history budget (the replay buffer length)")
+    ap.add_argument("--configs", default="",
+                    help="';'-separated launch configs of the verify kernel (e.g. 'BLOCK_V=64,num_warps=8'; Mamba-2 "
+                         "takes BLOCK_P), each timed at --batches instead of the default")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-results"))
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -166,20 +178,25 @@ def main(argv=None):
     print(f"{'geom':12} {'bs':>4} {'base us':>9} {'%bw':>5} {'ours us':>9} {'%bw':>5} {'flush/rd':>8} "
           f"{'speedup':>7} {'floor x':>7} {'check':>8}")
     rows = []
-    for gname in args.geoms.split(","):
+    configs = args.configs.split(";") if args.configs else [""]
+    for gname, bs, cfg in itertools.product(args.geoms.split(","), map(int, args.batches.split(",")), configs):
         family, dims = GEOMS[gname]
-        for bs in map(int, args.batches.split(",")):
-            res, ob, bb, fr, err = bench_point(family, dims, bs, args.T, args.B)
-            row = dict(geom=gname, dtype="float32", bs=bs, T=args.T, B=args.B, base_us=res["base_us"],
-                       ours_us=res["ours_us"], base_bw=bb / (res["base_us"] * 1e-6) / bw,
-                       ours_bw=ob / (res["ours_us"] * 1e-6) / bw, flush_rate=fr,
-                       speedup=res["base_us"] / res["ours_us"], floor_ratio=bb / ob, check_err=err)
-            rows.append(row)
-            print(f"{gname:12} {bs:4d} {row['base_us']:9.1f} {100 * row['base_bw']:4.0f}% {row['ours_us']:9.1f} "
-                  f"{100 * row['ours_bw']:4.0f}% {fr:8.2f} {row['speedup']:6.2f}x {row['floor_ratio']:6.2f}x "
-                  f"{err:8.1e}", flush=True)
-            torch.cuda.empty_cache()
-    write_results(rows, args.out, "spec_step", args.geoms.split(","), ["float32"], "speedup over snapshot baseline")
+        tuning = _tuning(family)
+        tuning.clear()
+        tuning.update({k: int(v) for k, v in (kv.split("=") for kv in cfg.split(",") if kv)})
+        res, ob, bb, fr, err = bench_point(family, dims, bs, args.T, args.B)
+        tuning.clear()
+        row = dict(geom=gname + (f"[{cfg}]" if cfg else ""), dtype="float32", bs=bs, T=args.T, B=args.B,
+                   base_us=res["base_us"], ours_us=res["ours_us"], base_bw=bb / (res["base_us"] * 1e-6) / bw,
+                   ours_bw=ob / (res["ours_us"] * 1e-6) / bw, flush_rate=fr, speedup=res["base_us"] / res["ours_us"],
+                   floor_ratio=bb / ob, check_err=err)
+        rows.append(row)
+        print(f"{row['geom']:12} {bs:4d} {row['base_us']:9.1f} {100 * row['base_bw']:4.0f}% {row['ours_us']:9.1f} "
+              f"{100 * row['ours_bw']:4.0f}% {fr:8.2f} {row['speedup']:6.2f}x {row['floor_ratio']:6.2f}x "
+              f"{err:8.1e}", flush=True)
+        torch.cuda.empty_cache()
+    write_results(rows, args.out, "spec_step", sorted({r["geom"] for r in rows}), ["float32"],
+                  "speedup over snapshot baseline")
 
 
 if __name__ == "__main__":

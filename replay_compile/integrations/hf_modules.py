@@ -27,10 +27,13 @@ def cache_kwarg(model) -> str | None:
 
 
 def output_cache(out):
-    """The cache of a model output or ``generate`` result (``cache`` in newer transformers, else
-    ``past_key_values``)."""
-    cache = getattr(out, "cache", None)
-    return cache if cache is not None else out.past_key_values
+    """The cache of a model output or ``generate`` result: ``cache`` in newer transformers, else ``past_key_values``,
+    or ``cache_params`` (Mamba2 in transformers 5.17)."""
+    for name in ("cache", "past_key_values", "cache_params"):
+        cache = getattr(out, name, None)
+        if cache is not None:
+            return cache
+    raise AttributeError(f"{type(out).__name__} carries no cache (looked for cache, past_key_values, cache_params)")
 
 
 _DELTA_ATTRS = ("conv1d", "layer_idx", "activation", "conv_kernel_size")
@@ -61,3 +64,14 @@ def looks_like_ssm(m: torch.nn.Module) -> bool:
         return False
     decay = hasattr(m, "A_log") or any(hasattr(c, "A_log") for c in m.children())
     return decay or type(m).__name__.endswith(("DeltaNet", "DeltaAttention", "Mixer", "Mamba", "ShortConv"))
+
+
+def ssm_layer_states(cache, layer_idx: int):
+    """``(recurrent state, conv state)`` an HF cache holds for SSM layer ``layer_idx`` (``None`` where it holds none
+    yet). transformers 5.24 has ``get_recurrent_state`` / ``get_conv_state``; 5.17 only the layer's
+    ``recurrent_states`` / ``conv_states`` dicts (state index 0), which both versions share."""
+    layer = cache.layers[layer_idx]
+    if hasattr(layer, "has_previous_state") and not layer.has_previous_state.get(0, False):
+        return None, None
+    rs, cs = getattr(layer, "recurrent_states", None), getattr(layer, "conv_states", None)
+    return (rs.get(0) if isinstance(rs, dict) else None), (cs.get(0) if isinstance(cs, dict) else None)

@@ -139,6 +139,10 @@ def _mamba2_spec_verify_kernel(
                      b_new.to(Br_ptr.dtype.element_ty), mask=tt[:, None] & mask_n[None, :])
 
 
+# launch knobs, for benchmarks/tuning only (the defaults are what the op uses)
+TUNING: dict = {}
+
+
 def spec_verify_triton(state, x_ring, dt_ring, la_ring, B_ring, w, origin, is_flush, x, dt, la, B, C,
                        slot_idx=None):
     """Triton implementation of :func:`spec_verify_reference` (same arguments, same in-place contract); returns
@@ -151,7 +155,7 @@ def spec_verify_triton(state, x_ring, dt_ring, la_ring, B_ring, w, origin, is_fl
     if b == 0 or T == 0:
         return y
     block_n = max(16, triton.next_power_of_2(N))
-    block_p = 16                                   # tl.dot (the flush fold) needs >= 16 on every dim
+    block_p = TUNING.get("BLOCK_P") or 16          # tl.dot (the flush fold) needs >= 16 on every dim
     has_slot = slot_idx is not None
     _mamba2_spec_verify_kernel[(triton.cdiv(P, block_p), b, H)](
         state, x_ring, dt_ring, la_ring, B_ring, w, origin, is_flush,
@@ -160,7 +164,7 @@ def spec_verify_triton(state, x_ring, dt_ring, la_ring, B_ring, w, origin, is_fl
         *state.stride(), *x_ring.stride(), *dt_ring.stride(), *la_ring.stride(), *B_ring.stride(),
         *x.stride(), *dt.stride(), *la.stride(), *B.stride(), *C.stride(), *y.stride(),
         HAS_SLOT=has_slot, BUF=buf, BLOCK_W=max(16, buf), BLOCK_T=max(1, triton.next_power_of_2(T)),
-        BLOCK_P=block_p, BLOCK_N=block_n, num_warps=max(1, min(8, block_p * block_n // 1024)),
+        BLOCK_P=block_p, BLOCK_N=block_n, num_warps=TUNING.get("num_warps") or max(1, min(8, block_p * block_n // 1024)),
     )
     return y
 

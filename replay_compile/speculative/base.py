@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ReplayCompileError
+from ..integrations.hf_modules import ssm_layer_states
 from ..kernels import mamba2_spec_reference as ref
 
 
@@ -27,8 +28,7 @@ class SpecLayer:
     def __init__(self, name: str, mixer: torch.nn.Module, cache, B: int, T: int):
         self.name, self.mixer, self.B, self.T = name, mixer, B, T
         idx = mixer.layer_idx
-        self.state = cache.get_recurrent_state(idx)
-        self.conv_state = cache.get_conv_state(idx)
+        self.state, self.conv_state = ssm_layer_states(cache, idx)
         if self.state is None or self.conv_state is None:
             raise ReplayCompileError(f"replay_compile.speculative: {name}: the cache holds no state for layer {idx}; "
                                      f"prefill the prompt with this cache first.")
