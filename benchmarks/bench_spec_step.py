@@ -183,7 +183,7 @@ def main(argv=None):
         family, dims = GEOMS[gname]
         tuning = _tuning(family)
         tuning.clear()
-        tuning.update({k: int(v) for k, v in (kv.split("=") for kv in cfg.split(",") if kv)})
+        tuning.update({k: int(v) if v.isdigit() else v for k, v in (kv.split("=") for kv in cfg.split(",") if kv)})
         res, ob, bb, fr, err = bench_point(family, dims, bs, args.T, args.B)
         tuning.clear()
         row = dict(geom=gname + (f"[{cfg}]" if cfg else ""), dtype="float32", bs=bs, T=args.T, B=args.B,

@@ -35,7 +35,7 @@ def held_records(ring, w, origin, buf, slot):
 
 @settings(max_examples=10, deadline=None)
 @given(geom=delta_geometries(max_batch=3, max_heads=4, max_k=20, max_v=20), Bbud=st.sampled_from([8, 16]),
-       T=st.integers(1, 5), state_dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       T=st.integers(1, 8), state_dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
        data=st.data())
 def test_verify_matches_the_reference_over_rounds(geom, Bbud, T, state_dtype, data):
     b, HV, Hk, K, V = geom.batch, geom.HV, geom.Hk, geom.K, geom.V

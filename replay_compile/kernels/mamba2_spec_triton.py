@@ -12,9 +12,11 @@ The checkpoint is read once for all ``T`` outputs::
     y_t = exp(Σ_{lo<=i<=w+t} la_i) (S C_t) + Σ_{lo<=k<=w+t} dt_k exp(Σ_{k<i<=w+t} la_i) (B_k·C_t) x_k
 
 with ``S = S_0, lo = 0`` on ordinary rows and, on flush rows, ``S`` = the checkpoint with the history folded in (one
-``tl.dot``, IEEE fp32; written once when there is history) and ``lo = w``. Each output takes its own suffix sums
-over the masked window (no differences of prefix sums, every exponent <= 0), as the reference does. The ``T`` new
-records go to ring slots ``(origin + w + t) & (buf - 1)``; cursors are left to the commit.
+``tl.dot``, IEEE fp32; written once when there is history) and ``lo = w``. All ``T`` outputs come from three small
+products over a ``BLOCK_T = 16`` token axis (no per-token loop): ``S C_t``, ``B_k·C_t`` and ``(coef ⊙ B·C) X``,
+where the exponents ``Σ_{k<i<=w+t} la_i`` are themselves a masked product of the log-decays (sums of nonpositive
+terms, never differences of prefix sums; every exponent <= 0). IEEE fp32 by default (``TUNING["PREC"]``). The
+``T`` new records go to ring slots ``(origin + w + t) & (buf - 1)``; cursors are left to the commit.
 
 A row whose history and window do not fit the ring (``w + T > buf``, which the commit's flush rule prevents) gets
 NaN outputs and touches nothing: the kernel cannot raise, so the error is made impossible to miss.
@@ -43,7 +45,7 @@ def _mamba2_spec_verify_kernel(
     s_cb, s_ct, s_cg, s_cn,                 # C [b, T, Gc, N]
     s_yb, s_yt, s_yh, s_yp,                 # y [b, T, H, P]
     HAS_SLOT: tl.constexpr, BUF: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
@@ -107,18 +109,20 @@ def _mamba2_spec_verify_kernel(
             tl.store(st_ptrs, base.to(state_ptr.dtype.element_ty), mask=tile_mask)
         lo = w
 
-    for t in range(BLOCK_T):                       # constexpr trip count (the interpreter's numpy>=2.4 limit)
-        if t < T:
-            live = (offs_k >= lo) & (offs_k <= w + t)
-            la_t = tl.where(live, la_w, 0.0)
-            after = tl.minimum(tl.cumsum(la_t, axis=0, reverse=True) - la_t, 0.0)      # Σ_{k<i<=w+t}
-            coef = tl.where(live, dt_w * tl.exp(after), 0.0)
-            c = tl.load(C_ptr + row * s_cb + t * s_ct + gc * s_cg + offs_n * s_cn, mask=mask_n,
-                        other=0.0).to(tl.float32)
-            sc = tl.sum(base * c[None, :], axis=1)                                         # [BLOCK_P]
-            bc = tl.sum(bw * c[None, :], axis=1)                                           # [BLOCK_W]
-            y = tl.exp(tl.minimum(tl.sum(la_t, axis=0), 0.0)) * sc + tl.sum((coef * bc)[:, None] * xw, axis=0)
-            tl.store(y_ptr + row * s_yb + t * s_yt + h * s_yh + offs_p * s_yp, y, mask=mask_p)
+    # all T outputs at once: S2[t, k] = Σ_{k<i<=w+t} la_i as a masked product (sums of nonpositive terms only)
+    pos_t = w + offs_t
+    tt = offs_t < T
+    la_le = tl.where(offs_k[None, :] <= pos_t[:, None], la_w[None, :], 0.0)                  # [BLOCK_T, BLOCK_W]
+    S2 = tl.dot(la_le, tl.where(offs_k[:, None] > offs_k[None, :], 1.0, 0.0), input_precision="ieee")
+    live = (offs_k[None, :] >= lo) & (offs_k[None, :] <= pos_t[:, None]) & tt[:, None]
+    coef = tl.where(live, dt_w[None, :] * tl.exp(tl.minimum(S2, 0.0)), 0.0)
+    tot = tl.minimum(tl.sum(tl.where(live, la_w[None, :], 0.0), axis=1), 0.0)                # [BLOCK_T]
+    Cn = tl.load(C_ptr + row * s_cb + offs_t[:, None] * s_ct + gc * s_cg + offs_n[None, :] * s_cn,
+                 mask=tt[:, None] & mask_n[None, :], other=0.0).to(tl.float32)             # [BLOCK_T, BLOCK_N]
+    bc = tl.dot(Cn, tl.trans(bw), input_precision=PREC)                                     # B_k·C_t [BLOCK_T, BLOCK_W]
+    sc = tl.dot(Cn, tl.trans(base), input_precision=PREC)                                   # S C_t [BLOCK_T, BLOCK_P]
+    y = tl.exp(tot)[:, None] * sc + tl.dot(coef * bc, xw, input_precision=PREC)
+    tl.store(y_tile, y, mask=y_mask)
 
     # this verify's records after the history (ring slots (origin + w + t) & (buf - 1))
     tt = offs_t < T
@@ -154,6 +158,8 @@ def spec_verify_triton(state, x_ring, dt_ring, la_ring, B_ring, w, origin, is_fl
     y = torch.empty((b, T, H, P), dtype=torch.float32, device=x.device)
     if b == 0 or T == 0:
         return y
+    if T > 16:
+        raise ValueError(f"replay_compile.mamba2_spec: at most 16 tokens per verify on CUDA, got T={T}")
     block_n = max(16, triton.next_power_of_2(N))
     block_p = TUNING.get("BLOCK_P") or 16          # tl.dot (the flush fold) needs >= 16 on every dim
     has_slot = slot_idx is not None
@@ -163,7 +169,7 @@ def spec_verify_triton(state, x_ring, dt_ring, la_ring, B_ring, w, origin, is_fl
         H, P, N, T, H // G, H // Gc,
         *state.stride(), *x_ring.stride(), *dt_ring.stride(), *la_ring.stride(), *B_ring.stride(),
         *x.stride(), *dt.stride(), *la.stride(), *B.stride(), *C.stride(), *y.stride(),
-        HAS_SLOT=has_slot, BUF=buf, BLOCK_W=max(16, buf), BLOCK_T=max(1, triton.next_power_of_2(T)),
+        HAS_SLOT=has_slot, BUF=buf, BLOCK_W=max(16, buf), BLOCK_T=max(16, triton.next_power_of_2(T)), PREC=TUNING.get("PREC", "ieee"),
         BLOCK_P=block_p, BLOCK_N=block_n, num_warps=TUNING.get("num_warps") or max(1, min(8, block_p * block_n // 1024)),
     )
     return y
