@@ -12,11 +12,15 @@ The checkpoint is read once for all ``T`` outputs::
     y_t = exp(Σ_{lo<=i<=w+t} la_i) (S C_t) + Σ_{lo<=k<=w+t} dt_k exp(Σ_{k<i<=w+t} la_i) (B_k·C_t) x_k
 
 with ``S = S_0, lo = 0`` on ordinary rows and, on flush rows, ``S`` = the checkpoint with the history folded in (one
-``tl.dot``, IEEE fp32; written once when there is history) and ``lo = w``. All ``T`` outputs come from three small
-products over a ``BLOCK_T = 16`` token axis (no per-token loop): ``S C_t``, ``B_k·C_t`` and ``(coef ⊙ B·C) X``,
-where the exponents ``Σ_{k<i<=w+t} la_i`` are themselves a masked product of the log-decays (sums of nonpositive
-terms, never differences of prefix sums; every exponent <= 0). IEEE fp32 by default (``TUNING["PREC"]``). The
-``T`` new records go to ring slots ``(origin + w + t) & (buf - 1)``; cursors are left to the commit.
+``tl.dot``, IEEE fp32; written once when there is history) and ``lo = w``. Each output takes its own suffix sums
+over the masked window (no differences of prefix sums, every exponent <= 0), as the reference does.
+
+Two launches. Everything that does not touch the checkpoint (the window's decay coefficients and ``B_k·C_t``) is
+computed once per (row, head) by launch 1 into a small scratch (``T x BLOCK_W`` weights per head); launch 2 streams
+the checkpoint tile by tile, and its per-token work is what a plain decode step does (``S C_t`` and a short weighted
+sum of the window's ``x``). A first single-launch kernel that redid the window work in every tile program ran at
+12% of the copy bandwidth on the H200 (benchmarks/NOTES.md). The ``T`` new records go to ring slots
+``(origin + w + t) & (buf - 1)``; cursors are left to the commit.
 
 A row whose history and window do not fit the ring (``w + T > buf``, which the commit's flush rule prevents) gets
 NaN outputs and touches nothing: the kernel cannot raise, so the error is made impossible to miss.
@@ -30,9 +34,82 @@ import triton.language as tl
 
 
 @triton.jit
-def _mamba2_spec_verify_kernel(
+def _spec_row(slot_ptr, w_ptr, row, T, HAS_SLOT: tl.constexpr, BUF: tl.constexpr):
+    """(slot, w, overflow): the row's slot (negative: padding), its committed count, and whether the history and a
+    window of T tokens overflow the ring (which the commit's flush rule prevents)."""
+    if HAS_SLOT:
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+    else:
+        slot = row
+    w = tl.load(w_ptr + tl.maximum(slot, 0))
+    return slot, w, w + T > BUF
+
+
+@triton.jit
+def _mamba2_spec_window_kernel(
+    dtr_ptr, lar_ptr, Br_ptr, w_ptr, origin_ptr, flush_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr,
+    wgt_ptr, tot_ptr, fold_ptr,
+    H, N, T, heads_per_g, heads_per_gc,
+    s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl,   # dt_ring, la_ring [S, H, buf]
+    s_brb, s_brg, s_brl, s_brn,                 # B_ring [S, G, buf, N]
+    s_db, s_dt, s_dh, s_lb, s_lt, s_lh,         # dt, la [b, T, H]
+    s_bb, s_bt, s_bg, s_bn,                     # B [b, T, G, N]
+    s_cb, s_ct, s_cg, s_cn,                     # C [b, T, Gc, N]
+    HAS_SLOT: tl.constexpr, BUF: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Launch 1 of 2, grid ``(batch, H)``: everything that does not touch the checkpoint, once per (row, head).
+    Writes ``wgt[row, h, t, k] = coef_{t,k} (B_k·C_t)``, ``tot[row, h, t] = Σ_{lo<=i<=w+t} la_i`` and, for the flush
+    fold, ``fold[row, h, k] = dt_k exp(Σ_{k<i<w} la_i)`` (k < w) with ``fold[row, h, BLOCK_W] = Σ_{i<w} la_i``."""
+    row = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    slot, w, overflow = _spec_row(slot_ptr, w_ptr, row, T, HAS_SLOT, BUF)
+    if (slot < 0) | overflow:
+        return
+    o = tl.load(origin_ptr + slot)
+    fl = tl.load(flush_ptr + slot).to(tl.int32) != 0
+    g = h // heads_per_g
+    gc = h // heads_per_gc
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_k = tl.arange(0, BLOCK_W)
+    hist = offs_k < w
+    new = (offs_k >= w) & (offs_k < w + T)
+    ring_k = (o + offs_k) & (BUF - 1)
+    t_k = tl.where(new, offs_k - w, 0)
+    la_w = tl.where(hist, tl.load(lar_ptr + slot * s_lrb + h * s_lrh + ring_k * s_lrl, mask=hist, other=0.0),
+                    tl.load(la_ptr + row * s_lb + t_k * s_lt + h * s_lh, mask=new, other=0.0)).to(tl.float32)
+    dt_w = tl.where(hist, tl.load(dtr_ptr + slot * s_drb + h * s_drh + ring_k * s_drl, mask=hist, other=0.0),
+                    tl.load(dt_ptr + row * s_db + t_k * s_dt + h * s_dh, mask=new, other=0.0)).to(tl.float32)
+    bh = tl.load(Br_ptr + slot * s_brb + g * s_brg + ring_k[:, None] * s_brl + offs_n[None, :] * s_brn,
+                 mask=hist[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+    bn = tl.load(B_ptr + row * s_bb + t_k[:, None] * s_bt + g * s_bg + offs_n[None, :] * s_bn,
+                 mask=new[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+    bw = tl.where(hist[:, None], bh, bn)                                                    # [BLOCK_W, BLOCK_N]
+    base_idx = (row * H + h)
+    # the flush fold's coefficients (history only)
+    la_h = tl.where(hist, la_w, 0.0)
+    after_h = tl.minimum(tl.cumsum(la_h, axis=0, reverse=True) - la_h, 0.0)
+    tl.store(fold_ptr + base_idx * (BLOCK_W + 1) + offs_k, tl.where(hist, dt_w * tl.exp(after_h), 0.0))
+    tl.store(fold_ptr + base_idx * (BLOCK_W + 1) + BLOCK_W, tl.minimum(tl.sum(la_h, axis=0), 0.0))
+    lo = tl.where(fl, w, 0)
+    for t in range(BLOCK_T):
+        if t < T:
+            live = (offs_k >= lo) & (offs_k <= w + t)
+            la_t = tl.where(live, la_w, 0.0)
+            after = tl.minimum(tl.cumsum(la_t, axis=0, reverse=True) - la_t, 0.0)      # Σ_{k<i<=w+t}
+            coef = tl.where(live, dt_w * tl.exp(after), 0.0)
+            c = tl.load(C_ptr + row * s_cb + t * s_ct + gc * s_cg + offs_n * s_cn, mask=mask_n,
+                        other=0.0).to(tl.float32)
+            bc = tl.sum(bw * c[None, :], axis=1)                                           # [BLOCK_W]
+            tl.store(wgt_ptr + (base_idx * BLOCK_T + t) * BLOCK_W + offs_k, coef * bc)
+            tl.store(tot_ptr + base_idx * BLOCK_T + t, tl.minimum(tl.sum(la_t, axis=0), 0.0))
+
+
+@triton.jit
+def _mamba2_spec_apply_kernel(
     state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, w_ptr, origin_ptr, flush_ptr,
-    x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr, y_ptr,
+    x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr, y_ptr, wgt_ptr, tot_ptr, fold_ptr,
     H, P, N, T, heads_per_g, heads_per_gc,
     s_sb, s_sh, s_sp, s_sn,                 # state [S, H, P, N]
     s_xrb, s_xrh, s_xrl, s_xrp,             # x_ring [S, H, buf, P]
@@ -45,25 +122,24 @@ def _mamba2_spec_verify_kernel(
     s_cb, s_ct, s_cg, s_cn,                 # C [b, T, Gc, N]
     s_yb, s_yt, s_yh, s_yp,                 # y [b, T, H, P]
     HAS_SLOT: tl.constexpr, BUF: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """Launch 2 of 2, grid ``(cdiv(P, BLOCK_P), batch, H)``: the checkpoint pass (read once; flush rows fold and
+    write it), the outputs and this verify's records."""
     pid_p = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     mask_p = offs_p < P
     offs_t = tl.arange(0, BLOCK_T)
+    tt = offs_t < T
     y_tile = y_ptr + row * s_yb + offs_t[:, None] * s_yt + h * s_yh + offs_p[None, :] * s_yp      # [BLOCK_T, BLOCK_P]
-    y_mask = (offs_t < T)[:, None] & mask_p[None, :]
-    if HAS_SLOT:
-        slot = tl.load(slot_ptr + row).to(tl.int64)
-    else:
-        slot = row
+    y_mask = tt[:, None] & mask_p[None, :]
+    slot, w, overflow = _spec_row(slot_ptr, w_ptr, row, T, HAS_SLOT, BUF)
     if slot < 0:                                   # padding row: zero output, touch nothing else
         tl.store(y_tile, tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32), mask=y_mask)
         return
-    w = tl.load(w_ptr + slot)
-    if w + T > BUF:                                # cannot happen after a commit; never silently wrong
+    if overflow:                                   # cannot happen after a commit; never silently wrong
         tl.store(y_tile, tl.full([BLOCK_T, BLOCK_P], float("nan"), tl.float32), mask=y_mask)
         return
     o = tl.load(origin_ptr + slot)
@@ -73,59 +149,38 @@ def _mamba2_spec_verify_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     tile_mask = mask_p[:, None] & mask_n[None, :]
-
-    # the window on one axis: history from the ring, then this verify's tokens from the inputs
     offs_k = tl.arange(0, BLOCK_W)
     hist = offs_k < w
     new = (offs_k >= w) & (offs_k < w + T)
     ring_k = (o + offs_k) & (BUF - 1)
     t_k = tl.where(new, offs_k - w, 0)
-    la_w = tl.where(hist, tl.load(lar_ptr + slot * s_lrb + h * s_lrh + ring_k * s_lrl, mask=hist, other=0.0),
-                    tl.load(la_ptr + row * s_lb + t_k * s_lt + h * s_lh, mask=new, other=0.0)).to(tl.float32)
-    dt_w = tl.where(hist, tl.load(dtr_ptr + slot * s_drb + h * s_drh + ring_k * s_drl, mask=hist, other=0.0),
-                    tl.load(dt_ptr + row * s_db + t_k * s_dt + h * s_dh, mask=new, other=0.0)).to(tl.float32)
     xh = tl.load(xr_ptr + slot * s_xrb + h * s_xrh + ring_k[:, None] * s_xrl + offs_p[None, :] * s_xrp,
                  mask=hist[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
     xn = tl.load(x_ptr + row * s_xb + t_k[:, None] * s_xt + h * s_xh + offs_p[None, :] * s_xp,
                  mask=new[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
     xw = tl.where(hist[:, None], xh, xn)                                                    # [BLOCK_W, BLOCK_P]
-    bh = tl.load(Br_ptr + slot * s_brb + g * s_brg + ring_k[:, None] * s_brl + offs_n[None, :] * s_brn,
-                 mask=hist[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-    bn = tl.load(B_ptr + row * s_bb + t_k[:, None] * s_bt + g * s_bg + offs_n[None, :] * s_bn,
-                 mask=new[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-    bw = tl.where(hist[:, None], bh, bn)                                                    # [BLOCK_W, BLOCK_N]
-
+    base_idx = (row * H + h)
     st_ptrs = state_ptr + slot * s_sb + h * s_sh + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
     base = tl.load(st_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
-    lo = w * 0                                     # a tensor on both branches
     if fl:
-        # fold the history into the checkpoint first: S_1 = exp(Σ la) S_0 + (coef X)ᵀ B over k < w
-        la_h = tl.where(hist, la_w, 0.0)
-        after_h = tl.minimum(tl.cumsum(la_h, axis=0, reverse=True) - la_h, 0.0)
-        coef_h = tl.where(hist, dt_w * tl.exp(after_h), 0.0)
-        base = tl.exp(tl.minimum(tl.sum(la_h, axis=0), 0.0)) * base + \
-            tl.dot(tl.trans(xw * coef_h[:, None]), bw, input_precision="ieee")
+        # fold the history into the checkpoint first: S_1 = exp(Σ la) S_0 + (coef X)ᵀ B over k < w, written once
+        coef_h = tl.load(fold_ptr + base_idx * (BLOCK_W + 1) + offs_k)
+        htot = tl.load(fold_ptr + base_idx * (BLOCK_W + 1) + BLOCK_W)
+        bh = tl.load(Br_ptr + slot * s_brb + g * s_brg + ring_k[:, None] * s_brl + offs_n[None, :] * s_brn,
+                     mask=hist[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+        base = tl.exp(htot) * base + tl.dot(tl.trans(xw * coef_h[:, None]), bh, input_precision="ieee")
         if w > 0:
             tl.store(st_ptrs, base.to(state_ptr.dtype.element_ty), mask=tile_mask)
-        lo = w
-
-    # all T outputs at once: S2[t, k] = Σ_{k<i<=w+t} la_i as a masked product (sums of nonpositive terms only)
-    pos_t = w + offs_t
-    tt = offs_t < T
-    la_le = tl.where(offs_k[None, :] <= pos_t[:, None], la_w[None, :], 0.0)                  # [BLOCK_T, BLOCK_W]
-    S2 = tl.dot(la_le, tl.where(offs_k[:, None] > offs_k[None, :], 1.0, 0.0), input_precision="ieee")
-    live = (offs_k[None, :] >= lo) & (offs_k[None, :] <= pos_t[:, None]) & tt[:, None]
-    coef = tl.where(live, dt_w[None, :] * tl.exp(tl.minimum(S2, 0.0)), 0.0)
-    tot = tl.minimum(tl.sum(tl.where(live, la_w[None, :], 0.0), axis=1), 0.0)                # [BLOCK_T]
-    Cn = tl.load(C_ptr + row * s_cb + offs_t[:, None] * s_ct + gc * s_cg + offs_n[None, :] * s_cn,
-                 mask=tt[:, None] & mask_n[None, :], other=0.0).to(tl.float32)             # [BLOCK_T, BLOCK_N]
-    bc = tl.dot(Cn, tl.trans(bw), input_precision=PREC)                                     # B_k·C_t [BLOCK_T, BLOCK_W]
-    sc = tl.dot(Cn, tl.trans(base), input_precision=PREC)                                   # S C_t [BLOCK_T, BLOCK_P]
-    y = tl.exp(tot)[:, None] * sc + tl.dot(coef * bc, xw, input_precision=PREC)
-    tl.store(y_tile, y, mask=y_mask)
+    for t in range(BLOCK_T):
+        if t < T:
+            c = tl.load(C_ptr + row * s_cb + t * s_ct + gc * s_cg + offs_n * s_cn, mask=mask_n,
+                        other=0.0).to(tl.float32)
+            sc = tl.sum(base * c[None, :], axis=1)                                         # S C_t [BLOCK_P]
+            wt = tl.load(wgt_ptr + (base_idx * BLOCK_T + t) * BLOCK_W + offs_k)          # [BLOCK_W]
+            y = tl.exp(tl.load(tot_ptr + base_idx * BLOCK_T + t)) * sc + tl.sum(wt[:, None] * xw, axis=0)
+            tl.store(y_ptr + row * s_yb + t * s_yt + h * s_yh + offs_p * s_yp, y, mask=mask_p)
 
     # this verify's records after the history (ring slots (origin + w + t) & (buf - 1))
-    tt = offs_t < T
     slot_t = (o + w + offs_t) & (BUF - 1)
     x_new = tl.load(x_ptr + row * s_xb + offs_t[:, None] * s_xt + h * s_xh + offs_p[None, :] * s_xp,
                     mask=y_mask, other=0.0)
@@ -158,20 +213,27 @@ def spec_verify_triton(state, x_ring, dt_ring, la_ring, B_ring, w, origin, is_fl
     y = torch.empty((b, T, H, P), dtype=torch.float32, device=x.device)
     if b == 0 or T == 0:
         return y
-    if T > 16:
-        raise ValueError(f"replay_compile.mamba2_spec: at most 16 tokens per verify on CUDA, got T={T}")
     block_n = max(16, triton.next_power_of_2(N))
     block_p = TUNING.get("BLOCK_P") or 16          # tl.dot (the flush fold) needs >= 16 on every dim
+    block_w, block_t = max(16, buf), triton.next_power_of_2(T)
     has_slot = slot_idx is not None
-    _mamba2_spec_verify_kernel[(triton.cdiv(P, block_p), b, H)](
+    slot_arg = slot_idx if has_slot else w
+    # scratch of launch 1 (every entry a live row reads is written first)
+    wgt = torch.empty((b, H, block_t, block_w), dtype=torch.float32, device=x.device)
+    tot = torch.empty((b, H, block_t), dtype=torch.float32, device=x.device)
+    fold = torch.empty((b, H, block_w + 1), dtype=torch.float32, device=x.device)
+    common = dict(HAS_SLOT=has_slot, BUF=buf, BLOCK_W=block_w, BLOCK_T=block_t, BLOCK_N=block_n)
+    _mamba2_spec_window_kernel[(b, H)](
+        dt_ring, la_ring, B_ring, w, origin, is_flush, dt, la, B, C, slot_arg, wgt, tot, fold,
+        H, N, T, H // G, H // Gc, *dt_ring.stride(), *la_ring.stride(), *B_ring.stride(), *dt.stride(),
+        *la.stride(), *B.stride(), *C.stride(), num_warps=TUNING.get("window_warps") or 4, **common)
+    _mamba2_spec_apply_kernel[(triton.cdiv(P, block_p), b, H)](
         state, x_ring, dt_ring, la_ring, B_ring, w, origin, is_flush,
-        x, dt, la, B, C, slot_idx if has_slot else w, y,
+        x, dt, la, B, C, slot_arg, y, wgt, tot, fold,
         H, P, N, T, H // G, H // Gc,
         *state.stride(), *x_ring.stride(), *dt_ring.stride(), *la_ring.stride(), *B_ring.stride(),
         *x.stride(), *dt.stride(), *la.stride(), *B.stride(), *C.stride(), *y.stride(),
-        HAS_SLOT=has_slot, BUF=buf, BLOCK_W=max(16, buf), BLOCK_T=max(16, triton.next_power_of_2(T)), PREC=TUNING.get("PREC", "ieee"),
-        BLOCK_P=block_p, BLOCK_N=block_n, num_warps=TUNING.get("num_warps") or max(1, min(8, block_p * block_n // 1024)),
-    )
+        BLOCK_P=block_p, num_warps=TUNING.get("num_warps") or max(1, min(8, block_p * block_n // 1024)), **common)
     return y
 
 
