@@ -14,6 +14,7 @@ triton = pytest.importorskip("triton")
 
 from replay_compile.kernels.delta_spec_reference import delta_spec_verify_reference  # noqa: E402
 from replay_compile.kernels.delta_spec_triton import delta_spec_verify_triton  # noqa: E402
+from replay_compile.kernels.mamba2_spec_triton import spec_commit_triton  # noqa: E402
 from replay_compile.kernels.mamba2_spec_reference import (  # noqa: E402
     spec_buf_len, spec_commit_reference, spec_reset_reference)
 from replay_compile.testing.strategies import delta_geometries, delta_problem  # noqa: E402
@@ -64,7 +65,9 @@ def test_verify_matches_the_reference_over_rounds(geom, Bbud, T, state_dtype, da
         assert rel(ker[0].float(), ref[0].float()) < tol, f"step {step}: checkpoint"
         n = torch.tensor(data.draw(st.lists(st.integers(1, T), min_size=b, max_size=b), label=f"accepted {step}"))
         spec_commit_reference(*ref[4:], n, Bbud, T, buf, idx)
-        spec_commit_reference(*ker[4:], n, Bbud, T, buf, idx.to(DEV))
+        spec_commit_triton(*ker[4:], n.to(DEV, torch.int32), Bbud, T, buf, idx.to(DEV))
+        for k in (4, 5, 6):
+            assert torch.equal(ker[k].cpu(), ref[k]), f"step {step}: cursor {k - 4}"
         for s in range(b):                          # the records a later verify reads
             for k in (1, 2, 3):
                 a = held_records(ker[k].cpu(), ref[4], ref[5], buf, s)

@@ -14,7 +14,7 @@ triton = pytest.importorskip("triton")
 
 from replay_compile.kernels.mamba2_spec_reference import (  # noqa: E402
     spec_buf_len, spec_commit_reference, spec_reset_reference, spec_verify_reference)
-from replay_compile.kernels.mamba2_spec_triton import spec_commit_vectorized, spec_verify_triton  # noqa: E402
+from replay_compile.kernels.mamba2_spec_triton import POISONED, spec_commit_triton, spec_verify_triton  # noqa: E402
 from replay_compile.testing.strategies import mamba2_geometries  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -61,7 +61,7 @@ def test_verify_and_commit_match_the_reference(geom, Bbud, T, act, state_dtype, 
         assert rel(ker[0].float(), ref[0].float()) < tol, f"step {step}: checkpoint"
         n = torch.tensor(data.draw(st.lists(st.integers(1, T), min_size=b, max_size=b), label=f"accepted {step}"))
         spec_commit_reference(*ref[5:], n, Bbud, T, buf, idx)
-        spec_commit_vectorized(*ker[5:], n.to(DEV), Bbud, T, buf, idx.to(DEV))
+        spec_commit_triton(*ker[5:], n.to(DEV), Bbud, T, buf, idx.to(DEV))
         for k in range(5, 8):
             assert torch.equal(ker[k].cpu(), ref[k]), f"step {step}: cursor {k - 5}"
         for s in range(b):                           # the records a later verify reads
@@ -87,11 +87,18 @@ def test_a_row_that_does_not_fit_the_ring_gets_nan_and_touches_nothing():
     assert all(torch.equal(a, b) for a, b in zip(before, (state, *rings)))
 
 
-def test_commit_rejects_counts_outside_1_to_T():
-    w, origin, is_flush = (torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32),
-                           torch.zeros(2, dtype=torch.bool))
-    with pytest.raises(RuntimeError, match="accepted counts"):
-        spec_commit_vectorized(w, origin, is_flush, torch.tensor([1, 5]), 8, 4, 16)
-    spec_commit_vectorized(w, origin, is_flush, torch.tensor([1, 5]), 8, 4, 16,
-                           torch.tensor([0, -1], dtype=torch.int32))             # a padded row's count is ignored
-    assert w.tolist() == [1, 0]
+def test_an_invalid_accepted_count_poisons_the_row_so_its_next_verify_is_nan():
+    H, P, N, Bbud, T = 2, 4, 16, 8, 4
+    buf = spec_buf_len(Bbud, T)
+    w, origin, is_flush = (torch.zeros(3, dtype=torch.int32, device=DEV), torch.zeros(3, dtype=torch.int32, device=DEV),
+                           torch.zeros(3, dtype=torch.bool, device=DEV))
+    n = torch.tensor([1, 5, 7], dtype=torch.int32, device=DEV)
+    spec_commit_triton(w, origin, is_flush, n, Bbud, T, buf, torch.tensor([0, 1, -1], dtype=torch.int32, device=DEV))
+    assert w.tolist() == [1, POISONED, 0]                  # row 2 is padding: its count is ignored
+    state = torch.randn(3, H, P, N, device=DEV)
+    rings = [torch.zeros(3, H, buf, P, device=DEV), torch.zeros(3, H, buf, device=DEV),
+             torch.zeros(3, H, buf, device=DEV), torch.zeros(3, 1, buf, N, device=DEV)]
+    y = spec_verify_triton(state, *rings, w, origin, is_flush, torch.randn(3, T, H, P, device=DEV),
+                           torch.rand(3, T, H, device=DEV), -torch.rand(3, T, H, device=DEV),
+                           torch.randn(3, T, 1, N, device=DEV), torch.randn(3, T, 1, N, device=DEV))
+    assert torch.isfinite(y[0]).all() and torch.isnan(y[1]).all() and torch.isfinite(y[2]).all()

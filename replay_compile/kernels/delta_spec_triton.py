@@ -15,8 +15,8 @@ independent across value columns, so a program reads its ``K x BLOCK_V`` slice o
     d_t = beta_t (v_t - S_lᵀ (dec_t ⊙ k_t) - Σ_j ck[t, j] d_j) ;   o_t = S_lᵀ (dec_t ⊙ q_t) + Σ_j cq[t, j] d_j
 
 where ``d_j`` are the history's records and the window's values solved so far. Ordinary rows use ``S_l = S_0`` and
-``lo = 0``; flush rows first fold their history into the checkpoint (one ``tl.dot``, IEEE fp32; written once, fp16
-rounded stochastically as the reference does) and use ``lo = w``. The ``T`` new records go to ring slots
+``lo = 0``; flush rows first fold their history into the checkpoint (record by record, the recurrence itself;
+written once, fp16 rounded stochastically as the reference does) and use ``lo = w``. The ``T`` new records go to ring slots
 ``(origin + w + t) & (buf - 1)``, which never hold committed history (``w + T <= buf``). A single-launch kernel that
 redid the window work in every value-tile program ran at 10% of the copy bandwidth on the H200 (NOTES.md).
 
@@ -166,24 +166,25 @@ def _delta_spec_apply_kernel(
     st_ptrs = state_ptr + slot * s_sb + h * s_sh + offs_k[:, None] * s_sk + offs_v[None, :] * s_sv
     base = tl.load(st_ptrs, mask=tile_mask, other=0.0).to(tl.float32)                    # [BLOCK_K, BLOCK_V]
     if fl:
-        # fold the history into the checkpoint: S_1 = exp(Σ g) ⊙_K S_0 + Σ_{j<w} (k_j ⊙ exp(E_j)) d_jᵀ, written once
-        KW = tl.load(kr_ptr + slot * s_krb + hk * s_krh + ring_j[:, None] * s_krl + offs_k[None, :] * s_krk,
-                     mask=hist[:, None] & mask_k[None, :], other=0.0).to(tl.float32)       # [BLOCK_W, BLOCK_K]
-        if KDA:
-            gh = tl.load(gr_ptr + slot * s_grb + h * s_grh + ring_j[:, None] * s_grl + offs_k[None, :] * s_grk,
-                         mask=hist[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-            after_h = tl.minimum(tl.cumsum(gh, axis=0, reverse=True) - gh, 0.0)
-            KE = tl.where(hist[:, None], KW * tl.exp(after_h), 0.0)
-            base = tl.exp(tl.minimum(tl.sum(gh, axis=0), 0.0))[:, None] * base
-            key_gate = tl.sum(tl.sum(tl.where((offs_j == w - 1)[:, None] & (offs_k == 0)[None, :], gh, 0.0),
-                                     axis=1), axis=0)                     # last record's g[..., 0], as the reference
-        else:
-            gh = tl.load(gr_ptr + slot * s_grb + h * s_grh + ring_j * s_grl, mask=hist, other=0.0).to(tl.float32)
-            after_h = tl.minimum(tl.cumsum(gh, axis=0, reverse=True) - gh, 0.0)
-            KE = tl.where(hist[:, None], KW * tl.exp(after_h)[:, None], 0.0)
-            base = tl.exp(tl.minimum(tl.sum(gh, axis=0), 0.0)) * base
-            key_gate = tl.sum(tl.where(offs_j == w - 1, gh, 0.0), axis=0)
-        base = base + tl.dot(tl.trans(KE), DW, input_precision="ieee")
+        # fold the history into the checkpoint, record by record (the recurrence S = a_j ⊙_K S + k_j d_jᵀ itself; no
+        # tl.dot, whose shared memory would cost every program occupancy); written once
+        key_gate = w.to(tl.float32) * 0.0
+        for j in range(BLOCK_W):
+            if j < w:
+                rj = (org + j) & (BUF - 1)
+                k_j = tl.load(kr_ptr + slot * s_krb + hk * s_krh + rj * s_krl + offs_k * s_krk, mask=mask_k,
+                              other=0.0).to(tl.float32)
+                d_j = tl.load(dr_ptr + slot * s_drb + h * s_drh + rj * s_drl + offs_v * s_drv, mask=mask_v,
+                              other=0.0).to(tl.float32)
+                if KDA:
+                    g_j = tl.load(gr_ptr + slot * s_grb + h * s_grh + rj * s_grl + offs_k * s_grk, mask=mask_k,
+                                  other=0.0).to(tl.float32)
+                    base = tl.exp(g_j)[:, None] * base + k_j[:, None] * d_j[None, :]
+                    key_gate = tl.sum(tl.where(offs_k == 0, g_j, 0.0), axis=0)   # last record's g[..., 0]
+                else:
+                    g_j = tl.load(gr_ptr + slot * s_grb + h * s_grh + rj * s_grl).to(tl.float32)
+                    base = tl.exp(g_j) * base + k_j[:, None] * d_j[None, :]
+                    key_gate = g_j
         if w > 0:
             _store_checkpoint(st_ptrs, base, tile_mask, key_gate, slot * HV + h,
                               offs_k[:, None] * V + offs_v[None, :], STOCHASTIC_FP16)

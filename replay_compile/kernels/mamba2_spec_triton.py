@@ -11,8 +11,8 @@ The checkpoint is read once for all ``T`` outputs::
 
     y_t = exp(Σ_{lo<=i<=w+t} la_i) (S C_t) + Σ_{lo<=k<=w+t} dt_k exp(Σ_{k<i<=w+t} la_i) (B_k·C_t) x_k
 
-with ``S = S_0, lo = 0`` on ordinary rows and, on flush rows, ``S`` = the checkpoint with the history folded in (one
-``tl.dot``, IEEE fp32; written once when there is history) and ``lo = w``. Each output takes its own suffix sums
+with ``S = S_0, lo = 0`` on ordinary rows and, on flush rows, ``S`` = the checkpoint with the history folded in
+(record by record, the recurrence itself; written once when there is history) and ``lo = w``. Each output takes its own suffix sums
 over the masked window (no differences of prefix sums, every exponent <= 0), as the reference does.
 
 Two launches. Everything that does not touch the checkpoint (the window's decay coefficients and ``B_k·C_t``) is
@@ -48,7 +48,7 @@ def _spec_row(slot_ptr, w_ptr, row, T, HAS_SLOT: tl.constexpr, BUF: tl.constexpr
 @triton.jit
 def _mamba2_spec_window_kernel(
     dtr_ptr, lar_ptr, Br_ptr, w_ptr, origin_ptr, flush_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr,
-    wgt_ptr, tot_ptr, fold_ptr,
+    wgt_ptr, tot_ptr,
     H, N, T, heads_per_g, heads_per_gc,
     s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl,   # dt_ring, la_ring [S, H, buf]
     s_brb, s_brg, s_brl, s_brn,                 # B_ring [S, G, buf, N]
@@ -59,8 +59,7 @@ def _mamba2_spec_window_kernel(
     BLOCK_N: tl.constexpr,
 ):
     """Launch 1 of 2, grid ``(batch, H)``: everything that does not touch the checkpoint, once per (row, head).
-    Writes ``wgt[row, h, t, k] = coef_{t,k} (B_k·C_t)``, ``tot[row, h, t] = Σ_{lo<=i<=w+t} la_i`` and, for the flush
-    fold, ``fold[row, h, k] = dt_k exp(Σ_{k<i<w} la_i)`` (k < w) with ``fold[row, h, BLOCK_W] = Σ_{i<w} la_i``."""
+    Writes ``wgt[row, h, t, k] = coef_{t,k} (B_k·C_t)`` and ``tot[row, h, t] = Σ_{lo<=i<=w+t} la_i``."""
     row = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     slot, w, overflow = _spec_row(slot_ptr, w_ptr, row, T, HAS_SLOT, BUF)
@@ -87,11 +86,6 @@ def _mamba2_spec_window_kernel(
                  mask=new[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
     bw = tl.where(hist[:, None], bh, bn)                                                    # [BLOCK_W, BLOCK_N]
     base_idx = (row * H + h)
-    # the flush fold's coefficients (history only)
-    la_h = tl.where(hist, la_w, 0.0)
-    after_h = tl.minimum(tl.cumsum(la_h, axis=0, reverse=True) - la_h, 0.0)
-    tl.store(fold_ptr + base_idx * (BLOCK_W + 1) + offs_k, tl.where(hist, dt_w * tl.exp(after_h), 0.0))
-    tl.store(fold_ptr + base_idx * (BLOCK_W + 1) + BLOCK_W, tl.minimum(tl.sum(la_h, axis=0), 0.0))
     lo = tl.where(fl, w, 0)
     for t in range(BLOCK_T):
         if t < T:
@@ -109,7 +103,7 @@ def _mamba2_spec_window_kernel(
 @triton.jit
 def _mamba2_spec_apply_kernel(
     state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, w_ptr, origin_ptr, flush_ptr,
-    x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr, y_ptr, wgt_ptr, tot_ptr, fold_ptr,
+    x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr, y_ptr, wgt_ptr, tot_ptr,
     H, P, N, T, heads_per_g, heads_per_gc,
     s_sb, s_sh, s_sp, s_sn,                 # state [S, H, P, N]
     s_xrb, s_xrh, s_xrl, s_xrp,             # x_ring [S, H, buf, P]
@@ -163,12 +157,18 @@ def _mamba2_spec_apply_kernel(
     st_ptrs = state_ptr + slot * s_sb + h * s_sh + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
     base = tl.load(st_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
     if fl:
-        # fold the history into the checkpoint first: S_1 = exp(Σ la) S_0 + (coef X)ᵀ B over k < w, written once
-        coef_h = tl.load(fold_ptr + base_idx * (BLOCK_W + 1) + offs_k)
-        htot = tl.load(fold_ptr + base_idx * (BLOCK_W + 1) + BLOCK_W)
-        bh = tl.load(Br_ptr + slot * s_brb + g * s_brg + ring_k[:, None] * s_brl + offs_n[None, :] * s_brn,
-                     mask=hist[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-        base = tl.exp(htot) * base + tl.dot(tl.trans(xw * coef_h[:, None]), bh, input_precision="ieee")
+        # fold the history into the checkpoint first, record by record (the recurrence itself; no tl.dot, whose
+        # shared memory would cost every program occupancy), written once
+        for k in range(BLOCK_W):
+            if k < w:
+                rk = (o + k) & (BUF - 1)
+                la_k = tl.load(lar_ptr + slot * s_lrb + h * s_lrh + rk * s_lrl).to(tl.float32)
+                dt_k = tl.load(dtr_ptr + slot * s_drb + h * s_drh + rk * s_drl).to(tl.float32)
+                x_k = tl.load(xr_ptr + slot * s_xrb + h * s_xrh + rk * s_xrl + offs_p * s_xrp, mask=mask_p,
+                              other=0.0).to(tl.float32)
+                b_k = tl.load(Br_ptr + slot * s_brb + g * s_brg + rk * s_brl + offs_n * s_brn, mask=mask_n,
+                              other=0.0).to(tl.float32)
+                base = tl.exp(la_k) * base + (dt_k * x_k)[:, None] * b_k[None, :]
         if w > 0:
             tl.store(st_ptrs, base.to(state_ptr.dtype.element_ty), mask=tile_mask)
     for t in range(BLOCK_T):
@@ -214,47 +214,63 @@ def spec_verify_triton(state, x_ring, dt_ring, la_ring, B_ring, w, origin, is_fl
     if b == 0 or T == 0:
         return y
     block_n = max(16, triton.next_power_of_2(N))
-    block_p = TUNING.get("BLOCK_P") or 16          # tl.dot (the flush fold) needs >= 16 on every dim
+    block_p = TUNING.get("BLOCK_P") or 16
     block_w, block_t = max(16, buf), triton.next_power_of_2(T)
     has_slot = slot_idx is not None
     slot_arg = slot_idx if has_slot else w
     # scratch of launch 1 (every entry a live row reads is written first)
     wgt = torch.empty((b, H, block_t, block_w), dtype=torch.float32, device=x.device)
     tot = torch.empty((b, H, block_t), dtype=torch.float32, device=x.device)
-    fold = torch.empty((b, H, block_w + 1), dtype=torch.float32, device=x.device)
     common = dict(HAS_SLOT=has_slot, BUF=buf, BLOCK_W=block_w, BLOCK_T=block_t, BLOCK_N=block_n)
     _mamba2_spec_window_kernel[(b, H)](
-        dt_ring, la_ring, B_ring, w, origin, is_flush, dt, la, B, C, slot_arg, wgt, tot, fold,
+        dt_ring, la_ring, B_ring, w, origin, is_flush, dt, la, B, C, slot_arg, wgt, tot,
         H, N, T, H // G, H // Gc, *dt_ring.stride(), *la_ring.stride(), *B_ring.stride(), *dt.stride(),
         *la.stride(), *B.stride(), *C.stride(), num_warps=TUNING.get("window_warps") or 4, **common)
     _mamba2_spec_apply_kernel[(triton.cdiv(P, block_p), b, H)](
         state, x_ring, dt_ring, la_ring, B_ring, w, origin, is_flush,
-        x, dt, la, B, C, slot_arg, y, wgt, tot, fold,
+        x, dt, la, B, C, slot_arg, y, wgt, tot,
         H, P, N, T, H // G, H // Gc,
         *state.stride(), *x_ring.stride(), *dt_ring.stride(), *la_ring.stride(), *B_ring.stride(),
         *x.stride(), *dt.stride(), *la.stride(), *B.stride(), *C.stride(), *y.stride(),
-        BLOCK_P=block_p, num_warps=TUNING.get("num_warps") or max(1, min(8, block_p * block_n // 1024)), **common)
+        BLOCK_P=block_p, num_warps=TUNING.get("num_warps") or 1, **common)     # 1 warp: best on the H200 (NOTES.md)
     return y
 
 
-def spec_commit_vectorized(w, origin, is_flush, n_accepted, B: int, T: int, buf: int, slot_idx=None):
-    """:func:`spec_commit_reference` as tensor ops on the cursors' device: no host synchronisation, so it is
-    CUDA-graph safe. Accepted counts outside ``1..T`` fail a device-side assertion (asynchronously on GPUs)."""
-    S = w.shape[0]
-    rows = torch.arange(n_accepted.shape[0], device=w.device)
-    slots = rows if slot_idx is None else slot_idx.to(w.device).long()
-    live = slots >= 0
-    n = n_accepted.to(w.device, torch.int32)
-    torch._assert_async((((n >= 1) & (n <= T)) | ~live).all(),
-                        f"replay_compile.spec: accepted counts must be in [1, T={T}]")
-    # padded rows go to a scratch slot S (boolean indexing would need the host to know how many rows are live)
-    s = torch.where(live, slots, S)
-    w_x, o_x, f_x = (torch.cat([t, t.new_zeros(1)]) for t in (w, origin, is_flush))
-    ww, oo, ff = w_x[s], o_x[s], f_x[s]
-    new_w = torch.where(ff, n, ww + n)
-    w_x[s] = new_w.to(w.dtype)
-    o_x[s] = torch.where(ff, (oo + ww) & (buf - 1), oo).to(origin.dtype)
-    f_x[s] = new_w + T > B
-    w.copy_(w_x[:S])
-    origin.copy_(o_x[:S])
-    is_flush.copy_(f_x[:S])
+POISONED = 1 << 30          # the cursor of a row whose commit was invalid: every later verify of it gives NaN
+
+
+@triton.jit
+def _spec_commit_kernel(w_ptr, origin_ptr, flush_ptr, n_ptr, slot_ptr, b, B, T,
+                        HAS_SLOT: tl.constexpr, BUF: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = rows < b
+    if HAS_SLOT:
+        slot = tl.load(slot_ptr + rows, mask=live, other=-1).to(tl.int64)
+    else:
+        slot = rows.to(tl.int64)
+    live = live & (slot >= 0)
+    n = tl.load(n_ptr + rows, mask=live, other=1).to(tl.int32)
+    w = tl.load(w_ptr + slot, mask=live, other=0)
+    o = tl.load(origin_ptr + slot, mask=live, other=0)
+    fl = tl.load(flush_ptr + slot, mask=live, other=0).to(tl.int32) != 0
+    new_w = tl.where(fl, n, w + n)
+    new_o = tl.where(fl, (o + w) & (BUF - 1), o)
+    bad = (n < 1) | (n > T)
+    new_w = tl.where(bad, POISONED, new_w)
+    tl.store(w_ptr + slot, new_w, mask=live)
+    tl.store(origin_ptr + slot, new_o, mask=live)
+    tl.store(flush_ptr + slot, (new_w + T > B).to(tl.int1), mask=live)
+
+
+def spec_commit_triton(w, origin, is_flush, n_accepted, B: int, T: int, buf: int, slot_idx=None):
+    """:func:`spec_commit_reference` as one Triton launch (CUDA-graph safe, no host synchronisation). A row whose
+    accepted count is outside ``1..T`` cannot raise from the device: its cursor is poisoned (``POISONED``), so every
+    later verify of that slot returns NaN (never a silently wrong output) until the slot is reset."""
+    b = n_accepted.shape[0]
+    if b == 0:
+        return
+    block = 128
+    has_slot = slot_idx is not None
+    _spec_commit_kernel[(triton.cdiv(b, block),)](
+        w, origin, is_flush, n_accepted, slot_idx if has_slot else n_accepted, b, B, T,
+        HAS_SLOT=has_slot, BUF=buf, BLOCK=block, num_warps=4)

@@ -4,8 +4,9 @@
                                  moves only; rejected drafts are simply not counted (rollback without a copy).
 
 CPU: :func:`~replay_compile.kernels.mamba2_spec_reference.spec_commit_reference` (the ring, cursors and flush rule
-are documented there); CUDA: :func:`~replay_compile.kernels.mamba2_spec_triton.spec_commit_vectorized` (tensor ops,
-no host synchronisation, so it can sit in a CUDA graph).
+are documented there); CUDA: :func:`~replay_compile.kernels.mamba2_spec_triton.spec_commit_triton` (one launch, no
+host synchronisation, so it can sit in a CUDA graph; an invalid accepted count poisons the row's cursor so that its
+next verify returns NaN, since a kernel cannot raise).
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ def spec_commit(w: Tensor, origin: Tensor, is_flush: Tensor, n_accepted: Tensor,
     if n_accepted.dim() != 1:
         raise ValueError(f"replay_compile.spec_commit: n_accepted must be [b], got {tuple(n_accepted.shape)}")
     if w.is_cuda and use_triton():
-        from ..kernels.mamba2_spec_triton import spec_commit_vectorized  # no host sync: CUDA-graph safe
-        return spec_commit_vectorized(w, origin, is_flush, n_accepted, B, T, ref.spec_buf_len(B, T), slot_idx)
+        from ..kernels.mamba2_spec_triton import spec_commit_triton  # one launch, no host sync: CUDA-graph safe
+        return spec_commit_triton(w, origin, is_flush, n_accepted, B, T, ref.spec_buf_len(B, T), slot_idx)
     ref.spec_commit_reference(w, origin, is_flush, n_accepted, B, T, ref.spec_buf_len(B, T), slot_idx)
 
 
