@@ -240,7 +240,7 @@ POISONED = 1 << 30          # the cursor of a row whose commit was invalid: ever
 
 
 @triton.jit
-def _spec_commit_kernel(w_ptr, origin_ptr, flush_ptr, n_ptr, slot_ptr, b, B, T,
+def _spec_commit_kernel(w_ptr, origin_ptr, flush_ptr, n_ptr, slot_ptr, b, B, T, poisoned,
                         HAS_SLOT: tl.constexpr, BUF: tl.constexpr, BLOCK: tl.constexpr):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = rows < b
@@ -256,7 +256,7 @@ def _spec_commit_kernel(w_ptr, origin_ptr, flush_ptr, n_ptr, slot_ptr, b, B, T,
     new_w = tl.where(fl, n, w + n)
     new_o = tl.where(fl, (o + w) & (BUF - 1), o)
     bad = (n < 1) | (n > T)
-    new_w = tl.where(bad, POISONED, new_w)
+    new_w = tl.where(bad, poisoned, new_w)
     tl.store(w_ptr + slot, new_w, mask=live)
     tl.store(origin_ptr + slot, new_o, mask=live)
     tl.store(flush_ptr + slot, (new_w + T > B).to(tl.int1), mask=live)
@@ -272,5 +272,5 @@ def spec_commit_triton(w, origin, is_flush, n_accepted, B: int, T: int, buf: int
     block = 128
     has_slot = slot_idx is not None
     _spec_commit_kernel[(triton.cdiv(b, block),)](
-        w, origin, is_flush, n_accepted, slot_idx if has_slot else n_accepted, b, B, T,
+        w, origin, is_flush, n_accepted, slot_idx if has_slot else n_accepted, b, B, T, POISONED,
         HAS_SLOT=has_slot, BUF=buf, BLOCK=block, num_warps=4)
