@@ -249,7 +249,7 @@ def delta_spec_verify_triton(state, d_ring, k_ring, g_ring, w, origin, is_flush,
     if b == 0 or T == 0:
         return o
     block_k = max(16, triton.next_power_of_2(K))
-    block_v = TUNING.get("BLOCK_V") or (32 if V > 16 else 16)
+    block_v = TUNING.get("BLOCK_V") or 16          # 16 columns on 1 warp: best on the H200 (NOTES.md)
     block_w, block_t = max(16, buf), triton.next_power_of_2(T)
     has_slot = slot_idx is not None
     slot_arg = slot_idx if has_slot else w
@@ -270,6 +270,6 @@ def delta_spec_verify_triton(state, d_ring, k_ring, g_ring, w, origin, is_flush,
         HV, K, V, T, v_per_k, v_per_q,
         *state.stride(), *d_ring.stride(), *k_ring.stride(), *g_strides,
         *q.stride(), *k.stride(), *v.stride(), *gi_strides, *beta.stride(), *o.stride(),
-        BLOCK_V=block_v, STOCHASTIC_FP16=state.dtype == torch.float16, num_warps=TUNING.get("num_warps") or 4,
+        BLOCK_V=block_v, STOCHASTIC_FP16=state.dtype == torch.float16, num_warps=TUNING.get("num_warps") or 1,
         **common)
     return o
