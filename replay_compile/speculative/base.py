@@ -2,8 +2,9 @@
 of its replay rings, the pending conv inputs of the last verify, and the commit / finish skeleton.
 
 A family subclass (:mod:`.mamba2_layer`, :mod:`.delta_layer`) allocates its rings and provides ``forward`` (the
-verify forward over ``T`` tokens; it leaves the window's conv inputs in ``pending_conv``) and ``_materialize(slot)``
-(the committed state of one slot, for :meth:`SpecLayer.finish`).
+verify forward over ``T`` tokens; it leaves the window's conv inputs in ``pending_conv``), ``rings`` (its record
+rings, ring axis 2) and ``_fold(rings, w)`` (the committed state of every slot from rings in logical order, for
+:meth:`SpecLayer.finish`).
 """
 
 from __future__ import annotations
@@ -56,11 +57,18 @@ class SpecLayer:
         self.conv_state.copy_(seq[..., -K:])
         self.pending_conv = None
 
-    def _materialize(self, slot: int) -> torch.Tensor:
+    rings: tuple = ()
+
+    def _fold(self, rings, w: torch.Tensor) -> torch.Tensor:
+        """[S, ...] committed states from ``rings`` whose first ``w`` records per slot are in logical order."""
         raise NotImplementedError
 
     def finish(self) -> None:
-        """Fold the committed history into the cache's state (it then holds the true state) and empty the ring."""
-        for s in range(self.state.shape[0]):
-            self.state[s] = self._materialize(s).to(self.state.dtype)
+        """Fold the committed history into the cache's state (it then holds the true state) and empty the ring.
+        All slots at once: the rings are read in logical order (from each slot's origin) and folded by the
+        vectorised replay materialisation."""
+        order = (self.origin.long()[:, None] + torch.arange(self.buf, device=self.w.device)) & (self.buf - 1)
+        logical = [torch.take_along_dim(r, order.view(order.shape[0], 1, self.buf, *([1] * (r.dim() - 3))), dim=2)
+                   for r in self.rings]
+        self.state.copy_(self._fold(logical, self.w).to(self.state.dtype))
         ref.spec_reset_reference(self.w, self.origin, self.is_flush, self.B, self.T)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..integrations.hf_modules import is_kimi_delta_attention
-from ..kernels import delta_spec_reference as dref
+from ..kernels.delta_reference import delta_replay_materialize_reference
 from .base import SpecLayer
 
 
@@ -119,6 +119,9 @@ class SpecDeltaLayer(SpecLayer):
         gate = m.g_b_proj(m.g_a_proj(h)).view(shape)
         return m.o_proj(m.o_norm(o, gate).reshape(b, T, -1))
 
-    def _materialize(self, slot: int) -> torch.Tensor:
-        return dref.delta_spec_materialize_reference(self.state, self.d_ring, self.k_ring, self.g_ring, self.w,
-                                                     self.origin, slot)
+    @property
+    def rings(self):
+        return (self.d_ring, self.k_ring, self.g_ring)
+
+    def _fold(self, rings, w):
+        return delta_replay_materialize_reference(self.state, *rings, w)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels import mamba2_spec_reference as ref
+from ..kernels.mamba2_reference import replay_materialize_reference
 from .base import SpecLayer
 
 
@@ -62,6 +62,9 @@ class SpecMamba2Layer(SpecLayer):
         y = m.norm(y.reshape(b, T, -1), gate)
         return m.out_proj(y.to(dtype))
 
-    def _materialize(self, slot: int) -> torch.Tensor:
-        return ref.spec_materialize_reference(self.state, self.x_ring, self.dt_ring, self.la_ring, self.B_ring,
-                                              self.w, self.origin, slot)
+    @property
+    def rings(self):
+        return (self.x_ring, self.dt_ring, self.la_ring, self.B_ring)
+
+    def _fold(self, rings, w):
+        return replay_materialize_reference(self.state, *rings, w)
