@@ -97,7 +97,7 @@ def spec_materialize_reference(state, x_ring, dt_ring, la_ring, B_ring, w, origi
 
 
 def spec_verify_reference(state, x_ring, dt_ring, la_ring, B_ring, w, origin, is_flush, x, dt, la, B, C,
-                          slot_idx=None):
+                          slot_idx=None, read_state=None, read_format=None):
     """Verify ``T`` tokens per row from checkpoint + committed history; returns ``y`` [b, T, H, P].
 
     Args:
@@ -106,6 +106,10 @@ def spec_verify_reference(state, x_ring, dt_ring, la_ring, B_ring, w, origin, is
         w, origin: [S] int32; is_flush: [S] bool (cursors; not changed here: :func:`spec_commit_reference` does).
         x: [b, T, H, P]; dt, la: [b, T, H]; B: [b, T, G, N]; C: [b, T, Gc, N].
         slot_idx: [b] slot per row, negative for padding (zero output, nothing touched); ``None``: row i = slot i.
+        read_state: optional [S, H, P, N] low-precision *read copy* of the checkpoint (issue 7, held decoded here):
+            ordinary rows take the checkpoint term of their outputs from it; flush rows fold the fp32 ``state``
+            (the recurrence never sees the copy's rounding), read their outputs from the folded state and rewrite
+            their copy as ``read_format(folded)`` (a quantize-dequantize function).
     """
     cdt = _compute_dtype(state, x, dt, la)
     b, T, H, P = x.shape
@@ -125,9 +129,11 @@ def spec_verify_reference(state, x_ring, dt_ring, la_ring, B_ring, w, origin, is
             S1 = spec_materialize_reference(state, x_ring, dt_ring, la_ring, B_ring, w, origin, s)
             if ww > 0:
                 state[s] = S1.to(state.dtype)
+                if read_state is not None:
+                    read_state[s] = read_format(S1).to(read_state.dtype)
             y[r] = _window_outputs(S1, LAd, DTd, Xd, Bd, Cd, 0)
         else:
-            S0 = state[s].to(cdt)
+            S0 = (state if read_state is None else read_state)[s].to(cdt)
             y[r] = _window_outputs(S0, torch.cat([LAh, LAd], 1), torch.cat([DTh, DTd], 1), torch.cat([Xh, Xd], 1),
                                    torch.cat([Bhh, Bd], 1), Cd, ww)
         G = B_ring.shape[1]

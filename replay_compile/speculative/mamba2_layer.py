@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.mamba2_reference import replay_materialize_reference
+from ..kernels.mamba2_spec_reference import spec_verify_reference
 from .base import SpecLayer
 
 
@@ -27,8 +28,12 @@ class SpecMamba2Layer(SpecLayer):
         B: history budget (records kept before a verify flushes them into the checkpoint); T: max tokens per verify.
     """
 
-    def __init__(self, name: str, mixer: torch.nn.Module, cache, B: int, T: int):
+    def __init__(self, name: str, mixer: torch.nn.Module, cache, B: int, T: int, read_format=None):
         super().__init__(name, mixer, cache, B, T)
+        # issue 7 experiments: a low-precision read copy of the checkpoint (held decoded), written at each flush by
+        # ``read_format`` (quantize-dequantize); the reference then serves ordinary rows' outputs from it
+        self.read_format = read_format
+        self.read_state = None if read_format is None else read_format(self.state.float())
         S, H, P, N = self.state.shape
         G, buf = mixer.n_groups, self.buf
         act_dtype = mixer.in_proj.weight.dtype
@@ -55,9 +60,12 @@ class SpecMamba2Layer(SpecLayer):
         x = x.reshape(b, T, H, P)
         dt = F.softplus(dt + m.dt_bias.to(dt.dtype))                            # [b, T, H], as the decode step
         la = dt.float() * -torch.exp(m.A_log.float())
-        y = torch.ops.replay_compile.mamba2_spec_verify(
-            self.state, self.x_ring, self.dt_ring, self.la_ring, self.B_ring, self.w, self.origin, self.is_flush,
-            x, dt.float(), la, Bm.reshape(b, T, G, N), Cm.reshape(b, T, G, N))
+        args = (self.state, self.x_ring, self.dt_ring, self.la_ring, self.B_ring, self.w, self.origin, self.is_flush,
+                x, dt.float(), la, Bm.reshape(b, T, G, N), Cm.reshape(b, T, G, N))
+        if self.read_state is None:
+            y = torch.ops.replay_compile.mamba2_spec_verify(*args)
+        else:                                   # read-copy experiments run the reference (no kernel reads it yet)
+            y = spec_verify_reference(*args, read_state=self.read_state, read_format=self.read_format)
         y = (y + x.to(y.dtype) * m.D.to(y.dtype)[:, None]).to(dtype)
         y = m.norm(y.reshape(b, T, -1), gate)
         return m.out_proj(y.to(dtype))

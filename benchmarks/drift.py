@@ -1,0 +1,182 @@
+"""Drift of low-precision SSM states over a long generation (issue 7), on CPU or GPU.
+
+    python benchmarks/drift.py --out results/drift [--tokens 4096] [--formats fp8_e4m3,nvfp4] [--device cuda]
+
+A small Mamba-2 hybrid (the tiny NemotronH of the test suite, fp32, its decays slowed so that the state carries
+information over hundreds of tokens) greedily generates ``--tokens`` tokens in fp32: the reference distribution
+``p_fp32`` at every position. Each variant then decodes the *same* tokens (teacher forcing, so positions line up)
+and we record ``KL(p_variant ‖ p_fp32)`` and top-1 agreement per position:
+
+* ``quantized/<fmt>`` — the baseline: the recurrent state is stored in ``fmt`` after every step (quantize-dequantize
+  in place), so every step's rounding feeds the recurrence;
+* ``replay/<fmt>`` — ReplaySSM with a read copy in ``fmt``: the checkpoint and the recurrence stay fp32, the copy
+  is rewritten from the fp32 checkpoint at each flush (every ``--buffer-len`` tokens) and serves the outputs of the
+  steps in between; its rounding never enters the state;
+* ``replay/fp32`` — the control: the replay path with an exact copy (KL must be ~0).
+
+Writes ``drift.csv`` (per position), ``drift_summary.csv`` and, with matplotlib, ``drift_kl.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import time
+
+import torch
+
+
+def build_model(device, seed=0, decay=0.995):
+    """The tiny NemotronH with every head's per-token decay set near ``decay`` (long memory)."""
+    from replay_compile.testing.hf_models import MAMBA2_FAMILY
+
+    model = MAMBA2_FAMILY["nemotron_h"](seed=seed).to(device).eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "A_log") and hasattr(m, "dt_bias"):
+                dt = torch.nn.functional.softplus(m.dt_bias.float())            # typical step size
+                m.A_log.copy_(torch.log(-math.log(decay) / dt).to(m.A_log.dtype))  # exp(dt * A) = decay
+    return model
+
+
+def _positions(model, fed: int, device):
+    from replay_compile.speculative.generate import _step_kwargs
+
+    _, takes_positions = _step_kwargs(model)
+    return {"position_ids": torch.tensor([[fed]], device=device)} if takes_positions else {}
+
+
+def _ssm_states(model, cache):
+    from replay_compile.integrations.hf_modules import is_mamba2_mixer, ssm_layer_states
+
+    return [ssm_layer_states(cache, m.layer_idx)[0] for m in model.modules() if is_mamba2_mixer(m)]
+
+
+@torch.no_grad()
+def decode(model, prompt, tokens, variant: str, qdq, buffer_len: int):
+    """log-probabilities [n, vocab] of the next token after each fed token (prompt's last, then ``tokens`` but the
+    last), the model run as ``variant`` (``fp32``, ``quantized`` or ``replay``)."""
+    from replay_compile.integrations.hf_modules import cache_kwarg, is_mamba2_mixer, output_cache
+    from replay_compile.speculative.generate import _verify_forwards
+    from replay_compile.speculative.mamba2_layer import SpecMamba2Layer
+
+    dev = prompt.device
+    out = model(prompt, use_cache=True)
+    cache = output_cache(out)
+    ck = cache_kwarg(model)
+    logps = [out.logits[:, -1].float().log_softmax(-1)]
+    layers = []
+    if variant == "quantized":
+        for s in _ssm_states(model, cache):
+            s.copy_(qdq(s))
+    elif variant == "replay":
+        layers = [SpecMamba2Layer(name, m, cache, buffer_len, 1, read_format=qdq)
+                  for name, m in model.named_modules() if is_mamba2_mixer(m)]
+    fed = prompt.shape[1]
+    with _verify_forwards(layers):
+        for tok in tokens[:-1]:
+            step = model(tok.view(1, 1), **{ck: cache}, use_cache=True, **_positions(model, fed, dev))
+            fed += 1
+            logps.append(step.logits[:, -1].float().log_softmax(-1))
+            for layer in layers:
+                layer.commit(1)
+            if variant == "quantized":
+                for s in _ssm_states(model, cache):
+                    s.copy_(qdq(s))
+    return torch.cat(logps)
+
+
+@torch.no_grad()
+def reference_run(model, prompt, n: int):
+    """fp32 greedy generation of ``n`` tokens: (tokens [n], log-probabilities [n, vocab])."""
+    from replay_compile.integrations.hf_modules import cache_kwarg, output_cache
+
+    out = model(prompt, use_cache=True)
+    cache, ck = output_cache(out), cache_kwarg(model)
+    logp = out.logits[:, -1].float().log_softmax(-1)
+    toks, logps = [], []
+    fed = prompt.shape[1]
+    for _ in range(n):
+        logps.append(logp)
+        tok = logp.argmax(-1)
+        toks.append(tok)
+        step = model(tok.view(1, 1), **{ck: cache}, use_cache=True, **_positions(model, fed, prompt.device))
+        fed += 1
+        logp = step.logits[:, -1].float().log_softmax(-1)
+    return torch.cat(toks), torch.cat(logps)
+
+
+def kl(logp_var, logp_ref):
+    """KL(p_var ‖ p_ref) per position, in nats."""
+    return (logp_var.exp() * (logp_var - logp_ref)).sum(-1).clamp_min(0)
+
+
+def run(tokens: int, formats, buffer_len: int, device: str, seed: int = 0):
+    """Every variant; returns (per-position rows, summary rows)."""
+    from replay_compile.quant.formats import quantize_dequantize
+
+    model = build_model(device, seed)
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(3, model.config.vocab_size, (1, 16), generator=g).to(device)
+    toks, ref = reference_run(model, prompt, tokens)
+    variants = [("replay", "fp32")] + [(v, f) for f in formats for v in ("quantized", "replay")]
+    per_pos, summary = {}, []
+    for variant, fmt in variants:
+        qdq = (lambda x: x.clone()) if fmt == "fp32" else (lambda x, f=fmt: quantize_dequantize(x.float(), f))
+        t0 = time.perf_counter()
+        lp = decode(model, prompt, toks, variant, qdq, buffer_len)
+        k = kl(lp, ref)
+        top1 = (lp.argmax(-1) == ref.argmax(-1)).float()
+        name = f"{variant}/{fmt}"
+        per_pos[name] = k
+        summary.append(dict(variant=name, tokens=tokens, mean_kl=float(k.mean()), max_kl=float(k.max()),
+                            top1_agree=float(top1.mean()), seconds=time.perf_counter() - t0))
+        print(f"{name:22} mean KL {summary[-1]['mean_kl']:.3e}  max KL {summary[-1]['max_kl']:.3e}  "
+              f"top-1 agree {summary[-1]['top1_agree']:.4f}", flush=True)
+    return per_pos, summary
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--formats", default="fp8_e4m3,nvfp4")
+    ap.add_argument("--buffer-len", type=int, default=16)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench-results"))
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    per_pos, summary = run(args.tokens, args.formats.split(","), args.buffer_len, args.device)
+    names = list(per_pos)
+    with open(os.path.join(args.out, "drift.csv"), "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["position"] + names)
+        for i in range(args.tokens):
+            w.writerow([i] + [f"{float(per_pos[n][i]):.6e}" for n in names])
+    with open(os.path.join(args.out, "drift_summary.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(summary[0]))
+        w.writeheader()
+        w.writerows(summary)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(8, 4))
+    win = max(1, args.tokens // 64)
+    for n in names:
+        k = per_pos[n].cpu()
+        smooth = torch.nn.functional.avg_pool1d(k.view(1, 1, -1), win, stride=1).flatten() if k.numel() >= win else k
+        ax.plot(smooth.numpy(), label=n)
+    ax.set_yscale("log")
+    ax.set_xlabel("position")
+    ax.set_ylabel(f"KL(p_variant ‖ p_fp32), mean over {win} tokens")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "drift_kl.png"), dpi=120)
+
+
+if __name__ == "__main__":
+    main()
