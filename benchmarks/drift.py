@@ -2,8 +2,8 @@
 
     python benchmarks/drift.py --out results/drift [--tokens 4096] [--formats fp8_e4m3,nvfp4] [--device cuda]
 
-A small Mamba-2 hybrid (the tiny NemotronH of the test suite, fp32, its decays slowed so that the state carries
-information over hundreds of tokens) greedily generates ``--tokens`` tokens in fp32: the reference distribution
+A small hybrid (the test suite's tiny NemotronH, Mamba-2, or ``--model qwen3_5``, Gated DeltaNet; fp32, decays
+slowed so that the state carries information over hundreds of tokens) greedily generates ``--tokens`` tokens in fp32: the reference distribution
 ``p_fp32`` at every position. Each variant then decodes the *same* tokens (teacher forcing, so positions line up)
 and we record ``KL(p_variant ‖ p_fp32)`` and top-1 agreement per position:
 
@@ -11,7 +11,8 @@ and we record ``KL(p_variant ‖ p_fp32)`` and top-1 agreement per position:
   in place), so every step's rounding feeds the recurrence;
 * ``replay/<fmt>`` — ReplaySSM with a read copy in ``fmt``: the checkpoint and the recurrence stay fp32, the copy
   is rewritten from the fp32 checkpoint at each flush (every ``--buffer-len`` tokens) and serves the outputs of the
-  steps in between; its rounding never enters the state;
+  steps in between; its rounding never enters the state (for the delta rule, whose stored corrected values depend
+  on the state, flushes re-run the exact recurrence over the raw inputs from the fp32 checkpoint);
 * ``replay/fp32`` — the control: the replay path with an exact copy (KL must be ~0).
 
 Writes ``drift.csv`` (per position), ``drift_summary.csv`` and, with matplotlib, ``drift_kl.png``.
@@ -28,16 +29,19 @@ import time
 import torch
 
 
-def build_model(device, seed=0, decay=0.995):
-    """The tiny NemotronH with every head's per-token decay set near ``decay`` (long memory)."""
-    from replay_compile.testing.hf_models import MAMBA2_FAMILY
+def build_model(family: str, device, seed=0, decay=0.995):
+    """A tiny test-suite model (``nemotron_h``: Mamba-2 hybrid; ``qwen3_5``: Gated DeltaNet hybrid) with every
+    head's per-token decay set near ``decay`` (long memory: the stock random models forget within a few tokens)."""
+    from replay_compile.testing.hf_models import DELTA_FAMILY, MAMBA2_FAMILY
 
-    model = MAMBA2_FAMILY["nemotron_h"](seed=seed).to(device).eval()
+    model = {**MAMBA2_FAMILY, **DELTA_FAMILY}[family](seed=seed).to(device).eval()
     with torch.no_grad():
         for m in model.modules():
             if hasattr(m, "A_log") and hasattr(m, "dt_bias"):
-                dt = torch.nn.functional.softplus(m.dt_bias.float())            # typical step size
-                m.A_log.copy_(torch.log(-math.log(decay) / dt).to(m.A_log.dtype))  # exp(dt * A) = decay
+                # Mamba-2: la = -exp(A_log) softplus(dt + dt_bias); GDN: g = -exp(A_log) softplus(a + dt_bias);
+                # at a typical step softplus(dt_bias) this makes exp(la) = decay
+                dt = torch.nn.functional.softplus(m.dt_bias.float())
+                m.A_log.copy_(torch.log(-math.log(decay) / dt).to(m.A_log.dtype))
     return model
 
 
@@ -48,19 +52,33 @@ def _positions(model, fed: int, device):
     return {"position_ids": torch.tensor([[fed]], device=device)} if takes_positions else {}
 
 
-def _ssm_states(model, cache):
-    from replay_compile.integrations.hf_modules import is_mamba2_mixer, ssm_layer_states
+def _ssm_layers(model):
+    """(name, module, spec-layer class) of every SSM layer."""
+    from replay_compile.integrations.hf_modules import is_gated_deltanet, is_kimi_delta_attention, is_mamba2_mixer
+    from replay_compile.speculative.delta_layer import SpecDeltaLayer
+    from replay_compile.speculative.mamba2_layer import SpecMamba2Layer
 
-    return [ssm_layer_states(cache, m.layer_idx)[0] for m in model.modules() if is_mamba2_mixer(m)]
+    out = []
+    for name, m in model.named_modules():
+        if is_mamba2_mixer(m):
+            out.append((name, m, SpecMamba2Layer))
+        elif is_gated_deltanet(m) or is_kimi_delta_attention(m):
+            out.append((name, m, SpecDeltaLayer))
+    return out
+
+
+def _ssm_states(model, cache):
+    from replay_compile.integrations.hf_modules import ssm_layer_states
+
+    return [ssm_layer_states(cache, m.layer_idx)[0] for _, m, _ in _ssm_layers(model)]
 
 
 @torch.no_grad()
 def decode(model, prompt, tokens, variant: str, qdq, buffer_len: int):
     """log-probabilities [n, vocab] of the next token after each fed token (prompt's last, then ``tokens`` but the
     last), the model run as ``variant`` (``fp32``, ``quantized`` or ``replay``)."""
-    from replay_compile.integrations.hf_modules import cache_kwarg, is_mamba2_mixer, output_cache
+    from replay_compile.integrations.hf_modules import cache_kwarg, output_cache
     from replay_compile.speculative.generate import _verify_forwards
-    from replay_compile.speculative.mamba2_layer import SpecMamba2Layer
 
     dev = prompt.device
     out = model(prompt, use_cache=True)
@@ -72,8 +90,7 @@ def decode(model, prompt, tokens, variant: str, qdq, buffer_len: int):
         for s in _ssm_states(model, cache):
             s.copy_(qdq(s))
     elif variant == "replay":
-        layers = [SpecMamba2Layer(name, m, cache, buffer_len, 1, read_format=qdq)
-                  for name, m in model.named_modules() if is_mamba2_mixer(m)]
+        layers = [cls(name, m, cache, buffer_len, 1, read_format=qdq) for name, m, cls in _ssm_layers(model)]
     fed = prompt.shape[1]
     with _verify_forwards(layers):
         for tok in tokens[:-1]:
@@ -113,11 +130,11 @@ def kl(logp_var, logp_ref):
     return (logp_var.exp() * (logp_var - logp_ref)).sum(-1).clamp_min(0)
 
 
-def run(tokens: int, formats, buffer_len: int, device: str, seed: int = 0):
+def run(tokens: int, formats, buffer_len: int, device: str, seed: int = 0, family: str = "nemotron_h"):
     """Every variant; returns (per-position rows, summary rows)."""
     from replay_compile.quant.formats import quantize_dequantize
 
-    model = build_model(device, seed)
+    model = build_model(family, device, seed)
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(3, model.config.vocab_size, (1, 16), generator=g).to(device)
     toks, ref = reference_run(model, prompt, tokens)
@@ -144,10 +161,11 @@ def main(argv=None):
     ap.add_argument("--formats", default="fp8_e4m3,nvfp4")
     ap.add_argument("--buffer-len", type=int, default=16)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--model", default="nemotron_h", help="nemotron_h (Mamba-2) or qwen3_5 (Gated DeltaNet)")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-results"))
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    per_pos, summary = run(args.tokens, args.formats.split(","), args.buffer_len, args.device)
+    per_pos, summary = run(args.tokens, args.formats.split(","), args.buffer_len, args.device, family=args.model)
     names = list(per_pos)
     with open(os.path.join(args.out, "drift.csv"), "w", newline="") as f:
         w = csv.writer(f)

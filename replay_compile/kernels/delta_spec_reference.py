@@ -15,7 +15,7 @@ import torch
 from .delta_reference import _compute_dtype, _per_value_head, _store_checkpoint, delta_exact_step
 from .mamba2_spec_reference import spec_rows
 
-__all__ = ["delta_spec_materialize_reference", "delta_spec_verify_reference"]
+__all__ = ["delta_spec_exact_fold", "delta_spec_materialize_reference", "delta_spec_verify_reference"]
 
 
 def delta_spec_materialize_reference(state, d_ring, k_ring, g_ring, w, origin, slot: int):
@@ -33,25 +33,52 @@ def delta_spec_materialize_reference(state, d_ring, k_ring, g_ring, w, origin, s
     return S
 
 
+def delta_spec_exact_fold(state, k_ring, g_ring, v_ring, beta_ring, w, origin, slot: int):
+    """The committed state of one slot by the exact recurrence over its raw records ``(k, g, v, beta)``, from the
+    fp32 checkpoint (read-copy mode: the stored corrected values were computed from the copy and are not used).
+    Compute dtype [HV, K, V]."""
+    cdt = _compute_dtype(state, g_ring)
+    buf = k_ring.shape[2]
+    S = state[slot:slot + 1].to(cdt).clone()
+    for j in range(int(w[slot])):
+        p = (int(origin[slot]) + j) & (buf - 1)
+        pick = lambda r: r[slot:slot + 1, :, p].to(cdt)  # noqa: E731
+        delta_exact_step(S, S.new_zeros(S.shape[0], k_ring.shape[1], S.shape[2]), pick(k_ring), pick(v_ring),
+                         pick(g_ring), pick(beta_ring))
+    return S[0]
+
+
 def delta_spec_verify_reference(state, d_ring, k_ring, g_ring, w, origin, is_flush, q, k, v, g, beta,
-                                slot_idx=None):
+                                slot_idx=None, read_state=None, read_format=None, v_ring=None, beta_ring=None):
     """Verify ``T`` tokens per row; returns ``o`` [b, T, HV, V].
 
     Args:
         state: [S, HV, K, V]; d_ring [S, HV, buf, V]; k_ring [S, Hk, buf, K]; g_ring [S, HV, buf(, K)];
             w, origin [S] int32; is_flush [S] bool (not changed here).
         q, k: [b, T, Hk, K]; v: [b, T, HV, V]; g: [b, T, HV] or [b, T, HV, K]; beta: [b, T, HV].
+        read_state: optional [S, HV, K, V] low-precision *read copy* of the checkpoint (issue 7, held decoded):
+            ordinary rows compute their outputs (and the corrected values they store, used for outputs only)
+            from it. The delta rule's corrected values depend on the state, so to keep the copy's rounding out of
+            the recurrence the raw inputs are kept too (``v_ring`` [S, HV, buf, V], ``beta_ring`` [S, HV, buf]) and
+            flush rows fold their history by the exact recurrence from the fp32 checkpoint
+            (:func:`delta_spec_exact_fold`), then rewrite their copy as ``read_format(folded)``.
     """
     cdt = _compute_dtype(state, q, k, v, g, beta)
     b, T, HV, V = v.shape
     buf = d_ring.shape[2]
     mask = buf - 1
     o = torch.zeros(b, T, HV, V, dtype=cdt, device=v.device)
+    copy = read_state is not None
     for r, s, ww, org in spec_rows(slot_idx, b, w, origin, T, buf):
-        S = delta_spec_materialize_reference(state, d_ring, k_ring, g_ring, w, origin, s)
+        if copy and bool(is_flush[s]):
+            S = delta_spec_exact_fold(state, k_ring, g_ring, v_ring, beta_ring, w, origin, s)
+        else:
+            S = delta_spec_materialize_reference(read_state if copy else state, d_ring, k_ring, g_ring, w, origin, s)
         if bool(is_flush[s]) and ww > 0:
             _store_checkpoint(state, torch.tensor([s]), S[None],
                               g_ring[s, :, (org + ww - 1) & mask].reshape(1, HV, -1)[..., 0])
+            if copy:
+                read_state[s] = read_format(S).to(read_state.dtype)
         S = S[None].clone()
         for t in range(T):
             before = S.clone()
@@ -66,4 +93,7 @@ def delta_spec_verify_reference(state, d_ring, k_ring, g_ring, w, origin, is_flu
             d_ring[s, :, p] = dvec.to(d_ring.dtype)
             k_ring[s, :, p] = k[r, t].to(k_ring.dtype)
             g_ring[s, :, p] = g[r, t].to(g_ring.dtype)
+            if copy:
+                v_ring[s, :, p] = v[r, t].to(v_ring.dtype)
+                beta_ring[s, :, p] = beta[r, t].to(beta_ring.dtype)
     return o

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from ..integrations.hf_modules import is_kimi_delta_attention
 from ..kernels.delta_reference import delta_replay_materialize_reference
+from ..kernels.delta_spec_reference import delta_spec_exact_fold, delta_spec_verify_reference
 from .base import SpecLayer
 
 
@@ -44,7 +45,7 @@ class SpecDeltaLayer(SpecLayer):
         B: history budget; T: max tokens per verify.
     """
 
-    def __init__(self, name: str, mixer: torch.nn.Module, cache, B: int, T: int):
+    def __init__(self, name: str, mixer: torch.nn.Module, cache, B: int, T: int, read_format=None):
         super().__init__(name, mixer, cache, B, T)
         self.kda = is_kimi_delta_attention(mixer)
         S, HV, K, V = self.state.shape
@@ -55,6 +56,14 @@ class SpecDeltaLayer(SpecLayer):
         self.k_ring = torch.zeros(S, Hk, buf, K, dtype=torch.float32, device=dev)
         self.g_ring = torch.zeros((S, HV, buf) + ((K,) if self.kda else ()), dtype=torch.float32, device=dev)
         self.act = _act(mixer.activation)
+        # issue 7 experiments: a low-precision read copy (held decoded) serves outputs; the raw inputs are kept so
+        # that flushes fold by the exact recurrence from the fp32 checkpoint (see delta_spec_verify_reference)
+        self.read_format = read_format
+        self.read_state = None
+        if read_format is not None:
+            self.read_state = read_format(self.state.float())
+            self.v_ring = torch.zeros(S, HV, buf, V, dtype=torch.float32, device=dev)
+            self.beta_ring = torch.zeros(S, HV, buf, dtype=torch.float32, device=dev)
 
     def _conv(self, mixed: torch.Tensor) -> torch.Tensor:
         """``causal_conv1d_update`` for ``T`` inputs at once, the conv state left alone: [b, C, T] -> [b, C, T]."""
@@ -74,9 +83,12 @@ class SpecDeltaLayer(SpecLayer):
         return self._kda(hidden_states) if self.kda else self._gdn(hidden_states)
 
     def _verify(self, q, k, v, g, beta) -> torch.Tensor:
-        return torch.ops.replay_compile.delta_spec_verify(
-            self.state, self.d_ring, self.k_ring, self.g_ring, self.w, self.origin, self.is_flush,
-            q, k, v, g.float(), beta.float())
+        args = (self.state, self.d_ring, self.k_ring, self.g_ring, self.w, self.origin, self.is_flush,
+                q, k, v, g.float(), beta.float())
+        if self.read_state is None:
+            return torch.ops.replay_compile.delta_spec_verify(*args)
+        return delta_spec_verify_reference(*args, read_state=self.read_state, read_format=self.read_format,
+                                           v_ring=self.v_ring, beta_ring=self.beta_ring)
 
     def _gdn(self, h: torch.Tensor) -> torch.Tensor:
         m = self.mixer
@@ -121,7 +133,12 @@ class SpecDeltaLayer(SpecLayer):
 
     @property
     def rings(self):
+        if self.read_state is not None:
+            return (self.k_ring, self.g_ring, self.v_ring, self.beta_ring)
         return (self.d_ring, self.k_ring, self.g_ring)
 
     def _fold(self, rings, w):
-        return delta_replay_materialize_reference(self.state, *rings, w)
+        if self.read_state is None:
+            return delta_replay_materialize_reference(self.state, *rings, w)
+        zero = torch.zeros_like(w)                                     # rings are in logical order already
+        return torch.stack([delta_spec_exact_fold(self.state, *rings, w, zero, s) for s in range(w.shape[0])])
