@@ -71,6 +71,40 @@ def test_verify_and_commit_match_the_reference(geom, Bbud, T, act, state_dtype, 
                 assert rel(a.float(), r.float()) < tol if a.numel() else True, f"step {step}: ring {k} slot {s}"
 
 
+@pytest.mark.parametrize("heads", [2, 4])
+def test_window_programs_over_several_heads_match_one_head_per_program(heads):
+    """``TUNING["window_heads"]``: B·C computed once for heads that share their groups; same outputs and records."""
+    from replay_compile.kernels import mamba2_spec_triton as kt
+
+    b, H, P, N, G, Gc, Bbud, T = 2, 8, 4, 16, 2, 2, 8, 3
+    buf = spec_buf_len(Bbud, T)
+    g = torch.Generator().manual_seed(heads)
+    sets = []
+    for _ in range(2):
+        st0 = torch.Generator().manual_seed(0)
+        sets.append([torch.randn(b, H, P, N, generator=st0).to(DEV), torch.zeros(b, H, buf, P, device=DEV),
+                     torch.zeros(b, H, buf, device=DEV), torch.zeros(b, H, buf, device=DEV),
+                     torch.zeros(b, G, buf, N, device=DEV), torch.zeros(b, dtype=torch.int32, device=DEV),
+                     torch.zeros(b, dtype=torch.int32, device=DEV), torch.zeros(b, dtype=torch.bool, device=DEV)])
+    for step in range(2 * Bbud // T + 2):
+        tok = [torch.randn(b, T, H, P, generator=g), 0.05 + torch.rand(b, T, H, generator=g),
+               torch.log(0.5 + 0.5 * torch.rand(b, T, H, generator=g)), torch.randn(b, T, G, N, generator=g),
+               torch.randn(b, T, Gc, N, generator=g)]
+        tok = [t.to(DEV) for t in tok]
+        n = torch.randint(1, T + 1, (b,), generator=g).to(DEV)
+        ys = []
+        for i, heads_i in enumerate((1, heads)):
+            kt.TUNING["window_heads"] = heads_i
+            try:
+                ys.append(spec_verify_triton(*sets[i], *tok))
+            finally:
+                kt.TUNING.pop("window_heads", None)
+            spec_commit_triton(*sets[i][5:], n, Bbud, T, buf)
+        assert torch.allclose(ys[0], ys[1], rtol=1e-6, atol=1e-6), f"step {step}"
+        for a, r in zip(sets[0], sets[1]):
+            assert torch.equal(a, r), f"step {step}"
+
+
 def test_a_row_that_does_not_fit_the_ring_gets_nan_and_touches_nothing():
     H, P, N, Bbud, T = 2, 4, 16, 8, 3
     buf = spec_buf_len(Bbud, T)

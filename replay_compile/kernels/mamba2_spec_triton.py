@@ -56,19 +56,20 @@ def _mamba2_spec_window_kernel(
     s_bb, s_bt, s_bg, s_bn,                     # B [b, T, G, N]
     s_cb, s_ct, s_cg, s_cn,                     # C [b, T, Gc, N]
     HAS_SLOT: tl.constexpr, BUF: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEADS: tl.constexpr,
 ):
-    """Launch 1 of 2, grid ``(batch, H)``: everything that does not touch the checkpoint, once per (row, head).
-    Writes ``wgt[row, h, t, k] = coef_{t,k} (B_k·C_t)`` and ``tot[row, h, t] = Σ_{lo<=i<=w+t} la_i``."""
+    """Launch 1 of 2, grid ``(batch, H // HEADS)``: everything that does not touch the checkpoint, for ``HEADS``
+    consecutive heads that share their B and C groups (``B_k·C_t`` computed once for them). Writes
+    ``wgt[row, h, t, k] = coef_{t,k} (B_k·C_t)`` and ``tot[row, h, t] = Σ_{lo<=i<=w+t} la_i``."""
     row = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
+    h0 = tl.program_id(1).to(tl.int64) * HEADS
     slot, w, overflow = _spec_row(slot_ptr, w_ptr, row, T, HAS_SLOT, BUF)
     if (slot < 0) | overflow:
         return
     o = tl.load(origin_ptr + slot)
     fl = tl.load(flush_ptr + slot).to(tl.int32) != 0
-    g = h // heads_per_g
-    gc = h // heads_per_gc
+    g = h0 // heads_per_g
+    gc = h0 // heads_per_gc
     offs_n = tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_W)
@@ -76,28 +77,32 @@ def _mamba2_spec_window_kernel(
     new = (offs_k >= w) & (offs_k < w + T)
     ring_k = (o + offs_k) & (BUF - 1)
     t_k = tl.where(new, offs_k - w, 0)
-    la_w = tl.where(hist, tl.load(lar_ptr + slot * s_lrb + h * s_lrh + ring_k * s_lrl, mask=hist, other=0.0),
-                    tl.load(la_ptr + row * s_lb + t_k * s_lt + h * s_lh, mask=new, other=0.0)).to(tl.float32)
-    dt_w = tl.where(hist, tl.load(dtr_ptr + slot * s_drb + h * s_drh + ring_k * s_drl, mask=hist, other=0.0),
-                    tl.load(dt_ptr + row * s_db + t_k * s_dt + h * s_dh, mask=new, other=0.0)).to(tl.float32)
     bh = tl.load(Br_ptr + slot * s_brb + g * s_brg + ring_k[:, None] * s_brl + offs_n[None, :] * s_brn,
                  mask=hist[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
     bn = tl.load(B_ptr + row * s_bb + t_k[:, None] * s_bt + g * s_bg + offs_n[None, :] * s_bn,
                  mask=new[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
     bw = tl.where(hist[:, None], bh, bn)                                                    # [BLOCK_W, BLOCK_N]
-    base_idx = (row * H + h)
     lo = tl.where(fl, w, 0)
     for t in range(BLOCK_T):
         if t < T:
-            live = (offs_k >= lo) & (offs_k <= w + t)
-            la_t = tl.where(live, la_w, 0.0)
-            after = tl.minimum(tl.cumsum(la_t, axis=0, reverse=True) - la_t, 0.0)      # Σ_{k<i<=w+t}
-            coef = tl.where(live, dt_w * tl.exp(after), 0.0)
             c = tl.load(C_ptr + row * s_cb + t * s_ct + gc * s_cg + offs_n * s_cn, mask=mask_n,
                         other=0.0).to(tl.float32)
             bc = tl.sum(bw * c[None, :], axis=1)                                           # [BLOCK_W]
-            tl.store(wgt_ptr + (base_idx * BLOCK_T + t) * BLOCK_W + offs_k, coef * bc)
-            tl.store(tot_ptr + base_idx * BLOCK_T + t, tl.minimum(tl.sum(la_t, axis=0), 0.0))
+            live = (offs_k >= lo) & (offs_k <= w + t)
+            for hh in range(HEADS):
+                h = h0 + hh
+                la_w = tl.where(hist, tl.load(lar_ptr + slot * s_lrb + h * s_lrh + ring_k * s_lrl, mask=hist,
+                                              other=0.0),
+                                tl.load(la_ptr + row * s_lb + t_k * s_lt + h * s_lh, mask=new, other=0.0))
+                dt_w = tl.where(hist, tl.load(dtr_ptr + slot * s_drb + h * s_drh + ring_k * s_drl, mask=hist,
+                                              other=0.0),
+                                tl.load(dt_ptr + row * s_db + t_k * s_dt + h * s_dh, mask=new, other=0.0))
+                la_t = tl.where(live, la_w.to(tl.float32), 0.0)
+                after = tl.minimum(tl.cumsum(la_t, axis=0, reverse=True) - la_t, 0.0)  # Σ_{k<i<=w+t}
+                coef = tl.where(live, dt_w.to(tl.float32) * tl.exp(after), 0.0)
+                base_idx = row * H + h
+                tl.store(wgt_ptr + (base_idx * BLOCK_T + t) * BLOCK_W + offs_k, coef * bc)
+                tl.store(tot_ptr + base_idx * BLOCK_T + t, tl.minimum(tl.sum(la_t, axis=0), 0.0))
 
 
 @triton.jit
@@ -222,10 +227,14 @@ def spec_verify_triton(state, x_ring, dt_ring, la_ring, B_ring, w, origin, is_fl
     wgt = torch.empty((b, H, block_t, block_w), dtype=torch.float32, device=x.device)
     tot = torch.empty((b, H, block_t), dtype=torch.float32, device=x.device)
     common = dict(HAS_SLOT=has_slot, BUF=buf, BLOCK_W=block_w, BLOCK_T=block_t, BLOCK_N=block_n)
-    _mamba2_spec_window_kernel[(b, H)](
+    # heads per window program: they must share their B and C groups (1 always does)
+    heads = TUNING.get("window_heads") or 1
+    if (H // G) % heads or (H // Gc) % heads:
+        heads = 1
+    _mamba2_spec_window_kernel[(b, H // heads)](
         dt_ring, la_ring, B_ring, w, origin, is_flush, dt, la, B, C, slot_arg, wgt, tot,
         H, N, T, H // G, H // Gc, *dt_ring.stride(), *la_ring.stride(), *B_ring.stride(), *dt.stride(),
-        *la.stride(), *B.stride(), *C.stride(), num_warps=TUNING.get("window_warps") or 4, **common)
+        *la.stride(), *B.stride(), *C.stride(), HEADS=heads, num_warps=TUNING.get("window_warps") or 4, **common)
     _mamba2_spec_apply_kernel[(triton.cdiv(P, block_p), b, H)](
         state, x_ring, dt_ring, la_ring, B_ring, w, origin, is_flush,
         x, dt, la, B, C, slot_arg, y, wgt, tot,
