@@ -274,3 +274,40 @@ def test_numerical_validation_rejects_a_wrong_reading(monkeypatch):
     rep = only_report(run_both(HFStyle()))
     assert not rep.rewrites
     assert "numerical check failed" in rep.skipped[0].reason
+
+
+class ThreeLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([HFStyle() for _ in range(3)])
+
+    def forward(self, s0, s1, s2, x, dt, B, C):
+        y = x
+        for layer, s in zip(self.layers, (s0, s1, s2)):
+            y = layer(s, y, dt, B, C)
+        return y
+
+
+def test_validation_holds_one_layers_random_state_at_a_time(monkeypatch):
+    """The compile-time check runs the graph on random states: each is made when its first user runs and freed
+    after its last (with its reference), so a model's check does not hold every layer's state at once."""
+    import weakref
+    from replay_compile.passes import validate
+
+    made = []
+    alive_at_make = []
+    orig = validate._RandomState.make
+
+    def make(self):
+        alive_at_make.append(sum(r() is not None for r in made))
+        t = orig(self)
+        made.append(weakref.ref(t))
+        return t
+    monkeypatch.setattr(validate._RandomState, "make", make)
+    replay_compile.clear_reports()
+    cmod = torch.compile(ThreeLayers(), backend="replayssm", options={"buffer_len": L, "lower": "eager"})
+    states = [torch.randn(b, H, P, N) for _ in range(3)]
+    with torch.no_grad():
+        cmod(*states, *make_inputs(0))
+    assert len(only_report(replay_compile.reports()).rewrites) == 3
+    assert alive_at_make == [0, 0, 0]

@@ -109,6 +109,18 @@ def _collective_free(n: fx.Node, args, kwargs):
     return False, None
 
 
+class _RandomState:
+    """A recurrent state's random stand-in, made on first use: the run then holds one layer's state (and its
+    reference) at a time, not every layer's at once."""
+
+    def __init__(self, like: torch.Tensor, seed: int):
+        self.shape, self.device, self.dtype, self.seed = tuple(like.shape), like.device, like.dtype, seed
+
+    def make(self) -> torch.Tensor:
+        g = torch.Generator(device="cpu").manual_seed(self.seed)
+        return torch.randn(self.shape, generator=g, dtype=torch.float32).to(self.device, self.dtype)
+
+
 class _Checker(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, matches: Sequence):
         super().__init__(gm, garbage_collect_values=True)
@@ -126,8 +138,17 @@ class _Checker(fx.Interpreter):
         self.errors: dict = {id(m): [] for m in matches}
         self.inputs: set[int] = set()
         self.current: fx.Node | None = None
+        self.unused: list[fx.Node] = []
 
     def run_node(self, n: fx.Node):
+        for u in self.unused:                          # results nobody reads (an in-place op's alias of its input)
+            self.env.pop(u, None)
+        self.unused = [n] if not n.users and n.op != "output" else []
+        for a in n.all_input_nodes:                    # states are made when their first user runs
+            v = self.env.get(a)
+            if isinstance(v, _RandomState):
+                self.env[a] = v.make()
+                self.inputs.add(id(self.env[a]))
         if n in self.by_copy:
             self._check_new(self.by_copy[n], n)
         if is_inplace(n) and n not in self.by_copy:
@@ -176,12 +197,18 @@ class _Checker(fx.Interpreter):
             self.ref_new[id(m)] = m.exact_new(self.env[m.state], c)
         return self.ref_new[id(m)]
 
+    def _done(self, m):
+        """Both checks of ``m`` ran: drop its reference state (one full state per layer otherwise kept)."""
+        if len(self.errors[id(m)]) >= 2:
+            self.ref_new.pop(id(m), None)
+
     def _check_new(self, m, cp: fx.Node):
         ref = self._reference(m)
         if isinstance(ref, str):
             self.errors[id(m)].append(ref)
             return
         self.errors[id(m)].append(("new state", rel_err(self.env[cp.args[1]], ref)))
+        self._done(m)
 
     def _check_readout(self, m, out: torch.Tensor):
         ref = self._reference(m)
@@ -190,6 +217,7 @@ class _Checker(fx.Interpreter):
             return
         y = m.exact_readout(ref, self.compact[id(m)])
         self.errors[id(m)].append(("readout", rel_err(out.reshape(y.shape), y)))
+        self._done(m)
 
 
 def _concrete(a):
@@ -210,10 +238,8 @@ def validate(gm: fx.GraphModule, example_inputs: Sequence, matches: Sequence) ->
     if any(a is None for a in args):
         return {id(m): "a symbolic size has no concrete example value" for m in matches}
     pos = {p: i for i, p in enumerate(placeholders)}
-    g = torch.Generator(device="cpu").manual_seed(0)
-    for m in matches:
-        real = args[pos[m.state]]
-        args[pos[m.state]] = torch.randn(real.shape, generator=g, dtype=torch.float32).to(real.device, real.dtype)
+    for i, m in enumerate(matches):
+        args[pos[m.state]] = _RandomState(args[pos[m.state]], seed=i)
     # inputs written through a view cannot be redirected lazily: copy them up front
     for n in gm.graph.nodes:
         if is_inplace(n) and n not in {m.copy_node for m in matches}:
@@ -221,9 +247,13 @@ def validate(gm: fx.GraphModule, example_inputs: Sequence, matches: Sequence) ->
             if root is not None and root is not n.args[0] and isinstance(args[pos[root]], torch.Tensor):
                 args[pos[root]] = args[pos[root]].clone()
     checker = _Checker(gm, matches)
+    # inputs go in through the environment (not run()'s argument tuple) so that each is freed after its last use
+    env = dict(zip(placeholders, args))
+    del args
+    checker.inputs.update(id(v) for v in env.values() if isinstance(v, torch.Tensor))
     with torch.no_grad():
         try:
-            checker.run(*args)
+            checker.run(initial_env=env)
         except Exception as e:  # noqa: BLE001 - any failure means we cannot vouch for the rewrite
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             at = checker.current
