@@ -1,0 +1,515 @@
+"""Triton kernel of the Mamba-2 ReplaySSM step with a low-precision read copy (issue 7).
+
+Same signature and in-place contract as
+:func:`~replay_compile.kernels.mamba2_readcopy_reference.replay_step_readcopy_reference`: non-flush rows compute the
+checkpoint term from the read copy, decoded in registers, and never touch the fp32 ``state``; flush rows fold from the
+fp32 ``state``, write it, and rewrite their slot of the copy. Formats: ``"bf16"``, ``"fp8_e4m3"``, ``"nvfp4"`` as
+defined (bit for bit) by :mod:`replay_compile.quant.formats`.
+
+Shapes and layouts (``S`` slots, ``b`` rows, ``L`` ring length)::
+
+    state   [S, H, P, N]  checkpoint, fp32 (bf16 / fp16 accepted: the copy encodes the value as stored)
+    x_ring  [S, H, L, P]; dt_ring, la_ring [S, H, L]; B_ring [S, G, L, N]; cursor [S] int32
+    x [b, H, P]; dt, la [b, H]; B [b, G, N]; C [b, Gc, N]; slot_idx [b] (negative: padding) or None
+    copy    bf16:     values [S, H, P, N] bfloat16
+            fp8_e4m3: values [S, H, P, N] float8_e4m3fn, scale [S, H, P] fp32 (amax over N / 448)
+            nvfp4:    codes [S, H, P, ceil(N/2)] uint8 (low nibble = even column), block_scale [S, H, P, ceil(N/16)]
+                      float8_e4m3fn (one per 16 values of N), tensor_scale [S] fp32 (one per slot)
+
+Bytes one non-flush step reads per (slot, head) for the checkpoint term (rings, x, B, C, y not counted):
+
+    fp32 state   P*N*4
+    bf16 copy    P*N*2
+    fp8 copy     P*N + P*4                    (values + per-row scales)
+    nvfp4 copy   P*N/2 + P*N/16 + 4           (codes + block scales + the slot's tensor scale; N % 16 == 0)
+
+At Nemotron-Super geometry (P = 64, N = 128): 32768 / 16384 / 8448 / 4612 bytes: 3.9x (fp8) and 7.1x (nvfp4) fewer.
+
+Design
+------
+Grid ``(cdiv(P, BLOCK_P), batch, H)`` as the ``tiled`` variant of :mod:`.mamba2_triton`: each program reads its row's
+cursor ``w`` with a plain load, branches on it, and a last tiny launch (``_advance_cursor_kernel``) advances the
+cursors. Unlike ``tiled``, a program holds all of N in one ``BLOCK_P x BLOCK_N`` tile (``BLOCK_N = next_pow2(N)``,
+>= 16): the fp8 row scale of the flush needs the amax over the whole row, and nvfp4's blocks of 16 need the tile
+aligned to them. Everything is computed in fp32.
+
+* Non-flush programs load the copy tile and decode in registers exactly as ``FORMATS[fmt].decode`` does (bit for bit;
+  tested through :func:`decode_read_copy_triton`, which runs the same decode helpers):
+
+  - bf16: ``values.to(fp32)``;
+  - fp8: the e4m3 bytes, bitcast to ``float8e4nv``, ``.to(fp32) * row_scale``;
+  - nvfp4: a ``[BLOCK_P, BLOCK_N/16, 8]`` tile of code bytes (block, byte within the block), so that each block's
+    e4m3 scale broadcasts over the last axis and no shuffle is needed: the low nibble decodes the even column,
+    the high nibble the odd one, and ``S_0 C`` is summed as ``Σ even * C[0::2] + Σ odd * C[1::2]``. The e2m1
+    magnitude ``m`` (3 bits) decodes arithmetically: ``m / 2`` for ``m < 4``, else ``(2 if m < 6 else 4) *
+    (1 + (m & 1) / 2)`` (= 0, .5, 1, 1.5, 2, 3, 4, 6); bit 3 is the sign; then ``(e2m1 * block_scale) *
+    tensor_scale`` in fp32, the formats' order (the first product is exact).
+
+* Flush programs fold the fp32 state tile (``tl.dot``, IEEE fp32), write it, read ``y`` out of the folded tile, and
+  encode the copy of the value *as stored*:
+
+  - bf16 and fp8 in the same program: every scale is per row and the program holds whole rows;
+  - nvfp4: the per-slot tensor scale needs the amax of the whole slot ``[H, P, N]``, spread over ``H * cdiv(P,
+    BLOCK_P)`` programs. Scheme: the flush programs ``atomic_max`` their tile's amax (fp32 bits of a non-negative
+    value, as int32: same order) into a per-row int32 scratch zeroed by the launcher; a second launch
+    (:func:`_nvfp4_flush_encode_kernel`, same grid; programs of non-flush and padded rows return at once) then
+    reads the slot amax, reloads the just-written fp32 tile (``P*N*4`` extra bytes per flushing slot and head,
+    once per ``L`` steps) and writes codes, block scales and (one program per slot) the tensor scale. It runs
+    before the cursor launch, so it still sees ``w == L-1`` for the rows that flushed.
+
+  All encoders round in software (integer ops on the fp32 bits), the same code compiled and interpreted, and
+  reproduce ``FORMATS[fmt].encode`` bit for bit: fp32 -> bf16 and fp32 -> e4m3 by round-to-nearest-even on the bit
+  pattern (e4m3 subnormals, multiples of 2^-9, by the ``+ 2^23 - 2^23`` trick), e2m1 by comparisons against the
+  midpoints with ties to the even code, quotients with ``tl.div_rn`` (IEEE division, as torch). Software, not
+  ``.to(tl.float8e4nv)``: triton 3.6's interpreter rounds fp32 -> fp8 half-up and mishandles mantissa carries and
+  subnormals (351 of 4096 random values differ from torch), and the flush is rare enough that a few integer ops
+  cost nothing.
+
+Interpreter constraints kept (see :mod:`.mamba2_triton`): no runtime loop bounds (there are no loops here), no
+Python globals other than ``tl.constexpr`` and jit functions inside ``@triton.jit``, no autotuning (in-place writes).
+No ``tl.join`` / ``tl.interleave`` / ``tl.split`` / ``tl.reshape`` either: the nvfp4 paths use 3-D tiles instead.
+
+Not done: not wired into the custom ops or the pass (``replay_compile.ops`` still reads the fp32 state), no delta-rule
+(GDN/KDA) counterpart, no N-tiling (large N costs registers: a ``BLOCK_P x next_pow2(N)`` tile per program), launch
+configuration not tuned (``launch_config`` borrows the ``whole`` variant's choice), no benchmark, and **never compiled
+or run on a GPU**: only the triton 3.6 interpreter has executed it. What to watch when it first compiles:
+
+* ``float8e4nv`` (bitcast from uint8, then ``.to(fp32)``) needs sm_89+ (Ada / Hopper); on sm_80 Triton refuses the
+  type. Software decode would lift that if it matters.
+* 3-D tiles ``[BLOCK_P, BLOCK_N/16, 8]`` with reductions over the last axes, and ``tl.arange(0, 1)`` when N <= 16.
+* ``tl.div_rn`` (``div.rn.f32``) and the ``(t + 2^23) - 2^23`` rounding rely on no reassociation (Triton enables
+  only FMA contraction, which leaves every rounding here unchanged: no encoded or decoded value is formed by an
+  add of two products).
+* ``tl.atomic_max`` on int32 with ``sem="relaxed"``; the scratch ``torch.zeros(b)`` is one more allocation and
+  memset per nvfp4 step (fine in a CUDA graph).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+from ..quant.formats import Encoded, ReadCopyFormat, get_format
+from .mamba2_readcopy_reference import as_encoded
+from .mamba2_triton import _advance_cursor_kernel, _hash32, _stochastic_round_fp16, parse_tuning
+
+__all__ = ["FORMAT_IDS", "TUNING", "decode_read_copy_triton", "launch_config", "replay_step_readcopy_triton",
+           "tuned"]
+
+#: Format name -> the kernels' ``FMT`` constexpr.
+FORMAT_IDS = {"bf16": 0, "fp8_e4m3": 1, "nvfp4": 2}
+
+# Launch configuration override for tests and benchmarks: {"BLOCK_P", "num_warps"}. Empty in use.
+TUNING: dict = {}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Software rounding and the format codecs (jit helpers)
+# ----------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _bf16_bits(v):
+    """fp32 -> bfloat16 bit pattern (in a uint32), round to nearest even (finite input)."""
+    b = v.to(tl.uint32, bitcast=True)
+    return (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+
+
+@triton.jit
+def _e4m3_code(a):
+    """Magnitude ``0 <= a <= 448`` (fp32) -> e4m3fn code 0..126 (uint32), round to nearest even, subnormals too."""
+    b = a.to(tl.uint32, bitcast=True)
+    normal = ((b + 0x7FFFF + ((b >> 20) & 1)) >> 20) - 960     # (exp32 << 3 | 3 mantissa bits), exponent 127 -> 7
+    t = a * 512.0                                               # subnormal range: multiples of 2^-9, exact scaling
+    sub = ((t + 8388608.0) - 8388608.0).to(tl.uint32)          # round to an integer, ties to even (0..8; 8 = 2^-6)
+    return tl.where(a < 0.015625, sub, normal)
+
+
+@triton.jit
+def _e4m3_value(code):
+    """e4m3fn code 0..126 (uint32, sign clear) -> fp32 value (exact)."""
+    e = code >> 3
+    m = code & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    return tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+
+
+@triton.jit
+def _e4m3_encode(v):
+    """fp32 ``|v| <= 448`` -> e4m3fn byte (uint32 0..255, sign in bit 7; -0 and negatives that round to 0 give 0x80,
+    as torch's cast)."""
+    return _e4m3_code(tl.abs(v)) | ((v.to(tl.uint32, bitcast=True) >> 31) << 7)
+
+
+@triton.jit
+def _e2m1_code(y):
+    """fp32 -> e2m1 code 0..15 (uint32): nearest, ties to the even code, saturating at 6; bit 3 = signbit(y)."""
+    a = tl.abs(y)
+    mag = (a > 0.25).to(tl.uint32) + (a >= 0.75).to(tl.uint32) + (a > 1.25).to(tl.uint32) + \
+        (a >= 1.75).to(tl.uint32) + (a > 2.5).to(tl.uint32) + (a >= 3.5).to(tl.uint32) + (a > 5.0).to(tl.uint32)
+    return mag | ((y.to(tl.uint32, bitcast=True) >> 31) << 3)
+
+
+@triton.jit
+def _e2m1_value(code):
+    """e2m1 code 0..15 (int32) -> fp32: magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}, bit 3 the sign (code 8 = -0)."""
+    m = code & 7
+    hi = tl.where(m < 6, 2.0, 4.0) * (1.0 + (m & 1).to(tl.float32) * 0.5)
+    mag = tl.where(m < 4, m.to(tl.float32) * 0.5, hi)
+    # the sign as a bit (``-mag`` is ``0 - mag`` in Triton: +0 for code 8, where the format decodes -0)
+    return (mag.to(tl.uint32, bitcast=True) | ((code & 8).to(tl.uint32) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_copy_rows(cv_ptr, cs_ptr, slot, h, offs_p, offs_n, mask_p, tile_mask,
+                    s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, FMT: tl.constexpr):
+    """Decoded ``[BLOCK_P, BLOCK_N]`` tile of a bf16 (FMT 0) or fp8 (FMT 1) copy; 0 outside ``tile_mask``."""
+    v_ptrs = cv_ptr + slot * s_vb + h * s_vh + offs_p[:, None] * s_vp + offs_n[None, :] * s_vn
+    if FMT == 0:
+        out = tl.load(v_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
+    else:
+        q = tl.load(v_ptrs, mask=tile_mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        scale = tl.load(cs_ptr + slot * s_qb + h * s_qh + offs_p * s_qp, mask=mask_p, other=1.0)
+        out = q * scale[:, None]
+    return out
+
+
+@triton.jit
+def _nvfp4_offsets(offs_p, NB: tl.constexpr):
+    """3-D index tiles of a row block: p [BP, 1, 1], block [1, NB, 1], byte within the block k [1, 1, 8];
+    even column = 16 block + 2 k, byte = 8 block + k."""
+    p3 = offs_p[:, None, None]
+    blk = tl.arange(0, NB)[None, :, None]
+    k = tl.arange(0, 8)[None, None, :]
+    return p3, blk, k
+
+
+@triton.jit
+def _load_nvfp4(cv_ptr, cs_ptr, ct_ptr, slot, h, offs_p, P, N,
+                s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, NB: tl.constexpr):
+    """Decoded nvfp4 tile as (even columns, odd columns), each ``[BLOCK_P, NB, 8]``; 0 outside the state."""
+    p3, blk, k = _nvfp4_offsets(offs_p, NB)
+    col_e = blk * 16 + 2 * k
+    m_e = (p3 < P) & (col_e < N)
+    m_o = (p3 < P) & (col_e + 1 < N)
+    byte = tl.load(cv_ptr + slot * s_vb + h * s_vh + p3 * s_vp + (blk * 8 + k) * s_vn, mask=m_e, other=0)
+    byte = byte.to(tl.int32)
+    offs_b = tl.arange(0, NB)
+    bmask = (offs_p[:, None] < P) & (offs_b[None, :] * 16 < N)
+    bs = tl.load(cs_ptr + slot * s_qb + h * s_qh + offs_p[:, None] * s_qp + offs_b[None, :] * s_qn, mask=bmask,
+                 other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)        # [BLOCK_P, NB]
+    sg = tl.load(ct_ptr + slot * s_tb)
+    bs3 = bs[:, :, None]
+    even = tl.where(m_e, (_e2m1_value(byte & 15) * bs3) * sg, 0.0)
+    odd = tl.where(m_o, (_e2m1_value(byte >> 4) * bs3) * sg, 0.0)
+    return even, odd
+
+
+@triton.jit
+def _round_checkpoint(s_new, s_ptrs, la_cur, key_base, offs_e, STOCHASTIC_FP16: tl.constexpr):
+    """The folded tile as the checkpoint ``s_ptrs`` stores it (its dtype): stochastic rounding for fp16 (as
+    :mod:`.mamba2_triton`), round to nearest otherwise."""
+    if STOCHASTIC_FP16:
+        key = _hash32(la_cur.to(tl.float32).to(tl.uint32, bitcast=True) ^ _hash32(key_base.to(tl.uint32)))
+        out = _stochastic_round_fp16(s_new, key, offs_e.to(tl.uint32))
+    else:
+        out = s_new.to(s_ptrs.dtype.element_ty)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _readcopy_step_kernel(
+    state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, cursor_ptr,
+    x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr, y_ptr,
+    cv_ptr, cs_ptr, ct_ptr, amax_ptr,       # copy: values/codes, row scale/block scale, tensor scale; amax scratch
+    H, P, N, L, heads_per_g, heads_per_gc,
+    s_sb, s_sh, s_sp, s_sn,                 # state [S, H, P, N]
+    s_xrb, s_xrh, s_xrl, s_xrp,             # x_ring [S, H, L, P]
+    s_drb, s_drh, s_drl,                    # dt_ring [S, H, L]
+    s_lrb, s_lrh, s_lrl,                    # la_ring [S, H, L]
+    s_brb, s_brg, s_brl, s_brn,             # B_ring [S, G, L, N]
+    s_xb, s_xh, s_xp,                       # x [b, H, P]
+    s_db, s_dh, s_lb, s_lh,                 # dt, la [b, H]
+    s_bb, s_bg, s_bn,                       # B [b, G, N]
+    s_cb, s_cg, s_cn,                       # C [b, Gc, N]
+    s_yb, s_yh, s_yp,                       # y [b, H, P]
+    s_vb, s_vh, s_vp, s_vn,                 # copy values [S, H, P, N] / nvfp4 codes [S, H, P, ceil(N/2)]
+    s_qb, s_qh, s_qp, s_qn,                 # fp8 scale [S, H, P] (s_qn unused) / nvfp4 block_scale [S, H, P, NB]
+    s_tb,                                   # nvfp4 tensor_scale [S]
+    FMT: tl.constexpr, HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr,
+):
+    pid_p = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2).to(tl.int64)
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    mask_p = offs_p < P
+    y_ptrs = y_ptr + row * s_yb + h * s_yh + offs_p * s_yp
+    if HAS_SLOT:
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+    else:
+        slot = row
+    if slot < 0:                                   # padding row: zero output, touch nothing else
+        tl.store(y_ptrs, tl.zeros([BLOCK_P], dtype=tl.float32), mask=mask_p)
+        return
+    w = tl.load(cursor_ptr + slot)                  # advanced afterwards by _advance_cursor_kernel
+    g = h // heads_per_g
+    gc = h // heads_per_gc
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    tile_mask = mask_p[:, None] & mask_n[None, :]
+    hist = offs_l < w
+    cur = offs_l == w
+
+    la_cur = tl.load(la_ptr + row * s_lb + h * s_lh)
+    dt_cur = tl.load(dt_ptr + row * s_db + h * s_dh)
+    la_w = tl.load(lar_ptr + slot * s_lrb + h * s_lrh + offs_l * s_lrl, mask=hist, other=0.0).to(tl.float32)
+    dt_w = tl.load(dtr_ptr + slot * s_drb + h * s_drh + offs_l * s_drl, mask=hist, other=0.0).to(tl.float32)
+    la_w = tl.where(cur, la_cur.to(tl.float32), la_w)
+    dt_w = tl.where(cur, dt_cur.to(tl.float32), dt_w)
+    total = tl.sum(la_w, axis=0)
+    after = tl.minimum(tl.cumsum(la_w, axis=0, reverse=True) - la_w, 0.0)
+    coef = tl.where(offs_l <= w, dt_w * tl.exp(after), 0.0)
+    decay = tl.exp(tl.minimum(total, 0.0))
+
+    x_cur = tl.load(x_ptr + row * s_xb + h * s_xh + offs_p * s_xp, mask=mask_p, other=0.0)
+    xw = tl.load(xr_ptr + slot * s_xrb + h * s_xrh + offs_l[:, None] * s_xrl + offs_p[None, :] * s_xrp,
+                 mask=hist[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
+    xw = tl.where(cur[:, None], x_cur.to(tl.float32)[None, :], xw)
+    br_base = Br_ptr + slot * s_brb + g * s_brg
+    b_cur = tl.load(B_ptr + row * s_bb + g * s_bg + offs_n * s_bn, mask=mask_n, other=0.0)
+    bw = tl.load(br_base + offs_l[:, None] * s_brl + offs_n[None, :] * s_brn,
+                 mask=hist[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+    bw = tl.where(cur[:, None], b_cur.to(tl.float32)[None, :], bw)
+    c_base = C_ptr + row * s_cb + gc * s_cg
+    c = tl.load(c_base + offs_n * s_cn, mask=mask_n, other=0.0).to(tl.float32)
+
+    if w == L - 1:
+        # flush: fold the fp32 checkpoint, write it, y = S_new C, rewrite the copy from the stored value
+        s_ptrs = state_ptr + slot * s_sb + h * s_sh + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
+        s0 = tl.load(s_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
+        s_new = decay * s0 + tl.dot(tl.trans(xw * coef[:, None]), bw, input_precision="ieee")
+        s_st = _round_checkpoint(s_new, s_ptrs, la_cur, slot * H + h, offs_p[:, None] * N + offs_n[None, :],
+                                 STOCHASTIC_FP16)
+        tl.store(s_ptrs, s_st, mask=tile_mask)
+        tl.store(y_ptrs, tl.sum(s_new * c[None, :], axis=1), mask=mask_p)
+        v = tl.where(tile_mask, s_st.to(tl.float32), 0.0)
+        v_ptrs = cv_ptr + slot * s_vb + h * s_vh + offs_p[:, None] * s_vp + offs_n[None, :] * s_vn
+        if FMT == 0:
+            tl.store(v_ptrs, _bf16_bits(v).to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=tile_mask)
+        elif FMT == 1:
+            scale = tl.div_rn(tl.max(tl.abs(v), axis=1), 448.0)
+            scale = tl.where(scale > 0.0, scale, 1.0)                      # zero rows: scale 1, zeros stored
+            q = tl.minimum(tl.maximum(tl.div_rn(v, scale[:, None]), -448.0), 448.0)
+            tl.store(v_ptrs, _e4m3_encode(q).to(tl.uint8), mask=tile_mask)
+            tl.store(cs_ptr + slot * s_qb + h * s_qh + offs_p * s_qp, scale, mask=mask_p)
+        else:
+            # the slot's amax: non-negative fp32 bits order as int32; encoded by _nvfp4_flush_encode_kernel
+            amax = tl.max(tl.max(tl.abs(v), axis=1), axis=0)
+            tl.atomic_max(amax_ptr + row, amax.to(tl.int32, bitcast=True), sem="relaxed")
+    else:
+        # y = exp(Σ la) (S_0 C) + Σ_j coef_j (B_j·C) x_j with S_0 the decoded copy; the fp32 state is not read
+        if FMT == 2:
+            p3, blk, k = _nvfp4_offsets(offs_p, BLOCK_N // 16)
+            col_e = blk * 16 + 2 * k
+            even, odd = _load_nvfp4(cv_ptr, cs_ptr, ct_ptr, slot, h, offs_p, P, N, s_vb, s_vh, s_vp, s_vn,
+                                    s_qb, s_qh, s_qp, s_qn, s_tb, BLOCK_N // 16)
+            c_e = tl.load(c_base + col_e * s_cn, mask=col_e < N, other=0.0).to(tl.float32)
+            c_o = tl.load(c_base + (col_e + 1) * s_cn, mask=col_e + 1 < N, other=0.0).to(tl.float32)
+            sc = tl.sum(tl.sum(even * c_e + odd * c_o, axis=2), axis=1)
+        else:
+            s0 = _load_copy_rows(cv_ptr, cs_ptr, slot, h, offs_p, offs_n, mask_p, tile_mask,
+                                 s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, FMT)
+            sc = tl.sum(s0 * c[None, :], axis=1)
+        bc = tl.sum(bw * c[None, :], axis=1)
+        y = decay * sc + tl.sum((coef * bc)[:, None] * xw, axis=0)
+        tl.store(y_ptrs, y, mask=mask_p)
+        tl.store(xr_ptr + slot * s_xrb + h * s_xrh + w * s_xrl + offs_p * s_xrp,
+                 x_cur.to(xr_ptr.dtype.element_ty), mask=mask_p)
+        if pid_p == 0:
+            tl.store(dtr_ptr + slot * s_drb + h * s_drh + w * s_drl, dt_cur)
+            tl.store(lar_ptr + slot * s_lrb + h * s_lrh + w * s_lrl, la_cur)
+            if h % heads_per_g == 0:                  # one program per group appends B_t
+                tl.store(br_base + w * s_brl + offs_n * s_brn, b_cur.to(Br_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _nvfp4_flush_encode_kernel(
+    state_ptr, cursor_ptr, slot_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr,
+    P, N, L,
+    s_sb, s_sh, s_sp, s_sn, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb,
+    HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, NB: tl.constexpr,
+):
+    """Second launch of an nvfp4 step: encode the copy of every slot that flushed (cursor still ``L-1``) from the
+    stored checkpoint and the slot amax gathered by the step kernel, exactly as ``NVFP4Format.encode``."""
+    pid_p = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2).to(tl.int64)
+    if HAS_SLOT:
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+    else:
+        slot = row
+    if slot < 0:
+        return
+    w = tl.load(cursor_ptr + slot)
+    if w != L - 1:
+        return
+    amax = tl.load(amax_ptr + row).to(tl.float32, bitcast=True)
+    s_g = tl.div_rn(amax, 2688.0)                                  # amax / (448 * 6)
+    s_g = tl.where(s_g > 0.0, s_g, 1.0)
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    p3, blk, k = _nvfp4_offsets(offs_p, NB)
+    col_e = blk * 16 + 2 * k
+    m_e = (p3 < P) & (col_e < N)
+    m_o = (p3 < P) & (col_e + 1 < N)
+    st = state_ptr + slot * s_sb + h * s_sh + p3 * s_sp
+    xe = tl.load(st + col_e * s_sn, mask=m_e, other=0.0).to(tl.float32)
+    xo = tl.load(st + (col_e + 1) * s_sn, mask=m_o, other=0.0).to(tl.float32)
+    amax_b = tl.maximum(tl.max(tl.abs(xe), axis=2), tl.max(tl.abs(xo), axis=2))        # [BLOCK_P, NB]
+    sb_code = _e4m3_code(tl.minimum(tl.div_rn(amax_b, 6.0 * s_g), 448.0))
+    eff = (_e4m3_value(sb_code) * s_g)[:, :, None]
+    safe = tl.where(eff > 0.0, eff, 1.0)
+    ye = tl.where(eff > 0.0, tl.div_rn(xe, safe), 0.0)
+    yo = tl.where(eff > 0.0, tl.div_rn(xo, safe), 0.0)
+    byte = _e2m1_code(ye) | (_e2m1_code(yo) << 4)                 # padding columns: +0 -> code 0
+    tl.store(cv_ptr + slot * s_vb + h * s_vh + p3 * s_vp + (blk * 8 + k) * s_vn, byte.to(tl.uint8), mask=m_e)
+    offs_b = tl.arange(0, NB)
+    tl.store(cs_ptr + slot * s_qb + h * s_qh + offs_p[:, None] * s_qp + offs_b[None, :] * s_qn,
+             sb_code.to(tl.uint8), mask=(offs_p[:, None] < P) & (offs_b[None, :] * 16 < N))
+    if (pid_p == 0) & (h == 0):
+        tl.store(ct_ptr + slot * s_tb, s_g)
+
+
+@triton.jit
+def _decode_kernel(cv_ptr, cs_ptr, ct_ptr, out_ptr, P, N,
+                   s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_ob, s_oh, s_op, s_on,
+                   FMT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Decode a whole copy with the step kernel's decode helpers (tests check them against ``FORMATS.decode``)."""
+    pid_p = tl.program_id(0)
+    slot = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2).to(tl.int64)
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    o_base = out_ptr + slot * s_ob + h * s_oh
+    if FMT == 2:
+        p3, blk, k = _nvfp4_offsets(offs_p, BLOCK_N // 16)
+        col_e = blk * 16 + 2 * k
+        even, odd = _load_nvfp4(cv_ptr, cs_ptr, ct_ptr, slot, h, offs_p, P, N, s_vb, s_vh, s_vp, s_vn,
+                                s_qb, s_qh, s_qp, s_qn, s_tb, BLOCK_N // 16)
+        tl.store(o_base + p3 * s_op + col_e * s_on, even, mask=(p3 < P) & (col_e < N))
+        tl.store(o_base + p3 * s_op + (col_e + 1) * s_on, odd, mask=(p3 < P) & (col_e + 1 < N))
+    else:
+        offs_n = tl.arange(0, BLOCK_N)
+        tile_mask = (offs_p[:, None] < P) & (offs_n[None, :] < N)
+        s0 = _load_copy_rows(cv_ptr, cs_ptr, slot, h, offs_p, offs_n, offs_p < P, tile_mask,
+                             s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, FMT)
+        tl.store(o_base + offs_p[:, None] * s_op + offs_n[None, :] * s_on, s0, mask=tile_mask)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def tuned(spec: str):
+    """Force this module's launch configuration (``"BLOCK_P=16,num_warps=4"``) for the duration of the block."""
+    TUNING.clear()
+    TUNING.update({k: v for k, v in parse_tuning("x:" + spec).items() if k != "variant"})
+    try:
+        yield
+    finally:
+        TUNING.clear()
+
+
+def launch_config(P: int, N: int, L: int) -> dict:
+    """``BLOCK_N = next_pow2(N)`` (>= 16: whole rows per program), ``BLOCK_P`` 32 where ``P % 32 == 0`` and P > 64,
+    else 16 (the ``whole`` variant's choice; not tuned on a GPU), ``BLOCK_L = max(16, next_pow2(L))``."""
+    block_n = max(16, triton.next_power_of_2(N))
+    block_l = max(16, triton.next_power_of_2(L))
+    block_p = TUNING.get("BLOCK_P") or (32 if P % 32 == 0 and P > 64 else 16)
+    warps = TUNING.get("num_warps") or max(1, min(8, max(block_p, block_l) * block_n // (32 * 64)))
+    return dict(BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_L=block_l, num_warps=warps)
+
+
+def _format_name(fmt) -> str:
+    f = get_format(fmt)
+    if f.name not in FORMAT_IDS:
+        raise ValueError(f"replay_compile.mamba2 read copy: no Triton kernel for format {f.name!r}")
+    if isinstance(fmt, ReadCopyFormat) and getattr(fmt, "tensor_scale_dims", 1) != 1:
+        raise ValueError("replay_compile.mamba2 read copy: the Triton kernel supports nvfp4 with one tensor scale "
+                         "per slot (tensor_scale_dims=1) only")
+    return f.name
+
+
+def _copy_args(enc: Encoded, name: str, dummy: torch.Tensor):
+    """(values/codes, row/block scale, tensor scale) pointers and their strides (4 + 4 + 1) for the kernels;
+    fp8 tensors as uint8 views (the kernels bitcast), unused pointers ``dummy`` with zero strides."""
+    t = enc.tensors
+    if name == "bf16":
+        v = t["values"]
+        return (v, dummy, dummy), (*v.stride(), 0, 0, 0, 0, 0)
+    if name == "fp8_e4m3":
+        v, s = t["values"].view(torch.uint8), t["scale"]
+        return (v, s, dummy), (*v.stride(), *s.stride(), 0, 0)
+    v, s, g = t["codes"], t["block_scale"].view(torch.uint8), t["tensor_scale"]
+    return (v, s, g), (*v.stride(), *s.stride(), *g.stride())
+
+
+def replay_step_readcopy_triton(state, copy, fmt, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C,
+                                slot_idx=None):
+    """Triton implementation of :func:`replay_step_readcopy_reference` (same arguments, same in-place contract).
+
+    Launches: the step kernel; for nvfp4 the flush encode kernel; the cursor advance. ``y`` is fp32.
+    """
+    name = _format_name(fmt)
+    S, H, P, N = state.shape
+    enc = as_encoded(copy, name, state.shape)
+    b = x.shape[0]
+    L = x_ring.shape[2]
+    G, Gc = B_ring.shape[1], C.shape[1]
+    y = torch.empty((b, H, P), dtype=torch.float32, device=x.device)
+    if b == 0:
+        return y
+    cfg = launch_config(P, N, L)
+    n_pb = triton.cdiv(P, cfg["BLOCK_P"])
+    has_slot = slot_idx is not None
+    slot_arg = slot_idx if has_slot else cursor          # any pointer; unused when HAS_SLOT is False
+    amax = torch.zeros(b, dtype=torch.int32, device=x.device) if name == "nvfp4" else cursor
+    (cv, cs, ct), cstrides = _copy_args(enc, name, cursor)
+    grid = (n_pb, b, H)
+    _readcopy_step_kernel[grid](
+        state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, y, cv, cs, ct, amax,
+        H, P, N, L, H // G, H // Gc,
+        *state.stride(), *x_ring.stride(), *dt_ring.stride(), *la_ring.stride(), *B_ring.stride(),
+        *x.stride(), *dt.stride(), *la.stride(), *B.stride(), *C.stride(), *y.stride(), *cstrides,
+        FMT=FORMAT_IDS[name], HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_P"], BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_L=cfg["BLOCK_L"], STOCHASTIC_FP16=state.dtype == torch.float16, num_warps=cfg["num_warps"])
+    if name == "nvfp4":
+        _nvfp4_flush_encode_kernel[grid](
+            state, cursor, slot_arg, amax, cv, cs, ct, P, N, L, *state.stride(), *cstrides,
+            HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_P"], NB=cfg["BLOCK_N"] // 16, num_warps=cfg["num_warps"])
+    _advance_cursor_kernel[(triton.cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
+    return y
+
+
+def decode_read_copy_triton(copy, fmt, shape=None) -> torch.Tensor:
+    """Decode a whole read copy ``[S, H, P, N]`` to fp32 with the step kernel's decode helpers."""
+    name = _format_name(fmt)
+    if isinstance(copy, Encoded):
+        shape = copy.shape
+    elif shape is None:
+        raise ValueError("decode_read_copy_triton: pass the logical shape with a dict copy")
+    enc = as_encoded(copy, name, shape)
+    S, H, P, N = enc.shape
+    out = torch.empty(tuple(enc.shape), dtype=torch.float32, device=enc.device)
+    if out.numel() == 0:
+        return out
+    cfg = launch_config(P, N, 1)
+    (cv, cs, ct), cstrides = _copy_args(enc, name, out)
+    _decode_kernel[(triton.cdiv(P, cfg["BLOCK_P"]), S, H)](
+        cv, cs, ct, out, P, N, *cstrides, *out.stride(), FMT=FORMAT_IDS[name], BLOCK_P=cfg["BLOCK_P"],
+        BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
+    return out
