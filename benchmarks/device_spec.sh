@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One device call for speculative decoding (issue 6): GPU tests of the verify kernels, the snapshot baselines and the
 # generate loop; the T=4 verify+commit sweep against the per-draft snapshot baseline; end-to-end generation.
-# Usage on the GPU machine:  OUT=... bash benchmarks/device_spec.sh [steps...]   (steps: tests step generate)
+# Usage on the GPU machine:  OUT=... bash benchmarks/device_spec.sh [steps...]   (steps: tests step generate readcopy)
+#   readcopy (issue 7): the read-copy kernel's tests compiled, then bench_readcopy_kernel.py (mamba_ssm from
+#   .baselines/ when carried)
 #   env: SPEC_BATCHES (step sweep, default 1,8,32,64,128,256,512), SPEC_GEOMS (default super,qwen35_4b),
 #        GEN_BATCHES (default 1,8,32), GEN_MODELS (default nemotron_h_nano4b,qwen35_4b), GEN_LAYERS (default 8)
 set -uo pipefail
@@ -23,4 +25,7 @@ for s in $steps; do case $s in
     timeout 200 python3 benchmarks/bench_spec_generate.py --out "$OUT" --batches "${GEN_BATCHES:-1,8,32}" \
       --models "${GEN_MODELS:-nemotron_h_nano4b,qwen35_4b}" --layers "${GEN_LAYERS:-8}" 2>&1 \
       | grep -v "^\[transformers\]" | tee "$OUT/spec_generate.txt" ;;
+  readcopy) timeout 200 python3 -m pytest -q -x tests/test_mamba2_readcopy.py -p no:cacheprovider 2>&1 | tail -3 \
+      | tee "$OUT/pytest_readcopy.txt"
+    timeout 300 python3 benchmarks/bench_readcopy_kernel.py --out "$OUT" 2>&1 | grep -v Warn | tee "$OUT/readcopy.txt" ;;
 esac; done
