@@ -88,14 +88,11 @@ def time_graph(fn, reps=30, warmup=3, inner=1) -> float:
     return statistics.median(times)
 
 
-def bench_point(ssu, H, P, N, G, bs, state_dtype, L, act=torch.bfloat16):
-    from replay_compile.kernels.mamba2_triton import replay_step_triton
+def random_step(bs, H, P, N, G, L, copies, act, dev="cuda"):
+    """``copies`` ring sets (x, dt, la, B rings and cursor) with random records, and one token's random inputs
+    ``(x, dt, la, B, C)``; shared by the Mamba-2 step benchmarks."""
     from replay_compile.state import Mamba2RingSpec
 
-    dev = "cuda"
-    state_bytes = bs * H * P * N * torch.empty((), dtype=state_dtype).element_size()
-    copies = max(1, min(8, (256 * 2**20) // max(state_bytes, 1)))     # rotate buffers: keep L2 (60 MB) cold
-    states = [torch.randn(bs, H, P, N, device=dev).to(state_dtype) for _ in range(copies)]
     spec = Mamba2RingSpec(H, P, N, G, L, act, act)
     rings = [spec.allocate(bs, dev) for _ in range(copies)]
     for r in rings:
@@ -106,6 +103,17 @@ def bench_point(ssu, H, P, N, G, bs, state_dtype, L, act=torch.bfloat16):
     la = -torch.rand(bs, H, device=dev)
     B = torch.randn(bs, G, N, device=dev, dtype=act)
     C = torch.randn(bs, G, N, device=dev, dtype=act)
+    return rings, (x, dt, la, B, C)
+
+
+def bench_point(ssu, H, P, N, G, bs, state_dtype, L, act=torch.bfloat16):
+    from replay_compile.kernels.mamba2_triton import replay_step_triton
+
+    dev = "cuda"
+    state_bytes = bs * H * P * N * torch.empty((), dtype=state_dtype).element_size()
+    copies = max(1, min(8, (256 * 2**20) // max(state_bytes, 1)))     # rotate buffers: keep L2 (60 MB) cold
+    states = [torch.randn(bs, H, P, N, device=dev).to(state_dtype) for _ in range(copies)]
+    rings, (x, dt, la, B, C) = random_step(bs, H, P, N, G, L, copies, act, dev)
     i = [0]
 
     def ours(w=None):

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_mamba2_kernel import (  # noqa: E402
-    bench_point, copy_bandwidth, load_baseline, time_graph, warm_clocks, write_csv)
+    bench_point, copy_bandwidth, load_baseline, random_step, time_graph, warm_clocks, write_csv)
 
 H, P, N, G, L = 128, 64, 128, 8, 16
 
@@ -30,23 +30,14 @@ def readcopy_point(fmt: str, bs: int, act=torch.bfloat16) -> dict:
     from replay_compile.kernels.mamba2_readcopy_reference import init_read_copy, replay_step_readcopy_reference
     from replay_compile.kernels.mamba2_readcopy_triton import replay_step_readcopy_triton
     from replay_compile.quant.formats import FORMATS
-    from replay_compile.state import Mamba2RingSpec
 
     dev = "cuda"
     copies = max(1, min(8, (256 * 2**20) // (bs * H * P * N * 4)))
     states = [torch.randn(bs, H, P, N, device=dev) for _ in range(copies)]
     reads = [init_read_copy(s, fmt) for s in states]
-    spec = Mamba2RingSpec(H, P, N, G, L, act, act)
-    rings = [spec.allocate(bs, dev) for _ in range(copies)]
+    rings, (x, dt, la, B, C) = random_step(bs, H, P, N, G, L, copies, act, dev)
     for r in rings:
-        for t in r[:4]:
-            t.normal_()
         r[2].neg_().abs_().neg_()                                       # log-decays <= 0
-    x = torch.randn(bs, H, P, device=dev, dtype=act)
-    dt = torch.rand(bs, H, device=dev) * 0.1
-    la = -torch.rand(bs, H, device=dev)
-    B = torch.randn(bs, G, N, device=dev, dtype=act)
-    C = torch.randn(bs, G, N, device=dev, dtype=act)
     # correctness first: one non-flush step against the reference on the same copy
     rings[0][-1].fill_(L // 2)
     ref_in = [t.clone() for t in rings[0]]

@@ -45,11 +45,26 @@ def build_model(family: str, device, seed=0, decay=0.995):
     return model
 
 
-def _positions(model, fed: int, device):
-    from replay_compile.speculative.generate import _step_kwargs
+class _Decoder:
+    """Prefill, then one token per step on the model's own cache (explicit positions where the forward takes them;
+    the signature is read once, not per token)."""
 
-    _, takes_positions = _step_kwargs(model)
-    return {"position_ids": torch.tensor([[fed]], device=device)} if takes_positions else {}
+    def __init__(self, model, prompt):
+        from replay_compile.integrations.hf_modules import output_cache
+        from replay_compile.speculative.generate import _step_kwargs
+
+        out = model(prompt, use_cache=True)
+        self.model, self.cache = model, output_cache(out)
+        self.ck, self.takes_positions = _step_kwargs(model)
+        self.fed = prompt.shape[1]
+        self.first = out.logits[:, -1].float().log_softmax(-1)         # after the prompt
+
+    def step(self, tok):
+        """Feed one token [1]; the next token's log-probabilities [1, vocab]."""
+        extra = {"position_ids": torch.tensor([[self.fed]], device=tok.device)} if self.takes_positions else {}
+        out = self.model(tok.view(1, 1), **{self.ck: self.cache}, use_cache=True, **extra)
+        self.fed += 1
+        return out.logits[:, -1].float().log_softmax(-1)
 
 
 def _ssm_layers(model):
@@ -77,51 +92,37 @@ def _ssm_states(model, cache):
 def decode(model, prompt, tokens, variant: str, qdq, buffer_len: int):
     """log-probabilities [n, vocab] of the next token after each fed token (prompt's last, then ``tokens`` but the
     last), the model run as ``variant`` (``fp32``, ``quantized`` or ``replay``)."""
-    from replay_compile.integrations.hf_modules import cache_kwarg, output_cache
     from replay_compile.speculative.generate import _verify_forwards
 
-    dev = prompt.device
-    out = model(prompt, use_cache=True)
-    cache = output_cache(out)
-    ck = cache_kwarg(model)
-    logps = [out.logits[:, -1].float().log_softmax(-1)]
-    layers = []
+    dec = _Decoder(model, prompt)
+    logps = [dec.first]
+    layers, stored = [], []
     if variant == "quantized":
-        for s in _ssm_states(model, cache):
+        stored = _ssm_states(model, dec.cache)
+        for s in stored:
             s.copy_(qdq(s))
     elif variant == "replay":
-        layers = [cls(name, m, cache, buffer_len, 1, read_format=qdq) for name, m, cls in _ssm_layers(model)]
-    fed = prompt.shape[1]
+        layers = [cls(name, m, dec.cache, buffer_len, 1, read_format=qdq) for name, m, cls in _ssm_layers(model)]
     with _verify_forwards(layers):
         for tok in tokens[:-1]:
-            step = model(tok.view(1, 1), **{ck: cache}, use_cache=True, **_positions(model, fed, dev))
-            fed += 1
-            logps.append(step.logits[:, -1].float().log_softmax(-1))
+            logps.append(dec.step(tok))
             for layer in layers:
                 layer.commit(1)
-            if variant == "quantized":
-                for s in _ssm_states(model, cache):
-                    s.copy_(qdq(s))
+            for s in stored:                       # the baseline: the state stored quantized after every step
+                s.copy_(qdq(s))
     return torch.cat(logps)
 
 
 @torch.no_grad()
 def reference_run(model, prompt, n: int):
     """fp32 greedy generation of ``n`` tokens: (tokens [n], log-probabilities [n, vocab])."""
-    from replay_compile.integrations.hf_modules import cache_kwarg, output_cache
-
-    out = model(prompt, use_cache=True)
-    cache, ck = output_cache(out), cache_kwarg(model)
-    logp = out.logits[:, -1].float().log_softmax(-1)
+    dec = _Decoder(model, prompt)
+    logp = dec.first
     toks, logps = [], []
-    fed = prompt.shape[1]
     for _ in range(n):
         logps.append(logp)
-        tok = logp.argmax(-1)
-        toks.append(tok)
-        step = model(tok.view(1, 1), **{ck: cache}, use_cache=True, **_positions(model, fed, prompt.device))
-        fed += 1
-        logp = step.logits[:, -1].float().log_softmax(-1)
+        toks.append(logp.argmax(-1))
+        logp = dec.step(toks[-1])
     return torch.cat(toks), torch.cat(logps)
 
 

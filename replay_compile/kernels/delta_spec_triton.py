@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .mamba2_spec_triton import _spec_row
+from .mamba2_spec_triton import _spec_apply_row, _spec_row
 from .mamba2_triton import _store_checkpoint
 
 
@@ -144,12 +144,8 @@ def _delta_spec_apply_kernel(
     tt = offs_t < T
     o_tile = o_ptr + row * s_ob + offs_t[:, None] * s_ot + h * s_oh + offs_v[None, :] * s_ov      # [BLOCK_T, BLOCK_V]
     o_mask = tt[:, None] & mask_v[None, :]
-    slot, w, overflow = _spec_row(slot_ptr, w_ptr, row, T, HAS_SLOT, BUF)
-    if slot < 0:                                   # padding row: zero output, touch nothing else
-        tl.store(o_tile, tl.zeros([BLOCK_T, BLOCK_V], dtype=tl.float32), mask=o_mask)
-        return
-    if overflow:                                   # cannot happen after a commit; never silently wrong
-        tl.store(o_tile, tl.full([BLOCK_T, BLOCK_V], float("nan"), tl.float32), mask=o_mask)
+    slot, w, done = _spec_apply_row(slot_ptr, w_ptr, row, T, o_tile, o_mask, HAS_SLOT, BUF, BLOCK_T, BLOCK_V)
+    if done:                                       # padding (zeros) or an overflowing window (NaN)
         return
     org = tl.load(origin_ptr + slot)
     fl = tl.load(flush_ptr + slot).to(tl.int32) != 0

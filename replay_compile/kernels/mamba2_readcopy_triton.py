@@ -94,7 +94,7 @@ import triton.language as tl
 
 from ..quant.formats import Encoded, ReadCopyFormat, get_format
 from .mamba2_readcopy_reference import as_encoded
-from .mamba2_triton import _advance_cursor_kernel, _hash32, _stochastic_round_fp16, parse_tuning
+from .mamba2_triton import _advance_cursor_kernel, _round_checkpoint, _step_window, parse_tuning
 
 __all__ = ["FORMAT_IDS", "TUNING", "decode_read_copy_triton", "launch_config", "replay_step_readcopy_triton",
            "tuned"]
@@ -206,18 +206,6 @@ def _load_nvfp4(cv_ptr, cs_ptr, ct_ptr, slot, h, offs_p, P, N,
     return even, odd
 
 
-@triton.jit
-def _round_checkpoint(s_new, s_ptrs, la_cur, key_base, offs_e, STOCHASTIC_FP16: tl.constexpr):
-    """The folded tile as the checkpoint ``s_ptrs`` stores it (its dtype): stochastic rounding for fp16 (as
-    :mod:`.mamba2_triton`), round to nearest otherwise."""
-    if STOCHASTIC_FP16:
-        key = _hash32(la_cur.to(tl.float32).to(tl.uint32, bitcast=True) ^ _hash32(key_base.to(tl.uint32)))
-        out = _stochastic_round_fp16(s_new, key, offs_e.to(tl.uint32))
-    else:
-        out = s_new.to(s_ptrs.dtype.element_ty)
-    return out
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------------------------
@@ -266,21 +254,9 @@ def _readcopy_step_kernel(
     hist = offs_l < w
     cur = offs_l == w
 
-    la_cur = tl.load(la_ptr + row * s_lb + h * s_lh)
-    dt_cur = tl.load(dt_ptr + row * s_db + h * s_dh)
-    la_w = tl.load(lar_ptr + slot * s_lrb + h * s_lrh + offs_l * s_lrl, mask=hist, other=0.0).to(tl.float32)
-    dt_w = tl.load(dtr_ptr + slot * s_drb + h * s_drh + offs_l * s_drl, mask=hist, other=0.0).to(tl.float32)
-    la_w = tl.where(cur, la_cur.to(tl.float32), la_w)
-    dt_w = tl.where(cur, dt_cur.to(tl.float32), dt_w)
-    total = tl.sum(la_w, axis=0)
-    after = tl.minimum(tl.cumsum(la_w, axis=0, reverse=True) - la_w, 0.0)
-    coef = tl.where(offs_l <= w, dt_w * tl.exp(after), 0.0)
-    decay = tl.exp(tl.minimum(total, 0.0))
-
-    x_cur = tl.load(x_ptr + row * s_xb + h * s_xh + offs_p * s_xp, mask=mask_p, other=0.0)
-    xw = tl.load(xr_ptr + slot * s_xrb + h * s_xrh + offs_l[:, None] * s_xrl + offs_p[None, :] * s_xrp,
-                 mask=hist[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
-    xw = tl.where(cur[:, None], x_cur.to(tl.float32)[None, :], xw)
+    la_cur, dt_cur, x_cur, coef, decay, xw = _step_window(
+        lar_ptr, dtr_ptr, xr_ptr, la_ptr, dt_ptr, x_ptr, slot, row, h, w, offs_l, offs_p, mask_p,
+        s_lrb, s_lrh, s_lrl, s_drb, s_drh, s_drl, s_xrb, s_xrh, s_xrl, s_xrp, s_lb, s_lh, s_db, s_dh, s_xb, s_xh, s_xp)
     br_base = Br_ptr + slot * s_brb + g * s_brg
     b_cur = tl.load(B_ptr + row * s_bb + g * s_bg + offs_n * s_bn, mask=mask_n, other=0.0)
     bw = tl.load(br_base + offs_l[:, None] * s_brl + offs_n[None, :] * s_brn,

@@ -46,6 +46,19 @@ def _spec_row(slot_ptr, w_ptr, row, T, HAS_SLOT: tl.constexpr, BUF: tl.constexpr
 
 
 @triton.jit
+def _spec_apply_row(slot_ptr, w_ptr, row, T, out_tile, out_mask, HAS_SLOT: tl.constexpr, BUF: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """(slot, w, done) for a checkpoint-pass program. A padding row gets zero outputs; a row whose window overflows
+    the ring (which a commit never allows) NaN outputs, never a silently wrong one; ``done``: nothing else to do."""
+    slot, w, overflow = _spec_row(slot_ptr, w_ptr, row, T, HAS_SLOT, BUF)
+    if slot < 0:
+        tl.store(out_tile, tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32), mask=out_mask)
+    elif overflow:
+        tl.store(out_tile, tl.full([BLOCK_T, BLOCK_C], float("nan"), tl.float32), mask=out_mask)
+    return slot, w, (slot < 0) | overflow
+
+
+@triton.jit
 def _mamba2_spec_window_kernel(
     dtr_ptr, lar_ptr, Br_ptr, w_ptr, origin_ptr, flush_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr,
     wgt_ptr, tot_ptr,
@@ -134,12 +147,8 @@ def _mamba2_spec_apply_kernel(
     tt = offs_t < T
     y_tile = y_ptr + row * s_yb + offs_t[:, None] * s_yt + h * s_yh + offs_p[None, :] * s_yp      # [BLOCK_T, BLOCK_P]
     y_mask = tt[:, None] & mask_p[None, :]
-    slot, w, overflow = _spec_row(slot_ptr, w_ptr, row, T, HAS_SLOT, BUF)
-    if slot < 0:                                   # padding row: zero output, touch nothing else
-        tl.store(y_tile, tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32), mask=y_mask)
-        return
-    if overflow:                                   # cannot happen after a commit; never silently wrong
-        tl.store(y_tile, tl.full([BLOCK_T, BLOCK_P], float("nan"), tl.float32), mask=y_mask)
+    slot, w, done = _spec_apply_row(slot_ptr, w_ptr, row, T, y_tile, y_mask, HAS_SLOT, BUF, BLOCK_T, BLOCK_P)
+    if done:                                       # padding (zeros) or an overflowing window (NaN)
         return
     o = tl.load(origin_ptr + slot)
     fl = tl.load(flush_ptr + slot).to(tl.int32) != 0

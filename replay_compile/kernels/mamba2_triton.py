@@ -90,13 +90,21 @@ def _arrive(cursor_ptr, slot, arrivals, L):
 
 
 @triton.jit
-def _store_checkpoint(st_ptrs, s_new, tile_mask, la_cur, key_base, offs_e, STOCHASTIC_FP16: tl.constexpr):
-    """Write a folded checkpoint tile: stochastic rounding for fp16 (see module notes), nearest otherwise."""
+def _round_checkpoint(s_new, st_ptrs, la_cur, key_base, offs_e, STOCHASTIC_FP16: tl.constexpr):
+    """A folded checkpoint tile as the checkpoint ``st_ptrs`` stores it (its dtype): stochastic rounding for fp16
+    (see module notes), round to nearest otherwise."""
     if STOCHASTIC_FP16:
         key = _hash32(la_cur.to(tl.float32).to(tl.uint32, bitcast=True) ^ _hash32(key_base.to(tl.uint32)))
-        tl.store(st_ptrs, _stochastic_round_fp16(s_new, key, offs_e.to(tl.uint32)), mask=tile_mask)
+        out = _stochastic_round_fp16(s_new, key, offs_e.to(tl.uint32))
     else:
-        tl.store(st_ptrs, s_new.to(st_ptrs.dtype.element_ty), mask=tile_mask)
+        out = s_new.to(st_ptrs.dtype.element_ty)
+    return out
+
+
+@triton.jit
+def _store_checkpoint(st_ptrs, s_new, tile_mask, la_cur, key_base, offs_e, STOCHASTIC_FP16: tl.constexpr):
+    """Write a folded checkpoint tile, rounded by :func:`_round_checkpoint`."""
+    tl.store(st_ptrs, _round_checkpoint(s_new, st_ptrs, la_cur, key_base, offs_e, STOCHASTIC_FP16), mask=tile_mask)
 
 
 @triton.jit
@@ -190,6 +198,33 @@ def _mamba2_replay_whole_kernel(
 
 
 @triton.jit
+def _step_window(lar_ptr, dtr_ptr, xr_ptr, la_ptr, dt_ptr, x_ptr, slot, row, h, w, offs_l, offs_p, mask_p,
+                 s_lrb, s_lrh, s_lrl, s_drb, s_drh, s_drl, s_xrb, s_xrh, s_xrl, s_xrp,
+                 s_lb, s_lh, s_db, s_dh, s_xb, s_xh, s_xp):
+    """The window of a decode step, the current token at index ``w`` after the ``w`` held records:
+    ``(la_cur, dt_cur, x_cur, coef [BLOCK_L], decay, xw [BLOCK_L, BLOCK_P])`` with ``coef_j = dt_j exp(Σ_{j<i<=w}
+    la_i)`` (suffix sums, <= 0) and ``decay = exp(Σ_{i<=w} la_i)``. Shared by the tiled and the read-copy step."""
+    hist = offs_l < w
+    cur = offs_l == w
+    la_cur = tl.load(la_ptr + row * s_lb + h * s_lh)
+    dt_cur = tl.load(dt_ptr + row * s_db + h * s_dh)
+    la_w = tl.load(lar_ptr + slot * s_lrb + h * s_lrh + offs_l * s_lrl, mask=hist, other=0.0).to(tl.float32)
+    dt_w = tl.load(dtr_ptr + slot * s_drb + h * s_drh + offs_l * s_drl, mask=hist, other=0.0).to(tl.float32)
+    la_w = tl.where(cur, la_cur.to(tl.float32), la_w)
+    dt_w = tl.where(cur, dt_cur.to(tl.float32), dt_w)
+    total = tl.sum(la_w, axis=0)
+    after = tl.minimum(tl.cumsum(la_w, axis=0, reverse=True) - la_w, 0.0)
+    coef = tl.where(offs_l <= w, dt_w * tl.exp(after), 0.0)
+    decay = tl.exp(tl.minimum(total, 0.0))
+
+    x_cur = tl.load(x_ptr + row * s_xb + h * s_xh + offs_p * s_xp, mask=mask_p, other=0.0)
+    xw = tl.load(xr_ptr + slot * s_xrb + h * s_xrh + offs_l[:, None] * s_xrl + offs_p[None, :] * s_xrp,
+                 mask=hist[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
+    xw = tl.where(cur[:, None], x_cur.to(tl.float32)[None, :], xw)     # masked loads: zeros past w already
+    return la_cur, dt_cur, x_cur, coef, decay, xw
+
+
+@triton.jit
 def _mamba2_replay_tiled_kernel(
     state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, cursor_ptr,
     x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr, y_ptr,
@@ -223,21 +258,9 @@ def _mamba2_replay_tiled_kernel(
     hist = offs_l < w
     cur = offs_l == w
 
-    la_cur = tl.load(la_ptr + row * s_lb + h * s_lh)
-    dt_cur = tl.load(dt_ptr + row * s_db + h * s_dh)
-    la_w = tl.load(lar_ptr + slot * s_lrb + h * s_lrh + offs_l * s_lrl, mask=hist, other=0.0).to(tl.float32)
-    dt_w = tl.load(dtr_ptr + slot * s_drb + h * s_drh + offs_l * s_drl, mask=hist, other=0.0).to(tl.float32)
-    la_w = tl.where(cur, la_cur.to(tl.float32), la_w)
-    dt_w = tl.where(cur, dt_cur.to(tl.float32), dt_w)
-    total = tl.sum(la_w, axis=0)
-    after = tl.minimum(tl.cumsum(la_w, axis=0, reverse=True) - la_w, 0.0)
-    coef = tl.where(offs_l <= w, dt_w * tl.exp(after), 0.0)
-    decay = tl.exp(tl.minimum(total, 0.0))
-
-    x_cur = tl.load(x_ptr + row * s_xb + h * s_xh + offs_p * s_xp, mask=mask_p, other=0.0)
-    xw = tl.load(xr_ptr + slot * s_xrb + h * s_xrh + offs_l[:, None] * s_xrl + offs_p[None, :] * s_xrp,
-                 mask=hist[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
-    xw = tl.where(cur[:, None], x_cur.to(tl.float32)[None, :], xw)     # masked loads: zeros past w already
+    la_cur, dt_cur, x_cur, coef, decay, xw = _step_window(
+        lar_ptr, dtr_ptr, xr_ptr, la_ptr, dt_ptr, x_ptr, slot, row, h, w, offs_l, offs_p, mask_p,
+        s_lrb, s_lrh, s_lrl, s_drb, s_drh, s_drl, s_xrb, s_xrh, s_xrl, s_xrp, s_lb, s_lh, s_db, s_dh, s_xb, s_xh, s_xp)
 
     st_base = state_ptr + slot * s_sb + h * s_sh
     br_base = Br_ptr + slot * s_brb + g * s_brg

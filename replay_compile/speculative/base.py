@@ -24,9 +24,10 @@ class SpecLayer:
         cache: the HF cache after prefill (holds this layer's recurrent state [S, ...] and conv state
             [S, conv_dim, K]).
         B: history budget (records kept before a verify flushes them into the checkpoint); T: max tokens per verify.
+        read_format: optional quantize-dequantize function of a read copy (issue 7 experiments; reference path).
     """
 
-    def __init__(self, name: str, mixer: torch.nn.Module, cache, B: int, T: int):
+    def __init__(self, name: str, mixer: torch.nn.Module, cache, B: int, T: int, read_format=None):
         self.name, self.mixer, self.B, self.T = name, mixer, B, T
         idx = mixer.layer_idx
         self.state, self.conv_state = ssm_layer_states(cache, idx)
@@ -41,6 +42,10 @@ class SpecLayer:
         self.is_flush = torch.zeros(S, dtype=torch.bool, device=dev)
         ref.spec_reset_reference(self.w, self.origin, self.is_flush, B, T)
         self.pending_conv: torch.Tensor | None = None          # [S, conv_dim, T] inputs of the last verify
+        # issue 7 experiments: a low-precision read copy of the checkpoint (held decoded), written at each flush by
+        # ``read_format`` (quantize-dequantize); the references then serve ordinary rows' outputs from it
+        self.read_format = read_format
+        self.read_state = None if read_format is None else read_format(self.state.float())
 
     def _check_window(self, T: int) -> None:
         if T > self.T:

@@ -46,7 +46,7 @@ class SpecDeltaLayer(SpecLayer):
     """
 
     def __init__(self, name: str, mixer: torch.nn.Module, cache, B: int, T: int, read_format=None):
-        super().__init__(name, mixer, cache, B, T)
+        super().__init__(name, mixer, cache, B, T, read_format)
         self.kda = is_kimi_delta_attention(mixer)
         S, HV, K, V = self.state.shape
         Hk = HV if self.kda else mixer.num_k_heads
@@ -56,12 +56,9 @@ class SpecDeltaLayer(SpecLayer):
         self.k_ring = torch.zeros(S, Hk, buf, K, dtype=torch.float32, device=dev)
         self.g_ring = torch.zeros((S, HV, buf) + ((K,) if self.kda else ()), dtype=torch.float32, device=dev)
         self.act = _act(mixer.activation)
-        # issue 7 experiments: a low-precision read copy (held decoded) serves outputs; the raw inputs are kept so
-        # that flushes fold by the exact recurrence from the fp32 checkpoint (see delta_spec_verify_reference)
-        self.read_format = read_format
-        self.read_state = None
+        # with a read copy the raw inputs are kept too, so that flushes fold by the exact recurrence from the fp32
+        # checkpoint (see delta_spec_verify_reference)
         if read_format is not None:
-            self.read_state = read_format(self.state.float())
             self.v_ring = torch.zeros(S, HV, buf, V, dtype=torch.float32, device=dev)
             self.beta_ring = torch.zeros(S, HV, buf, dtype=torch.float32, device=dev)
 

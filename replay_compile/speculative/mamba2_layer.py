@@ -29,11 +29,7 @@ class SpecMamba2Layer(SpecLayer):
     """
 
     def __init__(self, name: str, mixer: torch.nn.Module, cache, B: int, T: int, read_format=None):
-        super().__init__(name, mixer, cache, B, T)
-        # issue 7 experiments: a low-precision read copy of the checkpoint (held decoded), written at each flush by
-        # ``read_format`` (quantize-dequantize); the reference then serves ordinary rows' outputs from it
-        self.read_format = read_format
-        self.read_state = None if read_format is None else read_format(self.state.float())
+        super().__init__(name, mixer, cache, B, T, read_format)
         S, H, P, N = self.state.shape
         G, buf = mixer.n_groups, self.buf
         act_dtype = mixer.in_proj.weight.dtype
