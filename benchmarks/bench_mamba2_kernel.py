@@ -159,6 +159,10 @@ def compare_configs(tuning: dict, points, configs, bw, csv_path):
     from replay_compile.kernels.mamba2_triton import tuned
 
     rows = []
+
+    def resources():
+        from replay_compile.kernels import mamba2_triton as kt
+        return kt.kernel_resources(kt.LAST_LAUNCH.get("kernel")) if tuning is kt.TUNING else ""
     print(f"{'geom':12} {'bs':>4} {'config':40} {'nonfl us':>9} {'% floor':>7} {'flush us':>9} {'Lavg us':>8} "
           f"{'base us':>8} {'x':>5}")
     for gname, bs, base, run in points:
@@ -173,7 +177,7 @@ def compare_configs(tuning: dict, points, configs, bw, csv_path):
             rows.append(dict(geom=gname, bs=bs, config=spec, **r, baseline_us=base, pct_floor_nonflush=pct,
                              speedup=base / r["lavg_us"]))
             print(f"{gname:12} {bs:>4} {spec:40} {r['nonflush_us']:>9.1f} {pct:>7.0f} {r['flush_us']:>9.1f} "
-                  f"{r['lavg_us']:>8.1f} {base:>8.1f} {base / r['lavg_us']:>5.2f}", flush=True)
+                  f"{r['lavg_us']:>8.1f} {base:>8.1f} {base / r['lavg_us']:>5.2f}  {resources()}", flush=True)
     write_csv(rows, csv_path)
 
 

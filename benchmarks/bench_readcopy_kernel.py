@@ -1,6 +1,7 @@
 """Mamba-2 replay step with a low-precision read copy (issue 7) vs mamba_ssm's ``selective_state_update``, one GPU.
 
     python benchmarks/bench_readcopy_kernel.py --out results/ [--batches 1,32,256] [--formats bf16,fp8_e4m3,nvfp4]
+        [--configs 'BLOCK_P=16,num_warps=1;fold_dot=1']   (launch configurations compared; default: the chosen one)
 
 Per (batch, format), Nemotron-Super geometry (H=128, P=64, N=128, G=8), fp32 checkpoint, L=16: the non-flush step,
 the flush step and the L-step average of ``replay_step_readcopy_triton`` (non-flush steps read only the copy),
@@ -28,7 +29,8 @@ H, P, N, G, L = 128, 64, 128, 8, 16
 
 def readcopy_point(fmt: str, bs: int, act=torch.bfloat16) -> dict:
     from replay_compile.kernels.mamba2_readcopy_reference import init_read_copy, replay_step_readcopy_reference
-    from replay_compile.kernels.mamba2_readcopy_triton import replay_step_readcopy_triton
+    from replay_compile.kernels.mamba2_readcopy_triton import LAST_LAUNCH, replay_step_readcopy_triton
+    from replay_compile.kernels.mamba2_triton import kernel_resources
     from replay_compile.quant.formats import FORMATS
 
     dev = "cuda"
@@ -44,6 +46,7 @@ def readcopy_point(fmt: str, bs: int, act=torch.bfloat16) -> dict:
     ref_copy = {k: v.clone() for k, v in reads[0].tensors.items()}
     y_ref = replay_step_readcopy_reference(states[0].clone(), ref_copy, fmt, *ref_in, x, dt, la, B, C)
     y = replay_step_readcopy_triton(states[0], reads[0], fmt, *rings[0], x, dt, la, B, C)
+    resources = kernel_resources(LAST_LAUNCH.get("kernel"))
     err = float((y - y_ref).abs().max() / (y_ref.abs().max() + 1e-12))
     if not err < 1e-4:
         raise AssertionError(f"{fmt} bs{bs}: read-copy kernel differs from the reference by {err:.2e}")
@@ -58,7 +61,7 @@ def readcopy_point(fmt: str, bs: int, act=torch.bfloat16) -> dict:
         return f
 
     res = {"nonflush_us": time_graph(step(w=L // 2), inner=copies), "flush_us": time_graph(step(w=L - 1), inner=copies),
-           "lavg_us": time_graph(step(), reps=10, inner=L * copies), "check_err": err}
+           "lavg_us": time_graph(step(), reps=10, inner=L * copies), "check_err": err, "resources": resources}
     res["copy_bytes_nonflush"] = bs * H * P * FORMATS[fmt].row_nbytes(N)
     return res
 
@@ -68,7 +71,9 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,32,128,256,512")
     ap.add_argument("--formats", default="bf16,fp8_e4m3,nvfp4")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-results"))
+    ap.add_argument("--configs", default="", help="';'-separated mamba2_readcopy_triton.tuned strings")
     args = ap.parse_args(argv)
+    from replay_compile.kernels.mamba2_readcopy_triton import tuned
     os.makedirs(args.out, exist_ok=True)
     ssu = load_baseline()
     warm_clocks()
@@ -83,15 +88,17 @@ def main(argv=None):
     for bs in map(int, args.batches.split(",")):
         plain = bench_point(ssu, H, P, N, G, bs, torch.float32, L)          # our fp32 replay step + the baseline
         for fmt in args.formats.split(","):
-            r = readcopy_point(fmt, bs)
-            base = plain.get("baseline_us", float("nan"))
-            row = dict(fmt=fmt, bs=bs, baseline_us=base, fp32_lavg_us=plain["lavg_us"], **r,
-                       speedup=base / r["lavg_us"], vs_fp32=plain["lavg_us"] / r["lavg_us"])
-            rows.append(row)
-            print(f"{fmt:9} {bs:4d} {base:8.1f} {plain['lavg_us']:10.1f} {r['nonflush_us']:9.1f} {r['flush_us']:9.1f} "
-                  f"{r['lavg_us']:9.1f} {row['speedup']:6.2f}x {row['vs_fp32']:6.2f}x {r['check_err']:8.1e}",
-                  flush=True)
-            torch.cuda.empty_cache()
+            for spec in args.configs.split(";"):
+                with tuned(spec):
+                    r = readcopy_point(fmt, bs)
+                base = plain.get("baseline_us", float("nan"))
+                row = dict(fmt=fmt, bs=bs, config=spec, baseline_us=base, fp32_lavg_us=plain["lavg_us"], **r,
+                           speedup=base / r["lavg_us"], vs_fp32=plain["lavg_us"] / r["lavg_us"])
+                rows.append(row)
+                print(f"{fmt:9} {bs:4d} {base:8.1f} {plain['lavg_us']:10.1f} {r['nonflush_us']:9.1f} "
+                      f"{r['flush_us']:9.1f} {r['lavg_us']:9.1f} {row['speedup']:6.2f}x {row['vs_fp32']:6.2f}x "
+                      f"{r['check_err']:8.1e}  {spec or 'default'}  {r['resources']}", flush=True)
+                torch.cuda.empty_cache()
     write_csv(rows, os.path.join(args.out, "readcopy_kernel.csv"))
 
 

@@ -105,6 +105,9 @@ FORMAT_IDS = {"bf16": 0, "fp8_e4m3": 1, "nvfp4": 2}
 # Launch configuration override for tests and benchmarks: {"BLOCK_P", "num_warps"}. Empty in use.
 TUNING: dict = {}
 
+# The last compiled step kernel launched (benchmarks print its registers / spills / shared memory).
+LAST_LAUNCH: dict = {}
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # Software rounding and the format codecs (jit helpers)
@@ -229,7 +232,7 @@ def _readcopy_step_kernel(
     s_qb, s_qh, s_qp, s_qn,                 # fp8 scale [S, H, P] (s_qn unused) / nvfp4 block_scale [S, H, P, NB]
     s_tb,                                   # nvfp4 tensor_scale [S]
     FMT: tl.constexpr, HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr,
+    BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, FOLD_DOT: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
@@ -269,7 +272,21 @@ def _readcopy_step_kernel(
         # flush: fold the fp32 checkpoint, write it, y = S_new C, rewrite the copy from the stored value
         s_ptrs = state_ptr + slot * s_sb + h * s_sh + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
         s0 = tl.load(s_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
-        s_new = decay * s0 + tl.dot(tl.trans(xw * coef[:, None]), bw, input_precision="ieee")
+        if FOLD_DOT:
+            s_new = decay * s0 + tl.dot(tl.trans(xw * coef[:, None]), bw, input_precision="ieee")
+        else:
+            # record by record: tl.dot's shared memory, even in this rare branch, costs every program occupancy
+            s_new = s0
+            for j in range(BLOCK_L):
+                if j < w:
+                    la_j = tl.load(lar_ptr + slot * s_lrb + h * s_lrh + j * s_lrl).to(tl.float32)
+                    dt_j = tl.load(dtr_ptr + slot * s_drb + h * s_drh + j * s_drl).to(tl.float32)
+                    x_j = tl.load(xr_ptr + slot * s_xrb + h * s_xrh + j * s_xrl + offs_p * s_xrp, mask=mask_p,
+                                  other=0.0).to(tl.float32)
+                    b_j = tl.load(br_base + j * s_brl + offs_n * s_brn, mask=mask_n, other=0.0).to(tl.float32)
+                    s_new = tl.exp(la_j) * s_new + (dt_j * x_j)[:, None] * b_j[None, :]
+            s_new = (tl.exp(la_cur.to(tl.float32)) * s_new
+                     + (dt_cur.to(tl.float32) * x_cur.to(tl.float32))[:, None] * b_cur.to(tl.float32)[None, :])
         s_st = _round_checkpoint(s_new, s_ptrs, la_cur, slot * H + h, offs_p[:, None] * N + offs_n[None, :],
                                  STOCHASTIC_FP16)
         tl.store(s_ptrs, s_st, mask=tile_mask)
@@ -407,7 +424,8 @@ def launch_config(P: int, N: int, L: int) -> dict:
     block_l = max(16, triton.next_power_of_2(L))
     block_p = TUNING.get("BLOCK_P") or (32 if P % 32 == 0 and P > 64 else 16)
     warps = TUNING.get("num_warps") or max(1, min(8, max(block_p, block_l) * block_n // (32 * 64)))
-    return dict(BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_L=block_l, num_warps=warps)
+    return dict(BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_L=block_l, num_warps=warps,
+                fold_dot=bool(TUNING.get("fold_dot", 0)))
 
 
 def _format_name(fmt) -> str:
@@ -456,13 +474,15 @@ def replay_step_readcopy_triton(state, copy, fmt, x_ring, dt_ring, la_ring, B_ri
     amax = torch.zeros(b, dtype=torch.int32, device=x.device) if name == "nvfp4" else cursor
     (cv, cs, ct), cstrides = _copy_args(enc, name, cursor)
     grid = (n_pb, b, H)
-    _readcopy_step_kernel[grid](
+    k = _readcopy_step_kernel[grid](
         state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, y, cv, cs, ct, amax,
         H, P, N, L, H // G, H // Gc,
         *state.stride(), *x_ring.stride(), *dt_ring.stride(), *la_ring.stride(), *B_ring.stride(),
         *x.stride(), *dt.stride(), *la.stride(), *B.stride(), *C.stride(), *y.stride(), *cstrides,
         FMT=FORMAT_IDS[name], HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_P"], BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_L=cfg["BLOCK_L"], STOCHASTIC_FP16=state.dtype == torch.float16, num_warps=cfg["num_warps"])
+        BLOCK_L=cfg["BLOCK_L"], STOCHASTIC_FP16=state.dtype == torch.float16, FOLD_DOT=cfg["fold_dot"],
+        num_warps=cfg["num_warps"])
+    LAST_LAUNCH["kernel"] = k
     if name == "nvfp4":
         _nvfp4_flush_encode_kernel[grid](
             state, cursor, slot_arg, amax, cv, cs, ct, P, N, L, *state.stride(), *cstrides,

@@ -233,7 +233,7 @@ def _mamba2_replay_tiled_kernel(
     s_brb, s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn,
     s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,     # strides as in _mamba2_replay_whole_kernel
     HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    N_TILES: tl.constexpr, STOCHASTIC_FP16: tl.constexpr,
+    N_TILES: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, STATE_EVICT: tl.constexpr, ROUTE: tl.constexpr,
 ):
     """Bandwidth variant: branch on ``w`` first, then stream the checkpoint over N in ``BLOCK_P x BLOCK_N``
     tiles (only one tile live at a time: low register use, many programs per SM). Reads the cursor with a plain
@@ -249,9 +249,16 @@ def _mamba2_replay_tiled_kernel(
     else:
         slot = row
     if slot < 0:                                   # padding row: zero output, touch nothing else
-        tl.store(y_ptrs, tl.zeros([BLOCK_P], dtype=tl.float32), mask=mask_p)
+        if ROUTE != 2:
+            tl.store(y_ptrs, tl.zeros([BLOCK_P], dtype=tl.float32), mask=mask_p)
         return
     w = tl.load(cursor_ptr + slot)                  # advanced afterwards by _advance_cursor_kernel
+    if ROUTE == 1:                                  # this launch does the non-flush rows only
+        if w == L - 1:
+            return
+    elif ROUTE == 2:                                # ... or the flush rows only
+        if w != L - 1:
+            return
     g = h // heads_per_g
     gc = h // heads_per_gc
     offs_l = tl.arange(0, BLOCK_L)
@@ -266,7 +273,7 @@ def _mamba2_replay_tiled_kernel(
     br_base = Br_ptr + slot * s_brb + g * s_brg
     b_base = B_ptr + row * s_bb + g * s_bg
     c_base = C_ptr + row * s_cb + gc * s_cg
-    if w == L - 1:
+    if (ROUTE == 2) or ((ROUTE == 0) and (w == L - 1)):
         # flush: S_new = exp(Σ la) S_0 + (coef X)ᵀ B, tile by tile, written once; y = S_new C
         xc = tl.trans(xw * coef[:, None])                    # [BLOCK_P, BLOCK_L]
         acc_y = tl.zeros([BLOCK_P], dtype=tl.float32)
@@ -279,7 +286,7 @@ def _mamba2_replay_tiled_kernel(
             bw = tl.where(cur[:, None], b_cur[None, :], bw)
             s_ptrs = st_base + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
             tile_mask = mask_p[:, None] & mask_n[None, :]
-            s0 = tl.load(s_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
+            s0 = tl.load(s_ptrs, mask=tile_mask, other=0.0, eviction_policy=STATE_EVICT).to(tl.float32)
             s_new = decay * s0 + tl.dot(xc, bw, input_precision="ieee")
             _store_checkpoint(s_ptrs, s_new, tile_mask, la_cur, slot * H + h,
                               offs_p[:, None] * N + offs_n[None, :], STOCHASTIC_FP16)
@@ -295,7 +302,7 @@ def _mamba2_replay_tiled_kernel(
             mask_n = offs_n < N
             c = tl.load(c_base + offs_n * s_cn, mask=mask_n, other=0.0).to(tl.float32)
             s0 = tl.load(st_base + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn,
-                         mask=mask_p[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+                         mask=mask_p[:, None] & mask_n[None, :], other=0.0, eviction_policy=STATE_EVICT).to(tl.float32)
             acc_sc += tl.sum(s0 * c[None, :], axis=1)
             bw = tl.load(br_base + offs_l[:, None] * s_brl + offs_n[None, :] * s_brn,
                          mask=hist[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
@@ -331,6 +338,9 @@ def _advance_cursor_kernel(cursor_ptr, slot_ptr, n_rows, L, HAS_SLOT: tl.constex
 # "BLOCK_P", "BLOCK_N", "num_warps"}.
 # Empty in use.
 TUNING: dict = {}
+
+# The last compiled step kernel launched (benchmarks print its registers / spills / shared memory).
+LAST_LAUNCH: dict = {}
 
 # Rows x heads up to which the latency variant runs (from the H200 sweep, benchmarks/NOTES.md).
 WHOLE_MAX_ROW_HEADS = 512
@@ -375,12 +385,20 @@ def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
         block_n = max(16, triton.next_power_of_2(N))
         block_p = TUNING.get("BLOCK_P") or (32 if P % 32 == 0 and P > 64 else 16)
         warps = TUNING.get("num_warps") or max(1, min(8, max(block_p, block_l) * block_n // (32 * 64)))
-    else:
+    else:                                          # tiled, split
         bp = 64 if P % 64 == 0 else 32
         block_p = TUNING.get("BLOCK_P") or max(16, min(bp, triton.next_power_of_2(P)))
         block_n = TUNING.get("BLOCK_N") or max(16, min(bp, triton.next_power_of_2(N)))
         warps = TUNING.get("num_warps") or (2 if block_l <= 16 else 4)
-    return dict(variant=variant, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_L=block_l, num_warps=warps)
+    cfg = dict(variant=variant, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_L=block_l, num_warps=warps,
+               state_evict="evict_first" if TUNING.get("evict_first", 0) else "")
+    if variant == "split":
+        # the flush launch's own tile (the fold's tl.dot and the write cost registers the non-flush pass must not pay)
+        bp = 64 if P % 64 == 0 else 32
+        cfg.update(FLUSH_P=TUNING.get("FLUSH_P") or max(16, min(bp, triton.next_power_of_2(P))),
+                   FLUSH_N=TUNING.get("FLUSH_N") or max(16, min(bp, triton.next_power_of_2(N))),
+                   flush_warps=TUNING.get("flush_warps") or (2 if block_l <= 16 else 4))
+    return cfg
 
 
 def replay_step_triton(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_idx=None):
@@ -406,8 +424,27 @@ def replay_step_triton(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, l
     common = dict(HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_P"], BLOCK_N=cfg["BLOCK_N"], BLOCK_L=cfg["BLOCK_L"],
                   STOCHASTIC_FP16=state.dtype == torch.float16, num_warps=cfg["num_warps"])
     if cfg["variant"] == "whole":
-        _mamba2_replay_whole_kernel[(n_pb, b, H)](*args, **common)
-    else:
-        _mamba2_replay_tiled_kernel[(n_pb, b, H)](*args, N_TILES=triton.cdiv(N, cfg["BLOCK_N"]), **common)
+        k = _mamba2_replay_whole_kernel[(n_pb, b, H)](*args, **common)
+    elif cfg["variant"] == "tiled":
+        k = _mamba2_replay_tiled_kernel[(n_pb, b, H)](*args, N_TILES=triton.cdiv(N, cfg["BLOCK_N"]),
+                                                      STATE_EVICT=cfg["state_evict"], ROUTE=0, **common)
         _advance_cursor_kernel[(triton.cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
+    else:
+        # split: the same body compiled twice, each launch returning at once on the other kind of row
+        k = _mamba2_replay_tiled_kernel[(n_pb, b, H)](*args, N_TILES=triton.cdiv(N, cfg["BLOCK_N"]),
+                                                      STATE_EVICT=cfg["state_evict"], ROUTE=1, **common)
+        fl = dict(common, BLOCK_P=cfg["FLUSH_P"], BLOCK_N=cfg["FLUSH_N"], num_warps=cfg["flush_warps"])
+        _mamba2_replay_tiled_kernel[(triton.cdiv(P, cfg["FLUSH_P"]), b, H)](
+            *args, N_TILES=triton.cdiv(N, cfg["FLUSH_N"]), STATE_EVICT="", ROUTE=2, **fl)
+        _advance_cursor_kernel[(triton.cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
+    LAST_LAUNCH["kernel"] = k
     return y
+
+
+def kernel_resources(k) -> str:
+    """``"regs R, spills S, smem B"`` of a compiled Triton kernel (what a launch returns), for benchmark logs;
+    ``""`` under the interpreter, whose launches return nothing."""
+    try:
+        return f"regs {k.n_regs}, spills {k.n_spills}, smem {k.metadata.shared}"
+    except AttributeError:
+        return ""
