@@ -18,7 +18,7 @@ from replay_compile.testing.strategies import (  # noqa: E402
     ExactMamba2Oracle, Mamba2Geometry, mamba2_geometries, mamba2_problem, step_schedules)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-VARIANTS = ("whole", "tiled", "split:BLOCK_P=16,BLOCK_N=32,num_warps=1,FLUSH_P=32,FLUSH_N=16")
+VARIANTS = ("whole", "tiled", "split:BLOCK_P=16,BLOCK_N=32,num_warps=1,FLUSH_P=32,FLUSH_N=16", "pre:BLOCK_P=16,num_warps=1,FLUSH_P=16,FLUSH_N=32", "pre:BLOCK_P=16,num_warps=1,route=0,early_tile=1")
 
 
 def variant(name):

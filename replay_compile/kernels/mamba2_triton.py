@@ -321,6 +321,122 @@ def _mamba2_replay_tiled_kernel(
 
 
 @triton.jit
+def _mamba2_prepass_window_kernel(
+    xr_ptr, dtr_ptr, lar_ptr, Br_ptr, cursor_ptr, x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr, win_ptr, dec_ptr,
+    H, P, N, L, heads_per_g, heads_per_gc,
+    s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl, s_brb, s_brg, s_brl, s_brn,
+    s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn, s_cb, s_cg, s_cn,
+    HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+):
+    """``pre`` variant, launch 1 of 2, grid ``(batch, H)``: the window's contribution once per (row, head),
+    ``win[p] = Σ_j coef_j (B_j·C) x_j[p]`` and ``decay = exp(Σ la)`` into fp32 scratch ``[b, H, P]`` / ``[b, H]``,
+    and the non-flush rows' records appended (the checkpoint pass then reads neither ring nor B)."""
+    row = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    if HAS_SLOT:
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+    else:
+        slot = row
+    if slot < 0:
+        return
+    w = tl.load(cursor_ptr + slot)
+    g = h // heads_per_g
+    gc = h // heads_per_gc
+    offs_p = tl.arange(0, BLOCK_P)
+    mask_p = offs_p < P
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_l = tl.arange(0, BLOCK_L)
+    hist = offs_l < w
+    cur = offs_l == w
+    la_cur, dt_cur, x_cur, coef, decay, xw = _step_window(
+        lar_ptr, dtr_ptr, xr_ptr, la_ptr, dt_ptr, x_ptr, slot, row, h, w, offs_l, offs_p, mask_p,
+        s_lrb, s_lrh, s_lrl, s_drb, s_drh, s_drl, s_xrb, s_xrh, s_xrl, s_xrp, s_lb, s_lh, s_db, s_dh, s_xb, s_xh, s_xp)
+    br_base = Br_ptr + slot * s_brb + g * s_brg
+    b_cur = tl.load(B_ptr + row * s_bb + g * s_bg + offs_n * s_bn, mask=mask_n, other=0.0)
+    bw = tl.load(br_base + offs_l[:, None] * s_brl + offs_n[None, :] * s_brn,
+                 mask=hist[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+    bw = tl.where(cur[:, None], b_cur.to(tl.float32)[None, :], bw)
+    c = tl.load(C_ptr + row * s_cb + gc * s_cg + offs_n * s_cn, mask=mask_n, other=0.0).to(tl.float32)
+    bc = tl.sum(bw * c[None, :], axis=1)                                          # [BLOCK_L]
+    win = tl.sum((coef * bc)[:, None] * xw, axis=0)                                # [BLOCK_P]
+    tl.store(win_ptr + (row * H + h) * P + offs_p, win, mask=mask_p)
+    tl.store(dec_ptr + row * H + h, decay)
+    if w != L - 1:
+        tl.store(xr_ptr + slot * s_xrb + h * s_xrh + w * s_xrl + offs_p * s_xrp,
+                 x_cur.to(xr_ptr.dtype.element_ty), mask=mask_p)
+        tl.store(dtr_ptr + slot * s_drb + h * s_drh + w * s_drl, dt_cur)
+        tl.store(lar_ptr + slot * s_lrb + h * s_lrh + w * s_lrl, la_cur)
+        if h % heads_per_g == 0:                      # one program per group appends B_t
+            tl.store(br_base + w * s_brl + offs_n * s_brn, b_cur.to(Br_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _mamba2_prepass_apply_kernel(
+    state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, cursor_ptr,
+    x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr, y_ptr, win_ptr, dec_ptr,
+    H, P, N, L, heads_per_g, heads_per_gc,
+    s_sb, s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl,
+    s_brb, s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn,
+    s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
+    HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+    STOCHASTIC_FP16: tl.constexpr, ROUTE: tl.constexpr, EARLY_TILE: tl.constexpr,
+):
+    """``pre`` variant, launch 2 of 2, grid ``(cdiv(P, BLOCK_P), batch, H)``: a ``BLOCK_P x N`` checkpoint tile,
+    loaded before the cursor (both branches need it, so the load overlaps the cursor's round trip).
+    Non-flush rows: ``y = decay (S_0 C) + win``; flush rows fold the window into the tile (one ``tl.dot``), write
+    it, ``y = S_new C``."""
+    pid_p = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2).to(tl.int64)
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    mask_p = offs_p < P
+    y_ptrs = y_ptr + row * s_yb + h * s_yh + offs_p * s_yp
+    if HAS_SLOT:
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+    else:
+        slot = row
+    if slot < 0:                                   # padding row: zero output, touch nothing else
+        tl.store(y_ptrs, tl.zeros([BLOCK_P], dtype=tl.float32), mask=mask_p)
+        return
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    tile_mask = mask_p[:, None] & mask_n[None, :]
+    s_ptrs = state_ptr + slot * s_sb + h * s_sh + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
+    if EARLY_TILE:
+        s0 = tl.load(s_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
+    gc = h // heads_per_gc
+    c = tl.load(C_ptr + row * s_cb + gc * s_cg + offs_n * s_cn, mask=mask_n, other=0.0).to(tl.float32)
+    w = tl.load(cursor_ptr + slot)                  # advanced afterwards by _advance_cursor_kernel
+    if ROUTE == 1:                                  # flush rows are another launch's (the tiled body, ROUTE 2)
+        if w == L - 1:
+            return
+    if not EARLY_TILE:
+        s0 = tl.load(s_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
+    if (ROUTE == 0) and (w == L - 1):
+        g = h // heads_per_g
+        offs_l = tl.arange(0, BLOCK_L)
+        hist = offs_l < w
+        cur = offs_l == w
+        la_cur, dt_cur, x_cur, coef, decay, xw = _step_window(
+            lar_ptr, dtr_ptr, xr_ptr, la_ptr, dt_ptr, x_ptr, slot, row, h, w, offs_l, offs_p, mask_p,
+            s_lrb, s_lrh, s_lrl, s_drb, s_drh, s_drl, s_xrb, s_xrh, s_xrl, s_xrp, s_lb, s_lh, s_db, s_dh,
+            s_xb, s_xh, s_xp)
+        bw = tl.load(Br_ptr + slot * s_brb + g * s_brg + offs_l[:, None] * s_brl + offs_n[None, :] * s_brn,
+                     mask=hist[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+        b_cur = tl.load(B_ptr + row * s_bb + g * s_bg + offs_n * s_bn, mask=mask_n, other=0.0).to(tl.float32)
+        bw = tl.where(cur[:, None], b_cur[None, :], bw)
+        s_new = decay * s0 + tl.dot(tl.trans(xw * coef[:, None]), bw, input_precision="ieee")
+        _store_checkpoint(s_ptrs, s_new, tile_mask, la_cur, slot * H + h, offs_p[:, None] * N + offs_n[None, :],
+                          STOCHASTIC_FP16)
+        tl.store(y_ptrs, tl.sum(s_new * c[None, :], axis=1), mask=mask_p)
+    else:
+        decay = tl.load(dec_ptr + row * H + h)
+        win = tl.load(win_ptr + (row * H + h) * P + offs_p, mask=mask_p, other=0.0)
+        tl.store(y_ptrs, decay * tl.sum(s0 * c[None, :], axis=1) + win, mask=mask_p)
+
+
+@triton.jit
 def _advance_cursor_kernel(cursor_ptr, slot_ptr, n_rows, L, HAS_SLOT: tl.constexpr, BLOCK: tl.constexpr):
     """w -> w + 1, or 0 after a flush, for every non-padded row (the tiled variant's second launch)."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -380,7 +496,7 @@ def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
     ``tl.dot`` needs every dim >= 16; the window sits on a power-of-two axis >= 16.
     """
     block_l = max(16, triton.next_power_of_2(L))
-    variant = TUNING.get("variant") or ("whole" if b * H <= WHOLE_MAX_ROW_HEADS else "tiled")
+    variant = TUNING.get("variant") or ("whole" if b * H <= WHOLE_MAX_ROW_HEADS else "pre")
     if variant == "whole":
         block_n = max(16, triton.next_power_of_2(N))
         block_p = TUNING.get("BLOCK_P") or (32 if P % 32 == 0 and P > 64 else 16)
@@ -392,12 +508,17 @@ def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
         warps = TUNING.get("num_warps") or (2 if block_l <= 16 else 4)
     cfg = dict(variant=variant, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_L=block_l, num_warps=warps,
                state_evict="evict_first" if TUNING.get("evict_first", 0) else "")
-    if variant == "split":
+    if variant == "pre":
+        # the checkpoint pass holds whole rows of N (one tile, loaded before the cursor)
+        cfg.update(BLOCK_N=max(16, triton.next_power_of_2(N)), BLOCK_P=TUNING.get("BLOCK_P") or 16,
+                   num_warps=TUNING.get("num_warps") or 1, window_warps=TUNING.get("window_warps") or 2,
+                   route=TUNING.get("route", 1), early_tile=bool(TUNING.get("early_tile", 0)))
+    if variant == "split" or (variant == "pre" and cfg["route"] == 1):
         # the flush launch's own tile (the fold's tl.dot and the write cost registers the non-flush pass must not pay)
         bp = 64 if P % 64 == 0 else 32
         cfg.update(FLUSH_P=TUNING.get("FLUSH_P") or max(16, min(bp, triton.next_power_of_2(P))),
                    FLUSH_N=TUNING.get("FLUSH_N") or max(16, min(bp, triton.next_power_of_2(N))),
-                   flush_warps=TUNING.get("flush_warps") or (2 if block_l <= 16 else 4))
+                   flush_warps=TUNING.get("flush_warps") or (4 if bp == 64 or block_l > 16 else 2))
     return cfg
 
 
@@ -428,6 +549,26 @@ def replay_step_triton(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, l
     elif cfg["variant"] == "tiled":
         k = _mamba2_replay_tiled_kernel[(n_pb, b, H)](*args, N_TILES=triton.cdiv(N, cfg["BLOCK_N"]),
                                                       STATE_EVICT=cfg["state_evict"], ROUTE=0, **common)
+        _advance_cursor_kernel[(triton.cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
+    elif cfg["variant"] == "pre":
+        win = torch.empty((b, H, P), dtype=torch.float32, device=x.device)
+        dec = torch.empty((b, H), dtype=torch.float32, device=x.device)
+        bpw = max(16, triton.next_power_of_2(P))
+        _mamba2_prepass_window_kernel[(b, H)](
+            x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, win, dec, H, P, N, L, H // G, H // Gc,
+            *x_ring.stride(), *dt_ring.stride(), *la_ring.stride(), *B_ring.stride(),
+            *x.stride(), *dt.stride(), *la.stride(), *B.stride(), *C.stride(),
+            HAS_SLOT=has_slot, BLOCK_P=bpw, BLOCK_N=cfg["BLOCK_N"], BLOCK_L=cfg["BLOCK_L"],
+            num_warps=cfg["window_warps"])
+        k = _mamba2_prepass_apply_kernel[(n_pb, b, H)](
+            *args[:13], win, dec, *args[13:19], *args[20:],
+            HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_P"], BLOCK_N=cfg["BLOCK_N"], BLOCK_L=cfg["BLOCK_L"],
+            STOCHASTIC_FP16=common["STOCHASTIC_FP16"], ROUTE=cfg["route"], EARLY_TILE=cfg["early_tile"],
+            num_warps=cfg["num_warps"])
+        if cfg["route"] == 1:
+            fl = dict(common, BLOCK_P=cfg["FLUSH_P"], BLOCK_N=cfg["FLUSH_N"], num_warps=cfg["flush_warps"])
+            _mamba2_replay_tiled_kernel[(triton.cdiv(P, cfg["FLUSH_P"]), b, H)](
+                *args, N_TILES=triton.cdiv(N, cfg["FLUSH_N"]), STATE_EVICT="", ROUTE=2, **fl)
         _advance_cursor_kernel[(triton.cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
     else:
         # split: the same body compiled twice, each launch returning at once on the other kind of row
