@@ -340,6 +340,8 @@ def _mamba2_prepass_window_kernel(
     if slot < 0:
         return
     w = tl.load(cursor_ptr + slot)
+    if w == L - 1:                                  # flush rows: the flush launch computes their window
+        return
     g = h // heads_per_g
     gc = h // heads_per_gc
     offs_p = tl.arange(0, BLOCK_P)
@@ -362,13 +364,12 @@ def _mamba2_prepass_window_kernel(
     win = tl.sum((coef * bc)[:, None] * xw, axis=0)                                # [BLOCK_P]
     tl.store(win_ptr + (row * H + h) * P + offs_p, win, mask=mask_p)
     tl.store(dec_ptr + row * H + h, decay)
-    if w != L - 1:
-        tl.store(xr_ptr + slot * s_xrb + h * s_xrh + w * s_xrl + offs_p * s_xrp,
-                 x_cur.to(xr_ptr.dtype.element_ty), mask=mask_p)
-        tl.store(dtr_ptr + slot * s_drb + h * s_drh + w * s_drl, dt_cur)
-        tl.store(lar_ptr + slot * s_lrb + h * s_lrh + w * s_lrl, la_cur)
-        if h % heads_per_g == 0:                      # one program per group appends B_t
-            tl.store(br_base + w * s_brl + offs_n * s_brn, b_cur.to(Br_ptr.dtype.element_ty), mask=mask_n)
+    tl.store(xr_ptr + slot * s_xrb + h * s_xrh + w * s_xrl + offs_p * s_xrp,
+             x_cur.to(xr_ptr.dtype.element_ty), mask=mask_p)
+    tl.store(dtr_ptr + slot * s_drb + h * s_drh + w * s_drl, dt_cur)
+    tl.store(lar_ptr + slot * s_lrb + h * s_lrh + w * s_lrl, la_cur)
+    if h % heads_per_g == 0:                          # one program per group appends B_t
+        tl.store(br_base + w * s_brl + offs_n * s_brn, b_cur.to(Br_ptr.dtype.element_ty), mask=mask_n)
 
 
 @triton.jit
@@ -511,7 +512,7 @@ def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
     if variant == "pre":
         # the checkpoint pass holds whole rows of N (one tile, loaded before the cursor)
         cfg.update(BLOCK_N=max(16, triton.next_power_of_2(N)), BLOCK_P=TUNING.get("BLOCK_P") or 16,
-                   num_warps=TUNING.get("num_warps") or 1, window_warps=TUNING.get("window_warps") or 2,
+                   num_warps=TUNING.get("num_warps") or 1, window_warps=TUNING.get("window_warps") or 1,
                    route=TUNING.get("route", 1), early_tile=bool(TUNING.get("early_tile", 0)))
     if variant == "split" or (variant == "pre" and cfg["route"] == 1):
         # the flush launch's own tile (the fold's tl.dot and the write cost registers the non-flush pass must not pay)
