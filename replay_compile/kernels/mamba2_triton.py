@@ -8,22 +8,28 @@ one captured CUDA graph replays every step. Grid ``(cdiv(P, BLOCK_P), batch, H)`
 whatever the storage dtypes; exponents are suffix sums of log-decays clamped at 0, so nothing can overflow; the
 window of up to ``L`` records sits on a power-of-two axis ``BLOCK_L``, masked by the logical index ``j <= w``.
 
-Two variants of the same contract, picked by :func:`launch_config` from the batch:
+Variants of the same contract, picked by :func:`launch_config` from the batch (``whole`` small, ``pre`` large):
 
 * ``whole`` (latency: small batches). A program holds a ``BLOCK_P x N`` checkpoint tile (N padded to a power of
   two) and issues every load (tile, whole ring window, x, B, C) before it needs ``w``; stale ring slots are
   discarded in registers. ``y = exp(Σ la)(S_0 C) + Σ_j coef_j (B_j·C) x_j`` on both branches; the flush then writes
   ``exp(Σ la) S_0 + (coef X)ᵀ B`` (one ``tl.dot``, IEEE fp32) from the tile it holds.
-* ``tiled`` (bandwidth: large batches). Branches on ``w`` first and streams the checkpoint over N in
-  ``BLOCK_P x BLOCK_N`` tiles with one tile live: fewer registers, more programs per SM.
+* ``pre`` (bandwidth: large batches). The window is what kept the one-launch kernels from streaming: every
+  program re-read its group's ``[L, N]`` B window and recomputed ``B_j·C`` (5 KB of L2 reads per 16 KB tile). A
+  first launch computes, once per (row, head), ``win = Σ_j coef_j (B_j·C) x_j`` and the decay into fp32 scratch and
+  appends the records; the checkpoint pass is then a plain streamed ``S_0 C`` per ``16 x N`` tile on 1 warp. Flush
+  rows skip both and are folded by a third launch (the ``tiled`` body), so the fold's ``tl.dot`` registers never
+  weigh on the streaming pass; every launch routes on the device from the cursor.
+* ``tiled`` (the previous bandwidth variant, kept for comparison and as ``pre``'s flush body). Branches on ``w``
+  first and streams the checkpoint over N in ``BLOCK_P x BLOCK_N`` tiles with one tile live.
 
 Cursor advance in the ``whole`` variant, without a second launch (one launch matters at small batch): the cursor word carries an arrival count in its high 16 bits while the
 kernel runs. Every program reads ``w`` and counts its arrival in one relaxed ``atomic_add(1 << 16)``; the program
 that arrives last (so every other one has read ``w``) stores the advanced cursor with the count cleared. Between
 launches the word is always the plain cursor, so every other op and the Python side see ``0 <= w < L``. (Counting
-the arrival at the end with a release atomic instead was slower: benchmarks/NOTES.md, v2b.) The ``tiled`` variant
-reads the cursor with a plain load and a second tiny launch advances it: at large batch the atomic cost more than
-the launch.
+the arrival at the end with a release atomic instead was slower: benchmarks/NOTES.md, v2b.) The ``tiled`` and ``pre``
+variants read the cursor with a plain load and a last tiny launch advances it: at large batch the atomic cost more
+than the launch.
 
 fp16 checkpoints are rounded stochastically at the flush (unbiased: each value goes to one of its two fp16
 neighbours with probability proportional to proximity), from a counter-based hash of (slot, head, element, the
@@ -459,8 +465,9 @@ TUNING: dict = {}
 # The last compiled step kernel launched (benchmarks print its registers / spills / shared memory).
 LAST_LAUNCH: dict = {}
 
-# Rows x heads up to which the latency variant runs (from the H200 sweep, benchmarks/NOTES.md).
-WHOLE_MAX_ROW_HEADS = 512
+# Rows x heads up to which the latency variant runs (H200 session-6 sweep: at bs8 whole beat pre on both
+# geometries, 1.34x / 1.30x vs 1.27x / 1.16x; at bs32 pre wins, 1.70x vs 1.46x).
+WHOLE_MAX_ROW_HEADS = 1024
 
 
 def parse_tuning(spec: str) -> dict:
@@ -487,40 +494,43 @@ def tuned(tuning: dict, spec: str):
 
 
 def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
-    """Kernel variant and launch configuration for a step of ``b`` rows.
+    """Kernel variant and launch configuration for a step of ``b`` rows (H200 sweeps: benchmarks/NOTES.md).
 
-    * ``whole`` (latency, small batch): ``BLOCK_P`` = 16 rows of P (or 32), all of N in one tile, 1 warp per 2048
-      tile elements; every load is issued before ``w`` is known; one launch. bs1 Nemotron-Super: 3.9 us vs 5.1 us
-      baseline; at bs8 the tiled variant is already faster (1.48x vs 1.31x), hence the threshold.
-    * ``tiled`` (bandwidth, large batch): 64 x 64 tiles, 2 warps where 64 divides P (Nemotron-Super), else 32 x 32
-      (Nano, P = 80): streams the checkpoint over N with one tile live.
+    * ``whole`` (latency, ``b * H <= WHOLE_MAX_ROW_HEADS``): ``BLOCK_P`` = 16 rows of P (or 32), all of N in one
+      tile, 1 warp per 2048 tile elements; every load issued before ``w`` is known; one launch (bs1 Super 1.23x).
+    * ``pre`` (bandwidth, the default above): launch 1 per (row, head) computes the window's contribution and the
+      decay into scratch and appends the records (1 warp); launch 2 streams ``16 x N`` checkpoint tiles (1 warp)
+      for non-flush rows, ``y = decay (S_0 C) + win``; launch 3 folds the flush rows (the ``tiled`` body, 64 x 64
+      tiles and 4 warps where 64 divides P, else 32 x 32 and 2 warps); launch 4 advances the cursors. Super fp32
+      bs256 1.88x. ``route=0`` folds flush rows inside launch 2 instead (one launch fewer; ``early_tile=1`` loads
+      the tile before the cursor); knobs for sweeps.
+    * ``tiled`` (the session-2 body, kept for comparisons): one launch streams ``BLOCK_P x BLOCK_N`` tiles for both
+      kinds of row, then the cursor advance.
     ``tl.dot`` needs every dim >= 16; the window sits on a power-of-two axis >= 16.
     """
     block_l = max(16, triton.next_power_of_2(L))
+    block_n_whole = max(16, triton.next_power_of_2(N))
     variant = TUNING.get("variant") or ("whole" if b * H <= WHOLE_MAX_ROW_HEADS else "pre")
+    bp = 64 if P % 64 == 0 else 32                  # the tiled body's tile edge (64 divides Super's P = 64)
+    tiled_p = max(16, min(bp, triton.next_power_of_2(P)))
+    tiled_n = max(16, min(bp, triton.next_power_of_2(N)))
     if variant == "whole":
-        block_n = max(16, triton.next_power_of_2(N))
         block_p = TUNING.get("BLOCK_P") or (32 if P % 32 == 0 and P > 64 else 16)
-        warps = TUNING.get("num_warps") or max(1, min(8, max(block_p, block_l) * block_n // (32 * 64)))
-    else:                                          # tiled, split
-        bp = 64 if P % 64 == 0 else 32
-        block_p = TUNING.get("BLOCK_P") or max(16, min(bp, triton.next_power_of_2(P)))
-        block_n = TUNING.get("BLOCK_N") or max(16, min(bp, triton.next_power_of_2(N)))
-        warps = TUNING.get("num_warps") or (2 if block_l <= 16 else 4)
-    cfg = dict(variant=variant, BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_L=block_l, num_warps=warps,
-               state_evict="evict_first" if TUNING.get("evict_first", 0) else "")
-    if variant == "pre":
-        # the checkpoint pass holds whole rows of N (one tile, loaded before the cursor)
-        cfg.update(BLOCK_N=max(16, triton.next_power_of_2(N)), BLOCK_P=TUNING.get("BLOCK_P") or 16,
-                   num_warps=TUNING.get("num_warps") or 1, window_warps=TUNING.get("window_warps") or 1,
-                   route=TUNING.get("route", 1), early_tile=bool(TUNING.get("early_tile", 0)))
-    if variant == "split" or (variant == "pre" and cfg["route"] == 1):
-        # the flush launch's own tile (the fold's tl.dot and the write cost registers the non-flush pass must not pay)
-        bp = 64 if P % 64 == 0 else 32
-        cfg.update(FLUSH_P=TUNING.get("FLUSH_P") or max(16, min(bp, triton.next_power_of_2(P))),
-                   FLUSH_N=TUNING.get("FLUSH_N") or max(16, min(bp, triton.next_power_of_2(N))),
+        cfg = dict(BLOCK_P=block_p, BLOCK_N=block_n_whole,
+                   num_warps=TUNING.get("num_warps") or max(1, min(8, max(block_p, block_l) * block_n_whole // 2048)))
+    elif variant == "tiled":
+        cfg = dict(BLOCK_P=TUNING.get("BLOCK_P") or tiled_p, BLOCK_N=TUNING.get("BLOCK_N") or tiled_n,
+                   num_warps=TUNING.get("num_warps") or (2 if block_l <= 16 else 4),
+                   state_evict="evict_first" if TUNING.get("evict_first", 0) else "")
+    elif variant == "pre":
+        cfg = dict(BLOCK_P=TUNING.get("BLOCK_P") or 16, BLOCK_N=block_n_whole, num_warps=TUNING.get("num_warps") or 1,
+                   window_warps=TUNING.get("window_warps") or 1, route=TUNING.get("route", 1),
+                   early_tile=bool(TUNING.get("early_tile", 0)),
+                   FLUSH_P=TUNING.get("FLUSH_P") or tiled_p, FLUSH_N=TUNING.get("FLUSH_N") or tiled_n,
                    flush_warps=TUNING.get("flush_warps") or (4 if bp == 64 or block_l > 16 else 2))
-    return cfg
+    else:
+        raise ValueError(f"replay_compile.mamba2: unknown kernel variant {variant!r} (whole, pre, tiled)")
+    return dict(cfg, variant=variant, BLOCK_L=block_l)
 
 
 def replay_step_triton(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_idx=None):
@@ -551,7 +561,7 @@ def replay_step_triton(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, l
         k = _mamba2_replay_tiled_kernel[(n_pb, b, H)](*args, N_TILES=triton.cdiv(N, cfg["BLOCK_N"]),
                                                       STATE_EVICT=cfg["state_evict"], ROUTE=0, **common)
         _advance_cursor_kernel[(triton.cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
-    elif cfg["variant"] == "pre":
+    else:                                          # pre
         win = torch.empty((b, H, P), dtype=torch.float32, device=x.device)
         dec = torch.empty((b, H), dtype=torch.float32, device=x.device)
         bpw = max(16, triton.next_power_of_2(P))
@@ -570,14 +580,6 @@ def replay_step_triton(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, l
             fl = dict(common, BLOCK_P=cfg["FLUSH_P"], BLOCK_N=cfg["FLUSH_N"], num_warps=cfg["flush_warps"])
             _mamba2_replay_tiled_kernel[(triton.cdiv(P, cfg["FLUSH_P"]), b, H)](
                 *args, N_TILES=triton.cdiv(N, cfg["FLUSH_N"]), STATE_EVICT="", ROUTE=2, **fl)
-        _advance_cursor_kernel[(triton.cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
-    else:
-        # split: the same body compiled twice, each launch returning at once on the other kind of row
-        k = _mamba2_replay_tiled_kernel[(n_pb, b, H)](*args, N_TILES=triton.cdiv(N, cfg["BLOCK_N"]),
-                                                      STATE_EVICT=cfg["state_evict"], ROUTE=1, **common)
-        fl = dict(common, BLOCK_P=cfg["FLUSH_P"], BLOCK_N=cfg["FLUSH_N"], num_warps=cfg["flush_warps"])
-        _mamba2_replay_tiled_kernel[(triton.cdiv(P, cfg["FLUSH_P"]), b, H)](
-            *args, N_TILES=triton.cdiv(N, cfg["FLUSH_N"]), STATE_EVICT="", ROUTE=2, **fl)
         _advance_cursor_kernel[(triton.cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
     LAST_LAUNCH["kernel"] = k
     return y
