@@ -175,9 +175,10 @@ def _clone_all(state, copy, rings):
     return state.clone(), copy.clone(), [r.clone() for r in rings]
 
 
+@pytest.mark.parametrize("variant", ["pre", "fused"])
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("gi", range(len(GEOMS)))
-def test_kernel_matches_reference_step_by_step(fmt, gi):
+def test_kernel_matches_reference_step_by_step(fmt, gi, variant):
     geom, S, L, block_p = GEOMS[gi]
     b, H, P, N, G, Gc = geom.batch, geom.H, geom.P, geom.N, geom.G, geom.Gc
     g = torch.Generator().manual_seed(10 + gi)
@@ -186,7 +187,7 @@ def test_kernel_matches_reference_step_by_step(fmt, gi):
     copy = init_read_copy(state * 0.5 + 0.1, fmt)
     rings = random_rings(S, H, P, N, G, L, g, DEV)
     n_flush = n_read = 0
-    with kt.tuned(f"BLOCK_P={block_p}"):
+    with kt.tuned(f"{variant}:BLOCK_P={block_p},APPLY_P={block_p}"):
         for t in range(2 * L + 2):
             idx = random_slots(b, S, g).to(DEV)
             tok = random_token(b, H, P, N, G, Gc, g, DEV)

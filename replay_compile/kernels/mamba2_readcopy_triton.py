@@ -94,7 +94,7 @@ import triton.language as tl
 
 from ..quant.formats import Encoded, ReadCopyFormat, get_format
 from .mamba2_readcopy_reference import as_encoded
-from .mamba2_triton import _advance_cursor_kernel, _round_checkpoint, _step_window, parse_tuning
+from .mamba2_triton import _advance_cursor_kernel, _mamba2_prepass_window_kernel, _round_checkpoint, _step_window, parse_tuning
 
 __all__ = ["FORMAT_IDS", "TUNING", "decode_read_copy_triton", "launch_config", "replay_step_readcopy_triton",
            "tuned"]
@@ -232,7 +232,7 @@ def _readcopy_step_kernel(
     s_qb, s_qh, s_qp, s_qn,                 # fp8 scale [S, H, P] (s_qn unused) / nvfp4 block_scale [S, H, P, NB]
     s_tb,                                   # nvfp4 tensor_scale [S]
     FMT: tl.constexpr, HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, FOLD_DOT: tl.constexpr,
+    BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, FOLD_DOT: tl.constexpr, ROUTE: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
@@ -248,6 +248,9 @@ def _readcopy_step_kernel(
         tl.store(y_ptrs, tl.zeros([BLOCK_P], dtype=tl.float32), mask=mask_p)
         return
     w = tl.load(cursor_ptr + slot)                  # advanced afterwards by _advance_cursor_kernel
+    if ROUTE == 2:                                  # flush rows only (the pre variant's third launch)
+        if w != L - 1:
+            return
     g = h // heads_per_g
     gc = h // heads_per_gc
     offs_l = tl.arange(0, BLOCK_L)
@@ -305,7 +308,7 @@ def _readcopy_step_kernel(
             # the slot's amax: non-negative fp32 bits order as int32; encoded by _nvfp4_flush_encode_kernel
             amax = tl.max(tl.max(tl.abs(v), axis=1), axis=0)
             tl.atomic_max(amax_ptr + row, amax.to(tl.int32, bitcast=True), sem="relaxed")
-    else:
+    elif ROUTE == 0:
         # y = exp(Σ la) (S_0 C) + Σ_j coef_j (B_j·C) x_j with S_0 the decoded copy; the fp32 state is not read
         if FMT == 2:
             p3, blk, k = _nvfp4_offsets(offs_p, BLOCK_N // 16)
@@ -329,6 +332,54 @@ def _readcopy_step_kernel(
             tl.store(lar_ptr + slot * s_lrb + h * s_lrh + w * s_lrl, la_cur)
             if h % heads_per_g == 0:                  # one program per group appends B_t
                 tl.store(br_base + w * s_brl + offs_n * s_brn, b_cur.to(Br_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _readcopy_apply_kernel(
+    cursor_ptr, C_ptr, slot_ptr, y_ptr, win_ptr, dec_ptr, cv_ptr, cs_ptr, ct_ptr,
+    H, P, N, L, heads_per_gc,
+    s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
+    s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb,
+    FMT: tl.constexpr, HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """``pre`` variant's copy pass, grid ``(cdiv(P, BLOCK_P), batch, H)``: for non-flush rows
+    ``y = decay (S_copy C) + win`` from the decoded copy and the window launch's scratch
+    (:func:`~replay_compile.kernels.mamba2_triton._mamba2_prepass_window_kernel`); flush rows return at once."""
+    pid_p = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2).to(tl.int64)
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    mask_p = offs_p < P
+    y_ptrs = y_ptr + row * s_yb + h * s_yh + offs_p * s_yp
+    if HAS_SLOT:
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+    else:
+        slot = row
+    if slot < 0:                                   # padding row: zero output, touch nothing else
+        tl.store(y_ptrs, tl.zeros([BLOCK_P], dtype=tl.float32), mask=mask_p)
+        return
+    w = tl.load(cursor_ptr + slot)
+    if w == L - 1:
+        return
+    c_base = C_ptr + row * s_cb + (h // heads_per_gc) * s_cg
+    if FMT == 2:
+        p3, blk, k = _nvfp4_offsets(offs_p, BLOCK_N // 16)
+        col_e = blk * 16 + 2 * k
+        even, odd = _load_nvfp4(cv_ptr, cs_ptr, ct_ptr, slot, h, offs_p, P, N, s_vb, s_vh, s_vp, s_vn,
+                                s_qb, s_qh, s_qp, s_qn, s_tb, BLOCK_N // 16)
+        c_e = tl.load(c_base + col_e * s_cn, mask=col_e < N, other=0.0).to(tl.float32)
+        c_o = tl.load(c_base + (col_e + 1) * s_cn, mask=col_e + 1 < N, other=0.0).to(tl.float32)
+        sc = tl.sum(tl.sum(even * c_e + odd * c_o, axis=2), axis=1)
+    else:
+        offs_n = tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        c = tl.load(c_base + offs_n * s_cn, mask=mask_n, other=0.0).to(tl.float32)
+        s0 = _load_copy_rows(cv_ptr, cs_ptr, slot, h, offs_p, offs_n, mask_p, mask_p[:, None] & mask_n[None, :],
+                             s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, FMT)
+        sc = tl.sum(s0 * c[None, :], axis=1)
+    decay = tl.load(dec_ptr + row * H + h)
+    win = tl.load(win_ptr + (row * H + h) * P + offs_p, mask=mask_p, other=0.0)
+    tl.store(y_ptrs, decay * sc + win, mask=mask_p)
 
 
 @triton.jit
@@ -410,7 +461,10 @@ def _decode_kernel(cv_ptr, cs_ptr, ct_ptr, out_ptr, P, N,
 def tuned(spec: str):
     """Force this module's launch configuration (``"BLOCK_P=16,num_warps=4"``) for the duration of the block."""
     TUNING.clear()
-    TUNING.update({k: v for k, v in parse_tuning("x:" + spec).items() if k != "variant"})
+    name, _, rest = spec.rpartition(":") if ":" in spec else ("", "", spec)
+    TUNING.update({k: v for k, v in parse_tuning("x:" + rest).items() if k != "variant"})
+    if name:
+        TUNING["variant"] = name
     try:
         yield
     finally:
@@ -424,8 +478,12 @@ def launch_config(P: int, N: int, L: int) -> dict:
     block_l = max(16, triton.next_power_of_2(L))
     block_p = TUNING.get("BLOCK_P") or (32 if P % 32 == 0 and P > 64 else 16)
     warps = TUNING.get("num_warps") or max(1, min(8, max(block_p, block_l) * block_n // (32 * 64)))
+    variant = TUNING.get("variant") or "pre"
+    if variant not in ("pre", "fused"):
+        raise ValueError(f"replay_compile.mamba2 read copy: unknown kernel variant {variant!r} (pre, fused)")
     return dict(BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_L=block_l, num_warps=warps,
-                fold_dot=bool(TUNING.get("fold_dot", 0)))
+                fold_dot=bool(TUNING.get("fold_dot", 0)), variant=variant,
+                APPLY_P=TUNING.get("APPLY_P") or 16, apply_warps=TUNING.get("apply_warps") or 1)
 
 
 def _format_name(fmt) -> str:
@@ -474,15 +532,31 @@ def replay_step_readcopy_triton(state, copy, fmt, x_ring, dt_ring, la_ring, B_ri
     amax = torch.zeros(b, dtype=torch.int32, device=x.device) if name == "nvfp4" else cursor
     (cv, cs, ct), cstrides = _copy_args(enc, name, cursor)
     grid = (n_pb, b, H)
-    k = _readcopy_step_kernel[grid](
+    pre = cfg["variant"] == "pre"
+    if pre:
+        # launch 1: the window's contribution per (row, head) and the records (shared with the fp32 step);
+        # launch 2: the copy pass of the non-flush rows; launch 3 (below): the flush rows
+        win = torch.empty((b, H, P), dtype=torch.float32, device=x.device)
+        dec = torch.empty((b, H), dtype=torch.float32, device=x.device)
+        _mamba2_prepass_window_kernel[(b, H)](
+            x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, win, dec, H, P, N, L, H // G, H // Gc,
+            *x_ring.stride(), *dt_ring.stride(), *la_ring.stride(), *B_ring.stride(),
+            *x.stride(), *dt.stride(), *la.stride(), *B.stride(), *C.stride(),
+            HAS_SLOT=has_slot, BLOCK_P=max(16, triton.next_power_of_2(P)), BLOCK_N=cfg["BLOCK_N"],
+            BLOCK_L=cfg["BLOCK_L"], num_warps=1)
+        k = _readcopy_apply_kernel[(triton.cdiv(P, cfg["APPLY_P"]), b, H)](
+            cursor, C, slot_arg, y, win, dec, cv, cs, ct, H, P, N, L, H // Gc, *C.stride(), *y.stride(), *cstrides,
+            FMT=FORMAT_IDS[name], HAS_SLOT=has_slot, BLOCK_P=cfg["APPLY_P"], BLOCK_N=cfg["BLOCK_N"],
+            num_warps=cfg["apply_warps"])
+    k2 = _readcopy_step_kernel[grid](
         state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, y, cv, cs, ct, amax,
         H, P, N, L, H // G, H // Gc,
         *state.stride(), *x_ring.stride(), *dt_ring.stride(), *la_ring.stride(), *B_ring.stride(),
         *x.stride(), *dt.stride(), *la.stride(), *B.stride(), *C.stride(), *y.stride(), *cstrides,
         FMT=FORMAT_IDS[name], HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_P"], BLOCK_N=cfg["BLOCK_N"],
         BLOCK_L=cfg["BLOCK_L"], STOCHASTIC_FP16=state.dtype == torch.float16, FOLD_DOT=cfg["fold_dot"],
-        num_warps=cfg["num_warps"])
-    LAST_LAUNCH["kernel"] = k
+        ROUTE=2 if pre else 0, num_warps=cfg["num_warps"])
+    LAST_LAUNCH["kernel"] = k if pre else k2
     if name == "nvfp4":
         _nvfp4_flush_encode_kernel[grid](
             state, cursor, slot_arg, amax, cv, cs, ct, P, N, L, *state.stride(), *cstrides,
