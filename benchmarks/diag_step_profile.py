@@ -1,0 +1,86 @@
+"""Where a compiled decode step's time goes: torch.profiler over steady steps, plain torch.compile vs replayssm.
+
+    python benchmarks/diag_step_profile.py --model nemotron_h_nano4b --layers 8 --batch 1 [--modes inductor-ro,replayssm-ro]
+
+Per mode: the step's wall time (host launch + device, synchronised as in ``replay-compile bench``), the number of
+device kernels per step and the top kernels by device time. Written for the batch-1 question of issue 5 (the
+whole-step ratio at bs1 is below the per-layer kernel's); a diagnostic, not a benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+import torch
+
+
+def profile_mode(model, mode: str, batch: int, L: int, warm: int = 20, steps: int = 8, top: int = 12):
+    from transformers import StaticCache
+
+    from replay_compile.bench import _forward_for, cache_kwarg
+
+    dev = next(model.parameters()).device
+    torch._dynamo.reset()
+    ids = torch.randint(3, model.config.vocab_size, (batch, 16), device=dev)
+    cache = StaticCache(config=model.config, max_cache_len=16 + warm + 2 * steps + 4)   # timed + profiled steps
+    ck = cache_kwarg(model)
+    fwd = _forward_for(model, mode, L)
+    with torch.no_grad():
+        out = model(ids, use_cache=True, cache_position=torch.arange(16, device=dev), **{ck: cache})
+        tok = out.logits[:, -1:].argmax(-1)
+        pos = 16
+
+        def step():
+            nonlocal tok, pos
+            o = fwd(tok, use_cache=True, cache_position=torch.tensor([pos], device=dev), **{ck: cache})
+            tok = o.logits[:, -1:].argmax(-1)
+            pos += 1
+        for _ in range(warm):
+            step()
+        torch.cuda.synchronize()
+        walls = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            walls.append(time.perf_counter() - t0)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+    kern = collections.Counter()
+    count = collections.Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kern[e.name] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+            count[e.name] += 1
+    walls.sort()
+    print(f"== {mode}: median step {walls[len(walls) // 2] * 1e3:.3f} ms (host+device, synchronised), "
+          f"{sum(count.values()) / steps:.0f} kernels/step, device total {sum(kern.values()) / steps / 1e3:.3f} ms/step")
+    for name, t in kern.most_common(top):
+        print(f"   {t / steps:9.1f} us/step  x{count[name] / steps:4.0f}  {name[:110]}")
+    cpu = prof.key_averages()
+    rows = sorted((e for e in cpu if e.self_cpu_time_total > 0), key=lambda e: -e.self_cpu_time_total)[:8]
+    for e in rows:
+        print(f"   cpu {e.self_cpu_time_total / steps:9.1f} us/step  x{e.count / steps:5.1f}  {e.key[:100]}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="nemotron_h_nano4b")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--modes", default="inductor-ro,replayssm-ro")
+    ap.add_argument("--L", type=int, default=16)
+    args = ap.parse_args(argv)
+    from replay_compile.bench import build_model
+    model = build_model(args.model, torch.bfloat16, "cuda", args.layers)
+    for mode in args.modes.split(","):
+        profile_mode(model, mode, args.batch, args.L)
+
+
+if __name__ == "__main__":
+    main()
