@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
-CONFIG_VERSION = 1
+CONFIG_VERSION = 2        # 2: read_copy
 
 # name -> (field, parser, help). One table; the README's environment table is written from it.
 ENV_VARS: dict[str, tuple[str, Any, str]] = {
@@ -25,6 +25,9 @@ ENV_VARS: dict[str, tuple[str, Any, str]] = {
                                 "comma list of families to rewrite; default all (mamba2, gdn, kda)"),
     "REPLAY_COMPILE_DISABLE": ("enabled", lambda s: s in ("", "0", "false", "False"),
                                "1: compile with the lowering only, rewrite nothing"),
+    "REPLAY_COMPILE_READ_COPY": ("read_copy", lambda s: s or None,
+                                 "bf16 / fp8_e4m3 / nvfp4: Mamba-2 non-flush steps read a low-precision copy of the "
+                                 "checkpoint (the recurrence stays exact); default: none"),
 }
 # read where they act, not part of ReplayConfig
 OTHER_ENV_VARS = {
@@ -34,6 +37,7 @@ OTHER_ENV_VARS = {
 
 SUPPORTED_FAMILIES = ("mamba2", "gdn", "kda")
 SUPPORTED_LOWERINGS = ("inductor", "eager")
+SUPPORTED_READ_COPIES = ("bf16", "fp8_e4m3", "nvfp4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +53,10 @@ class ReplayConfig:
         families: SSM families to rewrite ("mamba2", "gdn": Gated DeltaNet, "kda": Kimi Delta Attention).
         enabled: rewrite at all (``False`` gives plain lowering, useful for A/B runs).
         lower: ``"inductor"`` (default) or ``"eager"`` (run the rewritten FX graph as is; for debugging).
+        read_copy: None (default: every read is exact) or a read-copy format (``"bf16"``, ``"fp8_e4m3"``,
+            ``"nvfp4"``): Mamba-2 non-flush steps read their checkpoint term from a copy in that format, rewritten
+            at every flush; the fp32 recurrence is untouched, outputs carry the copy's rounding (issue 7;
+            ``benchmarks/drift.py`` measures the drift). Delta-rule layers ignore it for now.
     """
 
     buffer_len: int = 16
@@ -57,6 +65,7 @@ class ReplayConfig:
     families: tuple[str, ...] = SUPPORTED_FAMILIES
     enabled: bool = True
     lower: str = "inductor"
+    read_copy: Optional[str] = None
     version: int = CONFIG_VERSION
 
     def __post_init__(self):
@@ -67,6 +76,9 @@ class ReplayConfig:
             raise ValueError(f"replay_compile: unknown families {sorted(unknown)}; supported: {SUPPORTED_FAMILIES}")
         if self.lower not in SUPPORTED_LOWERINGS:
             raise ValueError(f"replay_compile: lower must be one of {SUPPORTED_LOWERINGS}, got {self.lower!r}")
+        if self.read_copy is not None and self.read_copy not in SUPPORTED_READ_COPIES:
+            raise ValueError(f"replay_compile: read_copy must be None or one of {SUPPORTED_READ_COPIES}, "
+                             f"got {self.read_copy!r}")
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import Any, ClassVar, Iterator
+from typing import Any, ClassVar, Iterator, Optional
 
 import torch
 
@@ -28,7 +28,8 @@ from ._logging import log
 
 @dataclasses.dataclass(frozen=True)
 class Mamba2RingSpec:
-    """Sizes and dtypes of one layer's rings. ``G``: B groups; ``L``: buffer length."""
+    """Sizes and dtypes of one layer's rings. ``G``: B groups; ``L``: buffer length; ``read_copy``: a read-copy
+    format (``"bf16"``, ``"fp8_e4m3"``, ``"nvfp4"``) whose storage sits beside the rings, or None (exact reads)."""
 
     H: int
     P: int
@@ -38,6 +39,7 @@ class Mamba2RingSpec:
     x_dtype: torch.dtype
     B_dtype: torch.dtype
     rec_dtype: torch.dtype = torch.float32
+    read_copy: Optional[str] = None
     FLUSH_OP: ClassVar[str] = "mamba2_flush"
     MATERIALIZE_OP: ClassVar[str] = "mamba2_materialize"
 
@@ -45,17 +47,48 @@ class Mamba2RingSpec:
     def family(self) -> str:
         return "mamba2"
 
-    def allocate(self, slots, device) -> tuple:
-        """Zeroed (x_ring, dt_ring, la_ring, B_ring, cursor) for ``slots`` sequences."""
+    @property
+    def ring_names(self) -> tuple[str, ...]:
+        copy = ("copy0", "copy1", "copy2") if self.read_copy else ()
+        return ("x_ring", "dt_ring", "la_ring", "B_ring", *copy, "cursor")
+
+    @property
+    def step_op(self):
+        """The step op the rewrite inserts, and the arguments it takes after ``slot_idx``."""
+        if self.read_copy:
+            return torch.ops.replay_compile.mamba2_step_rc.default, (self.read_copy,)
+        return torch.ops.replay_compile.mamba2_step.default, ()
+
+    def allocate(self, slots, device, state_shape=None) -> tuple:
+        """Zeroed (x_ring, dt_ring, la_ring, B_ring[, copy0, copy1, copy2], cursor) for ``slots`` sequences; the
+        copy storage (:func:`~replay_compile.ops.mamba2_readcopy.allocate_copy`) only with ``read_copy``."""
         z = lambda shape, dt: torch.zeros(shape, dtype=dt, device=device)  # noqa: E731
+        copy = ()
+        if self.read_copy:
+            from .ops.mamba2_readcopy import allocate_copy
+            copy = allocate_copy(self.read_copy, (slots, self.H, self.P, self.N), device)
         return (z((slots, self.H, self.L, self.P), self.x_dtype), z((slots, self.H, self.L), self.rec_dtype),
                 z((slots, self.H, self.L), self.rec_dtype), z((slots, self.G, self.L, self.N), self.B_dtype),
-                z((slots,), torch.int32))
+                *copy, z((slots,), torch.int32))
+
+    def core(self, rings: tuple) -> tuple:
+        """(x_ring, dt_ring, la_ring, B_ring, cursor): what the flush / materialize ops take."""
+        return (*rings[:4], rings[-1])
+
+    def sync_copy(self, state: torch.Tensor, rings: tuple) -> None:
+        """Rewrite the read copy from the checkpoint (which holds the true state: at bind, reset, after a flush)."""
+        if self.read_copy:
+            from .ops.mamba2_readcopy import encode_copy
+            encode_copy(self.read_copy, state, rings[4:7])
 
     def nbytes_per_slot(self) -> int:
         es = lambda d: torch.empty((), dtype=d).element_size()  # noqa: E731
+        copy = 0
+        if self.read_copy:
+            from .quant.formats import FORMATS
+            copy = FORMATS[self.read_copy].nbytes((1, self.H, self.P, self.N))
         return self.H * self.L * (self.P * es(self.x_dtype) + 2 * es(self.rec_dtype)) + \
-            self.G * self.L * self.N * es(self.B_dtype) + 4
+            self.G * self.L * self.N * es(self.B_dtype) + 4 + copy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +110,18 @@ class DeltaRingSpec:
     @property
     def family(self) -> str:
         return "kda" if self.kda else "gdn"
+
+    ring_names = ("d_ring", "k_ring", "g_ring", "cursor")
+
+    @property
+    def step_op(self):
+        return torch.ops.replay_compile.delta_step.default, ()
+
+    def core(self, rings: tuple) -> tuple:
+        return tuple(rings)
+
+    def sync_copy(self, state: torch.Tensor, rings: tuple) -> None:
+        pass
 
     def allocate(self, slots, device) -> tuple:
         """Zeroed (d_ring [S, HV, L, V], k_ring [S, Hk, L, K], g_ring [S, HV, L(, K)], cursor [S]) for ``slots``."""
@@ -108,6 +153,7 @@ class ReplayState:
         self.layer = layer
         self._state = weakref.ref(state)
         self.rings = spec.allocate(state.shape[0], state.device)
+        spec.sync_copy(state, self.rings)
         self.version = tensor_version(state)
         self.dirty = False          # host-side: a step ran since the last flush/reset (no device sync needed)
         self.steps = 0              # host-side count of compiled steps (for reports; no device sync)
@@ -127,6 +173,7 @@ class ReplayState:
         self.dirty = False
         st = self.state
         if st is not None:
+            self.spec.sync_copy(st, self.rings)
             self.version = tensor_version(st)
 
     def flush(self) -> None:
@@ -141,14 +188,15 @@ class ReplayState:
         self.check_external_write(st)
         if not self.dirty:
             return
-        getattr(torch.ops.replay_compile, self.spec.FLUSH_OP)(st, *self.rings)
+        getattr(torch.ops.replay_compile, self.spec.FLUSH_OP)(st, *self.spec.core(self.rings))
+        self.spec.sync_copy(st, self.rings)
         self.dirty = False
         self.version = tensor_version(st)
 
     def materialize(self) -> torch.Tensor:
         """The true current state, out of place; the cache and rings are not touched."""
         st = self.state
-        return getattr(torch.ops.replay_compile, self.spec.MATERIALIZE_OP)(st, *self.rings)
+        return getattr(torch.ops.replay_compile, self.spec.MATERIALIZE_OP)(st, *self.spec.core(self.rings))
 
     def check_external_write(self, st: torch.Tensor) -> None:
         v = tensor_version(st)

@@ -114,7 +114,8 @@ class Mamba2Match(SiteMatch):
         return torch.einsum("bhpn,bhn->bhp", new, Ch)
 
     def describe(self, spec) -> str:
-        return f"H={self.H} P={self.P} N={self.N} G={self.G} L={spec.L} x:{str(self.x_dtype).replace('torch.', '')}"
+        rc = f" read copy {spec.read_copy}" if getattr(spec, "read_copy", None) else ""
+        return f"H={self.H} P={self.P} N={self.N} G={self.G} L={spec.L} x:{str(self.x_dtype).replace('torch.', '')}{rc}"
 
 
 def _apply(node: fx.Node, value):

@@ -136,9 +136,12 @@ class ReplaySSMPass:
             log.debug("replay_compile: graph before rewrite:\n%s", gm.code)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         for i, m in enumerate(matches):
-            spec = rewrite.ring_spec(m, self.config.buffer_len)
+            spec = rewrite.ring_spec(m, self.config.buffer_len, self.config.read_copy)
+            if self.config.read_copy and spec.family != "mamba2":
+                log.info("replay_compile: %s: read_copy=%r applies to Mamba-2 layers only (no delta-rule read-copy op "
+                         "yet); this %s layer reads its fp32 checkpoint", m.layer, self.config.read_copy, m.family)
             rings = rewrite.add_ring_placeholders(gm, m, spec, i)
-            rewrite.apply(gm, m, rings)
+            rewrite.apply(gm, m, rings, spec)
             res.fake_inputs.extend(r.meta["example_value"] for r in rings)
             res.sites.append(Site(placeholders.index(m.state), spec, m.layer))
             rw = Rewrite(m.layer, m.family, m.form, spec, m.describe(spec))

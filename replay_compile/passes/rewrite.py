@@ -10,12 +10,17 @@ After::
     y = replay_compile.mamba2_step(S, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, None)
           .to(y.dtype).reshape(y.shape)
 
+(with ``read_copy``: ``replay_compile.mamba2_step_rc(S, x_ring, dt_ring, la_ring, B_ring, copy0, copy1, copy2,
+cursor, x, dt, la, B, C, None, fmt)``, the copy's storage as three more placeholders)
+
 (likewise ``replay_compile.delta_step(S, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, None)`` for GDN/KDA).
 The rings and cursor enter the graph as new placeholders appended after the existing ones; the backend's runner
 passes the right tensors for the cache state it is given. Nodes that only fed the removed write/readout are erased.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch.fx as fx
 from torch.fx.proxy import GraphAppendingTracer, Proxy
@@ -24,7 +29,10 @@ from .. import ops  # noqa: F401 - registers torch.ops.replay_compile
 from .graph_utils import is_inplace
 
 
-def ring_spec(m, L: int):
+def ring_spec(m, L: int, read_copy: str | None = None):
+    """The match's ring spec; ``read_copy`` applies to Mamba-2 layers (the delta-rule read copy has no op yet)."""
+    if read_copy and m.family == "mamba2":
+        return dataclasses.replace(m.ring_spec(L), read_copy=read_copy)
     return m.ring_spec(L)
 
 
@@ -44,7 +52,9 @@ def add_ring_placeholders(gm: fx.GraphModule, m, spec, index: int) -> list[fx.No
     fakes = _fake_rings(m, spec)
     out = []
     with graph.inserting_after(last):
-        for name, fake in reversed(list(zip(m.ring_names, fakes))):
+        names = spec.ring_names
+        assert len(names) == len(fakes), (names, len(fakes))
+        for name, fake in reversed(list(zip(names, fakes))):
             ph = graph.placeholder(f"replay{index}_{name}")
             ph.meta["example_value"] = fake
             ph.meta["val"] = fake
@@ -69,15 +79,17 @@ def _erase_dead(graph: fx.Graph, roots: list) -> None:
         todo.extend(inputs)
 
 
-def apply(gm: fx.GraphModule, m, rings: list[fx.Node]) -> fx.Node:
-    """Rewrite one match in place; returns the op node."""
+def apply(gm: fx.GraphModule, m, rings: list[fx.Node], spec=None) -> fx.Node:
+    """Rewrite one match in place; returns the op node. ``spec`` (the ring spec) picks the op: with a read copy,
+    ``mamba2_step_rc`` and its format argument; without one, the match's own op."""
     graph = gm.graph
     tracer = GraphAppendingTracer(graph)
     with graph.inserting_before(m.readout):
         vals = {}
         for key, recipe in m.recipes.items():
             vals[key] = recipe([Proxy(s, tracer) for s in recipe.sources]).node
-        op = graph.call_function(m.op, (m.state, *rings, *(vals[k] for k in m.op_keys), None))
+        target, extra = spec.step_op if spec is not None else (m.op, ())
+        op = graph.call_function(target, (m.state, *rings, *(vals[k] for k in m.op_keys), None, *extra))
         op.meta["nn_module_stack"] = m.copy_node.meta.get("nn_module_stack", {})
         op.meta["stack_trace"] = m.copy_node.meta.get("stack_trace")
         y = Proxy(op, tracer).to(m.out_dtype).reshape(m.out_shape).node
