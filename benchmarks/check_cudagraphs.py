@@ -3,6 +3,8 @@ per step? A tiny hybrid model on CUDA (NemotronH by default), static cache, gree
 loop.
 
     python benchmarks/check_cudagraphs.py [nemotron_h | qwen3_next | qwen3_5 | qwen3_5_moe | kimi_linear | ...]
+        [bf16,fp8_e4m3,nvfp4]   (also replayssm with each read-copy format: tokens may differ from eager, the
+                                 logit difference is the copy's rounding)
 
 The cache is allocated and prefilled eagerly, then only the one-token decode step is compiled: the way a serving
 loop uses CUDA graphs. (Letting ``generate`` create a hybrid cache inside the first compiled call makes the cache
@@ -59,18 +61,25 @@ def decode(forward):
 
 print(family, "transformers", transformers.__version__, "torch", torch.__version__)
 ref_toks, ref_logits, _, _ = decode(model.forward)
-for backend in ("inductor", "replayssm"):
+runs = [("inductor", None), ("replayssm", None)]
+runs += [("replayssm", fmt) for fmt in (sys.argv[2].split(",") if len(sys.argv) > 2 else [])]
+for backend, read_copy in runs:
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     replay_compile.clear_reports()
     skips.clear()
-    compiled = torch.compile(model.forward, backend=backend, mode="reduce-overhead")
+    if read_copy:        # torch.compile takes no mode with options: our backend reads the mode from its options
+        compiled = torch.compile(model.forward, backend=backend,
+                                 options={"mode": "reduce-overhead", "read_copy": read_copy})
+        backend = f"replayssm read_copy={read_copy}"
+    else:
+        compiled = torch.compile(model.forward, backend=backend, mode="reduce-overhead")
     try:
         toks, logits, mems, cache = decode(compiled)
     except Exception as e:  # noqa: BLE001 - report and go on to the next backend
         print(f"[{backend}] FAILED: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
         continue
-    if backend == "replayssm":
+    if backend.startswith("replayssm"):
         replay_compile.flush(cache)
     c = torch._dynamo.utils.counters
     print(f"[{backend}] rewrites: {sum(len(r.rewrites) for r in replay_compile.reports())}")

@@ -1,6 +1,7 @@
 """Drift of low-precision SSM states over a long generation (issue 7), on CPU or GPU.
 
     python benchmarks/drift.py --out results/drift [--tokens 4096] [--formats fp8_e4m3,nvfp4] [--device cuda]
+        [--checkpoints fp16,fp8_e4m3]
 
 A small hybrid (the test suite's tiny NemotronH, Mamba-2, or ``--model qwen3_5``, Gated DeltaNet; fp32, decays
 slowed so that the state carries information over hundreds of tokens) greedily generates ``--tokens`` tokens in fp32: the reference distribution
@@ -13,7 +14,11 @@ and we record ``KL(p_variant ‖ p_fp32)`` and top-1 agreement per position:
   is rewritten from the fp32 checkpoint at each flush (every ``--buffer-len`` tokens) and serves the outputs of the
   steps in between; its rounding never enters the state (for the delta rule, whose stored corrected values depend
   on the state, flushes re-run the exact recurrence over the raw inputs from the fp32 checkpoint);
-* ``replay/fp32`` — the control: the replay path with an exact copy (KL must be ~0).
+* ``replay/fp32`` — the control: the replay path with an exact copy (KL must be ~0);
+* ``ckpt-sr/<fmt>``, ``ckpt-rn/<fmt>`` (``--checkpoints``, fp16 / fp8_e4m3) — a *quantized checkpoint*: the state is
+  rounded to ``fmt`` only at each flush (every ``--buffer-len`` tokens; the steps in between are exact from the
+  rounded checkpoint, as the replay step computes them), stochastically (``sr``) or to nearest (``rn``): the
+  memory-capacity option, whose rounding does enter the recurrence, once per flush instead of every step.
 
 Writes ``drift.csv`` (per position), ``drift_summary.csv`` and, with matplotlib, ``drift_kl.png``.
 """
@@ -97,10 +102,13 @@ def decode(model, prompt, tokens, variant: str, qdq, buffer_len: int):
     dec = _Decoder(model, prompt)
     logps = [dec.first]
     layers, stored = [], []
+    flushed = []
     if variant == "quantized":
         stored = _ssm_states(model, dec.cache)
         for s in stored:
             s.copy_(qdq(s))
+    elif variant.startswith("ckpt"):
+        flushed = _ssm_states(model, dec.cache)
     elif variant == "replay":
         layers = [cls(name, m, dec.cache, buffer_len, 1, read_format=qdq) for name, m, cls in _ssm_layers(model)]
     with _verify_forwards(layers):
@@ -110,6 +118,9 @@ def decode(model, prompt, tokens, variant: str, qdq, buffer_len: int):
                 layer.commit(1)
             for s in stored:                       # the baseline: the state stored quantized after every step
                 s.copy_(qdq(s))
+            if flushed and (dec.fed - prompt.shape[1]) % buffer_len == 0:
+                for i, s in enumerate(flushed):   # quantized checkpoint: rounded at the flush only
+                    s.copy_(qdq(s, seed=dec.fed * 1009 + i))
     return torch.cat(logps)
 
 
@@ -131,18 +142,25 @@ def kl(logp_var, logp_ref):
     return (logp_var.exp() * (logp_var - logp_ref)).sum(-1).clamp_min(0)
 
 
-def run(tokens: int, formats, buffer_len: int, device: str, seed: int = 0, family: str = "nemotron_h"):
+def run(tokens: int, formats, buffer_len: int, device: str, seed: int = 0, family: str = "nemotron_h",
+        checkpoints=()):
     """Every variant; returns (per-position rows, summary rows)."""
     from replay_compile.quant.formats import quantize_dequantize
+    from replay_compile.quant.stochastic import quantize_checkpoint
 
     model = build_model(family, device, seed)
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(3, model.config.vocab_size, (1, 16), generator=g).to(device)
     toks, ref = reference_run(model, prompt, tokens)
     variants = [("replay", "fp32")] + [(v, f) for f in formats for v in ("quantized", "replay")]
+    variants += [(v, f) for f in checkpoints for v in ("ckpt-rn", "ckpt-sr")]
     per_pos, summary = {}, []
     for variant, fmt in variants:
-        qdq = (lambda x: x.clone()) if fmt == "fp32" else (lambda x, f=fmt: quantize_dequantize(x.float(), f))
+        if variant.startswith("ckpt"):
+            qdq = (lambda x, seed, f=fmt, sr=variant == "ckpt-sr": quantize_checkpoint(x, f, stochastic=sr, seed=seed)
+                   .to(x.dtype))
+        else:
+            qdq = (lambda x: x.clone()) if fmt == "fp32" else (lambda x, f=fmt: quantize_dequantize(x.float(), f))
         t0 = time.perf_counter()
         lp = decode(model, prompt, toks, variant, qdq, buffer_len)
         k = kl(lp, ref)
@@ -163,10 +181,14 @@ def main(argv=None):
     ap.add_argument("--buffer-len", type=int, default=16)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--model", default="nemotron_h", help="nemotron_h (Mamba-2) or qwen3_5 (Gated DeltaNet)")
+    ap.add_argument("--checkpoints", default="",
+                    help="quantized-checkpoint variants to add, e.g. fp16,fp8_e4m3 (rounded at each flush, "
+                         "nearest and stochastic)")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-results"))
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    per_pos, summary = run(args.tokens, args.formats.split(","), args.buffer_len, args.device, family=args.model)
+    per_pos, summary = run(args.tokens, [f for f in args.formats.split(",") if f], args.buffer_len, args.device,
+                           family=args.model, checkpoints=[c for c in args.checkpoints.split(",") if c])
     names = list(per_pos)
     with open(os.path.join(args.out, "drift.csv"), "w", newline="") as f:
         w = csv.writer(f)

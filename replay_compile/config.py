@@ -26,7 +26,7 @@ ENV_VARS: dict[str, tuple[str, Any, str]] = {
     "REPLAY_COMPILE_DISABLE": ("enabled", lambda s: s in ("", "0", "false", "False"),
                                "1: compile with the lowering only, rewrite nothing"),
     "REPLAY_COMPILE_READ_COPY": ("read_copy", lambda s: s or None,
-                                 "bf16 / fp8_e4m3 / nvfp4: Mamba-2 non-flush steps read a low-precision copy of the "
+                                 "bf16 / fp8_e4m3 / nvfp4: non-flush steps read a low-precision copy of the "
                                  "checkpoint (the recurrence stays exact); default: none"),
 }
 # read where they act, not part of ReplayConfig
@@ -56,7 +56,9 @@ class ReplayConfig:
         read_copy: None (default: every read is exact) or a read-copy format (``"bf16"``, ``"fp8_e4m3"``,
             ``"nvfp4"``): Mamba-2 non-flush steps read their checkpoint term from a copy in that format, rewritten
             at every flush; the fp32 recurrence is untouched, outputs carry the copy's rounding (issue 7;
-            ``benchmarks/drift.py`` measures the drift). Delta-rule layers ignore it for now.
+            ``benchmarks/drift.py`` measures the drift). Delta-rule layers also keep the raw values so that
+            flushes re-run the exact recurrence; their read-copy op runs the PyTorch reference on every device
+            (no Triton kernel yet).
     """
 
     buffer_len: int = 16

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import Any, ClassVar, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -40,8 +40,6 @@ class Mamba2RingSpec:
     B_dtype: torch.dtype
     rec_dtype: torch.dtype = torch.float32
     read_copy: Optional[str] = None
-    FLUSH_OP: ClassVar[str] = "mamba2_flush"
-    MATERIALIZE_OP: ClassVar[str] = "mamba2_materialize"
 
     @property
     def family(self) -> str:
@@ -75,6 +73,14 @@ class Mamba2RingSpec:
         """(x_ring, dt_ring, la_ring, B_ring, cursor): what the flush / materialize ops take."""
         return (*rings[:4], rings[-1])
 
+    def flush(self, state: torch.Tensor, rings: tuple) -> None:
+        """Fold the held records into ``state`` (cursor to 0) and rewrite the read copy."""
+        torch.ops.replay_compile.mamba2_flush(state, *self.core(rings))
+        self.sync_copy(state, rings)
+
+    def materialize(self, state: torch.Tensor, rings: tuple) -> torch.Tensor:
+        return torch.ops.replay_compile.mamba2_materialize(state, *self.core(rings))
+
     def sync_copy(self, state: torch.Tensor, rings: tuple) -> None:
         """Rewrite the read copy from the checkpoint (which holds the true state: at bind, reset, after a flush)."""
         if self.read_copy:
@@ -104,36 +110,65 @@ class DeltaRingSpec:
     k_dtype: torch.dtype = torch.float32
     kda: bool = False
     rec_dtype: torch.dtype = torch.float32
-    FLUSH_OP: ClassVar[str] = "delta_flush"
-    MATERIALIZE_OP: ClassVar[str] = "delta_materialize"
+    read_copy: Optional[str] = None     # read-copy format; with it the raw v / beta rings are kept for exact flushes
 
     @property
     def family(self) -> str:
         return "kda" if self.kda else "gdn"
 
-    ring_names = ("d_ring", "k_ring", "g_ring", "cursor")
+    @property
+    def ring_names(self) -> tuple[str, ...]:
+        if self.read_copy:
+            return ("d_ring", "k_ring", "g_ring", "v_ring", "beta_ring", "copy0", "copy1", "copy2", "cursor")
+        return ("d_ring", "k_ring", "g_ring", "cursor")
 
     @property
     def step_op(self):
+        if self.read_copy:
+            return torch.ops.replay_compile.delta_step_rc.default, (self.read_copy,)
         return torch.ops.replay_compile.delta_step.default, ()
 
-    def core(self, rings: tuple) -> tuple:
-        return tuple(rings)
-
-    def sync_copy(self, state: torch.Tensor, rings: tuple) -> None:
-        pass
-
     def allocate(self, slots, device) -> tuple:
-        """Zeroed (d_ring [S, HV, L, V], k_ring [S, Hk, L, K], g_ring [S, HV, L(, K)], cursor [S]) for ``slots``."""
+        """Zeroed (d_ring [S, HV, L, V], k_ring [S, Hk, L, K], g_ring [S, HV, L(, K)], cursor [S]) for ``slots``;
+        with ``read_copy`` also v_ring [S, HV, L, V], beta_ring [S, HV, L] and the copy's three storage tensors
+        before the cursor."""
         z = lambda shape, dt: torch.zeros(shape, dtype=dt, device=device)  # noqa: E731
         g_shape = (slots, self.HV, self.L) + ((self.K,) if self.kda else ())
+        extra = ()
+        if self.read_copy:
+            from .ops.mamba2_readcopy import allocate_copy
+            extra = (z((slots, self.HV, self.L, self.V), self.d_dtype), z((slots, self.HV, self.L), self.rec_dtype),
+                     *allocate_copy(self.read_copy, (slots, self.HV, self.K, self.V), device))
         return (z((slots, self.HV, self.L, self.V), self.d_dtype), z((slots, self.Hk, self.L, self.K), self.k_dtype),
-                z(g_shape, self.rec_dtype), z((slots,), torch.int32))
+                z(g_shape, self.rec_dtype), *extra, z((slots,), torch.int32))
+
+    def sync_copy(self, state: torch.Tensor, rings: tuple) -> None:
+        if self.read_copy:
+            from .ops.mamba2_readcopy import encode_copy
+            encode_copy(self.read_copy, state, rings[5:8])
+
+    def flush(self, state: torch.Tensor, rings: tuple) -> None:
+        """Fold the held records into ``state`` (cursor to 0); with a read copy exactly from the raw rings, the
+        copy rewritten."""
+        if self.read_copy:
+            torch.ops.replay_compile.delta_flush_rc(state, *rings, self.read_copy)
+        else:
+            torch.ops.replay_compile.delta_flush(state, *rings)
+
+    def materialize(self, state: torch.Tensor, rings: tuple) -> torch.Tensor:
+        if self.read_copy:
+            return torch.ops.replay_compile.delta_materialize_rc(state, *rings[:5], rings[-1])
+        return torch.ops.replay_compile.delta_materialize(state, *rings)
 
     def nbytes_per_slot(self) -> int:
         es = lambda d: torch.empty((), dtype=d).element_size()  # noqa: E731
-        return self.L * (self.HV * self.V * es(self.d_dtype) + self.Hk * self.K * es(self.k_dtype) +
-                         self.HV * (self.K if self.kda else 1) * es(self.rec_dtype)) + 4
+        n = self.L * (self.HV * self.V * es(self.d_dtype) + self.Hk * self.K * es(self.k_dtype) +
+                      self.HV * (self.K if self.kda else 1) * es(self.rec_dtype)) + 4
+        if self.read_copy:
+            from .quant.formats import FORMATS
+            n += self.L * self.HV * (self.V * es(self.d_dtype) + es(self.rec_dtype)) + \
+                FORMATS[self.read_copy].nbytes((1, self.HV, self.K, self.V))
+        return n
 
 
 def tensor_version(t: torch.Tensor) -> int | None:
@@ -188,15 +223,14 @@ class ReplayState:
         self.check_external_write(st)
         if not self.dirty:
             return
-        getattr(torch.ops.replay_compile, self.spec.FLUSH_OP)(st, *self.spec.core(self.rings))
-        self.spec.sync_copy(st, self.rings)
+        self.spec.flush(st, self.rings)
         self.dirty = False
         self.version = tensor_version(st)
 
     def materialize(self) -> torch.Tensor:
         """The true current state, out of place; the cache and rings are not touched."""
         st = self.state
-        return getattr(torch.ops.replay_compile, self.spec.MATERIALIZE_OP)(st, *self.spec.core(self.rings))
+        return self.spec.materialize(st, self.rings)
 
     def check_external_write(self, st: torch.Tensor) -> None:
         v = tensor_version(st)

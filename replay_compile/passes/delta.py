@@ -125,7 +125,8 @@ class DeltaMatch(SiteMatch):
         return torch.einsum("bhkv,bhk->bhv", new, q)
 
     def describe(self, spec: DeltaRingSpec) -> str:
-        return f"HV={self.HV} Hk={self.Hk} K={self.K} V={self.V} L={spec.L}"
+        rc = f" read copy {spec.read_copy}" if spec.read_copy else ""
+        return f"HV={self.HV} Hk={self.Hk} K={self.K} V={self.V} L={spec.L}{rc}"
 
 
 class DeltaMatcher(Mamba2Matcher):

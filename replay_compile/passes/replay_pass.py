@@ -137,9 +137,6 @@ class ReplaySSMPass:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         for i, m in enumerate(matches):
             spec = rewrite.ring_spec(m, self.config.buffer_len, self.config.read_copy)
-            if self.config.read_copy and spec.family != "mamba2":
-                log.info("replay_compile: %s: read_copy=%r applies to Mamba-2 layers only (no delta-rule read-copy op "
-                         "yet); this %s layer reads its fp32 checkpoint", m.layer, self.config.read_copy, m.family)
             rings = rewrite.add_ring_placeholders(gm, m, spec, i)
             rewrite.apply(gm, m, rings, spec)
             res.fake_inputs.extend(r.meta["example_value"] for r in rings)

@@ -30,10 +30,9 @@ from .graph_utils import is_inplace
 
 
 def ring_spec(m, L: int, read_copy: str | None = None):
-    """The match's ring spec; ``read_copy`` applies to Mamba-2 layers (the delta-rule read copy has no op yet)."""
-    if read_copy and m.family == "mamba2":
-        return dataclasses.replace(m.ring_spec(L), read_copy=read_copy)
-    return m.ring_spec(L)
+    """The match's ring spec, with the read-copy format if one is configured."""
+    spec = m.ring_spec(L)
+    return dataclasses.replace(spec, read_copy=read_copy) if read_copy else spec
 
 
 def _fake_rings(m, spec) -> tuple:
