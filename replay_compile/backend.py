@@ -89,6 +89,12 @@ def _reader_idxs(example_inputs: Sequence, result: PassResult) -> list[int]:
 def _lower(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig, mode: str | None, lower_opts: dict):
     if cfg.lower == "eager":
         return gm.forward
+    if cfg.lower in ("piecewise", "tensorrt"):
+        from .piecewise import lower_piecewise
+        if mode and mode != "default":
+            log.info("replay_compile: mode=%r is not applied to the %s lowering (no CUDA graphs across pieces)",
+                     mode, cfg.lower)
+        return lower_piecewise(gm, example_inputs, cfg.lower)
     from torch._inductor.compile_fx import compile_fx
 
     patches: dict[str, Any] = {}

@@ -36,7 +36,7 @@ OTHER_ENV_VARS = {
 }
 
 SUPPORTED_FAMILIES = ("mamba2", "gdn", "kda")
-SUPPORTED_LOWERINGS = ("inductor", "eager")
+SUPPORTED_LOWERINGS = ("inductor", "eager", "piecewise", "tensorrt")
 SUPPORTED_READ_COPIES = ("bf16", "fp8_e4m3", "nvfp4")
 
 
@@ -52,7 +52,9 @@ class ReplayConfig:
         validate: numerically check every match on small inputs before rewriting it.
         families: SSM families to rewrite ("mamba2", "gdn": Gated DeltaNet, "kda": Kimi Delta Attention).
         enabled: rewrite at all (``False`` gives plain lowering, useful for A/B runs).
-        lower: ``"inductor"`` (default) or ``"eager"`` (run the rewritten FX graph as is; for debugging).
+        lower: ``"inductor"`` (default), ``"eager"`` (run the rewritten FX graph as is; for debugging),
+            ``"piecewise"`` (split at mutating nodes, Inductor per pure piece) or ``"tensorrt"`` (the same with
+            Torch-TensorRT per piece; :mod:`replay_compile.piecewise`).
         read_copy: None (default: every read is exact) or a read-copy format (``"bf16"``, ``"fp8_e4m3"``,
             ``"nvfp4"``): Mamba-2 non-flush steps read their checkpoint term from a copy in that format, rewritten
             at every flush; the fp32 recurrence is untouched, outputs carry the copy's rounding (issue 7;
