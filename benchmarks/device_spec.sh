@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # One device call for speculative decoding (issue 6): GPU tests of the verify kernels, the snapshot baselines and the
 # generate loop; the T=4 verify+commit sweep against the per-draft snapshot baseline; end-to-end generation.
-# Usage on the GPU machine:  OUT=... bash benchmarks/device_spec.sh [steps...]   (steps: tests step generate readcopy)
+# Usage on the GPU machine:  OUT=... bash benchmarks/device_spec.sh [steps...]   (steps: tests step generate readcopy
+#   readcopy-e2e)
 #   readcopy (issue 7): the read-copy kernel's tests compiled, then bench_readcopy_kernel.py (mamba_ssm from
 #   .baselines/ when carried)
+#   readcopy-e2e (issue 7): the pass with read copies under CUDA graphs (check_cudagraphs.py, Mamba-2 and GDN), then
+#   whole decode steps with fp8 / NVFP4 read copies beside plain torch.compile and the exact replay path
 #   env: SPEC_BATCHES (step sweep, default 1,8,32,64,128,256,512), SPEC_GEOMS (default super,qwen35_4b),
 #        GEN_BATCHES (default 1,8,32), GEN_MODELS (default nemotron_h_nano4b,qwen35_4b), GEN_LAYERS (default 8)
 set -uo pipefail
@@ -28,4 +31,12 @@ for s in $steps; do case $s in
   readcopy) timeout 200 python3 -m pytest -q -x tests/test_mamba2_readcopy.py -p no:cacheprovider 2>&1 | tail -3 \
       | tee "$OUT/pytest_readcopy.txt"
     timeout 300 python3 benchmarks/bench_readcopy_kernel.py --out "$OUT" 2>&1 | grep -v Warn | tee "$OUT/readcopy.txt" ;;
+  readcopy-e2e)
+    for fam in nemotron_h qwen3_5; do
+      timeout 200 python3 benchmarks/check_cudagraphs.py $fam bf16,fp8_e4m3,nvfp4 2>&1 | grep -v "^\[transformers\]" \
+        | tail -16 | tee "$OUT/cudagraphs_readcopy_$fam.txt"
+    done
+    timeout 400 replay-compile bench --models nemotron_h_nano4b,qwen35_4b --layers 8 --batches 256,1 --steps 32 \
+      --modes inductor-ro,replayssm-ro,replayssm-ro:fp8_e4m3,replayssm-ro:nvfp4 --out "$OUT/e2e_readcopy" 2>&1 \
+      | grep -v "^\[transformers\]\|it/s\]" | tail -12 | tee "$OUT/e2e_readcopy.txt" ;;
 esac; done

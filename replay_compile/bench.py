@@ -5,7 +5,8 @@ nothing of it), then decode steps through ``forward`` compiled as the mode says:
 
 * ``eager``                  the model as written
 * ``inductor``, ``inductor-ro``     plain ``torch.compile`` (default / ``mode="reduce-overhead"``)
-* ``replayssm``, ``replayssm-ro``   ``backend="replayssm"`` (default / ``mode="reduce-overhead"``)
+* ``replayssm``, ``replayssm-ro``   ``backend="replayssm"`` (default / ``mode="reduce-overhead"``); a suffix
+  ``:<fmt>`` (``replayssm-ro:fp8_e4m3``) adds ``read_copy=<fmt>`` (issue 7)
 
 Each decode step is timed with CUDA events on GPUs (wall clock on CPU). Steps are labelled flush / non-flush by
 their position (the cursor is 0 after the prefill, so step ``t`` flushes when ``t % L == L - 1``). Reported:
@@ -159,9 +160,12 @@ def _forward_for(model, mode: str, L: int):
     import torch
     if mode == "eager":
         return model.forward
+    mode, _, read_copy = mode.partition(":")
     backend = "replayssm" if mode.startswith("replayssm") else "inductor"
     kw = {"mode": "reduce-overhead"} if mode.endswith("-ro") else {}
     options = {"buffer_len": L} if backend == "replayssm" else None
+    if read_copy:
+        options["read_copy"] = read_copy
     if options is not None and kw:
         options["mode"] = kw.pop("mode")
     return torch.compile(model.forward, backend=backend, options=options, **kw)
@@ -368,10 +372,11 @@ def _tp_teardown(tp: int) -> None:
 
 
 def _speedups(rows):
-    base = {(r["model"], r["batch"], r["mode"].replace("replayssm", "inductor")): r["step_ms"] for r in rows
-            if r["mode"].startswith("inductor")}
+    def plain(mode):                                   # replayssm-ro:fp8_e4m3 -> inductor-ro
+        return mode.partition(":")[0].replace("replayssm", "inductor")
+    base = {(r["model"], r["batch"], plain(r["mode"])): r["step_ms"] for r in rows if r["mode"].startswith("inductor")}
     for r in rows:
-        ref = base.get((r["model"], r["batch"], r["mode"].replace("replayssm", "inductor")))
+        ref = base.get((r["model"], r["batch"], plain(r["mode"])))
         r["speedup_vs_compile"] = ref / r["step_ms"] if ref and r["mode"].startswith("replayssm") else float("nan")
 
 

@@ -16,6 +16,8 @@ import platform
 import sys
 import time
 
+from .config import SUPPORTED_READ_COPIES
+
 DEMO_FAMILY = "nemotron_h"
 
 
@@ -137,9 +139,11 @@ def _bench(args) -> int:
     models = (args.models or ("nemotron_h_nano4b,qwen35_4b,mamba2_2p7b" if cuda else "tiny_nemotron_h")).split(",")
     batches = [int(b) for b in (args.batches or ("1,8,32,64,128,256,512" if cuda else "1,2")).split(",")]
     modes = (args.modes or (",".join(bench.MODES) if cuda else "eager,replayssm")).split(",")
-    unknown = set(modes) - set(bench.MODES)
+    unknown = {m for m in modes if m.partition(":")[0] not in bench.MODES
+               or (":" in m and (not m.startswith("replayssm") or m.partition(":")[2] not in SUPPORTED_READ_COPIES))}
     if unknown:
-        raise SystemExit(f"replay-compile bench: unknown modes {sorted(unknown)}; choose from {bench.MODES}")
+        raise SystemExit(f"replay-compile bench: unknown modes {sorted(unknown)}; choose from {bench.MODES}, "
+                         f"replayssm modes optionally with ':<read copy>' ({', '.join(SUPPORTED_READ_COPIES)})")
     lead = int(os.environ.get("RANK", "0")) == 0       # under torchrun (--tp) only rank 0 prints
     if lead:
         print(f"bench: {models} batches {batches} modes {modes}, {args.steps} decode steps, L={args.buffer_len}, "
@@ -233,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--models", help="comma list: nemotron_h_nano4b, qwen35_4b, mamba2_2p7b, tiny_<family> "
                                     "(default: the three real-size models on CUDA, tiny_nemotron_h on CPU)")
     b.add_argument("--batches", help="comma list (default 1..512 on CUDA, 1,2 on CPU)")
-    b.add_argument("--modes", help="comma list of eager, inductor, inductor-ro, replayssm, replayssm-ro")
+    b.add_argument("--modes", help="comma list of eager, inductor, inductor-ro, replayssm, replayssm-ro; replayssm "
+                   "modes take an optional read copy, e.g. replayssm-ro:fp8_e4m3")
     b.add_argument("--steps", type=int, default=48, help="timed decode steps (default: %(default)s)")
     b.add_argument("--buffer-len", type=int, default=16)
     b.add_argument("--layers", type=int, default=None, help="keep only the first N layers (say why in reports)")

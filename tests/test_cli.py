@@ -79,3 +79,17 @@ def test_bench_parity_check_on_cpu(tmp_path, capsys):
     assert float(row["tokens_agree"]) == 1.0 and row["first_mismatch"] == "-1" and int(row["rewrites"]) >= 2
     assert float(row["rel_logit_diff"]) < 1e-4
     assert "tokens agree on 100.0%" in capsys.readouterr().out
+
+
+def test_bench_modes_take_a_read_copy_and_reject_unknown_ones(tmp_path, capsys):
+    import pytest
+
+    with pytest.raises(SystemExit, match="unknown modes .*replayssm:int4.*bf16, fp8_e4m3, nvfp4"):
+        main(["bench", "--device", "cpu", "--modes", "replayssm:int4"])
+    with pytest.raises(SystemExit, match="unknown modes .*inductor:bf16"):
+        main(["bench", "--device", "cpu", "--modes", "inductor:bf16"])
+    from replay_compile import bench
+    rows = [dict(model="m", batch=1, mode="inductor-ro", step_ms=2.0),
+            dict(model="m", batch=1, mode="replayssm-ro:fp8_e4m3", step_ms=1.0)]
+    bench._speedups(rows)
+    assert rows[1]["speedup_vs_compile"] == 2.0
