@@ -59,8 +59,8 @@ class ReplayConfig:
             ``"nvfp4"``): Mamba-2 non-flush steps read their checkpoint term from a copy in that format, rewritten
             at every flush; the fp32 recurrence is untouched, outputs carry the copy's rounding (issue 7;
             ``benchmarks/drift.py`` measures the drift). Delta-rule layers also keep the raw values so that
-            flushes re-run the exact recurrence; their read-copy op runs the PyTorch reference on every device
-            (no Triton kernel yet).
+            flushes re-run the exact recurrence; their read-copy op has only its PyTorch reference so far, so on
+            CUDA those layers keep exact reads (logged).
     """
 
     buffer_len: int = 16
