@@ -69,10 +69,11 @@ Interpreter constraints kept (see :mod:`.mamba2_triton`): no runtime loop bounds
 Python globals other than ``tl.constexpr`` and jit functions inside ``@triton.jit``, no autotuning (in-place writes).
 No ``tl.join`` / ``tl.interleave`` / ``tl.split`` / ``tl.reshape`` either: the nvfp4 paths use 3-D tiles instead.
 
-Not done: not wired into the custom ops or the pass (``replay_compile.ops`` still reads the fp32 state), no delta-rule
-(GDN/KDA) counterpart, no N-tiling (large N costs registers: a ``BLOCK_P x next_pow2(N)`` tile per program), launch
-configuration not tuned (``launch_config`` borrows the ``whole`` variant's choice), no benchmark, and **never compiled
-or run on a GPU**: only the triton 3.6 interpreter has executed it. What to watch when it first compiles:
+Status: registered as the CUDA implementation of ``replay_compile::mamba2_step_rc`` (the pass inserts it with
+``read_copy``); compiled and run on the H200 in session 6 (37 tests; ``pre`` variant: bf16 2.0x, fp8 2.2-2.4x, NVFP4
+1.1x over ``selective_state_update`` at batch 256, benchmarks/NOTES.md). Not done: a batch threshold for the
+``fused`` variant at small batches (``pre`` is 0.61x at batch 1), a faster NVFP4 decode, N-tiling. Portability
+notes (all held on the H200):
 
 * ``float8e4nv`` (bitcast from uint8, then ``.to(fp32)``) needs sm_89+ (Ada / Hopper); on sm_80 Triton refuses the
   type. Software decode would lift that if it matters.

@@ -1,0 +1,266 @@
+"""Triton kernels of the delta-rule (GDN / KDA) replay step with a low-precision read copy (issue 7).
+
+Same signature and in-place contract as
+:func:`~replay_compile.kernels.delta_readcopy_reference.delta_replay_step_readcopy_reference`. Launches, all routed on
+the device from the cursor (one captured CUDA graph serves every step):
+
+1. :func:`~.delta_triton._delta_window_kernel` (shared with the exact step), grid ``(b, HV)``: the window's scalars
+   and decayed vectors once per (row, value head), and ``w`` per row.
+2. :func:`_delta_rc_apply_kernel`, grid ``(cdiv(V, BLOCK_V), b, HV)``, a ``K x BLOCK_V`` slice per program:
+
+   * non-flush rows decode their slice of the *copy* (bf16; fp8 e4m3 with a scale per K-row; NVFP4 codes, e4m3
+     scale per 16 values of V, fp32 scale per slot) and compute ``S'ᵀk``, ``S'ᵀq``, ``d``, ``o`` exactly as the
+     exact split kernel does from the checkpoint; they append ``d``, ``k``, ``g`` and the raw ``v``, ``β``;
+   * flush rows run the *exact* recurrence over the raw window on their fp32 checkpoint slice, record by record (a
+     slice of ``S`` holds whole columns, so ``Sᵀk`` and the update stay inside the program), then the current
+     token; they write the checkpoint (fp16: stochastic rounding, keyed as the exact kernels) and ``o``.
+3. :func:`_flush_encode_rows_kernel`, grid ``(cdiv(K, BLOCK_R), b, HV)``: flush rows rewrite their copy from the
+   stored checkpoint (whole rows of V, as the fp8 row scale needs): bf16 and fp8 directly; NVFP4 reduces the slot's
+   amax (atomic max), and :func:`~.mamba2_readcopy_triton._nvfp4_flush_encode_kernel` encodes in a 4th launch.
+4. :func:`~.mamba2_triton._advance_cursor_kernel`: ``w -> w + 1`` or 0. Launches 2 and 3 read the cursor before
+   it moves.
+
+The encoders are those of :mod:`.mamba2_readcopy_triton` (software rounding, byte-identical to
+``FORMATS[fmt].encode``). Interpreter constraints as in :mod:`.delta_triton` (vector masks in loops, constexpr trip
+counts). Not registered as the CUDA implementation of ``replay_compile::delta_step_rc`` yet: it has run only under
+the Triton interpreter; register it after its first GPU run (tests: ``tests/test_delta_readcopy_triton.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .delta_triton import _delta_window_kernel
+from .mamba2_readcopy_reference import as_encoded
+from .mamba2_readcopy_triton import (FORMAT_IDS, _bf16_bits, _copy_args, _e2m1_value, _e4m3_encode,
+                                     _format_name, _load_copy_rows, _nvfp4_flush_encode_kernel)
+from .mamba2_triton import _advance_cursor_kernel, _store_checkpoint
+
+__all__ = ["delta_replay_step_readcopy_triton"]
+
+# Launch configuration override for tests: {"BLOCK_V", "num_warps", "BLOCK_R"}. Empty in use.
+TUNING: dict = {}
+
+
+@triton.jit
+def _load_nvfp4_cols(cv_ptr, cs_ptr, ct_ptr, slot, h, offs_k, offs_v, tile_mask,
+                     s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb):
+    """Decoded ``[BLOCK_K, BLOCK_V]`` slice of an NVFP4 copy at any V offset (byte ``v // 2``, low nibble for even
+    ``v``; block scale ``v // 16``); 0 outside ``tile_mask``."""
+    byte = tl.load(cv_ptr + slot * s_vb + h * s_vh + offs_k[:, None] * s_vp + (offs_v // 2)[None, :] * s_vn,
+                   mask=tile_mask, other=0).to(tl.int32)
+    code = (byte >> ((offs_v & 1) * 4)[None, :]) & 15
+    bs = tl.load(cs_ptr + slot * s_qb + h * s_qh + offs_k[:, None] * s_qp + (offs_v // 16)[None, :] * s_qn,
+                 mask=tile_mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    sg = tl.load(ct_ptr + slot * s_tb)
+    return tl.where(tile_mask, (_e2m1_value(code) * bs) * sg, 0.0)
+
+
+@triton.jit
+def _exact_token(s, k, dec, v, beta, KDA: tl.constexpr):
+    """One exact delta-rule update of a ``[BLOCK_K, BLOCK_V]`` slice: ``S' = dec ⊙ S``, ``d = β (v − S'ᵀk)``,
+    ``S' + k dᵀ``. ``dec``: a scalar (GDN) or ``[BLOCK_K]`` (KDA)."""
+    if KDA:
+        s = s * dec[:, None]
+    else:
+        s = s * dec
+    d = beta * (v - tl.sum(s * k[:, None], axis=0))
+    return s + k[:, None] * d[None, :]
+
+
+@triton.jit
+def _delta_rc_apply_kernel(
+    state_ptr, dr_ptr, kr_ptr, gr_ptr, vr_ptr, br_ptr, cursor_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, slot_ptr,
+    o_ptr, win_ptr, vec_ptr, wrow_ptr, cv_ptr, cs_ptr, ct_ptr,
+    HV, K, V, L, v_per_k, v_per_q,
+    s_sb, s_sh, s_sk, s_sv, s_drb, s_drh, s_drl, s_drv, s_krb, s_krh, s_krl, s_krk, s_grb, s_grh, s_grl, s_grk,
+    s_vrb, s_vrh, s_vrl, s_vrv, s_brb, s_brh, s_brl,
+    s_qb, s_qh, s_qk, s_kb, s_kh, s_kk, s_vb, s_vh, s_vv, s_gb, s_gh, s_gk, s_bb, s_bh, s_ob, s_oh, s_ov,
+    s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp, s_csn, s_ctb,
+    FMT: tl.constexpr, HAS_SLOT: tl.constexpr, KDA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr,
+):
+    pid_v = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2).to(tl.int64)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_v = offs_v < V
+    o_ptrs = o_ptr + row * s_ob + h * s_oh + offs_v * s_ov
+    if HAS_SLOT:
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+    else:
+        slot = row
+    if slot < 0:                                   # padding row: zero output, touch nothing else
+        tl.store(o_ptrs, tl.zeros([BLOCK_V], dtype=tl.float32), mask=mask_v)
+        return
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_l = tl.arange(0, BLOCK_L)
+    mask_k = offs_k < K
+    tile_mask = mask_k[:, None] & mask_v[None, :]
+    hk = h // v_per_k
+    v = tl.load(v_ptr + row * s_vb + h * s_vh + offs_v * s_vv, mask=mask_v, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + row * s_bb + h * s_bh).to(tl.float32)
+    k_cur = tl.load(k_ptr + row * s_kb + hk * s_kh + offs_k * s_kk, mask=mask_k, other=0.0).to(tl.float32)
+    w = tl.load(wrow_ptr + row)
+    kr_base = kr_ptr + slot * s_krb + hk * s_krh
+    gr_base = gr_ptr + slot * s_grb + h * s_grh
+    vr_base = vr_ptr + slot * s_vrb + h * s_vrh
+    br_base = br_ptr + slot * s_brb + h * s_brh
+    if w == L - 1:
+        # the exact recurrence from the fp32 checkpoint over the raw window, then the current token
+        st_ptrs = state_ptr + slot * s_sb + h * s_sh + offs_k[:, None] * s_sk + offs_v[None, :] * s_sv
+        s = tl.load(st_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
+        for j in range(BLOCK_L):
+            jj = tl.minimum(j, L - 1)                  # in-bounds address; records j >= w are not applied
+            act = (offs_k * 0 + j) < w                 # vector mask (triton 3.9's interpreter: see delta_triton)
+            k_j = tl.load(kr_base + jj * s_krl + offs_k * s_krk, mask=mask_k, other=0.0).to(tl.float32)
+            v_j = tl.load(vr_base + jj * s_vrl + offs_v * s_vrv, mask=mask_v, other=0.0).to(tl.float32)
+            b_j = tl.load(br_base + jj * s_brl).to(tl.float32)
+            if KDA:
+                dec_j = tl.exp(tl.load(gr_base + jj * s_grl + offs_k * s_grk, mask=mask_k, other=0.0))
+            else:
+                dec_j = tl.exp(tl.load(gr_base + jj * s_grl).to(tl.float32))
+            s = tl.where(act[:, None], _exact_token(s, k_j, dec_j, v_j, b_j, KDA), s)
+        if KDA:
+            g_cur = tl.load(g_ptr + row * s_gb + h * s_gh + offs_k * s_gk, mask=mask_k, other=0.0).to(tl.float32)
+        else:
+            g_cur = tl.load(g_ptr + row * s_gb + h * s_gh).to(tl.float32)
+        s = _exact_token(s, k_cur, tl.exp(g_cur), v, beta, KDA)
+        q = tl.load(q_ptr + row * s_qb + (h // v_per_q) * s_qh + offs_k * s_qk, mask=mask_k, other=0.0)
+        tl.store(o_ptrs, tl.sum(s * q.to(tl.float32)[:, None], axis=0), mask=mask_v)
+        key_gate = tl.load(g_ptr + row * s_gb + h * s_gh).to(tl.float32)    # g (GDN) or g[..., 0] (KDA)
+        _store_checkpoint(st_ptrs, s, tile_mask, key_gate, slot * HV + h, offs_k[:, None] * V + offs_v[None, :],
+                          STOCHASTIC_FP16)
+    else:
+        if FMT == 2:
+            s0 = _load_nvfp4_cols(cv_ptr, cs_ptr, ct_ptr, slot, h, offs_k, offs_v, tile_mask,
+                                  s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp, s_csn, s_ctb)
+        else:
+            s0 = _load_copy_rows(cv_ptr, cs_ptr, slot, h, offs_k, offs_v, mask_k, tile_mask,
+                                 s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp, FMT)
+        wb = win_ptr + (row * HV + h) * (3 * BLOCK_L)
+        u = tl.load(wb + offs_l)
+        uq = tl.load(wb + BLOCK_L + offs_l)
+        kq = tl.load(wb + 2 * BLOCK_L)
+        vb = vec_ptr + (row * HV + h) * (3 * BLOCK_K)
+        ak = tl.load(vb + offs_k)
+        aq = tl.load(vb + BLOCK_K + offs_k)
+        hist = offs_l < w
+        dr_base = dr_ptr + slot * s_drb + h * s_drh
+        dw = tl.load(dr_base + offs_l[:, None] * s_drl + offs_v[None, :] * s_drv,
+                     mask=hist[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
+        sk = tl.sum(s0 * ak[:, None], axis=0) + tl.sum(u[:, None] * dw, axis=0)
+        sq = tl.sum(s0 * aq[:, None], axis=0) + tl.sum(uq[:, None] * dw, axis=0)
+        d = beta * (v - sk)
+        tl.store(o_ptrs, sq + d * kq, mask=mask_v)
+        tl.store(dr_base + w * s_drl + offs_v * s_drv, d.to(dr_ptr.dtype.element_ty), mask=mask_v)
+        tl.store(vr_base + w * s_vrl + offs_v * s_vrv, v.to(vr_ptr.dtype.element_ty), mask=mask_v)
+        if pid_v == 0:
+            tl.store(br_base + w * s_brl, beta)
+            if KDA:
+                g_cur = tl.load(g_ptr + row * s_gb + h * s_gh + offs_k * s_gk, mask=mask_k, other=0.0)
+                tl.store(gr_base + w * s_grl + offs_k * s_grk, g_cur.to(tl.float32), mask=mask_k)
+            else:
+                tl.store(gr_base + w * s_grl, tl.load(g_ptr + row * s_gb + h * s_gh).to(tl.float32))
+            if h % v_per_k == 0:                       # one program per key head appends k_t
+                k_raw = tl.load(k_ptr + row * s_kb + hk * s_kh + offs_k * s_kk, mask=mask_k, other=0.0)
+                tl.store(kr_base + w * s_krl + offs_k * s_krk, k_raw.to(kr_ptr.dtype.element_ty), mask=mask_k)
+
+
+@triton.jit
+def _flush_encode_rows_kernel(
+    state_ptr, cursor_ptr, slot_ptr, amax_ptr, cv_ptr, cs_ptr, K, V, L,
+    s_sb, s_sh, s_sk, s_sv, s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp,
+    FMT: tl.constexpr, HAS_SLOT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Flush rows (cursor still ``L-1``): rewrite ``BLOCK_R`` rows of the copy from the stored checkpoint (bf16,
+    fp8 with its row scale), or, for NVFP4, fold their amax into the slot's (the 4th launch encodes)."""
+    pid_r = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2).to(tl.int64)
+    if HAS_SLOT:
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+    else:
+        slot = row
+    if slot < 0:
+        return
+    if tl.load(cursor_ptr + slot) != L - 1:
+        return
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_v = tl.arange(0, BLOCK_V)
+    mask_r = offs_r < K
+    tile_mask = mask_r[:, None] & (offs_v < V)[None, :]
+    x = tl.load(state_ptr + slot * s_sb + h * s_sh + offs_r[:, None] * s_sk + offs_v[None, :] * s_sv,
+                mask=tile_mask, other=0.0).to(tl.float32)
+    c_ptrs = cv_ptr + slot * s_cvb + h * s_cvh + offs_r[:, None] * s_cvp + offs_v[None, :] * s_cvn
+    if FMT == 0:
+        tl.store(c_ptrs, _bf16_bits(x).to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=tile_mask)
+    elif FMT == 1:
+        scale = tl.div_rn(tl.max(tl.abs(x), axis=1), 448.0)
+        scale = tl.where(scale > 0.0, scale, 1.0)                      # zero rows: scale 1, zeros stored
+        qv = tl.minimum(tl.maximum(tl.div_rn(x, scale[:, None]), -448.0), 448.0)
+        tl.store(c_ptrs, _e4m3_encode(qv).to(tl.uint8), mask=tile_mask)
+        tl.store(cs_ptr + slot * s_csb + h * s_csh + offs_r * s_csp, scale, mask=mask_r)
+    else:
+        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+        tl.atomic_max(amax_ptr + row, amax.to(tl.int32, bitcast=True), sem="relaxed")
+
+
+def launch_config(K: int, V: int, L: int) -> dict:
+    """``BLOCK_V`` 16 and 1 warp (the exact split kernel's H200 choice), ``BLOCK_R`` rows per encode program."""
+    return dict(BLOCK_K=max(16, triton.next_power_of_2(K)), BLOCK_L=max(16, triton.next_power_of_2(L)),
+                BLOCK_V=TUNING.get("BLOCK_V") or 16, num_warps=TUNING.get("num_warps") or 1,
+                BLOCK_R=TUNING.get("BLOCK_R") or 16, BLOCK_VF=max(16, triton.next_power_of_2(V)))
+
+
+def delta_replay_step_readcopy_triton(state, copy, fmt, d_ring, k_ring, g_ring, v_ring, beta_ring, cursor,
+                                      q, k, v, g, beta, slot_idx=None):
+    """Triton implementation of :func:`delta_replay_step_readcopy_reference` (same arguments and contract)."""
+    name = _format_name(fmt)
+    S, HV, K, V = state.shape
+    enc = as_encoded(copy, name, state.shape)
+    b = v.shape[0]
+    L = d_ring.shape[2]
+    kda = g_ring.dim() == 4
+    o = torch.empty((b, HV, V), dtype=torch.float32, device=v.device)
+    if b == 0:
+        return o
+    if name == "nvfp4" and V % 16:
+        raise ValueError(f"replay_compile.delta read copy: nvfp4 needs V % 16 == 0 (whole scale blocks), got V={V}")
+    cfg = launch_config(K, V, L)
+    has_slot = slot_idx is not None
+    slot_arg = slot_idx if has_slot else cursor
+    g_strides = tuple(g_ring.stride()) + ((0,) if not kda else ())
+    gi_strides = tuple(g.stride()) + ((0,) if not kda else ())
+    v_per_k, v_per_q = HV // k_ring.shape[1], HV // q.shape[1]
+    win = torch.empty((b, HV, 3 * cfg["BLOCK_L"]), dtype=torch.float32, device=v.device)
+    vec = torch.empty((b, HV, 3 * cfg["BLOCK_K"]), dtype=torch.float32, device=v.device)
+    ke = torch.empty((b, HV, cfg["BLOCK_L"] * cfg["BLOCK_K"]), dtype=torch.float32, device=v.device)
+    wrow = torch.empty((b,), dtype=cursor.dtype, device=v.device)
+    common = dict(HAS_SLOT=has_slot, KDA=kda, BLOCK_K=cfg["BLOCK_K"], BLOCK_L=cfg["BLOCK_L"])
+    _delta_window_kernel[(b, HV)](
+        cursor, k_ring, g_ring, q, k, g, slot_arg, win, vec, ke, wrow, K, L, v_per_k, v_per_q,
+        *k_ring.stride(), *g_strides, *q.stride(), *k.stride(), *gi_strides,
+        num_warps=4 if cfg["BLOCK_K"] * cfg["BLOCK_L"] >= 2048 else 1, **common)
+    (cv, cs, ct), cstrides = _copy_args(enc, name, cursor)
+    n_vb = triton.cdiv(V, cfg["BLOCK_V"])
+    _delta_rc_apply_kernel[(n_vb, b, HV)](
+        state, d_ring, k_ring, g_ring, v_ring, beta_ring, cursor, q, k, v, g, beta, slot_arg, o, win, vec, wrow,
+        cv, cs, ct, HV, K, V, L, v_per_k, v_per_q,
+        *state.stride(), *d_ring.stride(), *k_ring.stride(), *g_strides, *v_ring.stride(), *beta_ring.stride(),
+        *q.stride(), *k.stride(), *v.stride(), *gi_strides, *beta.stride(), *o.stride(), *cstrides,
+        FMT=FORMAT_IDS[name], BLOCK_V=cfg["BLOCK_V"], STOCHASTIC_FP16=state.dtype == torch.float16,
+        num_warps=cfg["num_warps"], **common)
+    amax = torch.zeros(b, dtype=torch.int32, device=v.device) if name == "nvfp4" else cursor
+    grid_r = (triton.cdiv(K, cfg["BLOCK_R"]), b, HV)
+    _flush_encode_rows_kernel[grid_r](
+        state, cursor, slot_arg, amax, cv, cs, K, V, L, *state.stride(), *cstrides[:7],
+        FMT=FORMAT_IDS[name], HAS_SLOT=has_slot, BLOCK_R=cfg["BLOCK_R"], BLOCK_V=cfg["BLOCK_VF"])
+    if name == "nvfp4":
+        _nvfp4_flush_encode_kernel[grid_r](
+            state, cursor, slot_arg, amax, cv, cs, ct, K, V, L, *state.stride(), *cstrides,
+            HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_R"], NB=cfg["BLOCK_VF"] // 16)
+    _advance_cursor_kernel[(triton.cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
+    return o
