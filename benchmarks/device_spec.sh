@@ -28,7 +28,8 @@ for s in $steps; do case $s in
     timeout 200 python3 benchmarks/bench_spec_generate.py --out "$OUT" --batches "${GEN_BATCHES:-1,8,32}" \
       --models "${GEN_MODELS:-nemotron_h_nano4b,qwen35_4b}" --layers "${GEN_LAYERS:-8}" 2>&1 \
       | grep -v "^\[transformers\]" | tee "$OUT/spec_generate.txt" ;;
-  readcopy) timeout 200 python3 -m pytest -q -x tests/test_mamba2_readcopy.py -p no:cacheprovider 2>&1 | tail -3 \
+  readcopy) timeout 200 python3 -m pytest -q tests/test_mamba2_readcopy.py tests/test_delta_readcopy_triton.py \
+      -p no:cacheprovider 2>&1 | tail -3 \
       | tee "$OUT/pytest_readcopy.txt"
     timeout 300 python3 benchmarks/bench_readcopy_kernel.py --out "$OUT" 2>&1 | grep -v Warn | tee "$OUT/readcopy.txt" ;;
   readcopy-e2e)
