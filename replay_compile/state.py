@@ -57,7 +57,7 @@ class Mamba2RingSpec:
             return torch.ops.replay_compile.mamba2_step_rc.default, (self.read_copy,)
         return torch.ops.replay_compile.mamba2_step.default, ()
 
-    def allocate(self, slots, device, state_shape=None) -> tuple:
+    def allocate(self, slots, device) -> tuple:
         """Zeroed (x_ring, dt_ring, la_ring, B_ring[, copy0, copy1, copy2], cursor) for ``slots`` sequences; the
         copy storage (:func:`~replay_compile.ops.mamba2_readcopy.allocate_copy`) only with ``read_copy``."""
         z = lambda shape, dt: torch.zeros(shape, dtype=dt, device=device)  # noqa: E731

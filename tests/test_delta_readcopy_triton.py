@@ -35,9 +35,9 @@ def _bytes(t):
     return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3", "nvfp4"])
-@pytest.mark.parametrize("kda", [False, True])
-def test_kernel_matches_reference_step_by_step(fmt, kda):
+@pytest.mark.parametrize("kda, fmt", [(False, "bf16"), (False, "fp8_e4m3"), (False, "nvfp4"), (True, "fp8_e4m3"),
+                                      (True, "nvfp4")])              # KDA x bf16: the GDN case's decode + KDA gates
+def test_kernel_matches_reference_step_by_step(kda, fmt):
     geom = DeltaGeometry(batch=3, HV=4, Hk=2, K=12, V=32, kda=kda)
     L, S = 4, 4
     steps = 2 * L + 3

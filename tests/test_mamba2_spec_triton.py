@@ -31,7 +31,7 @@ def held_records(ring, w, origin, buf, slot):
     return ring[slot][:, pos] if ring.dim() >= 3 else ring[slot][pos]
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=6, deadline=None)       # CI time: ~6 s per example under the interpreter
 @given(geom=mamba2_geometries(max_batch=3, max_heads=4, max_p=20, max_n=20), Bbud=st.sampled_from([8, 16]),
        T=st.integers(1, 5), act=st.sampled_from([torch.float32, torch.bfloat16]),
        state_dtype=st.sampled_from([torch.float32, torch.bfloat16]), data=st.data())

@@ -10,6 +10,7 @@ every rank must have rewritten every SSM layer. One family goes through Inductor
 from __future__ import annotations
 
 import functools
+import os
 import types
 
 import pytest
@@ -23,7 +24,13 @@ from replay_compile.testing.hf_models import DELTA_FAMILY, MAMBA2_FAMILY  # noqa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,lower", [("nemotron_h", "inductor"), ("qwen3_5", "eager")])
+@pytest.mark.parametrize("family,lower", [
+    ("nemotron_h", "eager"), ("qwen3_5", "eager"),
+    # TP + Inductor: ~100 s on the CI's two cores (two ranks compiling); run it where time allows (the GPU machine)
+    pytest.param("nemotron_h", "inductor", marks=pytest.mark.skipif(
+        not os.environ.get("REPLAY_COMPILE_SLOW_TESTS"),
+        reason="TP + Inductor takes ~100 s on 2 CPU cores; set REPLAY_COMPILE_SLOW_TESTS=1 to run it")),
+])
 def test_tp2_matches_tp1_and_eager(family, lower):
     from replay_compile.testing.tp_parity import tp_parity
 
