@@ -36,7 +36,7 @@ from .delta_triton import _delta_window_kernel
 from .mamba2_readcopy_reference import as_encoded
 from .mamba2_readcopy_triton import (FORMAT_IDS, _bf16_bits, _copy_args, _e2m1_value, _e4m3_encode,
                                      _format_name, _load_copy_rows, _nvfp4_flush_encode_kernel)
-from .mamba2_triton import _advance_cursor_kernel, _store_checkpoint
+from .mamba2_triton import _advance_cursor_kernel, _row_slot, _step_row, _store_checkpoint
 
 __all__ = ["delta_replay_step_readcopy_triton"]
 
@@ -88,12 +88,8 @@ def _delta_rc_apply_kernel(
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_v = offs_v < V
     o_ptrs = o_ptr + row * s_ob + h * s_oh + offs_v * s_ov
-    if HAS_SLOT:
-        slot = tl.load(slot_ptr + row).to(tl.int64)
-    else:
-        slot = row
-    if slot < 0:                                   # padding row: zero output, touch nothing else
-        tl.store(o_ptrs, tl.zeros([BLOCK_V], dtype=tl.float32), mask=mask_v)
+    slot = _step_row(slot_ptr, row, o_ptrs, mask_v, HAS_SLOT, BLOCK_V)
+    if slot < 0:                                   # padding row: zero output (stored above), touch nothing else
         return
     offs_k = tl.arange(0, BLOCK_K)
     offs_l = tl.arange(0, BLOCK_L)
@@ -180,10 +176,7 @@ def _flush_encode_rows_kernel(
     pid_r = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
-    if HAS_SLOT:
-        slot = tl.load(slot_ptr + row).to(tl.int64)
-    else:
-        slot = row
+    slot = _row_slot(slot_ptr, row, HAS_SLOT)
     if slot < 0:
         return
     if tl.load(cursor_ptr + slot) != L - 1:

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .mamba2_triton import _ARRIVAL, _arrive, _store_checkpoint
+from .mamba2_triton import _ARRIVAL, _arrive, _row_slot, _step_row, _store_checkpoint
 
 
 @triton.jit
@@ -52,12 +52,8 @@ def _delta_replay_step_kernel(
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_v = offs_v < V
     o_ptrs = o_ptr + row * s_ob + h * s_oh + offs_v * s_ov
-    if HAS_SLOT:
-        slot = tl.load(slot_ptr + row).to(tl.int64)
-    else:
-        slot = row
-    if slot < 0:                                   # padding row: zero output, touch nothing else
-        tl.store(o_ptrs, tl.zeros([BLOCK_V], dtype=tl.float32), mask=mask_v)
+    slot = _step_row(slot_ptr, row, o_ptrs, mask_v, HAS_SLOT, BLOCK_V)
+    if slot < 0:                                   # padding row: zero output (stored above), touch nothing else
         return
     w = _arrive(cursor_ptr, slot, arrivals, L)
 
@@ -158,10 +154,7 @@ def _delta_window_kernel(
     row = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     HV = tl.num_programs(1)
-    if HAS_SLOT:
-        slot = tl.load(slot_ptr + row).to(tl.int64)
-    else:
-        slot = row
+    slot = _row_slot(slot_ptr, row, HAS_SLOT)
     if slot < 0:
         return
     w = tl.load(cursor_ptr + slot)
@@ -230,12 +223,8 @@ def _delta_apply_kernel(
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_v = offs_v < V
     o_ptrs = o_ptr + row * s_ob + h * s_oh + offs_v * s_ov
-    if HAS_SLOT:
-        slot = tl.load(slot_ptr + row).to(tl.int64)
-    else:
-        slot = row
-    if slot < 0:                                   # padding row: zero output, touch nothing else
-        tl.store(o_ptrs, tl.zeros([BLOCK_V], dtype=tl.float32), mask=mask_v)
+    slot = _step_row(slot_ptr, row, o_ptrs, mask_v, HAS_SLOT, BLOCK_V)
+    if slot < 0:                                   # padding row: zero output (stored above), touch nothing else
         return
     offs_k = tl.arange(0, BLOCK_K)
     offs_l = tl.arange(0, BLOCK_L)

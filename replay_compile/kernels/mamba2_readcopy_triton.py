@@ -95,7 +95,8 @@ import triton.language as tl
 
 from ..quant.formats import Encoded, ReadCopyFormat, get_format
 from .mamba2_readcopy_reference import as_encoded
-from .mamba2_triton import _advance_cursor_kernel, _mamba2_prepass_window_kernel, _round_checkpoint, _step_window, parse_tuning
+from .mamba2_triton import (_advance_cursor_kernel, _mamba2_prepass_window_kernel, _round_checkpoint, _row_slot,
+                            _step_row, _step_window, parse_tuning)
 
 __all__ = ["FORMAT_IDS", "TUNING", "decode_read_copy_triton", "launch_config", "replay_step_readcopy_triton",
            "tuned"]
@@ -241,12 +242,8 @@ def _readcopy_step_kernel(
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     mask_p = offs_p < P
     y_ptrs = y_ptr + row * s_yb + h * s_yh + offs_p * s_yp
-    if HAS_SLOT:
-        slot = tl.load(slot_ptr + row).to(tl.int64)
-    else:
-        slot = row
-    if slot < 0:                                   # padding row: zero output, touch nothing else
-        tl.store(y_ptrs, tl.zeros([BLOCK_P], dtype=tl.float32), mask=mask_p)
+    slot = _step_row(slot_ptr, row, y_ptrs, mask_p, HAS_SLOT, BLOCK_P)
+    if slot < 0:                                   # padding row: zero output (stored above), touch nothing else
         return
     w = tl.load(cursor_ptr + slot)                  # advanced afterwards by _advance_cursor_kernel
     if ROUTE == 2:                                  # flush rows only (the pre variant's third launch)
@@ -352,12 +349,8 @@ def _readcopy_apply_kernel(
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     mask_p = offs_p < P
     y_ptrs = y_ptr + row * s_yb + h * s_yh + offs_p * s_yp
-    if HAS_SLOT:
-        slot = tl.load(slot_ptr + row).to(tl.int64)
-    else:
-        slot = row
-    if slot < 0:                                   # padding row: zero output, touch nothing else
-        tl.store(y_ptrs, tl.zeros([BLOCK_P], dtype=tl.float32), mask=mask_p)
+    slot = _step_row(slot_ptr, row, y_ptrs, mask_p, HAS_SLOT, BLOCK_P)
+    if slot < 0:                                   # padding row: zero output (stored above), touch nothing else
         return
     w = tl.load(cursor_ptr + slot)
     if w == L - 1:
@@ -395,10 +388,7 @@ def _nvfp4_flush_encode_kernel(
     pid_p = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
-    if HAS_SLOT:
-        slot = tl.load(slot_ptr + row).to(tl.int64)
-    else:
-        slot = row
+    slot = _row_slot(slot_ptr, row, HAS_SLOT)
     if slot < 0:
         return
     w = tl.load(cursor_ptr + slot)

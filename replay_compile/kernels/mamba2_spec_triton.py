@@ -32,15 +32,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .mamba2_triton import _row_slot
+
 
 @triton.jit
 def _spec_row(slot_ptr, w_ptr, row, T, HAS_SLOT: tl.constexpr, BUF: tl.constexpr):
     """(slot, w, overflow): the row's slot (negative: padding), its committed count, and whether the history and a
     window of T tokens overflow the ring (which the commit's flush rule prevents)."""
-    if HAS_SLOT:
-        slot = tl.load(slot_ptr + row).to(tl.int64)
-    else:
-        slot = row
+    slot = _row_slot(slot_ptr, row, HAS_SLOT)
     w = tl.load(w_ptr + tl.maximum(slot, 0))
     return slot, w, w + T > BUF
 

@@ -82,6 +82,27 @@ def _stochastic_round_fp16(v, key, offs):
 
 
 @triton.jit
+def _row_slot(slot_ptr, row, HAS_SLOT: tl.constexpr):
+    """The cache slot of batch row ``row`` (negative: a padding row); row ``i`` uses slot ``i`` without a slot index.
+    Shared by every step kernel of both families."""
+    if HAS_SLOT:
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+    else:
+        slot = row
+    return slot
+
+
+@triton.jit
+def _step_row(slot_ptr, row, out_ptrs, out_mask, HAS_SLOT: tl.constexpr, BLOCK: tl.constexpr):
+    """:func:`_row_slot` for a program that owns ``BLOCK`` outputs of the row: a padding row gets zeros there; the
+    caller then returns (a padding row touches nothing else)."""
+    slot = _row_slot(slot_ptr, row, HAS_SLOT)
+    if slot < 0:
+        tl.store(out_ptrs, tl.zeros([BLOCK], dtype=tl.float32), mask=out_mask)
+    return slot
+
+
+@triton.jit
 def _arrive(cursor_ptr, slot, arrivals, L):
     """Read this row's cursor and count the program's arrival in one relaxed atomic; returns ``w``.
 
@@ -137,12 +158,8 @@ def _mamba2_replay_whole_kernel(
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     mask_p = offs_p < P
     y_ptrs = y_ptr + row * s_yb + h * s_yh + offs_p * s_yp
-    if HAS_SLOT:
-        slot = tl.load(slot_ptr + row).to(tl.int64)
-    else:
-        slot = row
-    if slot < 0:                                   # padding row: zero output, touch nothing else
-        tl.store(y_ptrs, tl.zeros([BLOCK_P], dtype=tl.float32), mask=mask_p)
+    slot = _step_row(slot_ptr, row, y_ptrs, mask_p, HAS_SLOT, BLOCK_P)
+    if slot < 0:                                   # padding row: zero output (stored above), touch nothing else
         return
 
     w = _arrive(cursor_ptr, slot, arrivals, L)
@@ -250,10 +267,7 @@ def _mamba2_replay_tiled_kernel(
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     mask_p = offs_p < P
     y_ptrs = y_ptr + row * s_yb + h * s_yh + offs_p * s_yp
-    if HAS_SLOT:
-        slot = tl.load(slot_ptr + row).to(tl.int64)
-    else:
-        slot = row
+    slot = _row_slot(slot_ptr, row, HAS_SLOT)
     if slot < 0:                                   # padding row: zero output, touch nothing else
         if ROUTE != 2:
             tl.store(y_ptrs, tl.zeros([BLOCK_P], dtype=tl.float32), mask=mask_p)
@@ -339,10 +353,7 @@ def _mamba2_prepass_window_kernel(
     and the non-flush rows' records appended (the checkpoint pass then reads neither ring nor B)."""
     row = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
-    if HAS_SLOT:
-        slot = tl.load(slot_ptr + row).to(tl.int64)
-    else:
-        slot = row
+    slot = _row_slot(slot_ptr, row, HAS_SLOT)
     if slot < 0:
         return
     w = tl.load(cursor_ptr + slot)
@@ -399,12 +410,8 @@ def _mamba2_prepass_apply_kernel(
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     mask_p = offs_p < P
     y_ptrs = y_ptr + row * s_yb + h * s_yh + offs_p * s_yp
-    if HAS_SLOT:
-        slot = tl.load(slot_ptr + row).to(tl.int64)
-    else:
-        slot = row
-    if slot < 0:                                   # padding row: zero output, touch nothing else
-        tl.store(y_ptrs, tl.zeros([BLOCK_P], dtype=tl.float32), mask=mask_p)
+    slot = _step_row(slot_ptr, row, y_ptrs, mask_p, HAS_SLOT, BLOCK_P)
+    if slot < 0:                                   # padding row: zero output (stored above), touch nothing else
         return
     offs_n = tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
