@@ -131,31 +131,3 @@ def test_hf_delta_models_with_a_read_copy(family, fmt):
     rewrites = [w for r in replay_compile.reports() for w in r.rewrites]
     assert rewrites and all(w.spec.read_copy == fmt for w in rewrites), [str(w) for w in rewrites]
     assert replay_compile.flush(caches[1]) >= 1
-
-
-@pytest.mark.hf
-def test_delta_read_copy_is_not_applied_on_cuda_without_a_kernel(monkeypatch, caplog):
-    """On CUDA the delta-rule read copy would run its PyTorch reference (far slower than exact reads): the pass
-    keeps such layers exact and says so (simulated here by declaring the state a CUDA tensor)."""
-    import logging
-
-    from transformers import DynamicCache
-
-    import replay_compile
-    from replay_compile.bench import cache_kwarg
-    from replay_compile.passes import replay_pass
-    from replay_compile.testing.hf_models import DELTA_FAMILY, make_inputs
-
-    monkeypatch.setattr(replay_pass, "_on_cuda", lambda m: True)
-    model = DELTA_FAMILY["qwen3_5"](dtype=torch.float32, seed=0)
-    fwd = torch.compile(model.forward, backend="replayssm",
-                        options={"buffer_len": 4, "lower": "eager", "read_copy": "fp8_e4m3"})
-    replay_compile.clear_reports()
-    with caplog.at_level(logging.WARNING, logger="replay_compile"), torch.no_grad():
-        cache = DynamicCache(config=model.config)
-        ids = make_inputs(model, batch=2, prompt_len=4, seed=0)
-        model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache})
-        fwd(input_ids=ids[:, :1], use_cache=True, **{cache_kwarg(model): cache})
-    rewrites = [w for r in replay_compile.reports() for w in r.rewrites]
-    assert rewrites and all(w.spec.read_copy is None for w in rewrites)
-    assert "is not applied to gdn layers on CUDA yet" in caplog.text

@@ -78,11 +78,22 @@ def test_kernel_matches_reference_bitwise_contract(geom, L, act, state_dtype, ki
 
 @pytest.mark.parametrize("geom, L", [(Mamba2Geometry(2, 4, 5, 6, 2, 4), 4), (Mamba2Geometry(2, 2, 8, 8, 2, 2), 20)])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("kind", ["pre:route=0", "pre:route=0,early_tile=1"])
-def test_pre_variant_folding_flush_rows_in_its_streaming_launch(geom, L, state_dtype, kind):
-    """``pre`` with ``route=0``: the checkpoint pass folds flush rows itself instead of a third launch."""
+@pytest.mark.parametrize("kind", ["pre:route=0", "pre:route=0,early_tile=1", "pre:flush_list=0,win_heads=1",
+                                  "pre:flush_per_sm=1,FLUSH_P=16,FLUSH_N=16"])
+def test_pre_variant_launch_options(geom, L, state_dtype, kind):
+    """``pre`` with ``route=0`` (the checkpoint pass folds flush rows itself instead of a third launch); with the
+    flush launch over the whole grid instead of the listed rows and one head per window program; with 4 flush
+    programs walking more tiles than there are programs."""
     with variant(kind):
         _match_reference(geom, L, torch.float32, state_dtype)
+
+
+def test_window_heads_share_one_group_and_bound_the_window():
+    assert kt.window_heads(128, 8, 8, 64, 16) == 16                # Nemotron-Super: 16 heads per group
+    assert kt.window_heads(96, 8, 8, 80, 16) == 4                  # Nano: 12 heads per group -> 4
+    assert kt.window_heads(8, 2, 4, 8, 16) == 2                    # B groups of 4 heads, C groups of 2
+    assert kt.window_heads(6, 2, 2, 8, 16) == 1                    # 3 heads per group
+    assert kt.window_heads(128, 1, 1, 64, 64) == 4                 # L = 64: 4 x 64 x 64 = 16K elements
 
 
 def test_launch_config_picks_whole_for_small_batches_and_pre_above():

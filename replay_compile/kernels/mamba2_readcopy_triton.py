@@ -95,7 +95,7 @@ import triton.language as tl
 
 from ..quant.formats import Encoded, ReadCopyFormat, get_format
 from .mamba2_readcopy_reference import as_encoded
-from .mamba2_triton import (_advance_cursor_kernel, _mamba2_prepass_window_kernel, _round_checkpoint, _row_slot,
+from .mamba2_triton import (_advance_cursor_kernel, _round_checkpoint, _row_slot, launch_window,
                             _step_row, _step_window, parse_tuning)
 
 __all__ = ["FORMAT_IDS", "TUNING", "decode_read_copy_triton", "launch_config", "replay_step_readcopy_triton",
@@ -527,14 +527,8 @@ def replay_step_readcopy_triton(state, copy, fmt, x_ring, dt_ring, la_ring, B_ri
     if pre:
         # launch 1: the window's contribution per (row, head) and the records (shared with the fp32 step);
         # launch 2: the copy pass of the non-flush rows; launch 3 (below): the flush rows
-        win = torch.empty((b, H, P), dtype=torch.float32, device=x.device)
-        dec = torch.empty((b, H), dtype=torch.float32, device=x.device)
-        _mamba2_prepass_window_kernel[(b, H)](
-            x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, win, dec, H, P, N, L, H // G, H // Gc,
-            *x_ring.stride(), *dt_ring.stride(), *la_ring.stride(), *B_ring.stride(),
-            *x.stride(), *dt.stride(), *la.stride(), *B.stride(), *C.stride(),
-            HAS_SLOT=has_slot, BLOCK_P=max(16, triton.next_power_of_2(P)), BLOCK_N=cfg["BLOCK_N"],
-            BLOCK_L=cfg["BLOCK_L"], num_warps=1)
+        win, dec = launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, has_slot,
+                                 cfg["BLOCK_N"], cfg["BLOCK_L"])
         k = _readcopy_apply_kernel[(triton.cdiv(P, cfg["APPLY_P"]), b, H)](
             cursor, C, slot_arg, y, win, dec, cv, cs, ct, H, P, N, L, H // Gc, *C.stride(), *y.stride(), *cstrides,
             FMT=FORMAT_IDS[name], HAS_SLOT=has_slot, BLOCK_P=cfg["APPLY_P"], BLOCK_N=cfg["BLOCK_N"],

@@ -43,6 +43,8 @@ interpreter (the CI's CPU test path) fails on runtime loop bounds with numpy >= 
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 
 import torch
 import triton
@@ -248,6 +250,53 @@ def _step_window(lar_ptr, dtr_ptr, xr_ptr, la_ptr, dt_ptr, x_ptr, slot, row, h, 
 
 
 @triton.jit
+def _fold_tile(state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, y_ptr,
+               row, slot, h, pid_p, w, H, P, N, heads_per_g, heads_per_gc,
+               s_sb, s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl,
+               s_brb, s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn,
+               s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
+               BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, N_TILES: tl.constexpr,
+               STOCHASTIC_FP16: tl.constexpr, STATE_EVICT: tl.constexpr):
+    """The flush of one ``BLOCK_P``-row slice of head ``h`` of a row at cursor ``w``: the window folded into the
+    checkpoint over N in ``BLOCK_P x BLOCK_N`` tiles, each written once; ``y = S_new C``. The tiled kernel's flush
+    branch and the ``pre`` variant's flush launch."""
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    mask_p = offs_p < P
+    offs_l = tl.arange(0, BLOCK_L)
+    hist = offs_l < w
+    cur = offs_l == w
+    g = h // heads_per_g
+    gc = h // heads_per_gc
+    la_cur, dt_cur, x_cur, coef, decay, xw = _step_window(
+        lar_ptr, dtr_ptr, xr_ptr, la_ptr, dt_ptr, x_ptr, slot, row, h, w, offs_l, offs_p, mask_p,
+        s_lrb, s_lrh, s_lrl, s_drb, s_drh, s_drl, s_xrb, s_xrh, s_xrl, s_xrp, s_lb, s_lh, s_db, s_dh, s_xb, s_xh, s_xp)
+    st_base = state_ptr + slot * s_sb + h * s_sh
+    br_base = Br_ptr + slot * s_brb + g * s_brg
+    b_base = B_ptr + row * s_bb + g * s_bg
+    c_base = C_ptr + row * s_cb + gc * s_cg
+    y_ptrs = y_ptr + row * s_yb + h * s_yh + offs_p * s_yp
+    # flush: S_new = exp(Σ la) S_0 + (coef X)ᵀ B, tile by tile, written once; y = S_new C
+    xc = tl.trans(xw * coef[:, None])                    # [BLOCK_P, BLOCK_L]
+    acc_y = tl.zeros([BLOCK_P], dtype=tl.float32)
+    for nt in range(N_TILES):                          # constexpr trip count (see module notes)
+        offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        bw = tl.load(br_base + offs_l[:, None] * s_brl + offs_n[None, :] * s_brn,
+                     mask=hist[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+        b_cur = tl.load(b_base + offs_n * s_bn, mask=mask_n, other=0.0).to(tl.float32)
+        bw = tl.where(cur[:, None], b_cur[None, :], bw)
+        s_ptrs = st_base + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
+        tile_mask = mask_p[:, None] & mask_n[None, :]
+        s0 = tl.load(s_ptrs, mask=tile_mask, other=0.0, eviction_policy=STATE_EVICT).to(tl.float32)
+        s_new = decay * s0 + tl.dot(xc, bw, input_precision="ieee")
+        _store_checkpoint(s_ptrs, s_new, tile_mask, la_cur, slot * H + h,
+                          offs_p[:, None] * N + offs_n[None, :], STOCHASTIC_FP16)
+        c = tl.load(c_base + offs_n * s_cn, mask=mask_n, other=0.0).to(tl.float32)
+        acc_y += tl.sum(s_new * c[None, :], axis=1)
+    tl.store(y_ptrs, acc_y, mask=mask_p)
+
+
+@triton.jit
 def _mamba2_replay_tiled_kernel(
     state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, cursor_ptr,
     x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr, y_ptr,
@@ -285,36 +334,23 @@ def _mamba2_replay_tiled_kernel(
     hist = offs_l < w
     cur = offs_l == w
 
-    la_cur, dt_cur, x_cur, coef, decay, xw = _step_window(
-        lar_ptr, dtr_ptr, xr_ptr, la_ptr, dt_ptr, x_ptr, slot, row, h, w, offs_l, offs_p, mask_p,
-        s_lrb, s_lrh, s_lrl, s_drb, s_drh, s_drl, s_xrb, s_xrh, s_xrl, s_xrp, s_lb, s_lh, s_db, s_dh, s_xb, s_xh, s_xp)
-
-    st_base = state_ptr + slot * s_sb + h * s_sh
-    br_base = Br_ptr + slot * s_brb + g * s_brg
-    b_base = B_ptr + row * s_bb + g * s_bg
-    c_base = C_ptr + row * s_cb + gc * s_cg
     if (ROUTE == 2) or ((ROUTE == 0) and (w == L - 1)):
-        # flush: S_new = exp(Σ la) S_0 + (coef X)ᵀ B, tile by tile, written once; y = S_new C
-        xc = tl.trans(xw * coef[:, None])                    # [BLOCK_P, BLOCK_L]
-        acc_y = tl.zeros([BLOCK_P], dtype=tl.float32)
-        for nt in range(N_TILES):                          # constexpr trip count (see module notes)
-            offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < N
-            bw = tl.load(br_base + offs_l[:, None] * s_brl + offs_n[None, :] * s_brn,
-                         mask=hist[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-            b_cur = tl.load(b_base + offs_n * s_bn, mask=mask_n, other=0.0).to(tl.float32)
-            bw = tl.where(cur[:, None], b_cur[None, :], bw)
-            s_ptrs = st_base + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
-            tile_mask = mask_p[:, None] & mask_n[None, :]
-            s0 = tl.load(s_ptrs, mask=tile_mask, other=0.0, eviction_policy=STATE_EVICT).to(tl.float32)
-            s_new = decay * s0 + tl.dot(xc, bw, input_precision="ieee")
-            _store_checkpoint(s_ptrs, s_new, tile_mask, la_cur, slot * H + h,
-                              offs_p[:, None] * N + offs_n[None, :], STOCHASTIC_FP16)
-            c = tl.load(c_base + offs_n * s_cn, mask=mask_n, other=0.0).to(tl.float32)
-            acc_y += tl.sum(s_new * c[None, :], axis=1)
-        tl.store(y_ptrs, acc_y, mask=mask_p)
+        _fold_tile(state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, y_ptr,
+                   row, slot, h, pid_p, w, H, P, N, heads_per_g, heads_per_gc,
+                   s_sb, s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl,
+                   s_brb, s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn,
+                   s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
+                   BLOCK_P, BLOCK_N, BLOCK_L, N_TILES, STOCHASTIC_FP16, STATE_EVICT)
     else:
         # y = exp(Σ la) (S_0 C) + Σ_j coef_j (B_j·C) x_j ; the checkpoint is only read
+        la_cur, dt_cur, x_cur, coef, decay, xw = _step_window(
+            lar_ptr, dtr_ptr, xr_ptr, la_ptr, dt_ptr, x_ptr, slot, row, h, w, offs_l, offs_p, mask_p,
+            s_lrb, s_lrh, s_lrl, s_drb, s_drh, s_drl, s_xrb, s_xrh, s_xrl, s_xrp, s_lb, s_lh, s_db, s_dh,
+            s_xb, s_xh, s_xp)
+        st_base = state_ptr + slot * s_sb + h * s_sh
+        br_base = Br_ptr + slot * s_brb + g * s_brg
+        b_base = B_ptr + row * s_bb + g * s_bg
+        c_base = C_ptr + row * s_cb + gc * s_cg
         acc_sc = tl.zeros([BLOCK_P], dtype=tl.float32)
         bc = tl.zeros([BLOCK_L], dtype=tl.float32)
         for nt in range(N_TILES):                          # constexpr trip count (see module notes)
@@ -343,50 +379,110 @@ def _mamba2_replay_tiled_kernel(
 @triton.jit
 def _mamba2_prepass_window_kernel(
     xr_ptr, dtr_ptr, lar_ptr, Br_ptr, cursor_ptr, x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr, win_ptr, dec_ptr,
-    H, P, N, L, heads_per_g, heads_per_gc,
+    work_ptr, H, P, N, L, heads_per_g, heads_per_gc,
     s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl, s_brb, s_brg, s_brl, s_brn,
     s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn, s_cb, s_cg, s_cn,
     HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+    HB: tl.constexpr, WORKLIST: tl.constexpr,
 ):
-    """``pre`` variant, launch 1 of 2, grid ``(batch, H)``: the window's contribution once per (row, head),
-    ``win[p] = Σ_j coef_j (B_j·C) x_j[p]`` and ``decay = exp(Σ la)`` into fp32 scratch ``[b, H, P]`` / ``[b, H]``,
-    and the non-flush rows' records appended (the checkpoint pass then reads neither ring nor B)."""
+    """``pre`` variant, launch 1, grid ``(batch, H // HB)``: the window's contribution for ``HB`` heads of one
+    group (they share ``B_j·C``, computed once), ``win[h, p] = Σ_j coef_hj (B_j·C) x_hj[p]`` and ``decay_h =
+    exp(Σ la_h)`` into fp32 scratch ``[b, H, P]`` / ``[b, H]``, and the non-flush rows' records appended (the
+    checkpoint pass then reads neither ring nor B).
+
+    Every ring load is issued before the cursor arrives (whole ``L`` windows, stale slots discarded in registers):
+    one memory round trip per program instead of two. Flush rows return; with ``WORKLIST`` the row's first program
+    appends the row to ``work = [count, rows...]`` (zeroed by the caller) for the flush launch.
+    """
     row = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
+    hb = tl.program_id(1)
     slot = _row_slot(slot_ptr, row, HAS_SLOT)
     if slot < 0:
         return
-    w = tl.load(cursor_ptr + slot)
-    if w == L - 1:                                  # flush rows: the flush launch computes their window
-        return
-    g = h // heads_per_g
-    gc = h // heads_per_gc
+    h0 = hb.to(tl.int64) * HB
+    offs_h = h0 + tl.arange(0, HB)                      # HB divides the heads of a group: all < H, one g, one gc
+    g = h0 // heads_per_g
+    gc = h0 // heads_per_gc
     offs_p = tl.arange(0, BLOCK_P)
     mask_p = offs_p < P
     offs_n = tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_l = tl.arange(0, BLOCK_L)
+    in_l = offs_l < L
+    la_w = tl.load(lar_ptr + slot * s_lrb + offs_h[:, None] * s_lrh + offs_l[None, :] * s_lrl,
+                   mask=in_l[None, :], other=0.0).to(tl.float32)                      # [HB, BLOCK_L]
+    dt_w = tl.load(dtr_ptr + slot * s_drb + offs_h[:, None] * s_drh + offs_l[None, :] * s_drl,
+                   mask=in_l[None, :], other=0.0).to(tl.float32)
+    xw = tl.load(xr_ptr + slot * s_xrb + offs_h[:, None, None] * s_xrh + offs_l[None, :, None] * s_xrl
+                 + offs_p[None, None, :] * s_xrp, mask=in_l[None, :, None] & mask_p[None, None, :], other=0.0)
+    br_base = Br_ptr + slot * s_brb + g * s_brg
+    bw = tl.load(br_base + offs_l[:, None] * s_brl + offs_n[None, :] * s_brn,
+                 mask=in_l[:, None] & mask_n[None, :], other=0.0).to(tl.float32)      # [BLOCK_L, BLOCK_N]
+    la_cur = tl.load(la_ptr + row * s_lb + offs_h * s_lh)                             # [HB]
+    dt_cur = tl.load(dt_ptr + row * s_db + offs_h * s_dh)
+    x_cur = tl.load(x_ptr + row * s_xb + offs_h[:, None] * s_xh + offs_p[None, :] * s_xp,
+                    mask=mask_p[None, :], other=0.0)                                   # [HB, BLOCK_P]
+    b_cur = tl.load(B_ptr + row * s_bb + g * s_bg + offs_n * s_bn, mask=mask_n, other=0.0)
+    c = tl.load(C_ptr + row * s_cb + gc * s_cg + offs_n * s_cn, mask=mask_n, other=0.0).to(tl.float32)
+    w = tl.load(cursor_ptr + slot)
+    if w == L - 1:                                  # flush rows: the flush launch computes their window
+        if WORKLIST:
+            if hb == 0:
+                i = tl.atomic_add(work_ptr, 1, sem="relaxed")
+                tl.store(work_ptr + 1 + i, row.to(tl.int32))
+        return
     hist = offs_l < w
     cur = offs_l == w
-    la_cur, dt_cur, x_cur, coef, decay, xw = _step_window(
-        lar_ptr, dtr_ptr, xr_ptr, la_ptr, dt_ptr, x_ptr, slot, row, h, w, offs_l, offs_p, mask_p,
-        s_lrb, s_lrh, s_lrl, s_drb, s_drh, s_drl, s_xrb, s_xrh, s_xrl, s_xrp, s_lb, s_lh, s_db, s_dh, s_xb, s_xh, s_xp)
-    br_base = Br_ptr + slot * s_brb + g * s_brg
-    b_cur = tl.load(B_ptr + row * s_bb + g * s_bg + offs_n * s_bn, mask=mask_n, other=0.0)
-    bw = tl.load(br_base + offs_l[:, None] * s_brl + offs_n[None, :] * s_brn,
-                 mask=hist[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-    bw = tl.where(cur[:, None], b_cur.to(tl.float32)[None, :], bw)
-    c = tl.load(C_ptr + row * s_cb + gc * s_cg + offs_n * s_cn, mask=mask_n, other=0.0).to(tl.float32)
-    bc = tl.sum(bw * c[None, :], axis=1)                                          # [BLOCK_L]
-    win = tl.sum((coef * bc)[:, None] * xw, axis=0)                                # [BLOCK_P]
-    tl.store(win_ptr + (row * H + h) * P + offs_p, win, mask=mask_p)
-    tl.store(dec_ptr + row * H + h, decay)
-    tl.store(xr_ptr + slot * s_xrb + h * s_xrh + w * s_xrl + offs_p * s_xrp,
-             x_cur.to(xr_ptr.dtype.element_ty), mask=mask_p)
-    tl.store(dtr_ptr + slot * s_drb + h * s_drh + w * s_drl, dt_cur)
-    tl.store(lar_ptr + slot * s_lrb + h * s_lrh + w * s_lrl, la_cur)
-    if h % heads_per_g == 0:                          # one program per group appends B_t
+    la_w = tl.where(cur[None, :], la_cur.to(tl.float32)[:, None], tl.where(hist[None, :], la_w, 0.0))
+    dt_w = tl.where(cur[None, :], dt_cur.to(tl.float32)[:, None], tl.where(hist[None, :], dt_w, 0.0))
+    after = tl.minimum(tl.cumsum(la_w, axis=1, reverse=True) - la_w, 0.0)
+    coef = tl.where((offs_l <= w)[None, :], dt_w * tl.exp(after), 0.0)              # [HB, BLOCK_L]
+    decay = tl.exp(tl.minimum(tl.sum(la_w, axis=1), 0.0))                           # [HB]
+    xw = tl.where(hist[None, :, None], xw.to(tl.float32), 0.0)
+    xw = tl.where(cur[None, :, None], x_cur.to(tl.float32)[:, None, :], xw)
+    bw = tl.where(cur[:, None], b_cur.to(tl.float32)[None, :], tl.where(hist[:, None], bw, 0.0))
+    bc = tl.sum(bw * c[None, :], axis=1)                                             # [BLOCK_L]
+    win = tl.sum((coef * bc[None, :])[:, :, None] * xw, axis=1)                      # [HB, BLOCK_P]
+    tl.store(win_ptr + (row * H + offs_h[:, None]) * P + offs_p[None, :], win, mask=mask_p[None, :])
+    tl.store(dec_ptr + row * H + offs_h, decay)
+    tl.store(xr_ptr + slot * s_xrb + offs_h[:, None] * s_xrh + w * s_xrl + offs_p[None, :] * s_xrp,
+             x_cur.to(xr_ptr.dtype.element_ty), mask=mask_p[None, :])
+    tl.store(dtr_ptr + slot * s_drb + offs_h * s_drh + w * s_drl, dt_cur)
+    tl.store(lar_ptr + slot * s_lrb + offs_h * s_lrh + w * s_lrl, la_cur)
+    if h0 % heads_per_g == 0:                         # one program per group appends B_t
         tl.store(br_base + w * s_brl + offs_n * s_brn, b_cur.to(Br_ptr.dtype.element_ty), mask=mask_n)
+
+
+def window_heads(H: int, G: int, Gc: int, P: int, block_l: int) -> int:
+    """Heads per program of the window launch: a power of two dividing the heads of a B group and of a C group
+    (so they share ``B_j·C``), at most 16, and at most 16K window elements (``HB x BLOCK_L x P``) per program."""
+    common = math.gcd(H // G, H // Gc)
+    hb = min(16, common & -common)                  # largest power of two dividing both group sizes
+    while hb > 1 and hb * block_l * max(16, triton.next_power_of_2(P)) > 16384:
+        hb //= 2
+    return TUNING.get("win_heads") or hb
+
+
+def launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, has_slot, block_n, block_l,
+                  work=None):
+    """Launch 1 of the ``pre`` variants (the fp32 step and the read-copy step): returns fp32 scratch ``win [b, H,
+    P]`` and ``dec [b, H]``; flush rows are appended to ``work`` when given."""
+    b, H, P = x.shape
+    N = B.shape[-1]
+    G, Gc = B_ring.shape[1], C.shape[1]
+    win = torch.empty((b, H, P), dtype=torch.float32, device=x.device)
+    dec = torch.empty((b, H), dtype=torch.float32, device=x.device)
+    bpw = max(16, triton.next_power_of_2(P))
+    hb = window_heads(H, G, Gc, P, block_l)
+    warps = TUNING.get("window_warps") or max(1, min(4, hb * block_l * bpw // 4096))
+    _mamba2_prepass_window_kernel[(b, H // hb)](
+        x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, win, dec,
+        work if work is not None else cursor, H, P, N, x_ring.shape[2], H // G, H // Gc,
+        *x_ring.stride(), *dt_ring.stride(), *la_ring.stride(), *B_ring.stride(),
+        *x.stride(), *dt.stride(), *la.stride(), *B.stride(), *C.stride(),
+        HAS_SLOT=has_slot, BLOCK_P=bpw, BLOCK_N=block_n, BLOCK_L=block_l, HB=hb, WORKLIST=work is not None,
+        num_warps=warps)
+    return win, dec
 
 
 @triton.jit
@@ -448,6 +544,37 @@ def _mamba2_prepass_apply_kernel(
         decay = tl.load(dec_ptr + row * H + h)
         win = tl.load(win_ptr + (row * H + h) * P + offs_p, mask=mask_p, other=0.0)
         tl.store(y_ptrs, decay * tl.sum(s0 * c[None, :], axis=1) + win, mask=mask_p)
+
+
+@triton.jit
+def _mamba2_flush_list_kernel(
+    state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, cursor_ptr,
+    x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr, y_ptr, work_ptr,
+    H, P, N, L, heads_per_g, heads_per_gc, n_pb,
+    s_sb, s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl,
+    s_brb, s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn,
+    s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
+    HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+    N_TILES: tl.constexpr, STOCHASTIC_FP16: tl.constexpr,
+):
+    """``pre`` variant, flush launch: a fixed grid (a few programs per SM) walks the ``count x H x n_pb`` flush
+    tiles of the rows the window launch listed in ``work = [count, rows...]``, each folded by :func:`_fold_tile`.
+    On the 15 of 16 steps where no row flushes, every program reads ``count = 0`` and exits: a ``(n_pb, b, H)`` grid
+    of programs that each read a cursor and return cost 21-45 µs per step at bs256 (H200, session 7)."""
+    n_items = tl.load(work_ptr) * (H * n_pb)
+    t = tl.program_id(0)
+    while t < n_items:                              # consecutive programs take neighbouring tiles (L2 sharing)
+        i = t // (H * n_pb)
+        h = ((t // n_pb) % H).to(tl.int64)
+        row = tl.load(work_ptr + 1 + i).to(tl.int64)
+        slot = _row_slot(slot_ptr, row, HAS_SLOT)
+        _fold_tile(state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, y_ptr,
+                   row, slot, h, t % n_pb, L - 1, H, P, N, heads_per_g, heads_per_gc,
+                   s_sb, s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl,
+                   s_brb, s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn,
+                   s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
+                   BLOCK_P, BLOCK_N, BLOCK_L, N_TILES, STOCHASTIC_FP16, "")
+        t += tl.num_programs(0)
 
 
 @triton.jit
@@ -534,10 +661,23 @@ def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
                    window_warps=TUNING.get("window_warps") or 1, route=TUNING.get("route", 1),
                    early_tile=bool(TUNING.get("early_tile", 0)),
                    FLUSH_P=TUNING.get("FLUSH_P") or tiled_p, FLUSH_N=TUNING.get("FLUSH_N") or tiled_n,
-                   flush_warps=TUNING.get("flush_warps") or (4 if bp == 64 or block_l > 16 else 2))
+                   flush_warps=TUNING.get("flush_warps") or (4 if bp == 64 or block_l > 16 else 2),
+                   flush_list=bool(TUNING.get("flush_list", 1)),
+                   flush_programs_per_sm=TUNING.get("flush_per_sm") or 4)
     else:
         raise ValueError(f"replay_compile.mamba2: unknown kernel variant {variant!r} (whole, pre, tiled)")
     return dict(cfg, variant=variant, BLOCK_L=block_l)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (4 off CUDA: the interpreter then walks the list in a loop)."""
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 4
 
 
 def replay_step_triton(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_idx=None):
@@ -569,24 +709,25 @@ def replay_step_triton(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, l
                                                       STATE_EVICT=cfg["state_evict"], ROUTE=0, **common)
         _advance_cursor_kernel[(triton.cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
     else:                                          # pre
-        win = torch.empty((b, H, P), dtype=torch.float32, device=x.device)
-        dec = torch.empty((b, H), dtype=torch.float32, device=x.device)
-        bpw = max(16, triton.next_power_of_2(P))
-        _mamba2_prepass_window_kernel[(b, H)](
-            x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, win, dec, H, P, N, L, H // G, H // Gc,
-            *x_ring.stride(), *dt_ring.stride(), *la_ring.stride(), *B_ring.stride(),
-            *x.stride(), *dt.stride(), *la.stride(), *B.stride(), *C.stride(),
-            HAS_SLOT=has_slot, BLOCK_P=bpw, BLOCK_N=cfg["BLOCK_N"], BLOCK_L=cfg["BLOCK_L"],
-            num_warps=cfg["window_warps"])
+        listed = cfg["flush_list"]
+        work = torch.zeros((b + 1,), dtype=torch.int32, device=x.device) if listed else None
+        win, dec = launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, has_slot,
+                                 cfg["BLOCK_N"], cfg["BLOCK_L"], work)
         k = _mamba2_prepass_apply_kernel[(n_pb, b, H)](
             *args[:13], win, dec, *args[13:19], *args[20:],
             HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_P"], BLOCK_N=cfg["BLOCK_N"], BLOCK_L=cfg["BLOCK_L"],
             STOCHASTIC_FP16=common["STOCHASTIC_FP16"], ROUTE=cfg["route"], EARLY_TILE=cfg["early_tile"],
             num_warps=cfg["num_warps"])
         if cfg["route"] == 1:
-            fl = dict(common, BLOCK_P=cfg["FLUSH_P"], BLOCK_N=cfg["FLUSH_N"], num_warps=cfg["flush_warps"])
-            _mamba2_replay_tiled_kernel[(triton.cdiv(P, cfg["FLUSH_P"]), b, H)](
-                *args, N_TILES=triton.cdiv(N, cfg["FLUSH_N"]), STATE_EVICT="", ROUTE=2, **fl)
+            fl = dict(common, BLOCK_P=cfg["FLUSH_P"], BLOCK_N=cfg["FLUSH_N"], num_warps=cfg["flush_warps"],
+                      N_TILES=triton.cdiv(N, cfg["FLUSH_N"]))
+            n_fp = triton.cdiv(P, cfg["FLUSH_P"])
+            if listed:
+                programs = min(b * H * n_fp, cfg["flush_programs_per_sm"] * _sm_count(x.device))
+                _mamba2_flush_list_kernel[(programs,)](
+                    *args[:13], work, *args[13:19], n_fp, *args[20:], **fl)
+            else:
+                _mamba2_replay_tiled_kernel[(n_fp, b, H)](*args, STATE_EVICT="", ROUTE=2, **fl)
         _advance_cursor_kernel[(triton.cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
     LAST_LAUNCH["kernel"] = k
     return y

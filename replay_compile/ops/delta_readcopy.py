@@ -6,8 +6,9 @@
 ``replay_compile::delta_materialize_rc``  the true state, exact from the raw rings, out of place
 
 Semantics and shapes: :mod:`replay_compile.kernels.delta_readcopy_reference`. The copy is three storage tensors as
-for ``mamba2_step_rc`` (:mod:`.mamba2_readcopy`). Every device runs the PyTorch reference for now (no Triton kernel
-yet: the GPU runs of this session went to the Mamba-2 kernels).
+for ``mamba2_step_rc`` (:mod:`.mamba2_readcopy`). On CUDA the step runs the Triton kernels of
+:mod:`replay_compile.kernels.delta_readcopy_triton` (H200: their tests pass compiled); explicit flushes and
+materialisation, which run once per request rather than per token, use the PyTorch reference on every device.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch import Tensor
 
 from ..kernels import delta_readcopy_reference as rcref
 from ..kernels.mamba2_reference import _compute_dtype
-from .delta import _fail, check_ring_args, check_step_args
+from .delta import _fail, check_ring_args, check_step_args, use_triton
 from .mamba2_readcopy import as_copy
 
 _MUTATED = ("state", "d_ring", "k_ring", "g_ring", "v_ring", "beta_ring", "copy0", "copy1", "copy2", "cursor")
@@ -52,6 +53,20 @@ def delta_step_rc(
     enc = _copy(state, (copy0, copy1, copy2), fmt)
     return rcref.delta_replay_step_readcopy_reference(state, enc, fmt, d_ring, k_ring, g_ring, v_ring, beta_ring,
                                                       cursor, q, k, v, g, beta, slot_idx)
+
+
+@delta_step_rc.register_kernel("cuda")
+def _(state, d_ring, k_ring, g_ring, v_ring, beta_ring, copy0, copy1, copy2, cursor, q, k, v, g, beta, slot_idx, fmt):
+    check_step_args(state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slot_idx)
+    _check_raw(state, d_ring, v_ring, beta_ring)
+    enc = _copy(state, (copy0, copy1, copy2), fmt)
+    if not use_triton():
+        return rcref.delta_replay_step_readcopy_reference(state, enc, fmt, d_ring, k_ring, g_ring, v_ring,
+                                                          beta_ring, cursor, q, k, v, g, beta, slot_idx)
+    from ..kernels.delta_readcopy_triton import delta_replay_step_readcopy_triton  # lazily: triton only on GPUs
+
+    return delta_replay_step_readcopy_triton(state, enc, fmt, d_ring, k_ring, g_ring, v_ring, beta_ring, cursor,
+                                             q, k, v, g, beta, slot_idx)
 
 
 @delta_step_rc.register_fake

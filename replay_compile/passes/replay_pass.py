@@ -24,7 +24,6 @@ from ..errors import ReplayCompileError
 from . import broadcast, delta, graph_utils, mamba2, rewrite, validate
 from .delta import DeltaMatcher
 from .mamba2 import Mamba2Matcher, NoMatch
-from ..ops.mamba2 import use_triton
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,14 +136,7 @@ class ReplaySSMPass:
             log.debug("replay_compile: graph before rewrite:\n%s", gm.code)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         for i, m in enumerate(matches):
-            read_copy = self.config.read_copy
-            if read_copy and m.family != "mamba2" and _on_cuda(m) and use_triton():
-                # the delta-rule read copy has only its PyTorch reference so far: far slower than the exact kernels
-                log.warning("replay_compile: %s: read_copy=%r is not applied to %s layers on CUDA yet (no Triton "
-                            "kernel; the PyTorch reference would be slower than exact reads); this layer reads its "
-                            "checkpoint exactly", m.layer, read_copy, m.family)
-                read_copy = None
-            spec = rewrite.ring_spec(m, self.config.buffer_len, read_copy)
+            spec = rewrite.ring_spec(m, self.config.buffer_len, self.config.read_copy)
             rings = rewrite.add_ring_placeholders(gm, m, spec, i)
             rewrite.apply(gm, m, rings, spec)
             res.fake_inputs.extend(r.meta["example_value"] for r in rings)
@@ -193,8 +185,3 @@ class ReplaySSMPass:
                 f"replay_compile (strict): layer {layer}: {reason}. The state update was found but cannot be "
                 f"rewritten; run without strict=True to leave it unchanged, or report the model.")
         (log.info if quiet else log.warning)("replay_compile: %s", sk)
-
-
-def _on_cuda(m) -> bool:
-    sv = m.state.meta.get("example_value")
-    return sv is not None and sv.device.type == "cuda"

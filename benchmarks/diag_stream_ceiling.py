@@ -1,0 +1,142 @@
+"""What a read-only stream of the checkpoint reaches on this GPU, and where the ``pre`` step's time goes.
+
+    python benchmarks/diag_stream_ceiling.py [--geom super] [--batch 256]
+
+Issue 3 asks the non-flush step for >= 90% of the bandwidth floor; the floor is counted against the device-to-device
+*copy* bandwidth. A non-flush step only reads the checkpoint, so this measures, on one ``[b, H, P, N]`` fp32 state:
+
+* ``copy_``: read + write bandwidth (the floor's reference);
+* ``state.sum(-1)``: PyTorch's read-only reduction;
+* ``gemv`` kernels: the non-flush pass's arithmetic alone (``y[p] = Σ_n S[p, n] c[n]``) over ``BLOCK_P x N`` tiles,
+  one program per tile, for several tile heights and warp counts; and a persistent form (a fixed grid looping over
+  tiles, ``tl.range`` with ``num_stages`` so the next tile's load is issued before this one's reduction);
+* the ``pre`` step's four launches, each timed by the profiler on non-flush and flush steps.
+
+A diagnostic for NOTES.md, not a benchmark: no baseline, no speed claim.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_mamba2_kernel import GEOMS, copy_bandwidth, random_step, time_graph  # noqa: E402
+
+
+@triton.jit
+def _gemv_tile_kernel(s_ptr, c_ptr, y_ptr, P, N, H, heads_per_g,
+                      BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_p = tl.program_id(0)
+    rh = tl.program_id(1).to(tl.int64)              # row * H + h
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    m = (offs_p < P)[:, None] & (offs_n < N)[None, :]
+    s = tl.load(s_ptr + rh * P * N + offs_p[:, None] * N + offs_n[None, :], mask=m, other=0.0)
+    g = (rh // H) * (H // heads_per_g) + (rh % H) // heads_per_g
+    c = tl.load(c_ptr + g * N + offs_n, mask=offs_n < N, other=0.0)
+    tl.store(y_ptr + rh * P + offs_p, tl.sum(s * c[None, :], axis=1), mask=offs_p < P)
+
+
+@triton.jit
+def _gemv_persistent_kernel(s_ptr, c_ptr, y_ptr, n_tiles, P, N, H, heads_per_g, n_pb,
+                            BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr):
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    for t in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=STAGES):
+        rh = (t // n_pb).to(tl.int64)
+        offs_p = (t % n_pb) * BLOCK_P + tl.arange(0, BLOCK_P)
+        m = (offs_p < P)[:, None] & mask_n[None, :]
+        s = tl.load(s_ptr + rh * P * N + offs_p[:, None] * N + offs_n[None, :], mask=m, other=0.0)
+        g = (rh // H) * (H // heads_per_g) + (rh % H) // heads_per_g
+        c = tl.load(c_ptr + g * N + offs_n, mask=mask_n, other=0.0)
+        tl.store(y_ptr + rh * P + offs_p, tl.sum(s * c[None, :], axis=1), mask=offs_p < P)
+
+
+def stream_ceiling(bs, H, P, N, G, bw):
+    state = torch.randn(bs, H, P, N, device="cuda")
+    c = torch.randn(bs, G, N, device="cuda")
+    y = torch.empty(bs, H, P, device="cuda")
+    nbytes = state.numel() * 4
+    rows = []
+
+    def report(name, us):
+        rows.append((name, us))
+        print(f"  {name:44} {us:9.1f} us  {nbytes / (us * 1e-6) / 1e12:6.2f} TB/s  "
+              f"{nbytes / (us * 1e-6) / bw * 100:5.1f}% of copy bw", flush=True)
+
+    dst = torch.empty_like(state)
+    report("copy_ (read+write: 2x bytes)", time_graph(lambda: dst.copy_(state)) / 2)
+    report("state.sum(-1)", time_graph(lambda: torch.sum(state, -1, out=y)))
+    for bp, nw in [(8, 1), (16, 1), (16, 2), (32, 1), (32, 2), (32, 4), (64, 2), (64, 4)]:
+        if bp > triton.next_power_of_2(P):
+            continue
+        grid = (triton.cdiv(P, bp), bs * H)
+        fn = lambda: _gemv_tile_kernel[grid](state, c, y, P, N, H, H // G, BLOCK_P=bp,  # noqa: E731
+                                             BLOCK_N=triton.next_power_of_2(N), num_warps=nw)
+        report(f"gemv tile BLOCK_P={bp} warps={nw}", time_graph(fn))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for bp, nw, per_sm, stages in [(16, 1, 16, 2), (16, 1, 32, 2), (16, 2, 16, 3), (32, 2, 8, 3), (32, 4, 8, 2),
+                                   (32, 4, 4, 4), (64, 4, 4, 3)]:
+        n_pb = triton.cdiv(P, bp)
+        n_tiles = n_pb * bs * H
+        fn = lambda: _gemv_persistent_kernel[(sms * per_sm,)](  # noqa: E731
+            state, c, y, n_tiles, P, N, H, H // G, n_pb, BLOCK_P=bp, BLOCK_N=triton.next_power_of_2(N),
+            STAGES=stages, num_warps=nw)
+        try:
+            report(f"persistent BLOCK_P={bp} warps={nw} {per_sm}/SM stages={stages}", time_graph(fn))
+        except Exception as e:  # noqa: BLE001 - a config that does not compile is reported, the rest still run
+            print(f"  persistent {bp}/{nw}/{per_sm}/{stages}: {type(e).__name__}: {str(e)[:160]}")
+    return rows
+
+
+def launch_breakdown(bs, H, P, N, G, L=16):
+    """Device time per kernel of one ``pre`` step (profiler, plain launches), non-flush and flush."""
+    from replay_compile.kernels.mamba2_triton import replay_step_triton
+
+    state = torch.randn(bs, H, P, N, device="cuda")
+    rings, (x, dt, la, B, C) = random_step(bs, H, P, N, G, L, 1, torch.bfloat16)
+    ring = rings[0]
+    for name, w in (("non-flush", L // 2), ("flush", L - 1)):
+        for _ in range(3):
+            ring[-1].fill_(w)
+            replay_step_triton(state, *ring, x, dt, la, B, C, None)
+        torch.cuda.synchronize()
+        reps = 10
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                ring[-1].fill_(w)
+                replay_step_triton(state, *ring, x, dt, la, B, C, None)
+            torch.cuda.synchronize()
+        per = collections.Counter()
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                per[e.name] += e.device_time_total / reps
+        print(f"  {name}: " + "; ".join(f"{k[:40]} {v:.1f} us" for k, v in per.most_common()), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--geoms", default="super,nano")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--breakdown-only", action="store_true", help="only the pre step's per-launch times")
+    args = ap.parse_args()
+    print(f"{torch.cuda.get_device_name(0)} torch {torch.__version__} triton {triton.__version__}")
+    bw = copy_bandwidth()
+    print(f"copy bandwidth (read+write) {bw / 1e12:.2f} TB/s")
+    for gname in args.geoms.split(","):
+        H, P, N, G = GEOMS[gname]
+        print(f"{gname} bs{args.batch} fp32 state [{args.batch}, {H}, {P}, {N}]")
+        if not args.breakdown_only:
+            stream_ceiling(args.batch, H, P, N, G, bw)
+        launch_breakdown(args.batch, H, P, N, G)
+
+
+if __name__ == "__main__":
+    main()
