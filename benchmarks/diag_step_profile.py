@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
+import os
+import tempfile
 import time
 
 import torch
@@ -50,7 +53,7 @@ def profile_mode(model, mode: str, batch: int, L: int, warm: int = 20, steps: in
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
                 step()
-            torch.cuda.synchronize()
+                torch.cuda.synchronize()
     kern = collections.Counter()
     count = collections.Counter()
     for e in prof.events():
@@ -62,10 +65,48 @@ def profile_mode(model, mode: str, batch: int, L: int, warm: int = 20, steps: in
           f"{sum(count.values()) / steps:.0f} kernels/step, device total {sum(kern.values()) / steps / 1e3:.3f} ms/step")
     for name, t in kern.most_common(top):
         print(f"   {t / steps:9.1f} us/step  x{count[name] / steps:4.0f}  {name[:110]}")
+    try:
+        timeline(prof, mode)
+    except Exception as e:  # noqa: BLE001 - a diagnostic: the totals below still print
+        print(f"   timeline failed: {type(e).__name__}: {e}")
     cpu = prof.key_averages()
     rows = sorted((e for e in cpu if e.self_cpu_time_total > 0), key=lambda e: -e.self_cpu_time_total)[:8]
     for e in rows:
         print(f"   cpu {e.self_cpu_time_total / steps:9.1f} us/step  x{e.count / steps:5.1f}  {e.key[:100]}")
+
+
+def timeline(prof, mode: str) -> None:
+    """Per CUDA-graph launch (kernels grouped by the launch's correlation id in the Kineto trace): host launch call
+    length, launch-to-first-kernel latency, span from first kernel start to last kernel end, busy time inside the
+    span, and the largest idle gaps between consecutive kernels with their neighbours. GPU work launched outside
+    graphs is listed by name. The question it answers: where a step's wall time goes when device time is equal."""
+    path = tempfile.mktemp(suffix=".json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        ev = json.load(f)["traceEvents"]
+    os.unlink(path)
+    launches, gpu = {}, collections.defaultdict(list)
+    for e in ev:
+        a = e.get("args") or {}
+        if e.get("ph") != "X" or "correlation" not in a:
+            continue
+        if e.get("cat") == "cuda_runtime" and "GraphLaunch" in e["name"]:
+            launches[a["correlation"]] = e
+        elif e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            gpu[a["correlation"]].append(e)
+    outside = collections.Counter(k["name"][:60] for c, ks in gpu.items() if c not in launches for k in ks)
+    print(f"   {mode}: {len(launches)} graph launches; GPU ops outside graphs: {dict(outside.most_common(6))}")
+    for c, le in sorted(launches.items(), key=lambda kv: kv[1]["ts"]):
+        ks = sorted(gpu.get(c, []), key=lambda k: k["ts"])
+        if not ks:
+            continue
+        span = ks[-1]["ts"] + ks[-1]["dur"] - ks[0]["ts"]
+        busy = sum(k["dur"] for k in ks)
+        gaps = sorted(((b["ts"] - (a["ts"] + a["dur"]), a["name"][:40], b["name"][:40]) for a, b in zip(ks, ks[1:])),
+                      reverse=True)[:3]
+        print(f"     launch call {le['dur']:6.1f} us, to 1st kernel {ks[0]['ts'] - le['ts']:6.1f} us, span "
+              f"{span:7.1f} us, busy {busy:7.1f} us, {len(ks)} ops; gaps: "
+              + "; ".join(f"{g:.1f} us {a} -> {b}" for g, a, b in gaps))
 
 
 def main(argv=None):
