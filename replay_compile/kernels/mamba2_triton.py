@@ -377,22 +377,32 @@ def _mamba2_replay_tiled_kernel(
 
 
 @triton.jit
+def _list_flush_row(work_ptr, row, hb, WORKLIST: tl.constexpr):
+    """Append a flushing row to ``work = [count, rows...]`` once (from its first window program)."""
+    if WORKLIST:
+        if hb == 0:
+            i = tl.atomic_add(work_ptr, 1, sem="relaxed")
+            tl.store(work_ptr + 1 + i, row.to(tl.int32))
+
+
+@triton.jit
 def _mamba2_prepass_window_kernel(
     xr_ptr, dtr_ptr, lar_ptr, Br_ptr, cursor_ptr, x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr, win_ptr, dec_ptr,
     work_ptr, H, P, N, L, heads_per_g, heads_per_gc,
     s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl, s_brb, s_brg, s_brl, s_brn,
     s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn, s_cb, s_cg, s_cn,
     HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    HB: tl.constexpr, WORKLIST: tl.constexpr,
+    HB: tl.constexpr, WORKLIST: tl.constexpr, EARLY: tl.constexpr,
 ):
     """``pre`` variant, launch 1, grid ``(batch, H // HB)``: the window's contribution for ``HB`` heads of one
     group (they share ``B_j·C``, computed once), ``win[h, p] = Σ_j coef_hj (B_j·C) x_hj[p]`` and ``decay_h =
     exp(Σ la_h)`` into fp32 scratch ``[b, H, P]`` / ``[b, H]``, and the non-flush rows' records appended (the
     checkpoint pass then reads neither ring nor B).
 
-    Every ring load is issued before the cursor arrives (whole ``L`` windows, stale slots discarded in registers):
-    one memory round trip per program instead of two. Flush rows return; with ``WORKLIST`` the row's first program
-    appends the row to ``work = [count, rows...]`` (zeroed by the caller) for the flush launch.
+    ``EARLY``: every ring load is issued before the cursor arrives (whole ``L`` windows, stale slots discarded in
+    registers): one memory round trip per program instead of two, twice the ring bytes on average. Otherwise the
+    cursor comes first and only the held records are read. Flush rows return; with ``WORKLIST`` the row's first
+    program appends the row to ``work = [count, rows...]`` (zeroed by the caller) for the flush launch.
     """
     row = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
@@ -408,7 +418,14 @@ def _mamba2_prepass_window_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_l = tl.arange(0, BLOCK_L)
-    in_l = offs_l < L
+    if EARLY:                                       # every load before the cursor: stale slots read, then dropped
+        in_l = offs_l < L
+    else:                                           # cursor first: only the held records are read
+        w = tl.load(cursor_ptr + slot)
+        if w == L - 1:
+            _list_flush_row(work_ptr, row, hb, WORKLIST)
+            return
+        in_l = offs_l < w
     la_w = tl.load(lar_ptr + slot * s_lrb + offs_h[:, None] * s_lrh + offs_l[None, :] * s_lrl,
                    mask=in_l[None, :], other=0.0).to(tl.float32)                      # [HB, BLOCK_L]
     dt_w = tl.load(dtr_ptr + slot * s_drb + offs_h[:, None] * s_drh + offs_l[None, :] * s_drl,
@@ -424,13 +441,11 @@ def _mamba2_prepass_window_kernel(
                     mask=mask_p[None, :], other=0.0)                                   # [HB, BLOCK_P]
     b_cur = tl.load(B_ptr + row * s_bb + g * s_bg + offs_n * s_bn, mask=mask_n, other=0.0)
     c = tl.load(C_ptr + row * s_cb + gc * s_cg + offs_n * s_cn, mask=mask_n, other=0.0).to(tl.float32)
-    w = tl.load(cursor_ptr + slot)
-    if w == L - 1:                                  # flush rows: the flush launch computes their window
-        if WORKLIST:
-            if hb == 0:
-                i = tl.atomic_add(work_ptr, 1, sem="relaxed")
-                tl.store(work_ptr + 1 + i, row.to(tl.int32))
-        return
+    if EARLY:
+        w = tl.load(cursor_ptr + slot)
+        if w == L - 1:                              # flush rows: the flush launch computes their window
+            _list_flush_row(work_ptr, row, hb, WORKLIST)
+            return
     hist = offs_l < w
     cur = offs_l == w
     la_w = tl.where(cur[None, :], la_cur.to(tl.float32)[:, None], tl.where(hist[None, :], la_w, 0.0))
@@ -481,7 +496,7 @@ def launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slo
         *x_ring.stride(), *dt_ring.stride(), *la_ring.stride(), *B_ring.stride(),
         *x.stride(), *dt.stride(), *la.stride(), *B.stride(), *C.stride(),
         HAS_SLOT=has_slot, BLOCK_P=bpw, BLOCK_N=block_n, BLOCK_L=block_l, HB=hb, WORKLIST=work is not None,
-        num_warps=warps)
+        EARLY=bool(TUNING.get("win_early", 1)), num_warps=warps)
     return win, dec
 
 
@@ -663,7 +678,7 @@ def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
                    FLUSH_P=TUNING.get("FLUSH_P") or tiled_p, FLUSH_N=TUNING.get("FLUSH_N") or tiled_n,
                    flush_warps=TUNING.get("flush_warps") or (4 if bp == 64 or block_l > 16 else 2),
                    flush_list=bool(TUNING.get("flush_list", 1)),
-                   flush_programs_per_sm=TUNING.get("flush_per_sm") or 4)
+                   flush_programs_per_sm=TUNING.get("flush_per_sm"))
     else:
         raise ValueError(f"replay_compile.mamba2: unknown kernel variant {variant!r} (whole, pre, tiled)")
     return dict(cfg, variant=variant, BLOCK_L=block_l)
@@ -723,7 +738,9 @@ def replay_step_triton(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, l
                       N_TILES=triton.cdiv(N, cfg["FLUSH_N"]))
             n_fp = triton.cdiv(P, cfg["FLUSH_P"])
             if listed:
-                programs = min(b * H * n_fp, cfg["flush_programs_per_sm"] * _sm_count(x.device))
+                # 32 warps per SM (H200 session 7: 4 programs of 2 warps per SM made Nano's flush 1.6x slower)
+                per_sm = cfg["flush_programs_per_sm"] or max(1, 32 // cfg["flush_warps"])
+                programs = min(b * H * n_fp, per_sm * _sm_count(x.device))
                 _mamba2_flush_list_kernel[(programs,)](
                     *args[:13], work, *args[13:19], n_fp, *args[20:], **fl)
             else:
