@@ -468,6 +468,66 @@ def _mamba2_prepass_window_kernel(
         tl.store(br_base + w * s_brl + offs_n * s_brn, b_cur.to(Br_ptr.dtype.element_ty), mask=mask_n)
 
 
+@triton.jit
+def _mamba2_prepass_coef_kernel(
+    dtr_ptr, lar_ptr, Br_ptr, cursor_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr, cb_ptr, dec_ptr, work_ptr,
+    H, N, L, heads_per_g, heads_per_gc,
+    s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl, s_brb, s_brg, s_brl, s_brn,
+    s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn, s_cb, s_cg, s_cn,
+    HAS_SLOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, HB: tl.constexpr,
+    WORKLIST: tl.constexpr,
+):
+    """``pre`` variant (``window="coef"``), launch 1, grid ``(batch, H // HB)``: the window's per-record weights
+    ``cb[h, j] = coef_hj (B_j·C)`` (zero past ``w``) into fp32 scratch ``[b, H, BLOCK_L]`` and ``decay_h``, for
+    ``HB`` heads of one group (``B_j·C`` once); appends ``dt``, ``log a`` and ``B`` records. The x window is left to
+    the checkpoint pass, which reads each program's own ``BLOCK_P`` slice of it (6% of its tile's bytes) instead
+    of a separate launch reading the whole ring. Flush rows are listed as in :func:`_mamba2_prepass_window_kernel`.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    slot = _row_slot(slot_ptr, row, HAS_SLOT)
+    if slot < 0:
+        return
+    h0 = hb.to(tl.int64) * HB
+    offs_h = h0 + tl.arange(0, HB)
+    g = h0 // heads_per_g
+    gc = h0 // heads_per_gc
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_l = tl.arange(0, BLOCK_L)
+    in_l = offs_l < L
+    la_w = tl.load(lar_ptr + slot * s_lrb + offs_h[:, None] * s_lrh + offs_l[None, :] * s_lrl,
+                   mask=in_l[None, :], other=0.0).to(tl.float32)                      # [HB, BLOCK_L]
+    dt_w = tl.load(dtr_ptr + slot * s_drb + offs_h[:, None] * s_drh + offs_l[None, :] * s_drl,
+                   mask=in_l[None, :], other=0.0).to(tl.float32)
+    br_base = Br_ptr + slot * s_brb + g * s_brg
+    bw = tl.load(br_base + offs_l[:, None] * s_brl + offs_n[None, :] * s_brn,
+                 mask=in_l[:, None] & mask_n[None, :], other=0.0).to(tl.float32)      # [BLOCK_L, BLOCK_N]
+    la_cur = tl.load(la_ptr + row * s_lb + offs_h * s_lh)                             # [HB]
+    dt_cur = tl.load(dt_ptr + row * s_db + offs_h * s_dh)
+    b_cur = tl.load(B_ptr + row * s_bb + g * s_bg + offs_n * s_bn, mask=mask_n, other=0.0)
+    c = tl.load(C_ptr + row * s_cb + gc * s_cg + offs_n * s_cn, mask=mask_n, other=0.0).to(tl.float32)
+    w = tl.load(cursor_ptr + slot)
+    if w == L - 1:                                  # flush rows: the flush launch computes their window
+        _list_flush_row(work_ptr, row, hb, WORKLIST)
+        return
+    hist = offs_l < w
+    cur = offs_l == w
+    la_w = tl.where(cur[None, :], la_cur.to(tl.float32)[:, None], tl.where(hist[None, :], la_w, 0.0))
+    dt_w = tl.where(cur[None, :], dt_cur.to(tl.float32)[:, None], tl.where(hist[None, :], dt_w, 0.0))
+    after = tl.minimum(tl.cumsum(la_w, axis=1, reverse=True) - la_w, 0.0)
+    coef = tl.where((offs_l <= w)[None, :], dt_w * tl.exp(after), 0.0)              # [HB, BLOCK_L]
+    decay = tl.exp(tl.minimum(tl.sum(la_w, axis=1), 0.0))                           # [HB]
+    bw = tl.where(cur[:, None], b_cur.to(tl.float32)[None, :], tl.where(hist[:, None], bw, 0.0))
+    bc = tl.sum(bw * c[None, :], axis=1)                                             # [BLOCK_L]
+    tl.store(cb_ptr + (row * H + offs_h[:, None]) * BLOCK_L + offs_l[None, :], coef * bc[None, :])
+    tl.store(dec_ptr + row * H + offs_h, decay)
+    tl.store(dtr_ptr + slot * s_drb + offs_h * s_drh + w * s_drl, dt_cur)
+    tl.store(lar_ptr + slot * s_lrb + offs_h * s_lrh + w * s_lrl, la_cur)
+    if h0 % heads_per_g == 0:                         # one program per group appends B_t
+        tl.store(br_base + w * s_brl + offs_n * s_brn, b_cur.to(Br_ptr.dtype.element_ty), mask=mask_n)
+
+
 def window_heads(H: int, G: int, Gc: int, P: int, block_l: int) -> int:
     """Heads per program of the window launch: a power of two dividing the heads of a B group and of a C group
     (so they share ``B_j·C``), at most 16, and at most 16K window elements (``HB x BLOCK_L x P``) per program."""
@@ -476,6 +536,24 @@ def window_heads(H: int, G: int, Gc: int, P: int, block_l: int) -> int:
     while hb > 1 and hb * block_l * max(16, triton.next_power_of_2(P)) > 16384:
         hb //= 2
     return TUNING.get("win_heads") or hb
+
+
+def launch_coef(dt_ring, la_ring, B_ring, cursor, dt, la, B, C, slot_arg, has_slot, block_n, block_l, work=None):
+    """Launch 1 of the fp32 ``pre`` step (``window="coef"``): fp32 scratch ``cb [b, H, block_l]`` (the window's
+    per-record weights) and ``dec [b, H]``; flush rows are appended to ``work`` when given."""
+    b, H = dt.shape
+    N = B.shape[-1]
+    G, Gc = B_ring.shape[1], C.shape[1]
+    cb = torch.empty((b, H, block_l), dtype=torch.float32, device=dt.device)
+    dec = torch.empty((b, H), dtype=torch.float32, device=dt.device)
+    hb = window_heads(H, G, Gc, 16, block_l)
+    _mamba2_prepass_coef_kernel[(b, H // hb)](
+        dt_ring, la_ring, B_ring, cursor, dt, la, B, C, slot_arg, cb, dec, work if work is not None else cursor,
+        H, N, dt_ring.shape[2], H // G, H // Gc,
+        *dt_ring.stride(), *la_ring.stride(), *B_ring.stride(), *dt.stride(), *la.stride(), *B.stride(), *C.stride(),
+        HAS_SLOT=has_slot, BLOCK_N=block_n, BLOCK_L=block_l, HB=hb, WORKLIST=work is not None,
+        num_warps=TUNING.get("window_warps") or 1)
+    return cb, dec
 
 
 def launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, has_slot, block_n, block_l,
@@ -509,7 +587,7 @@ def _mamba2_prepass_apply_kernel(
     s_brb, s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn,
     s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
     HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    STOCHASTIC_FP16: tl.constexpr, ROUTE: tl.constexpr, EARLY_TILE: tl.constexpr,
+    STOCHASTIC_FP16: tl.constexpr, ROUTE: tl.constexpr, EARLY_TILE: tl.constexpr, WIN_X: tl.constexpr,
 ):
     """``pre`` variant, launch 2 of 2, grid ``(cdiv(P, BLOCK_P), batch, H)``: a ``BLOCK_P x N`` checkpoint tile,
     loaded before the cursor (both branches need it, so the load overlaps the cursor's round trip).
@@ -557,7 +635,19 @@ def _mamba2_prepass_apply_kernel(
         tl.store(y_ptrs, tl.sum(s_new * c[None, :], axis=1), mask=mask_p)
     else:
         decay = tl.load(dec_ptr + row * H + h)
-        win = tl.load(win_ptr + (row * H + h) * P + offs_p, mask=mask_p, other=0.0)
+        if WIN_X:                                   # win from this slice of the x window and cb = coef (B·C)
+            offs_l = tl.arange(0, BLOCK_L)
+            cbv = tl.load(win_ptr + (row * H + h) * BLOCK_L + offs_l)                # zero past w
+            xw = tl.load(xr_ptr + slot * s_xrb + h * s_xrh + offs_l[:, None] * s_xrl + offs_p[None, :] * s_xrp,
+                         mask=(offs_l < L)[:, None] & mask_p[None, :], other=0.0)
+            x_cur = tl.load(x_ptr + row * s_xb + h * s_xh + offs_p * s_xp, mask=mask_p, other=0.0)
+            xw = tl.where((offs_l == w)[:, None], x_cur.to(tl.float32)[None, :],
+                          tl.where((offs_l < w)[:, None], xw.to(tl.float32), 0.0))   # stale slots may be NaN
+            win = tl.sum(cbv[:, None] * xw, axis=0)
+            tl.store(xr_ptr + slot * s_xrb + h * s_xrh + w * s_xrl + offs_p * s_xrp,
+                     x_cur.to(xr_ptr.dtype.element_ty), mask=mask_p)
+        else:
+            win = tl.load(win_ptr + (row * H + h) * P + offs_p, mask=mask_p, other=0.0)
         tl.store(y_ptrs, decay * tl.sum(s0 * c[None, :], axis=1) + win, mask=mask_p)
 
 
@@ -678,6 +768,7 @@ def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
                    FLUSH_P=TUNING.get("FLUSH_P") or tiled_p, FLUSH_N=TUNING.get("FLUSH_N") or tiled_n,
                    flush_warps=TUNING.get("flush_warps") or (4 if bp == 64 or block_l > 16 else 2),
                    flush_list=bool(TUNING.get("flush_list", 1)),
+                   window="full" if TUNING.get("window_full", 0) else "coef",
                    flush_programs_per_sm=TUNING.get("flush_per_sm"))
     else:
         raise ValueError(f"replay_compile.mamba2: unknown kernel variant {variant!r} (whole, pre, tiled)")
@@ -726,13 +817,18 @@ def replay_step_triton(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, l
     else:                                          # pre
         listed = cfg["flush_list"]
         work = torch.zeros((b + 1,), dtype=torch.int32, device=x.device) if listed else None
-        win, dec = launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, has_slot,
-                                 cfg["BLOCK_N"], cfg["BLOCK_L"], work)
+        win_x = cfg["window"] == "coef" and cfg["route"] == 1
+        if win_x:
+            win, dec = launch_coef(dt_ring, la_ring, B_ring, cursor, dt, la, B, C, slot_arg, has_slot,
+                                   cfg["BLOCK_N"], cfg["BLOCK_L"], work)
+        else:
+            win, dec = launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, has_slot,
+                                     cfg["BLOCK_N"], cfg["BLOCK_L"], work)
         k = _mamba2_prepass_apply_kernel[(n_pb, b, H)](
             *args[:13], win, dec, *args[13:19], *args[20:],
             HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_P"], BLOCK_N=cfg["BLOCK_N"], BLOCK_L=cfg["BLOCK_L"],
             STOCHASTIC_FP16=common["STOCHASTIC_FP16"], ROUTE=cfg["route"], EARLY_TILE=cfg["early_tile"],
-            num_warps=cfg["num_warps"])
+            WIN_X=win_x, num_warps=cfg["num_warps"])
         if cfg["route"] == 1:
             fl = dict(common, BLOCK_P=cfg["FLUSH_P"], BLOCK_N=cfg["FLUSH_N"], num_warps=cfg["flush_warps"],
                       N_TILES=triton.cdiv(N, cfg["FLUSH_N"]))
