@@ -16,10 +16,14 @@ Variants of the same contract, picked by :func:`launch_config` from the batch (`
   ``exp(Σ la) S_0 + (coef X)ᵀ B`` (one ``tl.dot``, IEEE fp32) from the tile it holds.
 * ``pre`` (bandwidth: large batches). The window is what kept the one-launch kernels from streaming: every
   program re-read its group's ``[L, N]`` B window and recomputed ``B_j·C`` (5 KB of L2 reads per 16 KB tile). A
-  first launch computes, once per (row, head), ``win = Σ_j coef_j (B_j·C) x_j`` and the decay into fp32 scratch and
-  appends the records; the checkpoint pass is then a plain streamed ``S_0 C`` per ``16 x N`` tile on 1 warp. Flush
-  rows skip both and are folded by a third launch (the ``tiled`` body), so the fold's ``tl.dot`` registers never
-  weigh on the streaming pass; every launch routes on the device from the cursor.
+  first launch computes, once per (row, group of heads), the per-record weights ``cb_j = coef_j (B_j·C)`` and the
+  decay into fp32 scratch, appends the ``dt``, ``log a`` and ``B`` records and lists the flushing rows; the
+  checkpoint pass is then a streamed ``S_0 C`` per ``16 x N`` tile on 1 warp plus ``Σ_j cb_j x_j`` over its own
+  slice of the x window (it appends ``x``). Flush rows skip both and are folded by a third launch that walks the
+  listed rows on a fixed grid (the ``tiled`` body per tile), so the fold's ``tl.dot`` registers never weigh on the
+  streaming pass and a non-flush step pays nothing for it; every launch routes on the device from the cursor.
+  (A read-only GEMV stream of the checkpoint reaches 99% of copy bandwidth on the H200; the checkpoint pass alone
+  reaches it, the rest of a non-flush step is launch 1 and three small launches.)
 * ``tiled`` (the previous bandwidth variant, kept for comparison and as ``pre``'s flush body). Branches on ``w``
   first and streams the checkpoint over N in ``BLOCK_P x BLOCK_N`` tiles with one tile live.
 
@@ -610,6 +614,12 @@ def _mamba2_prepass_apply_kernel(
         s0 = tl.load(s_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
     gc = h // heads_per_gc
     c = tl.load(C_ptr + row * s_cb + gc * s_cg + offs_n * s_cn, mask=mask_n, other=0.0).to(tl.float32)
+    if WIN_X == 2:                                  # the x window's loads before the cursor (stale slots too)
+        offs_l = tl.arange(0, BLOCK_L)
+        cbv = tl.load(win_ptr + (row * H + h) * BLOCK_L + offs_l)
+        xw = tl.load(xr_ptr + slot * s_xrb + h * s_xrh + offs_l[:, None] * s_xrl + offs_p[None, :] * s_xrp,
+                     mask=(offs_l < L)[:, None] & mask_p[None, :], other=0.0)
+        x_cur = tl.load(x_ptr + row * s_xb + h * s_xh + offs_p * s_xp, mask=mask_p, other=0.0)
     w = tl.load(cursor_ptr + slot)                  # advanced afterwards by _advance_cursor_kernel
     if ROUTE == 1:                                  # flush rows are another launch's (the tiled body, ROUTE 2)
         if w == L - 1:
@@ -635,12 +645,13 @@ def _mamba2_prepass_apply_kernel(
         tl.store(y_ptrs, tl.sum(s_new * c[None, :], axis=1), mask=mask_p)
     else:
         decay = tl.load(dec_ptr + row * H + h)
-        if WIN_X:                                   # win from this slice of the x window and cb = coef (B·C)
-            offs_l = tl.arange(0, BLOCK_L)
-            cbv = tl.load(win_ptr + (row * H + h) * BLOCK_L + offs_l)                # zero past w
-            xw = tl.load(xr_ptr + slot * s_xrb + h * s_xrh + offs_l[:, None] * s_xrl + offs_p[None, :] * s_xrp,
-                         mask=(offs_l < L)[:, None] & mask_p[None, :], other=0.0)
-            x_cur = tl.load(x_ptr + row * s_xb + h * s_xh + offs_p * s_xp, mask=mask_p, other=0.0)
+        if WIN_X != 0:                              # win from this slice of the x window and cb = coef (B·C)
+            if WIN_X == 1:
+                offs_l = tl.arange(0, BLOCK_L)
+                cbv = tl.load(win_ptr + (row * H + h) * BLOCK_L + offs_l)            # zero past w
+                xw = tl.load(xr_ptr + slot * s_xrb + h * s_xrh + offs_l[:, None] * s_xrl + offs_p[None, :] * s_xrp,
+                             mask=(offs_l < L)[:, None] & mask_p[None, :], other=0.0)
+                x_cur = tl.load(x_ptr + row * s_xb + h * s_xh + offs_p * s_xp, mask=mask_p, other=0.0)
             xw = tl.where((offs_l == w)[:, None], x_cur.to(tl.float32)[None, :],
                           tl.where((offs_l < w)[:, None], xw.to(tl.float32), 0.0))   # stale slots may be NaN
             win = tl.sum(cbv[:, None] * xw, axis=0)
@@ -660,12 +671,20 @@ def _mamba2_flush_list_kernel(
     s_brb, s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn,
     s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
     HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    N_TILES: tl.constexpr, STOCHASTIC_FP16: tl.constexpr,
+    N_TILES: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, ADVANCE: tl.constexpr, n_rows,
 ):
     """``pre`` variant, flush launch: a fixed grid (a few programs per SM) walks the ``count x H x n_pb`` flush
     tiles of the rows the window launch listed in ``work = [count, rows...]``, each folded by :func:`_fold_tile`.
     On the 15 of 16 steps where no row flushes, every program reads ``count = 0`` and exits: a ``(n_pb, b, H)`` grid
     of programs that each read a cursor and return cost 21-45 µs per step at bs256 (H200, session 7)."""
+    if ADVANCE:             # the cursor advance, folded in (one launch fewer): every earlier launch has read w, and
+        r = tl.program_id(0)  # the folds below take w = L - 1 from the list, not from the cursor
+        while r < n_rows:
+            s = _row_slot(slot_ptr, r.to(tl.int64), HAS_SLOT)
+            if s >= 0:
+                wr = tl.load(cursor_ptr + s)
+                tl.store(cursor_ptr + s, tl.where(wr == L - 1, 0, wr + 1))
+            r += tl.num_programs(0)
     n_items = tl.load(work_ptr) * (H * n_pb)
     t = tl.program_id(0)
     while t < n_items:                              # consecutive programs take neighbouring tiles (L2 sharing)
@@ -737,12 +756,14 @@ def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
 
     * ``whole`` (latency, ``b * H <= WHOLE_MAX_ROW_HEADS``): ``BLOCK_P`` = 16 rows of P (or 32), all of N in one
       tile, 1 warp per 2048 tile elements; every load issued before ``w`` is known; one launch (bs1 Super 1.23x).
-    * ``pre`` (bandwidth, the default above): launch 1 per (row, head) computes the window's contribution and the
-      decay into scratch and appends the records (1 warp); launch 2 streams ``16 x N`` checkpoint tiles (1 warp)
-      for non-flush rows, ``y = decay (S_0 C) + win``; launch 3 folds the flush rows (the ``tiled`` body, 64 x 64
-      tiles and 4 warps where 64 divides P, else 32 x 32 and 2 warps); launch 4 advances the cursors. Super fp32
-      bs256 1.88x. ``route=0`` folds flush rows inside launch 2 instead (one launch fewer; ``early_tile=1`` loads
-      the tile before the cursor); knobs for sweeps.
+    * ``pre`` (bandwidth, the default above): launch 1 per (row, group of heads) writes ``cb = coef (B·C)`` and the
+      decay to scratch, appends the records and lists flush rows (``window_full=1``: it also reads the x window and
+      writes ``win`` instead); launch 2 streams ``16 x N`` checkpoint tiles (1 warp) for non-flush rows, ``y = decay
+      (S_0 C) + Σ_j cb_j x_j`` (``apply_early_x=1``: x window loaded before the cursor); launch 3 walks the listed
+      flush rows on 32 warps per SM (the ``tiled`` body, 64 x 64 tiles and 4 warps where 64 divides P, else 32 x 32
+      and 2 warps; ``flush_list=0``: a full grid whose non-flush programs return); launch 4 advances the cursors
+      (``fold_advance=1``: launch 3 does). Super fp32 bs256 2.10x, non-flush 88-91% of the floor (session 7).
+      ``route=0`` folds flush rows inside launch 2 instead (``early_tile=1`` loads the tile before the cursor).
     * ``tiled`` (the session-2 body, kept for comparisons): one launch streams ``BLOCK_P x BLOCK_N`` tiles for both
       kinds of row, then the cursor advance.
     ``tl.dot`` needs every dim >= 16; the window sits on a power-of-two axis >= 16.
@@ -769,6 +790,7 @@ def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
                    flush_warps=TUNING.get("flush_warps") or (4 if bp == 64 or block_l > 16 else 2),
                    flush_list=bool(TUNING.get("flush_list", 1)),
                    window="full" if TUNING.get("window_full", 0) else "coef",
+                   apply_early_x=bool(TUNING.get("apply_early_x", 0)), fold_advance=bool(TUNING.get("fold_advance", 0)),
                    flush_programs_per_sm=TUNING.get("flush_per_sm"))
     else:
         raise ValueError(f"replay_compile.mamba2: unknown kernel variant {variant!r} (whole, pre, tiled)")
@@ -816,8 +838,10 @@ def replay_step_triton(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, l
         _advance_cursor_kernel[(triton.cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
     else:                                          # pre
         listed = cfg["flush_list"]
+        advanced = False
         work = torch.zeros((b + 1,), dtype=torch.int32, device=x.device) if listed else None
-        win_x = cfg["window"] == "coef" and cfg["route"] == 1
+        # 0: win from launch 1's scratch; 1: from the x window read after the cursor; 2: read before it
+        win_x = (2 if cfg["apply_early_x"] else 1) if cfg["window"] == "coef" and cfg["route"] == 1 else 0
         if win_x:
             win, dec = launch_coef(dt_ring, la_ring, B_ring, cursor, dt, la, B, C, slot_arg, has_slot,
                                    cfg["BLOCK_N"], cfg["BLOCK_L"], work)
@@ -837,11 +861,13 @@ def replay_step_triton(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, l
                 # 32 warps per SM (H200 session 7: 4 programs of 2 warps per SM made Nano's flush 1.6x slower)
                 per_sm = cfg["flush_programs_per_sm"] or max(1, 32 // cfg["flush_warps"])
                 programs = min(b * H * n_fp, per_sm * _sm_count(x.device))
+                advanced = cfg["fold_advance"]
                 _mamba2_flush_list_kernel[(programs,)](
-                    *args[:13], work, *args[13:19], n_fp, *args[20:], **fl)
+                    *args[:13], work, *args[13:19], n_fp, *args[20:], **fl, ADVANCE=advanced, n_rows=b)
             else:
                 _mamba2_replay_tiled_kernel[(n_fp, b, H)](*args, STATE_EVICT="", ROUTE=2, **fl)
-        _advance_cursor_kernel[(triton.cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
+        if not advanced:
+            _advance_cursor_kernel[(triton.cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
     LAST_LAUNCH["kernel"] = k
     return y
 

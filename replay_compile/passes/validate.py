@@ -117,8 +117,15 @@ class _RandomState:
         self.shape, self.device, self.dtype, self.seed = tuple(like.shape), like.device, like.dtype, seed
 
     def make(self) -> torch.Tensor:
-        g = torch.Generator(device="cpu").manual_seed(self.seed)
-        return torch.randn(self.shape, generator=g, dtype=torch.float32).to(self.device, self.dtype)
+        # drawn on the state's own device: a bs512 Mamba-2 2.7B layer is 1.3 GB of fp32, seconds per layer with
+        # the CPU generator (H200 session 7: compile 32.5 s vs 14.3 s plain at bs512, 8 Mamba-2 layers)
+        try:
+            g = torch.Generator(device=self.device).manual_seed(self.seed)
+            out = torch.randn(self.shape, generator=g, dtype=torch.float32, device=self.device)
+        except RuntimeError:                         # a device without its own generator
+            g = torch.Generator(device="cpu").manual_seed(self.seed)
+            out = torch.randn(self.shape, generator=g, dtype=torch.float32).to(self.device)
+        return out.to(self.dtype)
 
 
 class _Checker(fx.Interpreter):
