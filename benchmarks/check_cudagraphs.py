@@ -70,7 +70,8 @@ for backend, read_copy in runs:
     skips.clear()
     if read_copy:        # torch.compile takes no mode with options: our backend reads the mode from its options
         compiled = torch.compile(model.forward, backend=backend,
-                                 options={"mode": "reduce-overhead", "read_copy": read_copy})
+                                 options={"mode": "reduce-overhead", "read_copy": read_copy,
+                                          "read_copy_families": "mamba2,gdn,kda"})
         backend = f"replayssm read_copy={read_copy}"
     else:
         compiled = torch.compile(model.forward, backend=backend, mode="reduce-overhead")

@@ -111,7 +111,8 @@ def test_hf_delta_models_with_a_read_copy(family, fmt):
     ref = DELTA_FAMILY[family](dtype=torch.float32, seed=0)
     rc = DELTA_FAMILY[family](dtype=torch.float32, seed=0)
     rc.forward = torch.compile(rc.forward, backend="replayssm",
-                               options={"buffer_len": L, "lower": "eager", "read_copy": fmt})
+                               options={"buffer_len": L, "lower": "eager", "read_copy": fmt,
+                                        "read_copy_families": "gdn,kda"})
     caches = [DynamicCache(config=ref.config) for _ in range(2)]
 
     def logits(model, cache, tok):
@@ -131,3 +132,29 @@ def test_hf_delta_models_with_a_read_copy(family, fmt):
     rewrites = [w for r in replay_compile.reports() for w in r.rewrites]
     assert rewrites and all(w.spec.read_copy == fmt for w in rewrites), [str(w) for w in rewrites]
     assert replay_compile.flush(caches[1]) >= 1
+
+
+@pytest.mark.hf
+def test_delta_layers_read_exactly_unless_their_family_is_given(caplog):
+    """``read_copy`` alone gives the copy to Mamba-2 layers only (the delta read-copy step measured slower than exact
+    reads on the H200): GDN layers keep the exact op, and the log says how to opt in."""
+    import logging
+
+    from transformers import DynamicCache
+
+    import replay_compile
+    from replay_compile.bench import cache_kwarg
+    from replay_compile.testing.hf_models import DELTA_FAMILY, make_inputs
+
+    model = DELTA_FAMILY["qwen3_5"](dtype=torch.float32, seed=0)
+    fwd = torch.compile(model.forward, backend="replayssm",
+                        options={"buffer_len": 4, "lower": "eager", "read_copy": "fp8_e4m3"})
+    replay_compile.clear_reports()
+    with caplog.at_level(logging.INFO, logger="replay_compile"), torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        ids = make_inputs(model, batch=2, prompt_len=4, seed=0)
+        model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache})
+        fwd(input_ids=ids[:, :1], use_cache=True, **{cache_kwarg(model): cache})
+    rewrites = [w for r in replay_compile.reports() for w in r.rewrites]
+    assert rewrites and all(w.spec.read_copy is None for w in rewrites)
+    assert "add 'gdn' to read_copy_families" in caplog.text

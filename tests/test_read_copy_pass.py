@@ -155,3 +155,9 @@ def test_bad_copy_tensors_and_config_are_named():
         ReplayConfig(read_copy="int4")
     assert ReplayConfig.from_env({"REPLAY_COMPILE_READ_COPY": "nvfp4"}).read_copy == "nvfp4"
     assert ReplayConfig.from_env({}).read_copy is None
+    assert ReplayConfig.from_env({}).read_copy_families == ("mamba2",)
+    assert ReplayConfig.from_env({"REPLAY_COMPILE_READ_COPY_FAMILIES": "mamba2,gdn"}).read_copy_families == \
+        ("mamba2", "gdn")
+    assert ReplayConfig.from_options({"read_copy_families": "kda"})[0].read_copy_families == ("kda",)
+    with pytest.raises(ValueError, match="unknown read_copy_families"):
+        ReplayConfig(read_copy_families=("mamba",))

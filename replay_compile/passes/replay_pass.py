@@ -136,7 +136,13 @@ class ReplaySSMPass:
             log.debug("replay_compile: graph before rewrite:\n%s", gm.code)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         for i, m in enumerate(matches):
-            spec = rewrite.ring_spec(m, self.config.buffer_len, self.config.read_copy)
+            read_copy = self.config.read_copy
+            if read_copy and m.family not in self.config.read_copy_families:
+                log.info("replay_compile: %s: reads its checkpoint exactly (read_copy=%r applies to %s layers; add "
+                         "%r to read_copy_families for this one)", m.layer, read_copy,
+                         ", ".join(self.config.read_copy_families) or "no", m.family)
+                read_copy = None
+            spec = rewrite.ring_spec(m, self.config.buffer_len, read_copy)
             rings = rewrite.add_ring_placeholders(gm, m, spec, i)
             rewrite.apply(gm, m, rings, spec)
             res.fake_inputs.extend(r.meta["example_value"] for r in rings)
