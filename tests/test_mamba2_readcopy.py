@@ -175,7 +175,9 @@ def _clone_all(state, copy, rings):
     return state.clone(), copy.clone(), [r.clone() for r in rings]
 
 
-@pytest.mark.parametrize("variant", ["pre", "fused"])
+# pre (the full flush grid), pre with flush rows listed and walked by fixed grids (one program walking them all), and
+# the one-launch fused kernel
+@pytest.mark.parametrize("variant", ["pre", "pre:flush_list=1,", "pre:flush_list=1,flush_programs=1,", "fused"])
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("gi", range(len(GEOMS)))
 def test_kernel_matches_reference_step_by_step(fmt, gi, variant):
@@ -187,7 +189,7 @@ def test_kernel_matches_reference_step_by_step(fmt, gi, variant):
     copy = init_read_copy(state * 0.5 + 0.1, fmt)
     rings = random_rings(S, H, P, N, G, L, g, DEV)
     n_flush = n_read = 0
-    with kt.tuned(f"{variant}:BLOCK_P={block_p},APPLY_P={block_p}"):
+    with kt.tuned(f"{variant}{'' if ':' in variant else ':'}BLOCK_P={block_p},APPLY_P={block_p}"):
         for t in range(2 * L + 2):
             idx = random_slots(b, S, g).to(DEV)
             tok = random_token(b, H, P, N, G, Gc, g, DEV)

@@ -95,7 +95,7 @@ import triton.language as tl
 
 from ..quant.formats import Encoded, ReadCopyFormat, get_format
 from .mamba2_readcopy_reference import as_encoded
-from .mamba2_triton import (_advance_cursor_kernel, _round_checkpoint, _row_slot, launch_window,
+from .mamba2_triton import (_advance_cursor_kernel, _round_checkpoint, _row_slot, _sm_count, launch_window,
                             _step_row, _step_window, parse_tuning)
 
 __all__ = ["FORMAT_IDS", "TUNING", "decode_read_copy_triton", "launch_config", "replay_step_readcopy_triton",
@@ -215,7 +215,8 @@ def _load_nvfp4(cv_ptr, cs_ptr, ct_ptr, slot, h, offs_p, P, N,
 # Kernels
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _readcopy_step_kernel(
+def _rc_body(
+    pid_p, row, h, slot, w,
     state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, cursor_ptr,
     x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr, y_ptr,
     cv_ptr, cs_ptr, ct_ptr, amax_ptr,       # copy: values/codes, row scale/block scale, tensor scale; amax scratch
@@ -236,19 +237,11 @@ def _readcopy_step_kernel(
     FMT: tl.constexpr, HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, FOLD_DOT: tl.constexpr, ROUTE: tl.constexpr,
 ):
-    pid_p = tl.program_id(0)
-    row = tl.program_id(1).to(tl.int64)
-    h = tl.program_id(2).to(tl.int64)
+    """The work of one read-copy program once its row's slot and cursor are known (no early returns: the flush-list
+    kernel calls it inside a loop)."""
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     mask_p = offs_p < P
     y_ptrs = y_ptr + row * s_yb + h * s_yh + offs_p * s_yp
-    slot = _step_row(slot_ptr, row, y_ptrs, mask_p, HAS_SLOT, BLOCK_P)
-    if slot < 0:                                   # padding row: zero output (stored above), touch nothing else
-        return
-    w = tl.load(cursor_ptr + slot)                  # advanced afterwards by _advance_cursor_kernel
-    if ROUTE == 2:                                  # flush rows only (the pre variant's third launch)
-        if w != L - 1:
-            return
     g = h // heads_per_g
     gc = h // heads_per_gc
     offs_l = tl.arange(0, BLOCK_L)
@@ -333,6 +326,91 @@ def _readcopy_step_kernel(
 
 
 @triton.jit
+def _readcopy_step_kernel(
+    state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, cursor_ptr,
+    x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr, y_ptr,
+    cv_ptr, cs_ptr, ct_ptr, amax_ptr,       # copy: values/codes, row scale/block scale, tensor scale; amax scratch
+    H, P, N, L, heads_per_g, heads_per_gc,
+    s_sb, s_sh, s_sp, s_sn,                 # state [S, H, P, N]
+    s_xrb, s_xrh, s_xrl, s_xrp,             # x_ring [S, H, L, P]
+    s_drb, s_drh, s_drl,                    # dt_ring [S, H, L]
+    s_lrb, s_lrh, s_lrl,                    # la_ring [S, H, L]
+    s_brb, s_brg, s_brl, s_brn,             # B_ring [S, G, L, N]
+    s_xb, s_xh, s_xp,                       # x [b, H, P]
+    s_db, s_dh, s_lb, s_lh,                 # dt, la [b, H]
+    s_bb, s_bg, s_bn,                       # B [b, G, N]
+    s_cb, s_cg, s_cn,                       # C [b, Gc, N]
+    s_yb, s_yh, s_yp,                       # y [b, H, P]
+    s_vb, s_vh, s_vp, s_vn,                 # copy values [S, H, P, N] / nvfp4 codes [S, H, P, ceil(N/2)]
+    s_qb, s_qh, s_qp, s_qn,                 # fp8 scale [S, H, P] (s_qn unused) / nvfp4 block_scale [S, H, P, NB]
+    s_tb,                                   # nvfp4 tensor_scale [S]
+    FMT: tl.constexpr, HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, FOLD_DOT: tl.constexpr, ROUTE: tl.constexpr,
+):
+    pid_p = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2).to(tl.int64)
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    mask_p = offs_p < P
+    y_ptrs = y_ptr + row * s_yb + h * s_yh + offs_p * s_yp
+    slot = _step_row(slot_ptr, row, y_ptrs, mask_p, HAS_SLOT, BLOCK_P)
+    if slot < 0:                                   # padding row: zero output (stored above), touch nothing else
+        return
+    w = tl.load(cursor_ptr + slot)                  # advanced afterwards by _advance_cursor_kernel
+    if ROUTE == 2:                                  # flush rows only (the pre variant's third launch)
+        if w != L - 1:
+            return
+    _rc_body(pid_p, row, h, slot, w,
+             state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, cursor_ptr, x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr,
+             slot_ptr, y_ptr, cv_ptr, cs_ptr, ct_ptr, amax_ptr, H, P, N, L, heads_per_g, heads_per_gc, s_sb, s_sh,
+             s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl, s_brb, s_brg, s_brl,
+             s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn, s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
+             s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, FMT, HAS_SLOT, BLOCK_P, BLOCK_N, BLOCK_L,
+             STOCHASTIC_FP16, FOLD_DOT, ROUTE)
+
+
+@triton.jit
+def _readcopy_flush_list_kernel(
+    state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, cursor_ptr,
+    x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr, y_ptr,
+    cv_ptr, cs_ptr, ct_ptr, amax_ptr,       # copy: values/codes, row scale/block scale, tensor scale; amax scratch
+    work_ptr, n_pb,                         # [count, rows...] from the window launch; P blocks per head
+    H, P, N, L, heads_per_g, heads_per_gc,
+    s_sb, s_sh, s_sp, s_sn,                 # state [S, H, P, N]
+    s_xrb, s_xrh, s_xrl, s_xrp,             # x_ring [S, H, L, P]
+    s_drb, s_drh, s_drl,                    # dt_ring [S, H, L]
+    s_lrb, s_lrh, s_lrl,                    # la_ring [S, H, L]
+    s_brb, s_brg, s_brl, s_brn,             # B_ring [S, G, L, N]
+    s_xb, s_xh, s_xp,                       # x [b, H, P]
+    s_db, s_dh, s_lb, s_lh,                 # dt, la [b, H]
+    s_bb, s_bg, s_bn,                       # B [b, G, N]
+    s_cb, s_cg, s_cn,                       # C [b, Gc, N]
+    s_yb, s_yh, s_yp,                       # y [b, H, P]
+    s_vb, s_vh, s_vp, s_vn,                 # copy values [S, H, P, N] / nvfp4 codes [S, H, P, ceil(N/2)]
+    s_qb, s_qh, s_qp, s_qn,                 # fp8 scale [S, H, P] (s_qn unused) / nvfp4 block_scale [S, H, P, NB]
+    s_tb,                                   # nvfp4 tensor_scale [S]
+    FMT: tl.constexpr, HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, FOLD_DOT: tl.constexpr, ROUTE: tl.constexpr,
+):
+    """``pre`` read-copy flush launch on a fixed grid: walks the ``count x H x n_pb`` tiles of the rows the window
+    launch listed in ``work = [count, rows...]`` (as :func:`~.mamba2_triton._mamba2_flush_list_kernel`: a non-flush
+    step then costs a few programs that read ``count = 0``, not a full grid that reads cursors)."""
+    n_items = tl.load(work_ptr) * (H * n_pb)
+    t = tl.program_id(0)
+    while t < n_items:
+        row = tl.load(work_ptr + 1 + t // (H * n_pb)).to(tl.int64)
+        h = ((t // n_pb) % H).to(tl.int64)
+        _rc_body(t % n_pb, row, h, _row_slot(slot_ptr, row, HAS_SLOT), L - 1,     # listed: a flush row
+                 state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, cursor_ptr, x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr,
+                 slot_ptr, y_ptr, cv_ptr, cs_ptr, ct_ptr, amax_ptr, H, P, N, L, heads_per_g, heads_per_gc, s_sb,
+                 s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl, s_brb,
+                 s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn, s_cb, s_cg, s_cn,
+                 s_yb, s_yh, s_yp, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, FMT, HAS_SLOT, BLOCK_P,
+                 BLOCK_N, BLOCK_L, STOCHASTIC_FP16, FOLD_DOT, ROUTE)
+        t += tl.num_programs(0)
+
+
+@triton.jit
 def _readcopy_apply_kernel(
     cursor_ptr, C_ptr, slot_ptr, y_ptr, win_ptr, dec_ptr, cv_ptr, cs_ptr, ct_ptr,
     H, P, N, L, heads_per_gc,
@@ -377,23 +455,14 @@ def _readcopy_apply_kernel(
 
 
 @triton.jit
-def _nvfp4_flush_encode_kernel(
+def _nvfp4_encode_body(
+    pid_p, row, h, slot,
     state_ptr, cursor_ptr, slot_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr,
     P, N, L,
     s_sb, s_sh, s_sp, s_sn, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb,
     HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, NB: tl.constexpr,
 ):
-    """Second launch of an nvfp4 step: encode the copy of every slot that flushed (cursor still ``L-1``) from the
-    stored checkpoint and the slot amax gathered by the step kernel, exactly as ``NVFP4Format.encode``."""
-    pid_p = tl.program_id(0)
-    row = tl.program_id(1).to(tl.int64)
-    h = tl.program_id(2).to(tl.int64)
-    slot = _row_slot(slot_ptr, row, HAS_SLOT)
-    if slot < 0:
-        return
-    w = tl.load(cursor_ptr + slot)
-    if w != L - 1:
-        return
+    """Encode one flushed program's copy tile (no early returns: called inside the list kernel's loop)."""
     amax = tl.load(amax_ptr + row).to(tl.float32, bitcast=True)
     s_g = tl.div_rn(amax, 2688.0)                                  # amax / (448 * 6)
     s_g = tl.where(s_g > 0.0, s_g, 1.0)
@@ -418,6 +487,47 @@ def _nvfp4_flush_encode_kernel(
              sb_code.to(tl.uint8), mask=(offs_p[:, None] < P) & (offs_b[None, :] * 16 < N))
     if (pid_p == 0) & (h == 0):
         tl.store(ct_ptr + slot * s_tb, s_g)
+
+
+@triton.jit
+def _nvfp4_flush_encode_kernel(
+    state_ptr, cursor_ptr, slot_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr,
+    P, N, L,
+    s_sb, s_sh, s_sp, s_sn, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb,
+    HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, NB: tl.constexpr,
+):
+    """Second launch of an nvfp4 step: encode the copy of every slot that flushed (cursor still ``L-1``) from the
+    stored checkpoint and the slot amax gathered by the step kernel, exactly as ``NVFP4Format.encode``."""
+    pid_p = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2).to(tl.int64)
+    slot = _row_slot(slot_ptr, row, HAS_SLOT)
+    if slot < 0:
+        return
+    w = tl.load(cursor_ptr + slot)
+    if w != L - 1:
+        return
+    _nvfp4_encode_body(pid_p, row, h, slot,
+                       state_ptr, cursor_ptr, slot_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr, P, N, L, s_sb, s_sh,
+                       s_sp, s_sn, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, HAS_SLOT, BLOCK_P, NB)
+
+
+@triton.jit
+def _nvfp4_flush_encode_list_kernel(
+    state_ptr, cursor_ptr, slot_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr, work_ptr, H, n_pb,
+    P, N, L,
+    s_sb, s_sh, s_sp, s_sn, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb,
+    HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, NB: tl.constexpr,
+):
+    """:func:`_nvfp4_flush_encode_kernel` over the listed flush rows only, on a fixed grid."""
+    n_items = tl.load(work_ptr) * (H * n_pb)
+    t = tl.program_id(0)
+    while t < n_items:
+        row = tl.load(work_ptr + 1 + t // (H * n_pb)).to(tl.int64)
+        _nvfp4_encode_body(t % n_pb, row, ((t // n_pb) % H).to(tl.int64), _row_slot(slot_ptr, row, HAS_SLOT),
+                           state_ptr, cursor_ptr, slot_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr, P, N, L, s_sb, s_sh,
+                           s_sp, s_sn, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, HAS_SLOT, BLOCK_P, NB)
+        t += tl.num_programs(0)
 
 
 @triton.jit
@@ -474,7 +584,10 @@ def launch_config(P: int, N: int, L: int) -> dict:
         raise ValueError(f"replay_compile.mamba2 read copy: unknown kernel variant {variant!r} (pre, fused)")
     return dict(BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_L=block_l, num_warps=warps,
                 fold_dot=bool(TUNING.get("fold_dot", 0)), variant=variant,
-                APPLY_P=TUNING.get("APPLY_P") or 16, apply_warps=TUNING.get("apply_warps") or 1)
+                APPLY_P=TUNING.get("APPLY_P") or 16, apply_warps=TUNING.get("apply_warps") or 1,
+                # listed flush rows: off until compiled and measured on a GPU (the fp32 step's list: session 7)
+                flush_list=bool(TUNING.get("flush_list", 0)),
+                flush_programs=TUNING.get("flush_programs"))         # default: 32 warps per SM
 
 
 def _format_name(fmt) -> str:
@@ -527,25 +640,36 @@ def replay_step_readcopy_triton(state, copy, fmt, x_ring, dt_ring, la_ring, B_ri
     if pre:
         # launch 1: the window's contribution per (row, head) and the records (shared with the fp32 step);
         # launch 2: the copy pass of the non-flush rows; launch 3 (below): the flush rows
+        # flush rows listed by the window launch, walked by fixed grids (no full grid of returning programs)
+        work = torch.zeros((b + 1,), dtype=torch.int32, device=x.device) if cfg["flush_list"] else None
         win, dec = launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, has_slot,
-                                 cfg["BLOCK_N"], cfg["BLOCK_L"])
+                                 cfg["BLOCK_N"], cfg["BLOCK_L"], work)
         k = _readcopy_apply_kernel[(triton.cdiv(P, cfg["APPLY_P"]), b, H)](
             cursor, C, slot_arg, y, win, dec, cv, cs, ct, H, P, N, L, H // Gc, *C.stride(), *y.stride(), *cstrides,
             FMT=FORMAT_IDS[name], HAS_SLOT=has_slot, BLOCK_P=cfg["APPLY_P"], BLOCK_N=cfg["BLOCK_N"],
             num_warps=cfg["apply_warps"])
-    k2 = _readcopy_step_kernel[grid](
-        state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, y, cv, cs, ct, amax,
-        H, P, N, L, H // G, H // Gc,
-        *state.stride(), *x_ring.stride(), *dt_ring.stride(), *la_ring.stride(), *B_ring.stride(),
-        *x.stride(), *dt.stride(), *la.stride(), *B.stride(), *C.stride(), *y.stride(), *cstrides,
-        FMT=FORMAT_IDS[name], HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_P"], BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_L=cfg["BLOCK_L"], STOCHASTIC_FP16=state.dtype == torch.float16, FOLD_DOT=cfg["fold_dot"],
-        ROUTE=2 if pre else 0, num_warps=cfg["num_warps"])
+    listed = pre and cfg["flush_list"]
+    step_args = (state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, y, cv, cs, ct, amax)
+    strides = (H, P, N, L, H // G, H // Gc,
+               *state.stride(), *x_ring.stride(), *dt_ring.stride(), *la_ring.stride(), *B_ring.stride(),
+               *x.stride(), *dt.stride(), *la.stride(), *B.stride(), *C.stride(), *y.stride(), *cstrides)
+    step_kw = dict(FMT=FORMAT_IDS[name], HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_P"], BLOCK_N=cfg["BLOCK_N"],
+                   BLOCK_L=cfg["BLOCK_L"], STOCHASTIC_FP16=state.dtype == torch.float16, FOLD_DOT=cfg["fold_dot"],
+                   ROUTE=2 if pre else 0, num_warps=cfg["num_warps"])
+    programs = cfg["flush_programs"] or min(b * H * n_pb, max(1, 32 // cfg["num_warps"]) * _sm_count(x.device))
+    if listed:
+        k2 = _readcopy_flush_list_kernel[(programs,)](*step_args, work, n_pb, *strides, **step_kw)
+    else:
+        k2 = _readcopy_step_kernel[grid](*step_args, *strides, **step_kw)
     LAST_LAUNCH["kernel"] = k if pre else k2
     if name == "nvfp4":
-        _nvfp4_flush_encode_kernel[grid](
-            state, cursor, slot_arg, amax, cv, cs, ct, P, N, L, *state.stride(), *cstrides,
-            HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_P"], NB=cfg["BLOCK_N"] // 16, num_warps=cfg["num_warps"])
+        enc_args = (state, cursor, slot_arg, amax, cv, cs, ct)
+        enc_kw = dict(HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_P"], NB=cfg["BLOCK_N"] // 16, num_warps=cfg["num_warps"])
+        if listed:
+            _nvfp4_flush_encode_list_kernel[(programs,)](*enc_args, work, H, n_pb, P, N, L, *state.stride(),
+                                                         *cstrides, **enc_kw)
+        else:
+            _nvfp4_flush_encode_kernel[grid](*enc_args, P, N, L, *state.stride(), *cstrides, **enc_kw)
     _advance_cursor_kernel[(triton.cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
     return y
 
