@@ -40,18 +40,27 @@ __all__ = ["delta_exact_fold", "delta_replay_step_readcopy_reference", "delta_fl
            "delta_materialize_readcopy_reference"]
 
 
-def delta_exact_fold(state, k_ring, g_ring, v_ring, beta_ring, slots, n, cdt):
+def delta_exact_fold(state, k_ring, g_ring, v_ring, beta_ring, slots, n, cdt, origin=None):
     """The exact recurrence over the first ``n[r]`` raw records of slot ``slots[r]`` from the checkpoint:
-    ``[r, HV, K, V]`` in ``cdt`` (the checkpoint itself, converted exactly, where ``n == 0``)."""
+    ``[r, HV, K, V]`` in ``cdt`` (the checkpoint itself, converted exactly, where ``n == 0``).
+
+    Record ``j`` of a slot sits at ring index ``j``, or ``(origin[slot] + j) mod buf`` with ``origin`` (``[S]``:
+    the speculative rings, whose window starts anywhere in the ring)."""
     S = state[slots].to(cdt)
     if slots.numel() == 0:
         return S
     Hk, K = k_ring.shape[1], k_ring.shape[3]
+    buf = k_ring.shape[2]
+    rows = torch.arange(slots.numel(), device=slots.device)
+    start = origin[slots].long() if origin is not None else torch.zeros_like(slots)
     zeros_q = torch.zeros(slots.numel(), Hk, K, dtype=cdt, device=state.device)
     for j in range(int(n.max())):
+        pos = (start + j) % buf
+
+        def at(ring):                                # [r, H, ...] at each row's ring index
+            return ring[slots][rows, :, pos].to(cdt)
         nxt = S.clone()
-        delta_exact_step(nxt, zeros_q, k_ring[slots, :, j].to(cdt), v_ring[slots, :, j].to(cdt),
-                         g_ring[slots, :, j].to(cdt), beta_ring[slots, :, j].to(cdt))
+        delta_exact_step(nxt, zeros_q, at(k_ring), at(v_ring), at(g_ring), at(beta_ring))
         S = torch.where((n > j)[:, None, None, None], nxt, S)
     return S
 

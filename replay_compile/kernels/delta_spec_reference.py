@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .delta_readcopy_reference import delta_exact_fold
 from .delta_reference import _compute_dtype, _per_value_head, _store_checkpoint, delta_exact_step
 from .mamba2_spec_reference import spec_rows
 
@@ -34,18 +35,12 @@ def delta_spec_materialize_reference(state, d_ring, k_ring, g_ring, w, origin, s
 
 
 def delta_spec_exact_fold(state, k_ring, g_ring, v_ring, beta_ring, w, origin, slot: int):
-    """The committed state of one slot by the exact recurrence over its raw records ``(k, g, v, beta)``, from the
-    fp32 checkpoint (read-copy mode: the stored corrected values were computed from the copy and are not used).
-    Compute dtype [HV, K, V]."""
-    cdt = _compute_dtype(state, g_ring)
-    buf = k_ring.shape[2]
-    S = state[slot:slot + 1].to(cdt).clone()
-    for j in range(int(w[slot])):
-        p = (int(origin[slot]) + j) & (buf - 1)
-        pick = lambda r: r[slot:slot + 1, :, p].to(cdt)  # noqa: E731
-        delta_exact_step(S, S.new_zeros(S.shape[0], k_ring.shape[1], S.shape[2]), pick(k_ring), pick(v_ring),
-                         pick(g_ring), pick(beta_ring))
-    return S[0]
+    """The committed state of one slot by the exact recurrence over its ``w[slot]`` raw records ``(k, g, v, beta)``
+    from ring index ``origin[slot]`` on, from the fp32 checkpoint (read-copy mode: the stored corrected values were
+    computed from the copy and are not used). Compute dtype [HV, K, V]."""
+    slots = torch.tensor([slot], device=state.device)
+    return delta_exact_fold(state, k_ring, g_ring, v_ring, beta_ring, slots, w[slots], _compute_dtype(state, g_ring),
+                            origin=origin)[0]
 
 
 def delta_spec_verify_reference(state, d_ring, k_ring, g_ring, w, origin, is_flush, q, k, v, g, beta,
