@@ -35,12 +35,6 @@ def _check_raw(state, d_ring, v_ring, beta_ring):
         _fail(f"beta_ring must be float32 [S={S}, HV={HV}, L={L}], got {beta_ring.dtype} {tuple(beta_ring.shape)}")
 
 
-def _copy(state, copies, fmt):
-    if state.dtype == torch.float64:
-        _fail("a read copy needs an fp32 / bf16 / fp16 checkpoint (fp64 states are for exactness tests)")
-    return as_copy(fmt, state.shape, copies)
-
-
 @torch.library.custom_op("replay_compile::delta_step_rc", mutates_args=_MUTATED)
 def delta_step_rc(
     state: Tensor, d_ring: Tensor, k_ring: Tensor, g_ring: Tensor, v_ring: Tensor, beta_ring: Tensor,
@@ -50,7 +44,7 @@ def delta_step_rc(
     """One delta-rule replay step reading non-flush rows' checkpoint term from the read copy."""
     check_step_args(state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slot_idx)
     _check_raw(state, d_ring, v_ring, beta_ring)
-    enc = _copy(state, (copy0, copy1, copy2), fmt)
+    enc = as_copy(fmt, state, (copy0, copy1, copy2), _fail)
     return rcref.delta_replay_step_readcopy_reference(state, enc, fmt, d_ring, k_ring, g_ring, v_ring, beta_ring,
                                                       cursor, q, k, v, g, beta, slot_idx)
 
@@ -59,7 +53,7 @@ def delta_step_rc(
 def _(state, d_ring, k_ring, g_ring, v_ring, beta_ring, copy0, copy1, copy2, cursor, q, k, v, g, beta, slot_idx, fmt):
     check_step_args(state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slot_idx)
     _check_raw(state, d_ring, v_ring, beta_ring)
-    enc = _copy(state, (copy0, copy1, copy2), fmt)
+    enc = as_copy(fmt, state, (copy0, copy1, copy2), _fail)
     if not use_triton():
         return rcref.delta_replay_step_readcopy_reference(state, enc, fmt, d_ring, k_ring, g_ring, v_ring,
                                                           beta_ring, cursor, q, k, v, g, beta, slot_idx)
@@ -83,7 +77,7 @@ def delta_flush_rc(
     """Exact fold of every held record (raw rings), the copy rewritten, cursor to 0."""
     check_ring_args(state, d_ring, k_ring, g_ring, cursor)
     _check_raw(state, d_ring, v_ring, beta_ring)
-    enc = _copy(state, (copy0, copy1, copy2), fmt)
+    enc = as_copy(fmt, state, (copy0, copy1, copy2), _fail)
     rcref.delta_flush_readcopy_reference(state, enc, fmt, d_ring, k_ring, g_ring, v_ring, beta_ring, cursor, slot_idx)
 
 

@@ -43,29 +43,30 @@ def allocate_copy(fmt: str, shape, device) -> tuple[Tensor, ...]:
     return tuple(out)
 
 
-def as_copy(fmt: str, shape, tensors) -> Encoded:
-    """The op's three tensors as an :class:`Encoded` of ``fmt`` (checked against the format's storage spec)."""
+def as_copy(fmt: str, state: Tensor, tensors, fail=_fail) -> Encoded:
+    """The op's three tensors as an :class:`Encoded` of ``fmt`` for the checkpoint ``state``: checked against the
+    format's storage spec, the checkpoint's dtype (no fp64) and device; ``fail`` raises with the family's prefix."""
+    if state.dtype == torch.float64:
+        fail("a read copy needs an fp32 / bf16 / fp16 checkpoint (fp64 states are for exactness tests)")
     names = copy_names(fmt)
     try:
-        return rcref.as_encoded(dict(zip(names, tensors)), fmt, shape)
+        enc = rcref.as_encoded(dict(zip(names, tensors)), fmt, state.shape)
     except ValueError as e:
-        _fail(f"read copy: {e}")
+        fail(f"read copy: {e}")
+    if enc.device != state.device:
+        fail(f"read copy on {enc.device}, checkpoint on {state.device}: keep them on one device")
+    return enc
 
 
 def encode_copy(fmt: str, state: Tensor, tensors) -> None:
     """Rewrite the whole read copy from ``state`` (at bind, after an external write, after a flush)."""
     f = FORMATS[fmt]
-    f.encode_into(as_copy(fmt, state.shape, tensors), state.float())
+    f.encode_into(as_copy(fmt, state, tensors), state.float())
 
 
 def _check(state, x_ring, dt_ring, la_ring, B_ring, copy0, copy1, copy2, cursor, x, dt, la, B, C, slot_idx, fmt):
     check_step_args(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_idx)
-    if state.dtype == torch.float64:
-        _fail("a read copy needs an fp32 / bf16 / fp16 checkpoint (fp64 states are for exactness tests)")
-    enc = as_copy(fmt, state.shape, (copy0, copy1, copy2))
-    if enc.device != state.device:
-        _fail(f"read copy on {enc.device}, checkpoint on {state.device}: keep them on one device")
-    return enc
+    return as_copy(fmt, state, (copy0, copy1, copy2))
 
 
 @torch.library.custom_op(
