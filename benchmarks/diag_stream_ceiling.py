@@ -121,15 +121,73 @@ def launch_breakdown(bs, H, P, N, G, L=16):
         print(f"  {name}: " + "; ".join(f"{k[:40]} {v:.1f} us" for k, v in per.most_common()), flush=True)
 
 
+def delta_breakdown(Hk, HV, K, V, kda, bs, L=16, read_copy=None):
+    """Device time per kernel of one delta-rule step (exact split kernels, or the read-copy step with ``read_copy``),
+    non-flush and flush: where GDN / KDA (issue 4) and the delta read copy (issue 7) lose to the state bytes."""
+    from replay_compile.kernels.delta_readcopy_triton import delta_replay_step_readcopy_triton
+    from replay_compile.kernels.delta_triton import delta_replay_step_triton
+    from replay_compile.state import DeltaRingSpec
+
+    spec = DeltaRingSpec(HV, Hk, K, V, L, torch.float32, torch.bfloat16, kda, read_copy=read_copy)
+    state = torch.randn(bs, HV, K, V, device="cuda")
+    ring = spec.allocate(bs, "cuda")
+    for t in ring[:3]:
+        t.normal_()
+    ring[2].neg_().abs_().neg_()
+    if read_copy:
+        spec.sync_copy(state, ring)
+    q = torch.nn.functional.normalize(torch.randn(bs, Hk, K, device="cuda"), dim=-1).bfloat16()
+    k = torch.nn.functional.normalize(torch.randn(bs, Hk, K, device="cuda"), dim=-1).bfloat16()
+    v = torch.randn(bs, HV, V, device="cuda", dtype=torch.bfloat16)
+    g = -torch.rand((bs, HV, K) if kda else (bs, HV), device="cuda") * 0.1
+    beta = torch.rand(bs, HV, device="cuda")
+    from replay_compile.ops.mamba2_readcopy import as_copy
+
+    def step():
+        if read_copy:
+            enc = as_copy(read_copy, state, ring[5:8])
+            delta_replay_step_readcopy_triton(state, enc, read_copy, *ring[:5], ring[-1], q, k, v, g, beta, None)
+        else:
+            delta_replay_step_triton(state, *ring[:3], ring[-1], q, k, v, g, beta, None)
+    for name, w in (("non-flush", L // 2), ("flush", L - 1)):
+        for _ in range(3):
+            ring[-1].fill_(w)
+            step()
+        torch.cuda.synchronize()
+        reps = 10
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                ring[-1].fill_(w)
+                step()
+            torch.cuda.synchronize()
+        per = collections.Counter()
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                per[e.name] += e.device_time_total / reps
+        print(f"  {name}: " + "; ".join(f"{k[:40]} {v:.1f} us" for k, v in per.most_common()), flush=True)
+
+
+DELTA_GEOMS = {"qwen35_4b": (16, 32, 128, 128, False), "kimi_linear": (32, 32, 128, 128, True)}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--geoms", default="super,nano")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--breakdown-only", action="store_true", help="only the pre step's per-launch times")
+    ap.add_argument("--delta", default="", help="comma list of qwen35_4b,kimi_linear: delta-rule breakdowns (exact "
+                    "and fp8 read copy) instead of the Mamba-2 ones")
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name(0)} torch {torch.__version__} triton {triton.__version__}")
     bw = copy_bandwidth()
     print(f"copy bandwidth (read+write) {bw / 1e12:.2f} TB/s")
+    for gname in filter(None, args.delta.split(",")):
+        Hk, HV, K, V, kda = DELTA_GEOMS[gname]
+        for rc in (None, "fp8_e4m3"):
+            print(f"{gname} bs{args.batch} fp32 state [{args.batch}, {HV}, {K}, {V}], read copy {rc}")
+            delta_breakdown(Hk, HV, K, V, kda, args.batch, read_copy=rc)
+    if args.delta:
+        return
     for gname in args.geoms.split(","):
         H, P, N, G = GEOMS[gname]
         print(f"{gname} bs{args.batch} fp32 state [{args.batch}, {H}, {P}, {N}]")
