@@ -21,7 +21,7 @@ from torch._dynamo.utils import counters
 from .._logging import log
 from ..config import ReplayConfig
 from ..errors import ReplayCompileError
-from . import broadcast, delta, graph_utils, mamba2, rewrite, validate
+from . import broadcast, delta, graph_utils, mamba2, mamba2_kernel_call as kernel_call, rewrite, validate
 from .delta import DeltaMatcher
 from .mamba2 import Mamba2Matcher, NoMatch
 
@@ -104,7 +104,7 @@ class ReplaySSMPass:
     def uuid(self) -> str:
         """Changes whenever the pass's code or config does (for FX graph caches)."""
         h = hashlib.sha256(repr(self.config).encode())
-        for mod in (broadcast, delta, graph_utils, mamba2, rewrite, validate):
+        for mod in (broadcast, delta, graph_utils, mamba2, kernel_call, rewrite, validate):
             h.update(inspect.getsource(mod).encode())
         return h.hexdigest()
 
@@ -115,7 +115,7 @@ class ReplaySSMPass:
         families = set(self.config.families)
         if not self.config.enabled or not families & {"mamba2", "gdn", "kda"}:
             return res
-        if not Mamba2Matcher.anchors(gm):
+        if not Mamba2Matcher.anchors(gm) and not ("mamba2" in families and kernel_call.anchors(gm)):
             return res
         gm = res.gm = copy_graph_module(gm)
         m2, dm = Mamba2Matcher(gm), DeltaMatcher(gm)
@@ -127,6 +127,11 @@ class ReplaySSMPass:
                 matches.append(self._match(cp, m2, dm, families))
             except NoMatch as e:
                 self._skip(res, graph_utils.module_path(cp, default=f"state input `{cp.args[0].name}`"), str(e))
+        for call in kernel_call.anchors(gm) if "mamba2" in families else ():   # mamba_ssm's kernel, launched
+            try:
+                matches.append(kernel_call.match(call))
+            except NoMatch as e:
+                self._skip(res, graph_utils.module_path(call, default=f"`{call.name}`"), str(e))
         if matches and self.config.validate:
             failed = validate.validate(gm, example_inputs, matches)
             for m in [m for m in matches if id(m) in failed]:
@@ -144,7 +149,7 @@ class ReplaySSMPass:
                 read_copy = None
             spec = rewrite.ring_spec(m, self.config.buffer_len, read_copy)
             rings = rewrite.add_ring_placeholders(gm, m, spec, i)
-            rewrite.apply(gm, m, rings, spec)
+            (kernel_call.apply if isinstance(m, kernel_call.KernelCallMatch) else rewrite.apply)(gm, m, rings, spec)
             res.fake_inputs.extend(r.meta["example_value"] for r in rings)
             res.sites.append(Site(placeholders.index(m.state), spec, m.layer))
             rw = Rewrite(m.layer, m.family, m.form, spec, m.describe(spec))

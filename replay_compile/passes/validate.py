@@ -132,8 +132,10 @@ class _Checker(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, matches: Sequence):
         super().__init__(gm, garbage_collect_values=True)
         self.matches = list(matches)
-        self.by_copy = {m.copy_node: m for m in matches}
-        self.by_readout = {m.readout: m for m in matches}
+        # a kernel-call match's write and readout are one launch: checked around it (_run_kernel_call)
+        self.by_call = {m.copy_node: m for m in matches if getattr(m, "out", None) is not None}
+        self.by_copy = {m.copy_node: m for m in matches if m.copy_node not in self.by_call}
+        self.by_readout = {m.readout: m for m in matches if m.readout not in self.by_call}
         self.need: dict[fx.Node, list] = {}
         for m in matches:
             for key, r in m.recipes.items():
@@ -161,6 +163,8 @@ class _Checker(fx.Interpreter):
         if is_inplace(n) and n not in self.by_copy:
             self._copy_on_write(n)
         self.current = n
+        if n in self.by_call:
+            return self._run_kernel_call(self.by_call[n], n)
         if n.op in ("call_function", "call_method"):
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             local, out = _collective_free(n, args, kwargs)
@@ -176,6 +180,24 @@ class _Checker(fx.Interpreter):
         if n in self.by_readout:
             self._check_readout(self.by_readout[n], out)
         return out
+
+    def _run_kernel_call(self, m, n: fx.Node):
+        """A Triton kernel launch that is a match's state write and readout: the exact new state and output from
+        the compact tensors first (the launch mutates the state), then the launch, then both compared."""
+        ref = self._reference(m)
+        if isinstance(ref, str):
+            self.errors[id(m)].extend([ref, ref])
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        value = lambda node: self.env[node] if node is not None else None  # noqa: E731
+        want = None
+        if not isinstance(ref, str):
+            want = m.exact_out(ref, self.compact[id(m)], value(m.D), value(m.z), self.compact[id(m)]["x"])
+        _launch(n, kwargs)
+        if want is not None:
+            self.errors[id(m)].append(("new state", rel_err(self.env[m.state], ref)))
+            self.errors[id(m)].append(("readout", rel_err(self.env[m.out], want)))
+            self._done(m)
+        return None
 
     def _copy_on_write(self, n: fx.Node):
         target = self.env.get(n.args[0]) if isinstance(n.args[0], fx.Node) else None
@@ -227,6 +249,24 @@ class _Checker(fx.Interpreter):
         self._done(m)
 
 
+def _launch(n: fx.Node, kwargs: dict) -> None:
+    """Run a Triton-kernel launch node; on CPU tensors through Triton's interpreter (the compiled kernel needs a
+    GPU; CPU tests of the kernel-call anchor validate this way)."""
+    tensors = [v for v in kwargs["kwargs"].values() if isinstance(v, torch.Tensor)]
+    if not tensors or tensors[0].device.type != "cpu":
+        n.target(**kwargs)
+        return
+    from triton.runtime.interpreter import InterpretedFunction
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    from .mamba2_kernel_call import jit_function
+
+    jit = jit_function(kernel_side_table.get_kernel(kwargs["kernel_idx"]))
+    consts = kernel_side_table.get_constant_args(kwargs["constant_args_idx"])
+    grid = kwargs["grid"][0]
+    InterpretedFunction(jit.fn)[tuple(grid)](**kwargs["kwargs"], **consts)
+
+
 def _concrete(a):
     """Dynamo hands symbolic sizes as SymInts; the check runs on their example (hint) values."""
     if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)):
@@ -258,6 +298,10 @@ def validate(gm: fx.GraphModule, example_inputs: Sequence, matches: Sequence) ->
     env = dict(zip(placeholders, args))
     del args
     checker.inputs.update(id(v) for v in env.values() if isinstance(v, torch.Tensor))
+    for node, value in env.items():           # graph inputs that are recipe sources themselves (x, B of a launch)
+        if isinstance(value, torch.Tensor):
+            for m, key in checker.need.get(node, ()):
+                checker._collect(m, key, node, value)
     with torch.no_grad():
         try:
             checker.run(initial_env=env)
