@@ -35,9 +35,15 @@ def _bytes(t):
     return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
-@pytest.mark.parametrize("kda, fmt", [(False, "bf16"), (False, "fp8_e4m3"), (False, "nvfp4"), (True, "fp8_e4m3"),
-                                      (True, "nvfp4")])              # KDA x bf16: the GDN case's decode + KDA gates
-def test_kernel_matches_reference_step_by_step(kda, fmt):
+@pytest.mark.parametrize("kda, fmt, listed", [
+    (False, "bf16", False), (False, "fp8_e4m3", False), (False, "nvfp4", False), (True, "fp8_e4m3", False),
+    (True, "nvfp4", False),                                    # KDA x bf16: the GDN case's decode + KDA gates
+    (False, "fp8_e4m3", True), (True, "nvfp4", True)])         # flush rows listed, one encode program walks them
+def test_kernel_matches_reference_step_by_step(kda, fmt, listed, monkeypatch):
+    if listed:
+        import replay_compile.kernels.delta_readcopy_triton as drt
+        monkeypatch.setitem(drt.TUNING, "flush_list", 1)
+        monkeypatch.setitem(drt.TUNING, "flush_programs", 1)
     geom = DeltaGeometry(batch=3, HV=4, Hk=2, K=12, V=32, kda=kda)
     L, S = 4, 4
     steps = 2 * L + 3

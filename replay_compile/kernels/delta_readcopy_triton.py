@@ -35,8 +35,9 @@ import triton.language as tl
 from .delta_triton import _delta_window_kernel
 from .mamba2_readcopy_reference import as_encoded
 from .mamba2_readcopy_triton import (FORMAT_IDS, _bf16_bits, _copy_args, _e2m1_value, _e4m3_encode,
-                                     _format_name, _load_copy_rows, _nvfp4_flush_encode_kernel)
-from .mamba2_triton import _advance_cursor_kernel, _row_slot, _step_row, _store_checkpoint
+                                     _format_name, _load_copy_rows, _nvfp4_flush_encode_kernel,
+                                     _nvfp4_flush_encode_list_kernel)
+from .mamba2_triton import _advance_cursor_kernel, _row_slot, _sm_count, _step_row, _store_checkpoint
 
 __all__ = ["delta_replay_step_readcopy_triton"]
 
@@ -80,7 +81,7 @@ def _delta_rc_apply_kernel(
     s_qb, s_qh, s_qk, s_kb, s_kh, s_kk, s_vb, s_vh, s_vv, s_gb, s_gh, s_gk, s_bb, s_bh, s_ob, s_oh, s_ov,
     s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp, s_csn, s_ctb,
     FMT: tl.constexpr, HAS_SLOT: tl.constexpr, KDA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr,
+    BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, work_ptr, LISTED: tl.constexpr,
 ):
     pid_v = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
@@ -105,6 +106,10 @@ def _delta_rc_apply_kernel(
     vr_base = vr_ptr + slot * s_vrb + h * s_vrh
     br_base = br_ptr + slot * s_brb + h * s_brh
     if w == L - 1:
+        if LISTED:                                 # the row's first program lists it for the encode launch
+            if (pid_v == 0) & (h == 0):
+                i = tl.atomic_add(work_ptr, 1, sem="relaxed")
+                tl.store(work_ptr + 1 + i, row.to(tl.int32))
         # the exact recurrence from the fp32 checkpoint over the raw window, then the current token
         st_ptrs = state_ptr + slot * s_sb + h * s_sh + offs_k[:, None] * s_sk + offs_v[None, :] * s_sv
         s = tl.load(st_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
@@ -166,21 +171,13 @@ def _delta_rc_apply_kernel(
 
 
 @triton.jit
-def _flush_encode_rows_kernel(
-    state_ptr, cursor_ptr, slot_ptr, amax_ptr, cv_ptr, cs_ptr, K, V, L,
+def _encode_rows_body(
+    pid_r, row, h, slot, state_ptr, amax_ptr, cv_ptr, cs_ptr, K, V,
     s_sb, s_sh, s_sk, s_sv, s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp,
-    FMT: tl.constexpr, HAS_SLOT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
+    FMT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """Flush rows (cursor still ``L-1``): rewrite ``BLOCK_R`` rows of the copy from the stored checkpoint (bf16,
-    fp8 with its row scale), or, for NVFP4, fold their amax into the slot's (the 4th launch encodes)."""
-    pid_r = tl.program_id(0)
-    row = tl.program_id(1).to(tl.int64)
-    h = tl.program_id(2).to(tl.int64)
-    slot = _row_slot(slot_ptr, row, HAS_SLOT)
-    if slot < 0:
-        return
-    if tl.load(cursor_ptr + slot) != L - 1:
-        return
+    """Rewrite ``BLOCK_R`` rows of a flushed slot's copy from the stored checkpoint (bf16, fp8 with its row scale),
+    or, for NVFP4, fold their amax into the slot's (the 4th launch encodes). No early returns (called in a loop)."""
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_v = tl.arange(0, BLOCK_V)
     mask_r = offs_r < K
@@ -201,11 +198,50 @@ def _flush_encode_rows_kernel(
         tl.atomic_max(amax_ptr + row, amax.to(tl.int32, bitcast=True), sem="relaxed")
 
 
+@triton.jit
+def _flush_encode_rows_kernel(
+    state_ptr, cursor_ptr, slot_ptr, amax_ptr, cv_ptr, cs_ptr, K, V, L,
+    s_sb, s_sh, s_sk, s_sv, s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp,
+    FMT: tl.constexpr, HAS_SLOT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Flush rows (cursor still ``L-1``), grid ``(cdiv(K, BLOCK_R), b, HV)``: :func:`_encode_rows_body`."""
+    pid_r = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2).to(tl.int64)
+    slot = _row_slot(slot_ptr, row, HAS_SLOT)
+    if slot < 0:
+        return
+    if tl.load(cursor_ptr + slot) != L - 1:
+        return
+    _encode_rows_body(pid_r, row, h, slot, state_ptr, amax_ptr, cv_ptr, cs_ptr, K, V,
+                      s_sb, s_sh, s_sk, s_sv, s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp, FMT, BLOCK_R, BLOCK_V)
+
+
+@triton.jit
+def _flush_encode_rows_list_kernel(
+    state_ptr, slot_ptr, amax_ptr, cv_ptr, cs_ptr, work_ptr, HV, n_rb, K, V,
+    s_sb, s_sh, s_sk, s_sv, s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp,
+    FMT: tl.constexpr, HAS_SLOT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """:func:`_flush_encode_rows_kernel` over the rows the apply launch listed, on a fixed grid (a non-flush step
+    then costs a few programs reading ``count = 0``, not a ``(K / BLOCK_R, b, HV)`` grid reading cursors)."""
+    n_items = tl.load(work_ptr) * (HV * n_rb)
+    t = tl.program_id(0)
+    while t < n_items:
+        row = tl.load(work_ptr + 1 + t // (HV * n_rb)).to(tl.int64)
+        _encode_rows_body(t % n_rb, row, ((t // n_rb) % HV).to(tl.int64), _row_slot(slot_ptr, row, HAS_SLOT),
+                          state_ptr, amax_ptr, cv_ptr, cs_ptr, K, V, s_sb, s_sh, s_sk, s_sv, s_cvb, s_cvh, s_cvp,
+                          s_cvn, s_csb, s_csh, s_csp, FMT, BLOCK_R, BLOCK_V)
+        t += tl.num_programs(0)
+
+
 def launch_config(K: int, V: int, L: int) -> dict:
     """``BLOCK_V`` 16 and 1 warp (the exact split kernel's H200 choice), ``BLOCK_R`` rows per encode program."""
     return dict(BLOCK_K=max(16, triton.next_power_of_2(K)), BLOCK_L=max(16, triton.next_power_of_2(L)),
                 BLOCK_V=TUNING.get("BLOCK_V") or 16, num_warps=TUNING.get("num_warps") or 1,
-                BLOCK_R=TUNING.get("BLOCK_R") or 16, BLOCK_VF=max(16, triton.next_power_of_2(V)))
+                BLOCK_R=TUNING.get("BLOCK_R") or 16, BLOCK_VF=max(16, triton.next_power_of_2(V)),
+                # listed flush rows for the encode launches: off until compiled and measured on a GPU
+                flush_list=bool(TUNING.get("flush_list", 0)), flush_programs=TUNING.get("flush_programs"))
 
 
 def delta_replay_step_readcopy_triton(state, copy, fmt, d_ring, k_ring, g_ring, v_ring, beta_ring, cursor,
@@ -239,21 +275,34 @@ def delta_replay_step_readcopy_triton(state, copy, fmt, d_ring, k_ring, g_ring, 
         num_warps=4 if cfg["BLOCK_K"] * cfg["BLOCK_L"] >= 2048 else 1, **common)
     (cv, cs, ct), cstrides = _copy_args(enc, name, cursor)
     n_vb = triton.cdiv(V, cfg["BLOCK_V"])
+    listed = cfg["flush_list"]                      # flush rows listed by the apply launch for the encode launches
+    work = torch.zeros((b + 1,), dtype=torch.int32, device=v.device) if listed else None
     _delta_rc_apply_kernel[(n_vb, b, HV)](
         state, d_ring, k_ring, g_ring, v_ring, beta_ring, cursor, q, k, v, g, beta, slot_arg, o, win, vec, wrow,
         cv, cs, ct, HV, K, V, L, v_per_k, v_per_q,
         *state.stride(), *d_ring.stride(), *k_ring.stride(), *g_strides, *v_ring.stride(), *beta_ring.stride(),
         *q.stride(), *k.stride(), *v.stride(), *gi_strides, *beta.stride(), *o.stride(), *cstrides,
         FMT=FORMAT_IDS[name], BLOCK_V=cfg["BLOCK_V"], STOCHASTIC_FP16=state.dtype == torch.float16,
-        num_warps=cfg["num_warps"], **common)
+        num_warps=cfg["num_warps"], work_ptr=work if listed else cursor, LISTED=listed, **common)
     amax = torch.zeros(b, dtype=torch.int32, device=v.device) if name == "nvfp4" else cursor
-    grid_r = (triton.cdiv(K, cfg["BLOCK_R"]), b, HV)
-    _flush_encode_rows_kernel[grid_r](
-        state, cursor, slot_arg, amax, cv, cs, K, V, L, *state.stride(), *cstrides[:7],
-        FMT=FORMAT_IDS[name], HAS_SLOT=has_slot, BLOCK_R=cfg["BLOCK_R"], BLOCK_V=cfg["BLOCK_VF"])
+    n_rb = triton.cdiv(K, cfg["BLOCK_R"])
+    grid_r = (n_rb, b, HV)
+    enc_kw = dict(FMT=FORMAT_IDS[name], HAS_SLOT=has_slot, BLOCK_R=cfg["BLOCK_R"], BLOCK_V=cfg["BLOCK_VF"])
+    if listed:
+        programs = cfg["flush_programs"] or min(b * HV * n_rb, 32 * _sm_count(v.device))
+        _flush_encode_rows_list_kernel[(programs,)](
+            state, slot_arg, amax, cv, cs, work, HV, n_rb, K, V, *state.stride(), *cstrides[:7], **enc_kw)
+    else:
+        _flush_encode_rows_kernel[grid_r](
+            state, cursor, slot_arg, amax, cv, cs, K, V, L, *state.stride(), *cstrides[:7], **enc_kw)
     if name == "nvfp4":
-        _nvfp4_flush_encode_kernel[grid_r](
-            state, cursor, slot_arg, amax, cv, cs, ct, K, V, L, *state.stride(), *cstrides,
-            HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_R"], NB=cfg["BLOCK_VF"] // 16)
+        nv_kw = dict(HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_R"], NB=cfg["BLOCK_VF"] // 16)
+        if listed:
+            _nvfp4_flush_encode_list_kernel[(programs,)](
+                state, cursor, slot_arg, amax, cv, cs, ct, work, HV, n_rb, K, V, L, *state.stride(), *cstrides,
+                **nv_kw)
+        else:
+            _nvfp4_flush_encode_kernel[grid_r](
+                state, cursor, slot_arg, amax, cv, cs, ct, K, V, L, *state.stride(), *cstrides, **nv_kw)
     _advance_cursor_kernel[(triton.cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
     return o
