@@ -183,9 +183,14 @@ def main():
     print(f"copy bandwidth (read+write) {bw / 1e12:.2f} TB/s")
     for gname in filter(None, args.delta.split(",")):
         Hk, HV, K, V, kda = DELTA_GEOMS[gname]
-        for rc in (None, "fp8_e4m3"):
-            print(f"{gname} bs{args.batch} fp32 state [{args.batch}, {HV}, {K}, {V}], read copy {rc}")
-            delta_breakdown(Hk, HV, K, V, kda, args.batch, read_copy=rc)
+        from replay_compile.kernels import delta_readcopy_triton as drt
+        for rc, tuning in ((None, {}), ("fp8_e4m3", {}), ("fp8_e4m3", {"flush_list": 1})):
+            print(f"{gname} bs{args.batch} fp32 state [{args.batch}, {HV}, {K}, {V}], read copy {rc} {tuning}")
+            drt.TUNING.update(tuning)
+            try:
+                delta_breakdown(Hk, HV, K, V, kda, args.batch, read_copy=rc)
+            finally:
+                drt.TUNING.clear()
     if args.delta:
         return
     for gname in args.geoms.split(","):
