@@ -98,11 +98,13 @@ def test_folded_cursor_advance_walks_more_rows_than_programs():
 
 
 def test_window_heads_share_one_group_and_bound_the_window():
-    assert kt.window_heads(128, 8, 8, 64, 16) == 16                # Nemotron-Super: 16 heads per group
-    assert kt.window_heads(96, 8, 8, 80, 16) == 4                  # Nano: 12 heads per group -> 4
-    assert kt.window_heads(8, 2, 4, 8, 16) == 2                    # B groups of 4 heads, C groups of 2
-    assert kt.window_heads(6, 2, 2, 8, 16) == 1                    # 3 heads per group
-    assert kt.window_heads(128, 1, 1, 64, 64) == 4                 # L = 64: 4 x 64 x 64 = 16K elements
+    from replay_compile.kernels.mamba2_pre_triton import window_heads
+
+    assert window_heads(128, 8, 8, 64, 16) == 16                # Nemotron-Super: 16 heads per group
+    assert window_heads(96, 8, 8, 80, 16) == 4                  # Nano: 12 heads per group -> 4
+    assert window_heads(8, 2, 4, 8, 16) == 2                    # B groups of 4 heads, C groups of 2
+    assert window_heads(6, 2, 2, 8, 16) == 1                    # 3 heads per group
+    assert window_heads(128, 1, 1, 64, 64) == 4                 # L = 64: 4 x 64 x 64 = 16K elements
 
 
 def test_launch_config_picks_whole_for_small_batches_and_pre_above():

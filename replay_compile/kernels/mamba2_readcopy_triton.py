@@ -95,8 +95,9 @@ import triton.language as tl
 
 from ..quant.formats import Encoded, ReadCopyFormat, get_format
 from .mamba2_readcopy_reference import as_encoded
-from .mamba2_triton import (_advance_cursor_kernel, _round_checkpoint, _row_slot, _sm_count, launch_window,
-                            _step_row, _step_window, parse_tuning)
+from .mamba2_pre_triton import launch_window
+from .mamba2_triton import (_advance_cursor_kernel, _round_checkpoint, _row_slot, _sm_count, _step_row, _step_window,
+                            parse_tuning)
 
 __all__ = ["FORMAT_IDS", "TUNING", "decode_read_copy_triton", "launch_config", "replay_step_readcopy_triton",
            "tuned"]
@@ -393,7 +394,7 @@ def _readcopy_flush_list_kernel(
     BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, FOLD_DOT: tl.constexpr, ROUTE: tl.constexpr,
 ):
     """``pre`` read-copy flush launch on a fixed grid: walks the ``count x H x n_pb`` tiles of the rows the window
-    launch listed in ``work = [count, rows...]`` (as :func:`~.mamba2_triton._mamba2_flush_list_kernel`: a non-flush
+    launch listed in ``work = [count, rows...]`` (as :func:`~.mamba2_pre_triton._mamba2_flush_list_kernel`: a non-flush
     step then costs a few programs that read ``count = 0``, not a full grid that reads cursors)."""
     n_items = tl.load(work_ptr) * (H * n_pb)
     t = tl.program_id(0)
@@ -420,7 +421,7 @@ def _readcopy_apply_kernel(
 ):
     """``pre`` variant's copy pass, grid ``(cdiv(P, BLOCK_P), batch, H)``: for non-flush rows
     ``y = decay (S_copy C) + win`` from the decoded copy and the window launch's scratch
-    (:func:`~replay_compile.kernels.mamba2_triton._mamba2_prepass_window_kernel`); flush rows return at once."""
+    (:func:`~replay_compile.kernels.mamba2_pre_triton._mamba2_prepass_window_kernel`); flush rows return at once."""
     pid_p = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)

@@ -1,0 +1,396 @@
+"""The ``pre`` variant of the Mamba-2 replay step (bandwidth: large batches), the default above
+``mamba2_triton.WHOLE_MAX_ROW_HEADS`` rows x heads. Same contract as
+:func:`~replay_compile.kernels.mamba2_reference.replay_step_reference`; launched by
+:func:`~replay_compile.kernels.mamba2_triton.replay_step_triton`, whose module holds the shared helpers, the
+configuration (:func:`~replay_compile.kernels.mamba2_triton.launch_config`, ``TUNING``) and the other variants.
+
+Launches, all routed on the device from the cursor (one captured CUDA graph serves every step):
+
+1. :func:`_mamba2_prepass_coef_kernel`, grid ``(b, H / HB)``: per row and group of ``HB`` heads, the window's
+   per-record weights ``cb_j = coef_j (B_j·C)`` and the decay into fp32 scratch; appends the ``dt``, ``log a``, ``B``
+   records; lists flushing rows in ``work = [count, rows...]``. (``window_full=1``:
+   :func:`_mamba2_prepass_window_kernel` also reads the x window and writes ``win`` instead; the read-copy step
+   uses that form.)
+2. :func:`_mamba2_prepass_apply_kernel`, grid ``(cdiv(P, 16), b, H)``, 1 warp: streams the ``16 x N`` checkpoint tile
+   of non-flush rows, ``y = decay (S_0 C) + Σ_j cb_j x_j``, appends ``x``. A read-only stream of the checkpoint on the
+   H200 reaches 97-100% of copy bandwidth; this pass alone runs there (benchmarks/NOTES.md, session 7).
+3. :func:`_mamba2_flush_list_kernel`: a fixed grid (32 warps per SM) walks the listed rows' tiles with the tiled
+   fold (:func:`~replay_compile.kernels.mamba2_triton._fold_tile`); a non-flush step pays ~2 µs for it.
+4. The cursor advance (``fold_advance=1``: inside launch 3).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from . import mamba2_triton as base
+from .mamba2_triton import (_advance_cursor_kernel, _fold_tile, _mamba2_replay_tiled_kernel, _row_slot, _sm_count,
+                            _step_row, _step_window, _store_checkpoint)
+
+__all__ = ["launch_coef", "launch_window", "replay_step_pre", "window_heads"]
+
+
+@triton.jit
+def _list_flush_row(work_ptr, row, hb, WORKLIST: tl.constexpr):
+    """Append a flushing row to ``work = [count, rows...]`` once (from its first window program)."""
+    if WORKLIST:
+        if hb == 0:
+            i = tl.atomic_add(work_ptr, 1, sem="relaxed")
+            tl.store(work_ptr + 1 + i, row.to(tl.int32))
+
+
+@triton.jit
+def _mamba2_prepass_window_kernel(
+    xr_ptr, dtr_ptr, lar_ptr, Br_ptr, cursor_ptr, x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr, win_ptr, dec_ptr,
+    work_ptr, H, P, N, L, heads_per_g, heads_per_gc,
+    s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl, s_brb, s_brg, s_brl, s_brn,
+    s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn, s_cb, s_cg, s_cn,
+    HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+    HB: tl.constexpr, WORKLIST: tl.constexpr, EARLY: tl.constexpr,
+):
+    """``pre`` variant, launch 1, grid ``(batch, H // HB)``: the window's contribution for ``HB`` heads of one
+    group (they share ``B_j·C``, computed once), ``win[h, p] = Σ_j coef_hj (B_j·C) x_hj[p]`` and ``decay_h =
+    exp(Σ la_h)`` into fp32 scratch ``[b, H, P]`` / ``[b, H]``, and the non-flush rows' records appended (the
+    checkpoint pass then reads neither ring nor B).
+
+    ``EARLY``: every ring load is issued before the cursor arrives (whole ``L`` windows, stale slots discarded in
+    registers): one memory round trip per program instead of two, twice the ring bytes on average. Otherwise the
+    cursor comes first and only the held records are read. Flush rows return; with ``WORKLIST`` the row's first
+    program appends the row to ``work = [count, rows...]`` (zeroed by the caller) for the flush launch.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    slot = _row_slot(slot_ptr, row, HAS_SLOT)
+    if slot < 0:
+        return
+    h0 = hb.to(tl.int64) * HB
+    offs_h = h0 + tl.arange(0, HB)                      # HB divides the heads of a group: all < H, one g, one gc
+    g = h0 // heads_per_g
+    gc = h0 // heads_per_gc
+    offs_p = tl.arange(0, BLOCK_P)
+    mask_p = offs_p < P
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_l = tl.arange(0, BLOCK_L)
+    if EARLY:                                       # every load before the cursor: stale slots read, then dropped
+        in_l = offs_l < L
+    else:                                           # cursor first: only the held records are read
+        w = tl.load(cursor_ptr + slot)
+        if w == L - 1:
+            _list_flush_row(work_ptr, row, hb, WORKLIST)
+            return
+        in_l = offs_l < w
+    la_w = tl.load(lar_ptr + slot * s_lrb + offs_h[:, None] * s_lrh + offs_l[None, :] * s_lrl,
+                   mask=in_l[None, :], other=0.0).to(tl.float32)                      # [HB, BLOCK_L]
+    dt_w = tl.load(dtr_ptr + slot * s_drb + offs_h[:, None] * s_drh + offs_l[None, :] * s_drl,
+                   mask=in_l[None, :], other=0.0).to(tl.float32)
+    xw = tl.load(xr_ptr + slot * s_xrb + offs_h[:, None, None] * s_xrh + offs_l[None, :, None] * s_xrl
+                 + offs_p[None, None, :] * s_xrp, mask=in_l[None, :, None] & mask_p[None, None, :], other=0.0)
+    br_base = Br_ptr + slot * s_brb + g * s_brg
+    bw = tl.load(br_base + offs_l[:, None] * s_brl + offs_n[None, :] * s_brn,
+                 mask=in_l[:, None] & mask_n[None, :], other=0.0).to(tl.float32)      # [BLOCK_L, BLOCK_N]
+    la_cur = tl.load(la_ptr + row * s_lb + offs_h * s_lh)                             # [HB]
+    dt_cur = tl.load(dt_ptr + row * s_db + offs_h * s_dh)
+    x_cur = tl.load(x_ptr + row * s_xb + offs_h[:, None] * s_xh + offs_p[None, :] * s_xp,
+                    mask=mask_p[None, :], other=0.0)                                   # [HB, BLOCK_P]
+    b_cur = tl.load(B_ptr + row * s_bb + g * s_bg + offs_n * s_bn, mask=mask_n, other=0.0)
+    c = tl.load(C_ptr + row * s_cb + gc * s_cg + offs_n * s_cn, mask=mask_n, other=0.0).to(tl.float32)
+    if EARLY:
+        w = tl.load(cursor_ptr + slot)
+        if w == L - 1:                              # flush rows: the flush launch computes their window
+            _list_flush_row(work_ptr, row, hb, WORKLIST)
+            return
+    hist = offs_l < w
+    cur = offs_l == w
+    la_w = tl.where(cur[None, :], la_cur.to(tl.float32)[:, None], tl.where(hist[None, :], la_w, 0.0))
+    dt_w = tl.where(cur[None, :], dt_cur.to(tl.float32)[:, None], tl.where(hist[None, :], dt_w, 0.0))
+    after = tl.minimum(tl.cumsum(la_w, axis=1, reverse=True) - la_w, 0.0)
+    coef = tl.where((offs_l <= w)[None, :], dt_w * tl.exp(after), 0.0)              # [HB, BLOCK_L]
+    decay = tl.exp(tl.minimum(tl.sum(la_w, axis=1), 0.0))                           # [HB]
+    xw = tl.where(hist[None, :, None], xw.to(tl.float32), 0.0)
+    xw = tl.where(cur[None, :, None], x_cur.to(tl.float32)[:, None, :], xw)
+    bw = tl.where(cur[:, None], b_cur.to(tl.float32)[None, :], tl.where(hist[:, None], bw, 0.0))
+    bc = tl.sum(bw * c[None, :], axis=1)                                             # [BLOCK_L]
+    win = tl.sum((coef * bc[None, :])[:, :, None] * xw, axis=1)                      # [HB, BLOCK_P]
+    tl.store(win_ptr + (row * H + offs_h[:, None]) * P + offs_p[None, :], win, mask=mask_p[None, :])
+    tl.store(dec_ptr + row * H + offs_h, decay)
+    tl.store(xr_ptr + slot * s_xrb + offs_h[:, None] * s_xrh + w * s_xrl + offs_p[None, :] * s_xrp,
+             x_cur.to(xr_ptr.dtype.element_ty), mask=mask_p[None, :])
+    tl.store(dtr_ptr + slot * s_drb + offs_h * s_drh + w * s_drl, dt_cur)
+    tl.store(lar_ptr + slot * s_lrb + offs_h * s_lrh + w * s_lrl, la_cur)
+    if h0 % heads_per_g == 0:                         # one program per group appends B_t
+        tl.store(br_base + w * s_brl + offs_n * s_brn, b_cur.to(Br_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _mamba2_prepass_coef_kernel(
+    dtr_ptr, lar_ptr, Br_ptr, cursor_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr, cb_ptr, dec_ptr, work_ptr,
+    H, N, L, heads_per_g, heads_per_gc,
+    s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl, s_brb, s_brg, s_brl, s_brn,
+    s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn, s_cb, s_cg, s_cn,
+    HAS_SLOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, HB: tl.constexpr,
+    WORKLIST: tl.constexpr,
+):
+    """``pre`` variant (``window="coef"``), launch 1, grid ``(batch, H // HB)``: the window's per-record weights
+    ``cb[h, j] = coef_hj (B_j·C)`` (zero past ``w``) into fp32 scratch ``[b, H, BLOCK_L]`` and ``decay_h``, for
+    ``HB`` heads of one group (``B_j·C`` once); appends ``dt``, ``log a`` and ``B`` records. The x window is left to
+    the checkpoint pass, which reads each program's own ``BLOCK_P`` slice of it (6% of its tile's bytes) instead
+    of a separate launch reading the whole ring. Flush rows are listed as in :func:`_mamba2_prepass_window_kernel`.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    slot = _row_slot(slot_ptr, row, HAS_SLOT)
+    if slot < 0:
+        return
+    h0 = hb.to(tl.int64) * HB
+    offs_h = h0 + tl.arange(0, HB)
+    g = h0 // heads_per_g
+    gc = h0 // heads_per_gc
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_l = tl.arange(0, BLOCK_L)
+    in_l = offs_l < L
+    la_w = tl.load(lar_ptr + slot * s_lrb + offs_h[:, None] * s_lrh + offs_l[None, :] * s_lrl,
+                   mask=in_l[None, :], other=0.0).to(tl.float32)                      # [HB, BLOCK_L]
+    dt_w = tl.load(dtr_ptr + slot * s_drb + offs_h[:, None] * s_drh + offs_l[None, :] * s_drl,
+                   mask=in_l[None, :], other=0.0).to(tl.float32)
+    br_base = Br_ptr + slot * s_brb + g * s_brg
+    bw = tl.load(br_base + offs_l[:, None] * s_brl + offs_n[None, :] * s_brn,
+                 mask=in_l[:, None] & mask_n[None, :], other=0.0).to(tl.float32)      # [BLOCK_L, BLOCK_N]
+    la_cur = tl.load(la_ptr + row * s_lb + offs_h * s_lh)                             # [HB]
+    dt_cur = tl.load(dt_ptr + row * s_db + offs_h * s_dh)
+    b_cur = tl.load(B_ptr + row * s_bb + g * s_bg + offs_n * s_bn, mask=mask_n, other=0.0)
+    c = tl.load(C_ptr + row * s_cb + gc * s_cg + offs_n * s_cn, mask=mask_n, other=0.0).to(tl.float32)
+    w = tl.load(cursor_ptr + slot)
+    if w == L - 1:                                  # flush rows: the flush launch computes their window
+        _list_flush_row(work_ptr, row, hb, WORKLIST)
+        return
+    hist = offs_l < w
+    cur = offs_l == w
+    la_w = tl.where(cur[None, :], la_cur.to(tl.float32)[:, None], tl.where(hist[None, :], la_w, 0.0))
+    dt_w = tl.where(cur[None, :], dt_cur.to(tl.float32)[:, None], tl.where(hist[None, :], dt_w, 0.0))
+    after = tl.minimum(tl.cumsum(la_w, axis=1, reverse=True) - la_w, 0.0)
+    coef = tl.where((offs_l <= w)[None, :], dt_w * tl.exp(after), 0.0)              # [HB, BLOCK_L]
+    decay = tl.exp(tl.minimum(tl.sum(la_w, axis=1), 0.0))                           # [HB]
+    bw = tl.where(cur[:, None], b_cur.to(tl.float32)[None, :], tl.where(hist[:, None], bw, 0.0))
+    bc = tl.sum(bw * c[None, :], axis=1)                                             # [BLOCK_L]
+    tl.store(cb_ptr + (row * H + offs_h[:, None]) * BLOCK_L + offs_l[None, :], coef * bc[None, :])
+    tl.store(dec_ptr + row * H + offs_h, decay)
+    tl.store(dtr_ptr + slot * s_drb + offs_h * s_drh + w * s_drl, dt_cur)
+    tl.store(lar_ptr + slot * s_lrb + offs_h * s_lrh + w * s_lrl, la_cur)
+    if h0 % heads_per_g == 0:                         # one program per group appends B_t
+        tl.store(br_base + w * s_brl + offs_n * s_brn, b_cur.to(Br_ptr.dtype.element_ty), mask=mask_n)
+
+
+def window_heads(H: int, G: int, Gc: int, P: int, block_l: int) -> int:
+    """Heads per program of the window launch: a power of two dividing the heads of a B group and of a C group
+    (so they share ``B_j·C``), at most 16, and at most 16K window elements (``HB x BLOCK_L x P``) per program."""
+    common = math.gcd(H // G, H // Gc)
+    hb = min(16, common & -common)                  # largest power of two dividing both group sizes
+    while hb > 1 and hb * block_l * max(16, triton.next_power_of_2(P)) > 16384:
+        hb //= 2
+    return base.TUNING.get("win_heads") or hb
+
+
+def launch_coef(dt_ring, la_ring, B_ring, cursor, dt, la, B, C, slot_arg, has_slot, block_n, block_l, work=None):
+    """Launch 1 of the fp32 ``pre`` step (``window="coef"``): fp32 scratch ``cb [b, H, block_l]`` (the window's
+    per-record weights) and ``dec [b, H]``; flush rows are appended to ``work`` when given."""
+    b, H = dt.shape
+    N = B.shape[-1]
+    G, Gc = B_ring.shape[1], C.shape[1]
+    cb = torch.empty((b, H, block_l), dtype=torch.float32, device=dt.device)
+    dec = torch.empty((b, H), dtype=torch.float32, device=dt.device)
+    hb = window_heads(H, G, Gc, 16, block_l)
+    _mamba2_prepass_coef_kernel[(b, H // hb)](
+        dt_ring, la_ring, B_ring, cursor, dt, la, B, C, slot_arg, cb, dec, work if work is not None else cursor,
+        H, N, dt_ring.shape[2], H // G, H // Gc,
+        *dt_ring.stride(), *la_ring.stride(), *B_ring.stride(), *dt.stride(), *la.stride(), *B.stride(), *C.stride(),
+        HAS_SLOT=has_slot, BLOCK_N=block_n, BLOCK_L=block_l, HB=hb, WORKLIST=work is not None,
+        num_warps=base.TUNING.get("window_warps") or 1)
+    return cb, dec
+
+
+def launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, has_slot, block_n, block_l,
+                  work=None):
+    """Launch 1 of the ``pre`` variants (the fp32 step and the read-copy step): returns fp32 scratch ``win [b, H,
+    P]`` and ``dec [b, H]``; flush rows are appended to ``work`` when given."""
+    b, H, P = x.shape
+    N = B.shape[-1]
+    G, Gc = B_ring.shape[1], C.shape[1]
+    win = torch.empty((b, H, P), dtype=torch.float32, device=x.device)
+    dec = torch.empty((b, H), dtype=torch.float32, device=x.device)
+    bpw = max(16, triton.next_power_of_2(P))
+    hb = window_heads(H, G, Gc, P, block_l)
+    warps = base.TUNING.get("window_warps") or max(1, min(4, hb * block_l * bpw // 4096))
+    _mamba2_prepass_window_kernel[(b, H // hb)](
+        x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, win, dec,
+        work if work is not None else cursor, H, P, N, x_ring.shape[2], H // G, H // Gc,
+        *x_ring.stride(), *dt_ring.stride(), *la_ring.stride(), *B_ring.stride(),
+        *x.stride(), *dt.stride(), *la.stride(), *B.stride(), *C.stride(),
+        HAS_SLOT=has_slot, BLOCK_P=bpw, BLOCK_N=block_n, BLOCK_L=block_l, HB=hb, WORKLIST=work is not None,
+        EARLY=bool(base.TUNING.get("win_early", 1)), num_warps=warps)
+    return win, dec
+
+
+@triton.jit
+def _mamba2_prepass_apply_kernel(
+    state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, cursor_ptr,
+    x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr, y_ptr, win_ptr, dec_ptr,
+    H, P, N, L, heads_per_g, heads_per_gc,
+    s_sb, s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl,
+    s_brb, s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn,
+    s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
+    HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+    STOCHASTIC_FP16: tl.constexpr, ROUTE: tl.constexpr, EARLY_TILE: tl.constexpr, WIN_X: tl.constexpr,
+):
+    """``pre`` variant, launch 2 of 2, grid ``(cdiv(P, BLOCK_P), batch, H)``: a ``BLOCK_P x N`` checkpoint tile,
+    loaded before the cursor (both branches need it, so the load overlaps the cursor's round trip).
+    Non-flush rows: ``y = decay (S_0 C) + win``; flush rows fold the window into the tile (one ``tl.dot``), write
+    it, ``y = S_new C``."""
+    pid_p = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2).to(tl.int64)
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    mask_p = offs_p < P
+    y_ptrs = y_ptr + row * s_yb + h * s_yh + offs_p * s_yp
+    slot = _step_row(slot_ptr, row, y_ptrs, mask_p, HAS_SLOT, BLOCK_P)
+    if slot < 0:                                   # padding row: zero output (stored above), touch nothing else
+        return
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    tile_mask = mask_p[:, None] & mask_n[None, :]
+    s_ptrs = state_ptr + slot * s_sb + h * s_sh + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
+    if EARLY_TILE:
+        s0 = tl.load(s_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
+    gc = h // heads_per_gc
+    c = tl.load(C_ptr + row * s_cb + gc * s_cg + offs_n * s_cn, mask=mask_n, other=0.0).to(tl.float32)
+    if WIN_X == 2:                                  # the x window's loads before the cursor (stale slots too)
+        offs_l = tl.arange(0, BLOCK_L)
+        cbv = tl.load(win_ptr + (row * H + h) * BLOCK_L + offs_l)
+        xw = tl.load(xr_ptr + slot * s_xrb + h * s_xrh + offs_l[:, None] * s_xrl + offs_p[None, :] * s_xrp,
+                     mask=(offs_l < L)[:, None] & mask_p[None, :], other=0.0)
+        x_cur = tl.load(x_ptr + row * s_xb + h * s_xh + offs_p * s_xp, mask=mask_p, other=0.0)
+    w = tl.load(cursor_ptr + slot)                  # advanced afterwards by _advance_cursor_kernel
+    if ROUTE == 1:                                  # flush rows are another launch's (the tiled body, ROUTE 2)
+        if w == L - 1:
+            return
+    if not EARLY_TILE:
+        s0 = tl.load(s_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
+    if (ROUTE == 0) and (w == L - 1):
+        g = h // heads_per_g
+        offs_l = tl.arange(0, BLOCK_L)
+        hist = offs_l < w
+        cur = offs_l == w
+        la_cur, dt_cur, x_cur, coef, decay, xw = _step_window(
+            lar_ptr, dtr_ptr, xr_ptr, la_ptr, dt_ptr, x_ptr, slot, row, h, w, offs_l, offs_p, mask_p,
+            s_lrb, s_lrh, s_lrl, s_drb, s_drh, s_drl, s_xrb, s_xrh, s_xrl, s_xrp, s_lb, s_lh, s_db, s_dh,
+            s_xb, s_xh, s_xp)
+        bw = tl.load(Br_ptr + slot * s_brb + g * s_brg + offs_l[:, None] * s_brl + offs_n[None, :] * s_brn,
+                     mask=hist[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+        b_cur = tl.load(B_ptr + row * s_bb + g * s_bg + offs_n * s_bn, mask=mask_n, other=0.0).to(tl.float32)
+        bw = tl.where(cur[:, None], b_cur[None, :], bw)
+        s_new = decay * s0 + tl.dot(tl.trans(xw * coef[:, None]), bw, input_precision="ieee")
+        _store_checkpoint(s_ptrs, s_new, tile_mask, la_cur, slot * H + h, offs_p[:, None] * N + offs_n[None, :],
+                          STOCHASTIC_FP16)
+        tl.store(y_ptrs, tl.sum(s_new * c[None, :], axis=1), mask=mask_p)
+    else:
+        decay = tl.load(dec_ptr + row * H + h)
+        if WIN_X != 0:                              # win from this slice of the x window and cb = coef (B·C)
+            if WIN_X == 1:
+                offs_l = tl.arange(0, BLOCK_L)
+                cbv = tl.load(win_ptr + (row * H + h) * BLOCK_L + offs_l)            # zero past w
+                xw = tl.load(xr_ptr + slot * s_xrb + h * s_xrh + offs_l[:, None] * s_xrl + offs_p[None, :] * s_xrp,
+                             mask=(offs_l < L)[:, None] & mask_p[None, :], other=0.0)
+                x_cur = tl.load(x_ptr + row * s_xb + h * s_xh + offs_p * s_xp, mask=mask_p, other=0.0)
+            xw = tl.where((offs_l == w)[:, None], x_cur.to(tl.float32)[None, :],
+                          tl.where((offs_l < w)[:, None], xw.to(tl.float32), 0.0))   # stale slots may be NaN
+            win = tl.sum(cbv[:, None] * xw, axis=0)
+            tl.store(xr_ptr + slot * s_xrb + h * s_xrh + w * s_xrl + offs_p * s_xrp,
+                     x_cur.to(xr_ptr.dtype.element_ty), mask=mask_p)
+        else:
+            win = tl.load(win_ptr + (row * H + h) * P + offs_p, mask=mask_p, other=0.0)
+        tl.store(y_ptrs, decay * tl.sum(s0 * c[None, :], axis=1) + win, mask=mask_p)
+
+
+@triton.jit
+def _mamba2_flush_list_kernel(
+    state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, cursor_ptr,
+    x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr, y_ptr, work_ptr,
+    H, P, N, L, heads_per_g, heads_per_gc, n_pb,
+    s_sb, s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl,
+    s_brb, s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn,
+    s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
+    HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+    N_TILES: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, ADVANCE: tl.constexpr, n_rows,
+):
+    """``pre`` variant, flush launch: a fixed grid (a few programs per SM) walks the ``count x H x n_pb`` flush
+    tiles of the rows the window launch listed in ``work = [count, rows...]``, each folded by :func:`_fold_tile`.
+    On the 15 of 16 steps where no row flushes, every program reads ``count = 0`` and exits: a ``(n_pb, b, H)`` grid
+    of programs that each read a cursor and return cost 21-45 µs per step at bs256 (H200, session 7)."""
+    if ADVANCE:             # the cursor advance, folded in (one launch fewer): every earlier launch has read w, and
+        r = tl.program_id(0)  # the folds below take w = L - 1 from the list, not from the cursor
+        while r < n_rows:
+            s = _row_slot(slot_ptr, r.to(tl.int64), HAS_SLOT)
+            if s >= 0:
+                wr = tl.load(cursor_ptr + s)
+                tl.store(cursor_ptr + s, tl.where(wr == L - 1, 0, wr + 1))
+            r += tl.num_programs(0)
+    n_items = tl.load(work_ptr) * (H * n_pb)
+    t = tl.program_id(0)
+    while t < n_items:                              # consecutive programs take neighbouring tiles (L2 sharing)
+        i = t // (H * n_pb)
+        h = ((t // n_pb) % H).to(tl.int64)
+        row = tl.load(work_ptr + 1 + i).to(tl.int64)
+        slot = _row_slot(slot_ptr, row, HAS_SLOT)
+        _fold_tile(state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, y_ptr,
+                   row, slot, h, t % n_pb, L - 1, H, P, N, heads_per_g, heads_per_gc,
+                   s_sb, s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl,
+                   s_brb, s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn,
+                   s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
+                   BLOCK_P, BLOCK_N, BLOCK_L, N_TILES, STOCHASTIC_FP16, "")
+        t += tl.num_programs(0)
+
+
+
+def replay_step_pre(cfg: dict, args: tuple, common: dict, has_slot: bool, slot_arg, n_pb: int):
+    """Launch the ``pre`` step; ``args`` is :func:`~replay_compile.kernels.mamba2_triton.replay_step_triton`'s
+    argument tuple of the tiled kernel (tensors, sizes, strides). Returns the checkpoint pass's compiled kernel."""
+    state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C = args[:11]
+    H, P, N, L = args[13:17]
+    b = x.shape[0]
+    listed = cfg["flush_list"]
+    advanced = False
+    work = torch.zeros((b + 1,), dtype=torch.int32, device=x.device) if listed else None
+    # 0: win from launch 1's scratch; 1: from the x window read after the cursor; 2: read before it
+    win_x = (2 if cfg["apply_early_x"] else 1) if cfg["window"] == "coef" and cfg["route"] == 1 else 0
+    if win_x:
+        win, dec = launch_coef(dt_ring, la_ring, B_ring, cursor, dt, la, B, C, slot_arg, has_slot,
+                               cfg["BLOCK_N"], cfg["BLOCK_L"], work)
+    else:
+        win, dec = launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, has_slot,
+                                 cfg["BLOCK_N"], cfg["BLOCK_L"], work)
+    k = _mamba2_prepass_apply_kernel[(n_pb, b, H)](
+        *args[:13], win, dec, *args[13:19], *args[20:],
+        HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_P"], BLOCK_N=cfg["BLOCK_N"], BLOCK_L=cfg["BLOCK_L"],
+        STOCHASTIC_FP16=common["STOCHASTIC_FP16"], ROUTE=cfg["route"], EARLY_TILE=cfg["early_tile"],
+        WIN_X=win_x, num_warps=cfg["num_warps"])
+    if cfg["route"] == 1:
+        fl = dict(common, BLOCK_P=cfg["FLUSH_P"], BLOCK_N=cfg["FLUSH_N"], num_warps=cfg["flush_warps"],
+                  N_TILES=triton.cdiv(N, cfg["FLUSH_N"]))
+        n_fp = triton.cdiv(P, cfg["FLUSH_P"])
+        if listed:
+            # 32 warps per SM (H200 session 7: 4 programs of 2 warps per SM made Nano's flush 1.6x slower)
+            per_sm = cfg["flush_programs_per_sm"] or max(1, 32 // cfg["flush_warps"])
+            programs = min(b * H * n_fp, per_sm * _sm_count(x.device))
+            advanced = cfg["fold_advance"]
+            _mamba2_flush_list_kernel[(programs,)](
+                *args[:13], work, *args[13:19], n_fp, *args[20:], **fl, ADVANCE=advanced, n_rows=b)
+        else:
+            _mamba2_replay_tiled_kernel[(n_fp, b, H)](*args, STATE_EVICT="", ROUTE=2, **fl)
+    if not advanced:
+        _advance_cursor_kernel[(triton.cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
+    return k
