@@ -15,15 +15,15 @@ Variants of the same contract, picked by :func:`launch_config` from the batch (`
   discarded in registers. ``y = exp(Σ la)(S_0 C) + Σ_j coef_j (B_j·C) x_j`` on both branches; the flush then writes
   ``exp(Σ la) S_0 + (coef X)ᵀ B`` (one ``tl.dot``, IEEE fp32) from the tile it holds.
 * ``pre`` (bandwidth: large batches; its kernels are in :mod:`.mamba2_pre_triton`). The window is what kept the
-  one-launch kernels from streaming: every program re-read its group's ``[L, N]`` B window and recomputed
-  ``B_j·C`` (5 KB of L2 reads per 16 KB tile). A first launch computes, once per (row, group of heads), the
-  per-record weights ``cb_j = coef_j (B_j·C)`` and the decay into fp32 scratch, appends the ``dt``, ``log a``
-  and ``B`` records and lists the flushing rows; the checkpoint pass is then a streamed ``S_0 C`` per ``16 x N`` tile on 1 warp plus ``Σ_j cb_j x_j`` over its own
-  slice of the x window (it appends ``x``). Flush rows skip both and are folded by a third launch that walks the
-  listed rows on a fixed grid (the ``tiled`` body per tile), so the fold's ``tl.dot`` registers never weigh on the
-  streaming pass and a non-flush step pays nothing for it; every launch routes on the device from the cursor.
-  (A read-only GEMV stream of the checkpoint reaches 99% of copy bandwidth on the H200; the checkpoint pass alone
-  reaches it, the rest of a non-flush step is launch 1 and three small launches.)
+  one-launch kernels from streaming: every program re-read its group's ``[L, N]`` B window and recomputed ``B_j·C``
+  (5 KB of L2 reads per 16 KB tile). A first launch computes, once per (row, group of heads), the per-record weights
+  ``cb_j = coef_j (B_j·C)`` and the decay into fp32 scratch, appends the ``dt``, ``log a`` and ``B`` records and
+  lists the flushing rows; the checkpoint pass is then a streamed ``S_0 C`` per ``16 x N`` tile on 1 warp plus ``Σ_j
+  cb_j x_j`` over its own slice of the x window (it appends ``x``). Flush rows skip both and are folded by a third
+  launch that walks the listed rows on a fixed grid (the ``tiled`` body per tile), so the fold's ``tl.dot``
+  registers never weigh on the streaming pass and a non-flush step pays nothing for it; every launch routes on the
+  device from the cursor. (A read-only GEMV stream of the checkpoint reaches 99% of copy bandwidth on the H200; the
+  checkpoint pass alone reaches it, the rest of a non-flush step is launch 1 and three small launches.)
 * ``tiled`` (the previous bandwidth variant, kept for comparison and as ``pre``'s flush body). Branches on ``w``
   first and streams the checkpoint over N in ``BLOCK_P x BLOCK_N`` tiles with one tile live.
 
