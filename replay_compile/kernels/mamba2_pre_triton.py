@@ -6,11 +6,10 @@ configuration (:func:`~replay_compile.kernels.mamba2_triton.launch_config`, ``TU
 
 Launches, all routed on the device from the cursor (one captured CUDA graph serves every step):
 
-1. :func:`_mamba2_prepass_coef_kernel`, grid ``(b, H / HB)``: per row and group of ``HB`` heads, the window's
-   per-record weights ``cb_j = coef_j (B_j·C)`` and the decay into fp32 scratch; appends the ``dt``, ``log a``, ``B``
-   records; lists flushing rows in ``work = [count, rows...]``. (``window_full=1``:
-   :func:`_mamba2_prepass_window_kernel` also reads the x window and writes ``win`` instead; the read-copy step
-   uses that form.)
+1. :func:`_mamba2_prepass_window_kernel` (``CB_ONLY``), grid ``(b, H / HB)``: per row and group of ``HB`` heads, the
+   window's per-record weights ``cb_j = coef_j (B_j·C)`` and the decay into fp32 scratch; appends the ``dt``, ``log
+   a``, ``B`` records; lists flushing rows in ``work = [count, rows...]``. (``window_full=1``: it also reads the x
+   window and writes ``win`` instead; the read-copy step uses that form.)
 2. :func:`_mamba2_prepass_apply_kernel`, grid ``(cdiv(P, 16), b, H)``, 1 warp: streams the ``16 x N`` checkpoint tile
    of non-flush rows, ``y = decay (S_0 C) + Σ_j cb_j x_j``, appends ``x``. A read-only stream of the checkpoint on the
    H200 reaches 97-100% of copy bandwidth; this pass alone runs there (benchmarks/NOTES.md, session 7).
@@ -31,7 +30,7 @@ from . import mamba2_triton as base
 from .mamba2_triton import (_advance_cursor_kernel, _fold_tile, _mamba2_replay_tiled_kernel, _row_slot, _sm_count,
                             _step_row, _step_window, _store_checkpoint)
 
-__all__ = ["launch_coef", "launch_window", "replay_step_pre", "window_heads"]
+__all__ = ["launch_window", "replay_step_pre", "window_heads"]
 
 
 @triton.jit
@@ -50,12 +49,17 @@ def _mamba2_prepass_window_kernel(
     s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl, s_brb, s_brg, s_brl, s_brn,
     s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn, s_cb, s_cg, s_cn,
     HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    HB: tl.constexpr, WORKLIST: tl.constexpr, EARLY: tl.constexpr,
+    HB: tl.constexpr, WORKLIST: tl.constexpr, EARLY: tl.constexpr, CB_ONLY: tl.constexpr,
 ):
     """``pre`` variant, launch 1, grid ``(batch, H // HB)``: the window's contribution for ``HB`` heads of one
     group (they share ``B_j·C``, computed once), ``win[h, p] = Σ_j coef_hj (B_j·C) x_hj[p]`` and ``decay_h =
     exp(Σ la_h)`` into fp32 scratch ``[b, H, P]`` / ``[b, H]``, and the non-flush rows' records appended (the
     checkpoint pass then reads neither ring nor B).
+
+    ``CB_ONLY`` (the fp32 step's default ``window="coef"``): only the per-record weights ``cb[h, j] = coef_hj
+    (B_j·C)`` (zero past ``w``) go to ``win_ptr`` (``[b, H, BLOCK_L]``), and neither the x window nor ``x`` is
+    touched: the checkpoint pass reads each program's own ``BLOCK_P`` slice of the x window (6% of its tile's
+    bytes) and appends ``x``, instead of this launch reading the whole ring.
 
     ``EARLY``: every ring load is issued before the cursor arrives (whole ``L`` windows, stale slots discarded in
     registers): one memory round trip per program instead of two, twice the ring bytes on average. Otherwise the
@@ -88,15 +92,17 @@ def _mamba2_prepass_window_kernel(
                    mask=in_l[None, :], other=0.0).to(tl.float32)                      # [HB, BLOCK_L]
     dt_w = tl.load(dtr_ptr + slot * s_drb + offs_h[:, None] * s_drh + offs_l[None, :] * s_drl,
                    mask=in_l[None, :], other=0.0).to(tl.float32)
-    xw = tl.load(xr_ptr + slot * s_xrb + offs_h[:, None, None] * s_xrh + offs_l[None, :, None] * s_xrl
-                 + offs_p[None, None, :] * s_xrp, mask=in_l[None, :, None] & mask_p[None, None, :], other=0.0)
+    if not CB_ONLY:
+        xw = tl.load(xr_ptr + slot * s_xrb + offs_h[:, None, None] * s_xrh + offs_l[None, :, None] * s_xrl
+                     + offs_p[None, None, :] * s_xrp, mask=in_l[None, :, None] & mask_p[None, None, :], other=0.0)
     br_base = Br_ptr + slot * s_brb + g * s_brg
     bw = tl.load(br_base + offs_l[:, None] * s_brl + offs_n[None, :] * s_brn,
                  mask=in_l[:, None] & mask_n[None, :], other=0.0).to(tl.float32)      # [BLOCK_L, BLOCK_N]
     la_cur = tl.load(la_ptr + row * s_lb + offs_h * s_lh)                             # [HB]
     dt_cur = tl.load(dt_ptr + row * s_db + offs_h * s_dh)
-    x_cur = tl.load(x_ptr + row * s_xb + offs_h[:, None] * s_xh + offs_p[None, :] * s_xp,
-                    mask=mask_p[None, :], other=0.0)                                   # [HB, BLOCK_P]
+    if not CB_ONLY:
+        x_cur = tl.load(x_ptr + row * s_xb + offs_h[:, None] * s_xh + offs_p[None, :] * s_xp,
+                        mask=mask_p[None, :], other=0.0)                               # [HB, BLOCK_P]
     b_cur = tl.load(B_ptr + row * s_bb + g * s_bg + offs_n * s_bn, mask=mask_n, other=0.0)
     c = tl.load(C_ptr + row * s_cb + gc * s_cg + offs_n * s_cn, mask=mask_n, other=0.0).to(tl.float32)
     if EARLY:
@@ -111,74 +117,17 @@ def _mamba2_prepass_window_kernel(
     after = tl.minimum(tl.cumsum(la_w, axis=1, reverse=True) - la_w, 0.0)
     coef = tl.where((offs_l <= w)[None, :], dt_w * tl.exp(after), 0.0)              # [HB, BLOCK_L]
     decay = tl.exp(tl.minimum(tl.sum(la_w, axis=1), 0.0))                           # [HB]
-    xw = tl.where(hist[None, :, None], xw.to(tl.float32), 0.0)
-    xw = tl.where(cur[None, :, None], x_cur.to(tl.float32)[:, None, :], xw)
     bw = tl.where(cur[:, None], b_cur.to(tl.float32)[None, :], tl.where(hist[:, None], bw, 0.0))
     bc = tl.sum(bw * c[None, :], axis=1)                                             # [BLOCK_L]
-    win = tl.sum((coef * bc[None, :])[:, :, None] * xw, axis=1)                      # [HB, BLOCK_P]
-    tl.store(win_ptr + (row * H + offs_h[:, None]) * P + offs_p[None, :], win, mask=mask_p[None, :])
-    tl.store(dec_ptr + row * H + offs_h, decay)
-    tl.store(xr_ptr + slot * s_xrb + offs_h[:, None] * s_xrh + w * s_xrl + offs_p[None, :] * s_xrp,
-             x_cur.to(xr_ptr.dtype.element_ty), mask=mask_p[None, :])
-    tl.store(dtr_ptr + slot * s_drb + offs_h * s_drh + w * s_drl, dt_cur)
-    tl.store(lar_ptr + slot * s_lrb + offs_h * s_lrh + w * s_lrl, la_cur)
-    if h0 % heads_per_g == 0:                         # one program per group appends B_t
-        tl.store(br_base + w * s_brl + offs_n * s_brn, b_cur.to(Br_ptr.dtype.element_ty), mask=mask_n)
-
-
-@triton.jit
-def _mamba2_prepass_coef_kernel(
-    dtr_ptr, lar_ptr, Br_ptr, cursor_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr, cb_ptr, dec_ptr, work_ptr,
-    H, N, L, heads_per_g, heads_per_gc,
-    s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl, s_brb, s_brg, s_brl, s_brn,
-    s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn, s_cb, s_cg, s_cn,
-    HAS_SLOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, HB: tl.constexpr,
-    WORKLIST: tl.constexpr,
-):
-    """``pre`` variant (``window="coef"``), launch 1, grid ``(batch, H // HB)``: the window's per-record weights
-    ``cb[h, j] = coef_hj (B_j·C)`` (zero past ``w``) into fp32 scratch ``[b, H, BLOCK_L]`` and ``decay_h``, for
-    ``HB`` heads of one group (``B_j·C`` once); appends ``dt``, ``log a`` and ``B`` records. The x window is left to
-    the checkpoint pass, which reads each program's own ``BLOCK_P`` slice of it (6% of its tile's bytes) instead
-    of a separate launch reading the whole ring. Flush rows are listed as in :func:`_mamba2_prepass_window_kernel`.
-    """
-    row = tl.program_id(0).to(tl.int64)
-    hb = tl.program_id(1)
-    slot = _row_slot(slot_ptr, row, HAS_SLOT)
-    if slot < 0:
-        return
-    h0 = hb.to(tl.int64) * HB
-    offs_h = h0 + tl.arange(0, HB)
-    g = h0 // heads_per_g
-    gc = h0 // heads_per_gc
-    offs_n = tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    offs_l = tl.arange(0, BLOCK_L)
-    in_l = offs_l < L
-    la_w = tl.load(lar_ptr + slot * s_lrb + offs_h[:, None] * s_lrh + offs_l[None, :] * s_lrl,
-                   mask=in_l[None, :], other=0.0).to(tl.float32)                      # [HB, BLOCK_L]
-    dt_w = tl.load(dtr_ptr + slot * s_drb + offs_h[:, None] * s_drh + offs_l[None, :] * s_drl,
-                   mask=in_l[None, :], other=0.0).to(tl.float32)
-    br_base = Br_ptr + slot * s_brb + g * s_brg
-    bw = tl.load(br_base + offs_l[:, None] * s_brl + offs_n[None, :] * s_brn,
-                 mask=in_l[:, None] & mask_n[None, :], other=0.0).to(tl.float32)      # [BLOCK_L, BLOCK_N]
-    la_cur = tl.load(la_ptr + row * s_lb + offs_h * s_lh)                             # [HB]
-    dt_cur = tl.load(dt_ptr + row * s_db + offs_h * s_dh)
-    b_cur = tl.load(B_ptr + row * s_bb + g * s_bg + offs_n * s_bn, mask=mask_n, other=0.0)
-    c = tl.load(C_ptr + row * s_cb + gc * s_cg + offs_n * s_cn, mask=mask_n, other=0.0).to(tl.float32)
-    w = tl.load(cursor_ptr + slot)
-    if w == L - 1:                                  # flush rows: the flush launch computes their window
-        _list_flush_row(work_ptr, row, hb, WORKLIST)
-        return
-    hist = offs_l < w
-    cur = offs_l == w
-    la_w = tl.where(cur[None, :], la_cur.to(tl.float32)[:, None], tl.where(hist[None, :], la_w, 0.0))
-    dt_w = tl.where(cur[None, :], dt_cur.to(tl.float32)[:, None], tl.where(hist[None, :], dt_w, 0.0))
-    after = tl.minimum(tl.cumsum(la_w, axis=1, reverse=True) - la_w, 0.0)
-    coef = tl.where((offs_l <= w)[None, :], dt_w * tl.exp(after), 0.0)              # [HB, BLOCK_L]
-    decay = tl.exp(tl.minimum(tl.sum(la_w, axis=1), 0.0))                           # [HB]
-    bw = tl.where(cur[:, None], b_cur.to(tl.float32)[None, :], tl.where(hist[:, None], bw, 0.0))
-    bc = tl.sum(bw * c[None, :], axis=1)                                             # [BLOCK_L]
-    tl.store(cb_ptr + (row * H + offs_h[:, None]) * BLOCK_L + offs_l[None, :], coef * bc[None, :])
+    if CB_ONLY:
+        tl.store(win_ptr + (row * H + offs_h[:, None]) * BLOCK_L + offs_l[None, :], coef * bc[None, :])
+    else:
+        xw = tl.where(hist[None, :, None], xw.to(tl.float32), 0.0)
+        xw = tl.where(cur[None, :, None], x_cur.to(tl.float32)[:, None, :], xw)
+        win = tl.sum((coef * bc[None, :])[:, :, None] * xw, axis=1)                  # [HB, BLOCK_P]
+        tl.store(win_ptr + (row * H + offs_h[:, None]) * P + offs_p[None, :], win, mask=mask_p[None, :])
+        tl.store(xr_ptr + slot * s_xrb + offs_h[:, None] * s_xrh + w * s_xrl + offs_p[None, :] * s_xrp,
+                 x_cur.to(xr_ptr.dtype.element_ty), mask=mask_p[None, :])
     tl.store(dec_ptr + row * H + offs_h, decay)
     tl.store(dtr_ptr + slot * s_drb + offs_h * s_drh + w * s_drl, dt_cur)
     tl.store(lar_ptr + slot * s_lrb + offs_h * s_lrh + w * s_lrl, la_cur)
@@ -196,43 +145,26 @@ def window_heads(H: int, G: int, Gc: int, P: int, block_l: int) -> int:
     return base.TUNING.get("win_heads") or hb
 
 
-def launch_coef(dt_ring, la_ring, B_ring, cursor, dt, la, B, C, slot_arg, has_slot, block_n, block_l, work=None):
-    """Launch 1 of the fp32 ``pre`` step (``window="coef"``): fp32 scratch ``cb [b, H, block_l]`` (the window's
-    per-record weights) and ``dec [b, H]``; flush rows are appended to ``work`` when given."""
-    b, H = dt.shape
-    N = B.shape[-1]
-    G, Gc = B_ring.shape[1], C.shape[1]
-    cb = torch.empty((b, H, block_l), dtype=torch.float32, device=dt.device)
-    dec = torch.empty((b, H), dtype=torch.float32, device=dt.device)
-    hb = window_heads(H, G, Gc, 16, block_l)
-    _mamba2_prepass_coef_kernel[(b, H // hb)](
-        dt_ring, la_ring, B_ring, cursor, dt, la, B, C, slot_arg, cb, dec, work if work is not None else cursor,
-        H, N, dt_ring.shape[2], H // G, H // Gc,
-        *dt_ring.stride(), *la_ring.stride(), *B_ring.stride(), *dt.stride(), *la.stride(), *B.stride(), *C.stride(),
-        HAS_SLOT=has_slot, BLOCK_N=block_n, BLOCK_L=block_l, HB=hb, WORKLIST=work is not None,
-        num_warps=base.TUNING.get("window_warps") or 1)
-    return cb, dec
-
-
 def launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, has_slot, block_n, block_l,
-                  work=None):
+                  work=None, cb_only=False):
     """Launch 1 of the ``pre`` variants (the fp32 step and the read-copy step): returns fp32 scratch ``win [b, H,
-    P]`` and ``dec [b, H]``; flush rows are appended to ``work`` when given."""
+    P]`` (``cb_only``: the per-record weights ``cb [b, H, block_l]``, the fp32 step's default) and ``dec [b, H]``;
+    flush rows are appended to ``work`` when given."""
     b, H, P = x.shape
     N = B.shape[-1]
     G, Gc = B_ring.shape[1], C.shape[1]
-    win = torch.empty((b, H, P), dtype=torch.float32, device=x.device)
+    win = torch.empty((b, H, block_l if cb_only else P), dtype=torch.float32, device=x.device)
     dec = torch.empty((b, H), dtype=torch.float32, device=x.device)
-    bpw = max(16, triton.next_power_of_2(P))
-    hb = window_heads(H, G, Gc, P, block_l)
-    warps = base.TUNING.get("window_warps") or max(1, min(4, hb * block_l * bpw // 4096))
+    bpw = 16 if cb_only else max(16, triton.next_power_of_2(P))        # no P axis without the x window
+    hb = window_heads(H, G, Gc, bpw, block_l)
+    warps = base.TUNING.get("window_warps") or (1 if cb_only else max(1, min(4, hb * block_l * bpw // 4096)))
     _mamba2_prepass_window_kernel[(b, H // hb)](
         x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, win, dec,
         work if work is not None else cursor, H, P, N, x_ring.shape[2], H // G, H // Gc,
         *x_ring.stride(), *dt_ring.stride(), *la_ring.stride(), *B_ring.stride(),
         *x.stride(), *dt.stride(), *la.stride(), *B.stride(), *C.stride(),
         HAS_SLOT=has_slot, BLOCK_P=bpw, BLOCK_N=block_n, BLOCK_L=block_l, HB=hb, WORKLIST=work is not None,
-        EARLY=bool(base.TUNING.get("win_early", 1)), num_warps=warps)
+        EARLY=cb_only or bool(base.TUNING.get("win_early", 1)), CB_ONLY=cb_only, num_warps=warps)
     return win, dec
 
 
@@ -367,12 +299,8 @@ def replay_step_pre(cfg: dict, args: tuple, common: dict, has_slot: bool, slot_a
     work = torch.zeros((b + 1,), dtype=torch.int32, device=x.device) if listed else None
     # 0: win from launch 1's scratch; 1: from the x window read after the cursor; 2: read before it
     win_x = (2 if cfg["apply_early_x"] else 1) if cfg["window"] == "coef" and cfg["route"] == 1 else 0
-    if win_x:
-        win, dec = launch_coef(dt_ring, la_ring, B_ring, cursor, dt, la, B, C, slot_arg, has_slot,
-                               cfg["BLOCK_N"], cfg["BLOCK_L"], work)
-    else:
-        win, dec = launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, has_slot,
-                                 cfg["BLOCK_N"], cfg["BLOCK_L"], work)
+    win, dec = launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, has_slot,
+                             cfg["BLOCK_N"], cfg["BLOCK_L"], work, cb_only=win_x > 0)
     k = _mamba2_prepass_apply_kernel[(n_pb, b, H)](
         *args[:13], win, dec, *args[13:19], *args[20:],
         HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_P"], BLOCK_N=cfg["BLOCK_N"], BLOCK_L=cfg["BLOCK_L"],
