@@ -37,7 +37,8 @@ from .mamba2_readcopy_reference import as_encoded
 from .mamba2_readcopy_triton import (FORMAT_IDS, _bf16_bits, _copy_args, _e2m1_value, _e4m3_encode,
                                      _format_name, _load_copy_rows, _nvfp4_flush_encode_kernel,
                                      _nvfp4_flush_encode_list_kernel)
-from .mamba2_triton import _advance_cursor_kernel, _row_slot, _sm_count, _step_row, _store_checkpoint
+from .mamba2_triton import (_advance_cursor_kernel, _list_item, _list_row, _row_slot, _sm_count, _step_row,
+                            _store_checkpoint)
 
 __all__ = ["delta_replay_step_readcopy_triton"]
 
@@ -108,8 +109,7 @@ def _delta_rc_apply_kernel(
     if w == L - 1:
         if LISTED:                                 # the row's first program lists it for the encode launch
             if (pid_v == 0) & (h == 0):
-                i = tl.atomic_add(work_ptr, 1, sem="relaxed")
-                tl.store(work_ptr + 1 + i, row.to(tl.int32))
+                _list_row(work_ptr, row)
         # the exact recurrence from the fp32 checkpoint over the raw window, then the current token
         st_ptrs = state_ptr + slot * s_sb + h * s_sh + offs_k[:, None] * s_sk + offs_v[None, :] * s_sv
         s = tl.load(st_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
@@ -228,8 +228,8 @@ def _flush_encode_rows_list_kernel(
     n_items = tl.load(work_ptr) * (HV * n_rb)
     t = tl.program_id(0)
     while t < n_items:
-        row = tl.load(work_ptr + 1 + t // (HV * n_rb)).to(tl.int64)
-        _encode_rows_body(t % n_rb, row, ((t // n_rb) % HV).to(tl.int64), _row_slot(slot_ptr, row, HAS_SLOT),
+        row, h, tile = _list_item(work_ptr, t, HV, n_rb)
+        _encode_rows_body(tile, row, h, _row_slot(slot_ptr, row, HAS_SLOT),
                           state_ptr, amax_ptr, cv_ptr, cs_ptr, K, V, s_sb, s_sh, s_sk, s_sv, s_cvb, s_cvh, s_cvp,
                           s_cvn, s_csb, s_csh, s_csp, FMT, BLOCK_R, BLOCK_V)
         t += tl.num_programs(0)

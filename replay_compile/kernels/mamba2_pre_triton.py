@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from . import mamba2_triton as base
-from .mamba2_triton import (_advance_cursor_kernel, _fold_tile, _mamba2_replay_tiled_kernel, _row_slot, _sm_count,
-                            _step_row, _step_window, _store_checkpoint)
+from .mamba2_triton import (_advance_cursor_kernel, _fold_tile, _list_item, _list_row, _mamba2_replay_tiled_kernel,
+                            _row_slot, _sm_count, _step_row, _step_window, _store_checkpoint)
 
 __all__ = ["launch_window", "replay_step_pre", "window_heads"]
 
@@ -38,8 +38,7 @@ def _list_flush_row(work_ptr, row, hb, WORKLIST: tl.constexpr):
     """Append a flushing row to ``work = [count, rows...]`` once (from its first window program)."""
     if WORKLIST:
         if hb == 0:
-            i = tl.atomic_add(work_ptr, 1, sem="relaxed")
-            tl.store(work_ptr + 1 + i, row.to(tl.int32))
+            _list_row(work_ptr, row)
 
 
 @triton.jit
@@ -273,13 +272,11 @@ def _mamba2_flush_list_kernel(
             r += tl.num_programs(0)
     n_items = tl.load(work_ptr) * (H * n_pb)
     t = tl.program_id(0)
-    while t < n_items:                              # consecutive programs take neighbouring tiles (L2 sharing)
-        i = t // (H * n_pb)
-        h = ((t // n_pb) % H).to(tl.int64)
-        row = tl.load(work_ptr + 1 + i).to(tl.int64)
+    while t < n_items:
+        row, h, tile = _list_item(work_ptr, t, H, n_pb)
         slot = _row_slot(slot_ptr, row, HAS_SLOT)
         _fold_tile(state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, y_ptr,
-                   row, slot, h, t % n_pb, L - 1, H, P, N, heads_per_g, heads_per_gc,
+                   row, slot, h, tile, L - 1, H, P, N, heads_per_g, heads_per_gc,
                    s_sb, s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl,
                    s_brb, s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn,
                    s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,

@@ -96,8 +96,8 @@ import triton.language as tl
 from ..quant.formats import Encoded, ReadCopyFormat, get_format
 from .mamba2_readcopy_reference import as_encoded
 from .mamba2_pre_triton import launch_window
-from .mamba2_triton import (_advance_cursor_kernel, _round_checkpoint, _row_slot, _sm_count, _step_row, _step_window,
-                            parse_tuning)
+from .mamba2_triton import (_advance_cursor_kernel, _list_item, _round_checkpoint, _row_slot, _sm_count, _step_row,
+                            _step_window, parse_tuning)
 
 __all__ = ["FORMAT_IDS", "TUNING", "decode_read_copy_triton", "launch_config", "replay_step_readcopy_triton",
            "tuned"]
@@ -399,9 +399,8 @@ def _readcopy_flush_list_kernel(
     n_items = tl.load(work_ptr) * (H * n_pb)
     t = tl.program_id(0)
     while t < n_items:
-        row = tl.load(work_ptr + 1 + t // (H * n_pb)).to(tl.int64)
-        h = ((t // n_pb) % H).to(tl.int64)
-        _rc_body(t % n_pb, row, h, _row_slot(slot_ptr, row, HAS_SLOT), L - 1,     # listed: a flush row
+        row, h, tile = _list_item(work_ptr, t, H, n_pb)
+        _rc_body(tile, row, h, _row_slot(slot_ptr, row, HAS_SLOT), L - 1,         # listed: a flush row
                  state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, cursor_ptr, x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr,
                  slot_ptr, y_ptr, cv_ptr, cs_ptr, ct_ptr, amax_ptr, H, P, N, L, heads_per_g, heads_per_gc, s_sb,
                  s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl, s_brb,
@@ -524,8 +523,8 @@ def _nvfp4_flush_encode_list_kernel(
     n_items = tl.load(work_ptr) * (H * n_pb)
     t = tl.program_id(0)
     while t < n_items:
-        row = tl.load(work_ptr + 1 + t // (H * n_pb)).to(tl.int64)
-        _nvfp4_encode_body(t % n_pb, row, ((t // n_pb) % H).to(tl.int64), _row_slot(slot_ptr, row, HAS_SLOT),
+        row, h, tile = _list_item(work_ptr, t, H, n_pb)
+        _nvfp4_encode_body(tile, row, h, _row_slot(slot_ptr, row, HAS_SLOT),
                            state_ptr, cursor_ptr, slot_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr, P, N, L, s_sb, s_sh,
                            s_sp, s_sn, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, HAS_SLOT, BLOCK_P, NB)
         t += tl.num_programs(0)

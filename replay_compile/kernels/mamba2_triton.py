@@ -108,6 +108,22 @@ def _step_row(slot_ptr, row, out_ptrs, out_mask, HAS_SLOT: tl.constexpr, BLOCK: 
 
 
 @triton.jit
+def _list_row(work_ptr, row):
+    """Append ``row`` to ``work = [count, rows...]`` (zeroed by the caller; one relaxed atomic): how a step lists
+    its flushing rows for a launch that walks only those (the order is arbitrary, each row's work independent)."""
+    i = tl.atomic_add(work_ptr, 1, sem="relaxed")
+    tl.store(work_ptr + 1 + i, row.to(tl.int32))
+
+
+@triton.jit
+def _list_item(work_ptr, t, H, n_tiles):
+    """Item ``t`` of a walk over the listed rows' ``H x n_tiles`` tiles (consecutive items: neighbouring tiles of
+    one row and head, which share its window in L2): ``(row, head, tile)``."""
+    row = tl.load(work_ptr + 1 + t // (H * n_tiles)).to(tl.int64)
+    return row, ((t // n_tiles) % H).to(tl.int64), t % n_tiles
+
+
+@triton.jit
 def _arrive(cursor_ptr, slot, arrivals, L):
     """Read this row's cursor and count the program's arrival in one relaxed atomic; returns ``w``.
 
