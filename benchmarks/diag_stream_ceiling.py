@@ -96,23 +96,18 @@ def stream_ceiling(bs, H, P, N, G, bw):
     return rows
 
 
-def launch_breakdown(bs, H, P, N, G, L=16):
-    """Device time per kernel of one ``pre`` step (profiler, plain launches), non-flush and flush."""
-    from replay_compile.kernels.mamba2_triton import replay_step_triton
-
-    state = torch.randn(bs, H, P, N, device="cuda")
-    rings, (x, dt, la, B, C) = random_step(bs, H, P, N, G, L, 1, torch.bfloat16)
-    ring = rings[0]
+def profile_steps(step, cursor, L, reps=10):
+    """Device time per kernel of ``step()`` with every cursor at ``L // 2`` (non-flush) and at ``L - 1`` (flush):
+    profiler over ``reps`` plain launches after 3 warm-up steps, one line per kind of step."""
     for name, w in (("non-flush", L // 2), ("flush", L - 1)):
         for _ in range(3):
-            ring[-1].fill_(w)
-            replay_step_triton(state, *ring, x, dt, la, B, C, None)
+            cursor.fill_(w)
+            step()
         torch.cuda.synchronize()
-        reps = 10
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(reps):
-                ring[-1].fill_(w)
-                replay_step_triton(state, *ring, x, dt, la, B, C, None)
+                cursor.fill_(w)
+                step()
             torch.cuda.synchronize()
         per = collections.Counter()
         for e in prof.events():
@@ -121,11 +116,22 @@ def launch_breakdown(bs, H, P, N, G, L=16):
         print(f"  {name}: " + "; ".join(f"{k[:40]} {v:.1f} us" for k, v in per.most_common()), flush=True)
 
 
+def launch_breakdown(bs, H, P, N, G, L=16):
+    """Device time per kernel of one ``pre`` step (profiler, plain launches), non-flush and flush."""
+    from replay_compile.kernels.mamba2_triton import replay_step_triton
+
+    state = torch.randn(bs, H, P, N, device="cuda")
+    rings, (x, dt, la, B, C) = random_step(bs, H, P, N, G, L, 1, torch.bfloat16)
+    ring = rings[0]
+    profile_steps(lambda: replay_step_triton(state, *ring, x, dt, la, B, C, None), ring[-1], L)
+
+
 def delta_breakdown(Hk, HV, K, V, kda, bs, L=16, read_copy=None):
     """Device time per kernel of one delta-rule step (exact split kernels, or the read-copy step with ``read_copy``),
     non-flush and flush: where GDN / KDA (issue 4) and the delta read copy (issue 7) lose to the state bytes."""
     from replay_compile.kernels.delta_readcopy_triton import delta_replay_step_readcopy_triton
     from replay_compile.kernels.delta_triton import delta_replay_step_triton
+    from replay_compile.ops.mamba2_readcopy import as_copy
     from replay_compile.state import DeltaRingSpec
 
     spec = DeltaRingSpec(HV, Hk, K, V, L, torch.float32, torch.bfloat16, kda, read_copy=read_copy)
@@ -141,30 +147,13 @@ def delta_breakdown(Hk, HV, K, V, kda, bs, L=16, read_copy=None):
     v = torch.randn(bs, HV, V, device="cuda", dtype=torch.bfloat16)
     g = -torch.rand((bs, HV, K) if kda else (bs, HV), device="cuda") * 0.1
     beta = torch.rand(bs, HV, device="cuda")
-    from replay_compile.ops.mamba2_readcopy import as_copy
-
-    def step():
-        if read_copy:
-            enc = as_copy(read_copy, state, ring[5:8])
-            delta_replay_step_readcopy_triton(state, enc, read_copy, *ring[:5], ring[-1], q, k, v, g, beta, None)
-        else:
-            delta_replay_step_triton(state, *ring[:3], ring[-1], q, k, v, g, beta, None)
-    for name, w in (("non-flush", L // 2), ("flush", L - 1)):
-        for _ in range(3):
-            ring[-1].fill_(w)
-            step()
-        torch.cuda.synchronize()
-        reps = 10
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(reps):
-                ring[-1].fill_(w)
-                step()
-            torch.cuda.synchronize()
-        per = collections.Counter()
-        for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                per[e.name] += e.device_time_total / reps
-        print(f"  {name}: " + "; ".join(f"{k[:40]} {v:.1f} us" for k, v in per.most_common()), flush=True)
+    if read_copy:
+        enc = as_copy(read_copy, state, ring[5:8])
+        step = lambda: delta_replay_step_readcopy_triton(  # noqa: E731
+            state, enc, read_copy, *ring[:5], ring[-1], q, k, v, g, beta, None)
+    else:
+        step = lambda: delta_replay_step_triton(state, *ring[:3], ring[-1], q, k, v, g, beta, None)  # noqa: E731
+    profile_steps(step, ring[-1], L)
 
 
 DELTA_GEOMS = {"qwen35_4b": (16, 32, 128, 128, False), "kimi_linear": (32, 32, 128, 128, True)}
