@@ -35,6 +35,14 @@ def _check_raw(state, d_ring, v_ring, beta_ring):
         _fail(f"beta_ring must be float32 [S={S}, HV={HV}, L={L}], got {beta_ring.dtype} {tuple(beta_ring.shape)}")
 
 
+def _check_step(state, d_ring, k_ring, g_ring, v_ring, beta_ring, copy0, copy1, copy2, cursor, q, k, v, g, beta,
+                slot_idx, fmt):
+    """The step's argument checks (every device); returns the copy as an ``Encoded``."""
+    check_step_args(state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slot_idx)
+    _check_raw(state, d_ring, v_ring, beta_ring)
+    return as_copy(fmt, state, (copy0, copy1, copy2), _fail)
+
+
 @torch.library.custom_op("replay_compile::delta_step_rc", mutates_args=_MUTATED)
 def delta_step_rc(
     state: Tensor, d_ring: Tensor, k_ring: Tensor, g_ring: Tensor, v_ring: Tensor, beta_ring: Tensor,
@@ -42,18 +50,16 @@ def delta_step_rc(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, slot_idx: Optional[Tensor], fmt: str,
 ) -> Tensor:
     """One delta-rule replay step reading non-flush rows' checkpoint term from the read copy."""
-    check_step_args(state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slot_idx)
-    _check_raw(state, d_ring, v_ring, beta_ring)
-    enc = as_copy(fmt, state, (copy0, copy1, copy2), _fail)
+    enc = _check_step(state, d_ring, k_ring, g_ring, v_ring, beta_ring, copy0, copy1, copy2, cursor, q, k, v, g, beta,
+                      slot_idx, fmt)
     return rcref.delta_replay_step_readcopy_reference(state, enc, fmt, d_ring, k_ring, g_ring, v_ring, beta_ring,
                                                       cursor, q, k, v, g, beta, slot_idx)
 
 
 @delta_step_rc.register_kernel("cuda")
 def _(state, d_ring, k_ring, g_ring, v_ring, beta_ring, copy0, copy1, copy2, cursor, q, k, v, g, beta, slot_idx, fmt):
-    check_step_args(state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slot_idx)
-    _check_raw(state, d_ring, v_ring, beta_ring)
-    enc = as_copy(fmt, state, (copy0, copy1, copy2), _fail)
+    enc = _check_step(state, d_ring, k_ring, g_ring, v_ring, beta_ring, copy0, copy1, copy2, cursor, q, k, v, g, beta,
+                      slot_idx, fmt)
     if not use_triton():
         return rcref.delta_replay_step_readcopy_reference(state, enc, fmt, d_ring, k_ring, g_ring, v_ring,
                                                           beta_ring, cursor, q, k, v, g, beta, slot_idx)
