@@ -1,30 +1,42 @@
 #!/usr/bin/env bash
-# One device call for what was built without a GPU (session 7) and has not compiled or been measured yet, cheapest
-# and most needed first. Carry .baselines (mamba_ssm source) and .wheels (pytest-xdist, execnet, fla).
+# One device call for what was built without a GPU and has not compiled or been measured yet, most needed first.
+# Carry .baselines (mamba_ssm source) and .wheels (pytest-xdist, execnet, fla).
 # Usage on the GPU machine:  OUT=... bash benchmarks/device_pending.sh [steps...]
-#   steps (default all, in this order): tests breakdown knobs readcopy anchor compile
-#   tests      GPU tests of every Mamba-2 / delta kernel incl. the moved pre launches and the restructured read-copy
-#              kernel (pytest -n 6 when pytest-xdist is carried)
-#   breakdown  diag_stream_ceiling.py --delta: per-kernel time of the GDN / KDA step and the fp8 delta read copy
-#              (flush_list 0 and 1), bs256
-#   knobs      the pre step's apply_early_x / fold_advance at bs128 and 256 against the default
-#   readcopy   the Mamba-2 read copy with flush_list=1 against the default, bs128 and 256
-#   anchor     the second anchor against the real mamba_ssm kernel
-#   compile    compile time at bs512 of the Mamba-2-only model (validation states now drawn on the GPU)
+#   steps (default: tests dbreak dconfigs sweep):
+#   tests      GPU tests of every Mamba-2 / delta kernel (pytest -n 6 when pytest-xdist is carried)
+#   dbreak     diag_stream_ceiling.py --delta: per-kernel time of the GDN / KDA split step for the knobs of
+#              kernels/delta_split_triton.py (listed flush launch, KDA scan as a dot, early loads), bs256
+#   dconfigs   bench_delta_kernel.py --configs: the same knobs as whole steps vs fla, bs256, fp32
+#   sweep      the Mamba-2 kernel sweep (bench_mamba2_kernel.py) with the session-8 defaults
+#   knobs readcopy anchor compile: session 7's pending measurements (done in session 8's first call)
 set -uo pipefail
 OUT=${OUT:-device-logs}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1
+if ls .wheels/fla_core-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-deps .wheels/fla_core-*.whl .wheels/flash_linear_attention-*.whl >> "$OUT/install.log" 2>&1
+fi
+DK="split;split:flush_list=1;split:flush_list=1,flush_BV=32,flush_warps=2;split:flush_list=1,flush_BV=64,flush_warps=4"
+DK="$DK;split:scan_dot=1;split:win_early=1;split:window_warps=1;split:window_warps=2;split:early_d=1"
+DK="$DK;split:flush_list=1,scan_dot=1,win_early=1,early_d=1;split:flush_list=1,BLOCK_V=32"
 XDIST=""
 if ls .wheels/pytest_xdist-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-deps .wheels/pytest_xdist-*.whl .wheels/execnet-*.whl >> "$OUT/install.log" 2>&1 \
     && XDIST="-n 6"
 fi
-steps=${*:-tests breakdown knobs readcopy anchor compile}
+steps=${*:-tests dbreak dconfigs sweep}
 for s in $steps; do case $s in
   tests) timeout 300 python3 -m pytest -q $XDIST -p no:cacheprovider tests/test_mamba2_triton_gpu.py \
-           tests/test_mamba2_triton.py tests/test_mamba2_readcopy.py tests/test_delta_readcopy_triton.py \
-           tests/test_delta_triton.py tests/test_kernel_call_anchor.py 2>&1 | tail -8 | tee "$OUT/pytest.txt" ;;
+           tests/test_mamba2_triton.py tests/test_mamba2_readcopy.py tests/test_delta_readcopy_triton.py --tb=line \
+           tests/test_delta_triton.py tests/test_delta_triton_gpu.py tests/test_kernel_call_anchor.py 2>&1 \
+           | grep -iv "warn" | tail -40 | tee "$OUT/pytest.txt" ;;
+  dbreak) timeout 200 python3 benchmarks/diag_stream_ceiling.py --delta qwen35_4b,kimi_linear --delta-read-copy "" \
+           --delta-configs "split;split:flush_list=1;split:flush_list=1,flush_BV=32,flush_warps=2;split:scan_dot=1;split:win_early=1;split:flush_list=1,scan_dot=1,win_early=1,early_d=1" \
+           2>&1 | grep -v Warn | tee "$OUT/delta_breakdown_knobs.txt" ;;
+  dconfigs) timeout 300 python3 benchmarks/bench_delta_kernel.py --out "$OUT" --batches 256 \
+           --geoms qwen35_4b,kimi_linear --configs "$DK" 2>&1 | grep -v Warn | tee "$OUT/delta_configs.txt" ;;
+  sweep) timeout 330 python3 benchmarks/bench_mamba2_kernel.py --out "$OUT" 2>&1 | grep -v Warn \
+           | tee "$OUT/mamba2_sweep.txt" ;;
   breakdown) timeout 150 python3 benchmarks/diag_stream_ceiling.py --delta qwen35_4b,kimi_linear 2>&1 \
            | grep -v Warn | tee "$OUT/delta_breakdown.txt" ;;
   knobs) timeout 200 python3 benchmarks/bench_mamba2_kernel.py --out "$OUT" --batches 128,256 \

@@ -166,20 +166,24 @@ def main():
     ap.add_argument("--breakdown-only", action="store_true", help="only the pre step's per-launch times")
     ap.add_argument("--delta", default="", help="comma list of qwen35_4b,kimi_linear: delta-rule breakdowns (exact "
                     "and fp8 read copy) instead of the Mamba-2 ones")
+    ap.add_argument("--delta-configs", default="split", help="';'-separated delta_triton TUNING strings (parse_tuning) "
+                    "of the exact step, one breakdown each")
+    ap.add_argument("--delta-read-copy", default="fp8_e4m3", help="also break down this read copy ('' for none)")
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name(0)} torch {torch.__version__} triton {triton.__version__}")
     bw = copy_bandwidth()
     print(f"copy bandwidth (read+write) {bw / 1e12:.2f} TB/s")
     for gname in filter(None, args.delta.split(",")):
         Hk, HV, K, V, kda = DELTA_GEOMS[gname]
-        from replay_compile.kernels import delta_readcopy_triton as drt
-        for rc, tuning in ((None, {}), ("fp8_e4m3", {}), ("fp8_e4m3", {"flush_list": 1})):
-            print(f"{gname} bs{args.batch} fp32 state [{args.batch}, {HV}, {K}, {V}], read copy {rc} {tuning}")
-            drt.TUNING.update(tuning)
-            try:
-                delta_breakdown(Hk, HV, K, V, kda, args.batch, read_copy=rc)
-            finally:
-                drt.TUNING.clear()
+        from replay_compile.kernels import delta_triton as kd
+        from replay_compile.kernels.mamba2_triton import tuned
+        for spec in filter(None, args.delta_configs.split(";")):
+            print(f"{gname} bs{args.batch} fp32 state [{args.batch}, {HV}, {K}, {V}], exact, {spec}")
+            with tuned(kd.TUNING, spec):
+                delta_breakdown(Hk, HV, K, V, kda, args.batch)
+        if args.delta_read_copy:
+            print(f"{gname} bs{args.batch} fp32 state, read copy {args.delta_read_copy}")
+            delta_breakdown(Hk, HV, K, V, kda, args.batch, read_copy=args.delta_read_copy)
     if args.delta:
         return
     for gname in args.geoms.split(","):

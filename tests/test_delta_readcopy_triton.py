@@ -40,9 +40,9 @@ def _bytes(t):
     (True, "nvfp4", False),                                    # KDA x bf16: the GDN case's decode + KDA gates
     (False, "fp8_e4m3", True), (True, "nvfp4", True)])         # flush rows listed, one encode program walks them
 def test_kernel_matches_reference_step_by_step(kda, fmt, listed, monkeypatch):
+    import replay_compile.kernels.delta_readcopy_triton as drt
+    monkeypatch.setitem(drt.TUNING, "flush_list", int(listed))      # 0: the full encode grid every step
     if listed:
-        import replay_compile.kernels.delta_readcopy_triton as drt
-        monkeypatch.setitem(drt.TUNING, "flush_list", 1)
         monkeypatch.setitem(drt.TUNING, "flush_programs", 1)
     geom = DeltaGeometry(batch=3, HV=4, Hk=2, K=12, V=32, kda=kda)
     L, S = 4, 4

@@ -20,7 +20,10 @@ from replay_compile.testing.strategies import (  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 KEYS = ("q", "k", "v", "g", "beta")
-VARIANTS = ("fused", "split", "split:BLOCK_V=32,num_warps=2")
+# the one-launch kernel, the split launches (flush folded in the checkpoint stream, or listed rows folded by a walk of
+# their own with a slice width of its own), and the split launches' load-order / scan knobs
+VARIANTS = ("fused", "split", "split:flush_list=1", "split:BLOCK_V=32,num_warps=2",
+            "split:flush_list=1,flush_BV=32,flush_warps=2", "split:win_early=1,scan_dot=1,early_d=1")
 
 
 def variant(name):
@@ -68,7 +71,7 @@ def _track_exact(geom, L, data):
                                      (DeltaGeometry(2, 6, 3, 5, 40, False), 1), (DeltaGeometry(2, 2, 1, 16, 16, True), 20)])
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("kind", VARIANTS[:2])
+@pytest.mark.parametrize("kind", VARIANTS[:3])
 def test_kernel_matches_reference_contract(geom, L, act, state_dtype, kind):
     """Same outputs, checkpoint, rings and cursors as the reference, step for step (padded and permuted rows)."""
     with variant(kind):
@@ -94,7 +97,7 @@ def _contract(geom, L, act, state_dtype):
 
 
 @pytest.mark.parametrize("kda", [False, True])
-@pytest.mark.parametrize("kind", VARIANTS[:2])
+@pytest.mark.parametrize("kind", VARIANTS[:3])
 def test_fp16_flush_rounding_is_bit_identical_to_the_reference(kda, kind):
     """Dyadic inputs and zero gates make every fold exact in fp32, so kernel and reference round the same values
     with the same hash: the fp16 checkpoints agree bit for bit."""
@@ -119,7 +122,7 @@ def test_fp16_flush_rounding_is_bit_identical_to_the_reference(kda, kind):
     assert not torch.equal(sb, state)
 
 
-@pytest.mark.parametrize("kind", VARIANTS[:2])
+@pytest.mark.parametrize("kind", VARIANTS[:3])
 def test_padded_rows_are_untouched_and_zero(kind):
     geom = DeltaGeometry(2, 2, 1, 4, 4, True)
     st0, seq = delta_problem(geom, 1, dtype=torch.float32)
@@ -131,3 +134,27 @@ def test_padded_rows_are_untouched_and_zero(kind):
                                      torch.tensor([-1, -1], dtype=torch.int32, device=DEV))
     assert torch.count_nonzero(o) == 0
     assert all(torch.equal(a, b) for a, b in zip(before, (state, *rg)))
+
+
+@pytest.mark.parametrize("kda", [False, True])
+@pytest.mark.parametrize("kind", VARIANTS[2:])
+def test_split_knobs_track_the_exact_recurrence_with_poisoned_rings(kda, kind):
+    """Every split-launch knob against the fp64 recurrence over 3 windows, rings filled with NaN (a stale or
+    unwritten slot that leaks in shows), grouped heads, K and V not powers of two, a padded and a permuted row."""
+    geom = DeltaGeometry(3, 4, 2, 12, 20, kda)
+    L = 4
+    steps = 3 * L
+    state0, seq = delta_problem(geom, steps, dtype=torch.float32, seed=11 + kda)
+    state = state0.to(DEV)
+    rg = rings(geom, L, state)
+    oracle = ExactDeltaOracle(state0)
+    slots = [2, -1, 0]
+    idx = torch.tensor(slots, dtype=torch.int32, device=DEV)
+    with variant(kind):
+        for t, inp in enumerate(seq):
+            o = delta_replay_step_triton(state, *rg, *(inp[k].to(DEV) for k in KEYS), idx)
+            assert rel(o, oracle.step(inp, slots)) < 1e-4, f"step {t}"
+            assert torch.count_nonzero(o[1]) == 0, f"step {t}: padded row"
+            if t % L == L - 1:
+                assert rel(state[[2, 0]], oracle.state[[2, 0]]) < 1e-4, f"step {t}: checkpoint after flush"
+    assert rg[-1][[0, 2]].tolist() == [0, 0]

@@ -134,7 +134,13 @@ def inputs(t):
 
 @pytest.fixture
 def triton_visible_to_dynamo(monkeypatch):
-    """Dynamo records user Triton launches only when ``has_triton()``; on a CPU-only machine it says no."""
+    """Dynamo records user Triton launches only when ``has_triton()``; on a CPU-only machine it says no.
+
+    These stand-in tests launch the kernel on CPU tensors, which needs Triton's interpreter from import time
+    (conftest sets ``TRITON_INTERPRET=1`` only where there is no GPU); on a GPU machine the real-kernel test below
+    covers the anchor instead (all three failed there on CPU tensors, session 8)."""
+    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU stand-in of the kernel; on a GPU test_real_mamba_ssm_kernel_on_gpu runs the real kernel")
     import torch.utils._triton as ut
 
     monkeypatch.setattr(ut, "has_triton", lambda *a, **k: True)

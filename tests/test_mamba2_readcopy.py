@@ -175,9 +175,9 @@ def _clone_all(state, copy, rings):
     return state.clone(), copy.clone(), [r.clone() for r in rings]
 
 
-# pre (the full flush grid), pre with flush rows listed and walked by fixed grids (one program walking them all), and
-# the one-launch fused kernel
-@pytest.mark.parametrize("variant", ["pre", "pre:flush_list=1,", "pre:flush_list=1,flush_programs=1,", "fused"])
+# pre (flush rows listed and walked by fixed grids), the same with one program walking them all, pre with the full
+# flush grid, and the one-launch fused kernel
+@pytest.mark.parametrize("variant", ["pre", "pre:flush_programs=1,", "pre:flush_list=0,", "fused"])
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("gi", range(len(GEOMS)))
 def test_kernel_matches_reference_step_by_step(fmt, gi, variant):

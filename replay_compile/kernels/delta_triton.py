@@ -14,7 +14,11 @@ of its key head, its slice of the corrected values ``[BLOCK_L, BLOCK_V]``, gates
     d_t  = beta (v_t - S'ᵀk_t) ;  o_t = S'ᵀq_t + d_t (k_t · q_t)
     flush: S_new = exp(E_tot) ⊙_K S_0 + KEᵀ D + k_t d_tᵀ           (one tl.dot, IEEE fp32), written once
 
-Every load is issued before the cursor is known (ring slots past ``w`` are discarded in registers), the cursor
+That is the ``fused`` kernel below (small batches: one launch, the window recomputed per V-block); large batches
+run the ``split`` launches of :mod:`.delta_split_triton` (the window once per row and head, then a checkpoint stream
+of small slices, and the flush in a launch of its own).
+
+Every load of the fused kernel is issued before the cursor is known (ring slots past ``w`` are discarded in registers), the cursor
 advance is folded in with the arrival count of :func:`~replay_compile.kernels.mamba2_triton._arrive`, fp16
 checkpoints are rounded stochastically at the flush exactly as the reference does. No autotuning (the kernel writes
 its inputs in place); constexpr loop bounds only (the interpreter's numpy>=2.4 limitation).
@@ -26,7 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .mamba2_triton import _ARRIVAL, _arrive, _row_slot, _step_row, _store_checkpoint
+from .delta_split_triton import launch_split
+from .mamba2_triton import _ARRIVAL, _arrive, _step_row, _store_checkpoint
 
 
 @triton.jit
@@ -138,157 +143,8 @@ def _delta_replay_step_kernel(
                          k_raw.to(kr_ptr.dtype.element_ty), mask=mask_k)
 
 
-@triton.jit
-def _delta_window_kernel(
-    cursor_ptr, kr_ptr, gr_ptr, q_ptr, k_ptr, g_ptr, slot_ptr, win_ptr, vec_ptr, ke_ptr, wrow_ptr,
-    K, L, v_per_k, v_per_q,
-    s_krb, s_krh, s_krl, s_krk, s_grb, s_grh, s_grl, s_grk,
-    s_qb, s_qh, s_qk, s_kb, s_kh, s_kk, s_gb, s_gh, s_gk,
-    HAS_SLOT: tl.constexpr, KDA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
-):
-    """Split variant, launch 1 of 2, grid ``(batch, HV)``: everything of the step that does not touch the checkpoint,
-    once per (row, value head) instead of once per V-block. Writes ``w`` [b] (from head 0), the window scalars
-    ``win[row, h] = (u_j = KE_j·k_t, v_j = KE_j·q_t, k_t·q_t)``, the decayed vectors
-    ``vec[row, h] = (exp(E_tot) ⊙ k_t, exp(E_tot) ⊙ q_t, exp(E_tot))`` and, for flushing rows only, the scaled keys
-    ``ke[row, h] = KE [BLOCK_L, BLOCK_K]``. Reads the cursor, writes nothing of the cache."""
-    row = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    HV = tl.num_programs(1)
-    slot = _row_slot(slot_ptr, row, HAS_SLOT)
-    if slot < 0:
-        return
-    w = tl.load(cursor_ptr + slot)
-    if h == 0:
-        tl.store(wrow_ptr + row, w)
-    hk = h // v_per_k
-    hq = h // v_per_q
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_l = tl.arange(0, BLOCK_L)
-    mask_k = offs_k < K
-    hist = offs_l < w
-    cur = offs_l == w
-    q = tl.load(q_ptr + row * s_qb + hq * s_qh + offs_k * s_qk, mask=mask_k, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + row * s_kb + hk * s_kh + offs_k * s_kk, mask=mask_k, other=0.0).to(tl.float32)
-    kw = tl.load(kr_ptr + slot * s_krb + hk * s_krh + offs_l[:, None] * s_krl + offs_k[None, :] * s_krk,
-                 mask=hist[:, None] & mask_k[None, :], other=0.0).to(tl.float32)        # [BLOCK_L, BLOCK_K]
-    if KDA:
-        g_cur = tl.load(g_ptr + row * s_gb + h * s_gh + offs_k * s_gk, mask=mask_k, other=0.0).to(tl.float32)
-        gw = tl.load(gr_ptr + slot * s_grb + h * s_grh + offs_l[:, None] * s_grl + offs_k[None, :] * s_grk,
-                     mask=hist[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-        gw = tl.where(cur[:, None], g_cur[None, :], gw)
-        after = tl.minimum(tl.cumsum(gw, axis=0, reverse=True) - gw, 0.0)             # Σ_{j<i<=w}
-        ke = tl.where(hist[:, None], kw * tl.exp(after), 0.0)
-        dec = tl.exp(tl.minimum(tl.sum(gw, axis=0), 0.0))                              # [BLOCK_K]
-    else:
-        g_cur = tl.load(g_ptr + row * s_gb + h * s_gh).to(tl.float32)
-        gw = tl.load(gr_ptr + slot * s_grb + h * s_grh + offs_l * s_grl, mask=hist, other=0.0).to(tl.float32)
-        gw = tl.where(cur, g_cur, gw)
-        after = tl.minimum(tl.cumsum(gw, axis=0, reverse=True) - gw, 0.0)
-        ke = tl.where(hist[:, None], kw * tl.exp(after)[:, None], 0.0)
-        dec = tl.exp(tl.minimum(tl.sum(gw, axis=0), 0.0))
-    wb = win_ptr + (row * HV + h) * (3 * BLOCK_L)
-    tl.store(wb + offs_l, tl.sum(ke * k[None, :], axis=1))
-    tl.store(wb + BLOCK_L + offs_l, tl.sum(ke * q[None, :], axis=1))
-    tl.store(wb + 2 * BLOCK_L + offs_l, tl.where(offs_l == 0, tl.sum(k * q, axis=0), 0.0))
-    vb = vec_ptr + (row * HV + h) * (3 * BLOCK_K)
-    tl.store(vb + offs_k, dec * k)
-    tl.store(vb + BLOCK_K + offs_k, dec * q)
-    if w == L - 1:
-        tl.store(vb + 2 * BLOCK_K + offs_k, dec + tl.zeros([BLOCK_K], dtype=tl.float32))
-        tl.store(ke_ptr + (row * HV + h) * (BLOCK_L * BLOCK_K) + offs_l[:, None] * BLOCK_K + offs_k[None, :], ke)
-
-
-@triton.jit
-def _delta_apply_kernel(
-    state_ptr, dr_ptr, kr_ptr, gr_ptr, cursor_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, slot_ptr, o_ptr,
-    win_ptr, vec_ptr, ke_ptr, wrow_ptr,
-    HV, K, V, L, v_per_k,
-    s_sb, s_sh, s_sk, s_sv, s_drb, s_drh, s_drl, s_drv, s_krb, s_krh, s_krl, s_krk, s_grb, s_grh, s_grl, s_grk,
-    s_kb, s_kh, s_kk, s_vb, s_vh, s_vv, s_gb, s_gh, s_gk, s_bb, s_bh, s_ob, s_oh, s_ov,
-    HAS_SLOT: tl.constexpr, KDA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr,
-):
-    """Split variant, launch 2 of 2, grid ``(cdiv(V, BLOCK_V), batch, HV)``: reads its ``K x BLOCK_V`` checkpoint
-    slice (issued first) and the window's corrected values, takes the rest from launch 1::
-
-        S'ᵀk_t = S_0ᵀ(exp(E_tot) ⊙ k_t) + Σ_j u_j d_j     (same for q_t with v_j)
-
-    Non-flush rows append ``d`` (and ``k``, ``g`` once per key / value head); flush rows write
-    ``exp(E_tot) ⊙_K S_0 + KEᵀ D + k dᵀ`` once, with launch 1's scaled keys (no ``tl.dot``: its operand layouts
-    slowed the non-flush path by 20% on the H200, benchmarks/NOTES.md). Only what a branch needs is loaded in it. One program per row advances the cursor: launch 1 has already read it and
-    this launch reads ``w`` from launch 1's copy, so nobody reads it after the write."""
-    pid_v = tl.program_id(0)
-    row = tl.program_id(1).to(tl.int64)
-    h = tl.program_id(2).to(tl.int64)
-    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    mask_v = offs_v < V
-    o_ptrs = o_ptr + row * s_ob + h * s_oh + offs_v * s_ov
-    slot = _step_row(slot_ptr, row, o_ptrs, mask_v, HAS_SLOT, BLOCK_V)
-    if slot < 0:                                   # padding row: zero output (stored above), touch nothing else
-        return
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_l = tl.arange(0, BLOCK_L)
-    mask_k = offs_k < K
-    tile_mask = mask_k[:, None] & mask_v[None, :]
-    st_ptrs = state_ptr + slot * s_sb + h * s_sh + offs_k[:, None] * s_sk + offs_v[None, :] * s_sv
-    s0 = tl.load(st_ptrs, mask=tile_mask, other=0.0).to(tl.float32)                      # [BLOCK_K, BLOCK_V]
-    v = tl.load(v_ptr + row * s_vb + h * s_vh + offs_v * s_vv, mask=mask_v, other=0.0).to(tl.float32)
-    beta = tl.load(beta_ptr + row * s_bb + h * s_bh).to(tl.float32)
-    w = tl.load(wrow_ptr + row)
-    wb = win_ptr + (row * HV + h) * (3 * BLOCK_L)
-    u = tl.load(wb + offs_l)
-    uq = tl.load(wb + BLOCK_L + offs_l)
-    kq = tl.load(wb + 2 * BLOCK_L)
-    vb = vec_ptr + (row * HV + h) * (3 * BLOCK_K)
-    ak = tl.load(vb + offs_k)
-    aq = tl.load(vb + BLOCK_K + offs_k)
-    hist = offs_l < w
-    dr_base = dr_ptr + slot * s_drb + h * s_drh
-    dw = tl.load(dr_base + offs_l[:, None] * s_drl + offs_v[None, :] * s_drv,
-                 mask=hist[:, None] & mask_v[None, :], other=0.0).to(tl.float32)          # [BLOCK_L, BLOCK_V]
-    sk = tl.sum(s0 * ak[:, None], axis=0) + tl.sum(u[:, None] * dw, axis=0)
-    sq = tl.sum(s0 * aq[:, None], axis=0) + tl.sum(uq[:, None] * dw, axis=0)
-    d = beta * (v - sk)
-    tl.store(o_ptrs, sq + d * kq, mask=mask_v)
-
-    hk = h // v_per_k
-    kr_base = kr_ptr + slot * s_krb + hk * s_krh
-    gr_base = gr_ptr + slot * s_grb + h * s_grh
-    k_ptrs = k_ptr + row * s_kb + hk * s_kh + offs_k * s_kk
-    if w == L - 1:
-        k_cur = tl.load(k_ptrs, mask=mask_k, other=0.0).to(tl.float32)
-        dec = tl.load(vb + 2 * BLOCK_K + offs_k)
-        s_new = dec[:, None] * s0 + k_cur[:, None] * d[None, :]
-        ke_base = ke_ptr + (row * HV + h) * (BLOCK_L * BLOCK_K)
-        for j in range(BLOCK_L):                     # KEᵀ D as L outer products: a tl.dot here would put the
-            # shared tile in a dot layout and slow the non-flush path. Vector masks built from vectors: triton
-            # 3.9's interpreter rejects a mask combined from a scalar comparison of the loop index.
-            ke_j = tl.load(ke_base + j * BLOCK_K + offs_k, mask=(offs_k * 0 + j) < w, other=0.0)
-            d_j = tl.load(dr_base + j * s_drl + offs_v * s_drv, mask=mask_v & ((offs_v * 0 + j) < w),
-                          other=0.0).to(tl.float32)
-            s_new += ke_j[:, None] * d_j[None, :]
-        key_gate = tl.load(g_ptr + row * s_gb + h * s_gh).to(tl.float32)    # g (GDN) or g[..., 0] (KDA)
-        _store_checkpoint(st_ptrs, s_new, tile_mask, key_gate, slot * HV + h,
-                          offs_k[:, None] * V + offs_v[None, :], STOCHASTIC_FP16)
-        if (pid_v == 0) & (h == 0):
-            tl.store(cursor_ptr + slot, 0)
-    else:
-        tl.store(dr_base + w * s_drl + offs_v * s_drv, d.to(dr_ptr.dtype.element_ty), mask=mask_v)
-        if pid_v == 0:
-            if KDA:
-                g_cur = tl.load(g_ptr + row * s_gb + h * s_gh + offs_k * s_gk, mask=mask_k, other=0.0)
-                tl.store(gr_base + w * s_grl + offs_k * s_grk, g_cur.to(tl.float32), mask=mask_k)
-            else:
-                tl.store(gr_base + w * s_grl, tl.load(g_ptr + row * s_gb + h * s_gh).to(tl.float32))
-            if h % v_per_k == 0:                       # one program per key head appends k_t
-                k_raw = tl.load(k_ptrs, mask=mask_k, other=0.0)
-                tl.store(kr_base + w * s_krl + offs_k * s_krk, k_raw.to(kr_ptr.dtype.element_ty), mask=mask_k)
-            if h == 0:
-                tl.store(cursor_ptr + slot, w + 1)
-
-
 # Launch configuration override for benchmarks and tests (``mamba2_triton.parse_tuning`` strings):
-# {"variant": "fused"|"split", "BLOCK_V", "num_warps"}. Empty in use.
+# {"variant": "fused"|"split", "BLOCK_V", "num_warps"} and the split variant's knobs (delta_split_triton). Empty in use.
 TUNING: dict = {}
 
 # Rows x value heads above which the split variant runs (from the H200 sweep, benchmarks/NOTES.md).
@@ -307,13 +163,20 @@ def launch_config(b: int, HV: int, K: int, V: int, L: int) -> dict:
     block_k = max(16, triton.next_power_of_2(K))
     block_l = max(16, triton.next_power_of_2(L))
     variant = TUNING.get("variant") or ("fused" if b * HV <= FUSED_MAX_ROW_HEADS else "split")
+    extra = {}
     if variant == "fused":
         block_v = TUNING.get("BLOCK_V") or (32 if V > 16 else 16)
         warps = TUNING.get("num_warps") or max(1, min(8, max(block_k * block_v, block_l * block_k) // (32 * 64)))
-    else:
+    elif variant == "split":
         block_v = TUNING.get("BLOCK_V") or 16
         warps = TUNING.get("num_warps") or 1
-    return dict(variant=variant, BLOCK_K=block_k, BLOCK_V=block_v, BLOCK_L=block_l, num_warps=warps)
+        extra = dict(window_warps=TUNING.get("window_warps") or (4 if block_k * block_l >= 2048 else 1),
+                     win_early=bool(TUNING.get("win_early", 0)), scan_dot=bool(TUNING.get("scan_dot", 0)),
+                     early_d=bool(TUNING.get("early_d", 0)), flush_list=bool(TUNING.get("flush_list", 0)),
+                     flush_BV=TUNING.get("flush_BV") or 16, flush_warps=TUNING.get("flush_warps") or 1)
+    else:
+        raise ValueError(f"replay_compile.delta: unknown kernel variant {variant!r} (fused, split)")
+    return dict(variant=variant, BLOCK_K=block_k, BLOCK_V=block_v, BLOCK_L=block_l, num_warps=warps, **extra)
 
 
 def delta_replay_step_triton(state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slot_idx=None):
@@ -345,19 +208,6 @@ def delta_replay_step_triton(state, d_ring, k_ring, g_ring, cursor, q, k, v, g, 
             BLOCK_V=cfg["BLOCK_V"], STOCHASTIC_FP16=state.dtype == torch.float16, num_warps=cfg["num_warps"],
             **common)
         return o
-    # split: window once per (row, value head) into scratch, then the checkpoint pass (which advances the cursor)
-    win = torch.empty((b, HV, 3 * cfg["BLOCK_L"]), dtype=torch.float32, device=v.device)
-    vec = torch.empty((b, HV, 3 * cfg["BLOCK_K"]), dtype=torch.float32, device=v.device)
-    ke = torch.empty((b, HV, cfg["BLOCK_L"] * cfg["BLOCK_K"]), dtype=torch.float32, device=v.device)
-    wrow = torch.empty((b,), dtype=cursor.dtype, device=v.device)
-    _delta_window_kernel[(b, HV)](
-        cursor, k_ring, g_ring, q, k, g, slot_arg, win, vec, ke, wrow, K, L, v_per_k, v_per_q,
-        *k_ring.stride(), *g_strides, *q.stride(), *k.stride(), *gi_strides,
-        num_warps=4 if cfg["BLOCK_K"] * cfg["BLOCK_L"] >= 2048 else 1, **common)
-    _delta_apply_kernel[(n_vb, b, HV)](
-        state, d_ring, k_ring, g_ring, cursor, k, v, g, beta, slot_arg, o, win, vec, ke, wrow,
-        HV, K, V, L, v_per_k,
-        *state.stride(), *d_ring.stride(), *k_ring.stride(), *g_strides,
-        *k.stride(), *v.stride(), *gi_strides, *beta.stride(), *o.stride(),
-        BLOCK_V=cfg["BLOCK_V"], STOCHASTIC_FP16=state.dtype == torch.float16, num_warps=cfg["num_warps"], **common)
+    # split: window once per (row, value head) into scratch, then the checkpoint pass (and the listed flush)
+    launch_split(cfg, state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slot_arg, has_slot, o)
     return o

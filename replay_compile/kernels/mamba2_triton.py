@@ -453,10 +453,11 @@ def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
     * ``pre`` (bandwidth, the default above): launch 1 per (row, group of heads) writes ``cb = coef (B·C)`` and the
       decay to scratch, appends the records and lists flush rows (``window_full=1``: it also reads the x window and
       writes ``win`` instead); launch 2 streams ``16 x N`` checkpoint tiles (1 warp) for non-flush rows, ``y = decay
-      (S_0 C) + Σ_j cb_j x_j`` (``apply_early_x=1``: x window loaded before the cursor); launch 3 walks the listed
+      (S_0 C) + Σ_j cb_j x_j`` (x window loaded before the cursor; ``apply_early_x=0``: after); launch 3 walks the listed
       flush rows on 32 warps per SM (the ``tiled`` body, 64 x 64 tiles and 4 warps where 64 divides P, else 32 x 32
-      and 2 warps; ``flush_list=0``: a full grid whose non-flush programs return); launch 4 advances the cursors
-      (``fold_advance=1``: launch 3 does). Super fp32 bs256 2.10x, non-flush 88-91% of the floor (session 7).
+      and 2 warps; ``flush_list=0``: a full grid whose non-flush programs return) and advances the cursors
+      (``fold_advance=0``: a fourth launch does). Super fp32 bs256 2.11x, bs128 2.10x (both knobs on: 1-3% faster at
+      bs128, 15 fewer registers; session 8).
       ``route=0`` folds flush rows inside launch 2 instead (``early_tile=1`` loads the tile before the cursor).
     * ``tiled`` (the session-2 body, kept for comparisons): one launch streams ``BLOCK_P x BLOCK_N`` tiles for both
       kinds of row, then the cursor advance.
@@ -484,7 +485,7 @@ def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
                    flush_warps=TUNING.get("flush_warps") or (4 if bp == 64 or block_l > 16 else 2),
                    flush_list=bool(TUNING.get("flush_list", 1)),
                    window="full" if TUNING.get("window_full", 0) else "coef",
-                   apply_early_x=bool(TUNING.get("apply_early_x", 0)), fold_advance=bool(TUNING.get("fold_advance", 0)),
+                   apply_early_x=bool(TUNING.get("apply_early_x", 1)), fold_advance=bool(TUNING.get("fold_advance", 1)),
                    flush_programs_per_sm=TUNING.get("flush_per_sm"))
     else:
         raise ValueError(f"replay_compile.mamba2: unknown kernel variant {variant!r} (whole, pre, tiled)")
