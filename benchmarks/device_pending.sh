@@ -8,6 +8,9 @@
 #              kernels/delta_split_triton.py (listed flush launch, KDA scan as a dot, early loads), bs256
 #   dconfigs   bench_delta_kernel.py --configs: the same knobs as whole steps vs fla, bs256, fp32
 #   sweep      the Mamba-2 kernel sweep (bench_mamba2_kernel.py) with the session-8 defaults
+#   dtests     the delta kernel tests only;  dsweep  the delta kernel sweep vs fla (bench_delta_kernel.py)
+#   e2e_qwen   replay-compile bench, Qwen3.5-4B dims, 8 layers, bs 1 and 256, reduce-overhead both sides
+#   check_mamba2  256-token greedy parity at fp32 of the Mamba-2-only model (issue 5)
 #   knobs readcopy anchor compile: session 7's pending measurements (done in session 8's first call)
 set -uo pipefail
 OUT=${OUT:-device-logs}; mkdir -p "$OUT"
@@ -16,9 +19,12 @@ python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.lo
 if ls .wheels/fla_core-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-deps .wheels/fla_core-*.whl .wheels/flash_linear_attention-*.whl >> "$OUT/install.log" 2>&1
 fi
-DK="split;split:flush_list=1;split:flush_list=1,flush_BV=32,flush_warps=2;split:flush_list=1,flush_BV=64,flush_warps=4"
-DK="$DK;split:scan_dot=1;split:win_early=1;split:window_warps=1;split:window_warps=2;split:early_d=1"
-DK="$DK;split:flush_list=1,scan_dot=1,win_early=1,early_d=1;split:flush_list=1,BLOCK_V=32"
+# round 2 (session 8): round 1 found the window launch on 1 warp (GDN 1.61 -> 1.66x, KDA 0.92 -> 1.05x) and BLOCK_V 32
+# (non-flush 218 -> 187 us) worth it, the listed flush launch a loss (986 us flush vs 570)
+W="split:window_warps=1"
+DK="$W;$W,flush_unroll=1;$W,BLOCK_V=32;$W,BLOCK_V=32,flush_unroll=1;$W,BLOCK_V=32,num_warps=2"
+DK="$DK;$W,BLOCK_V=32,num_warps=2,flush_unroll=1;$W,BLOCK_V=64,num_warps=2;$W,scan_dot=1;$W,win_early=1"
+DK="$DK;$W,BLOCK_V=32,early_d=1;split:window_warps=2,BLOCK_V=32,flush_unroll=1"
 XDIST=""
 if ls .wheels/pytest_xdist-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-deps .wheels/pytest_xdist-*.whl .wheels/execnet-*.whl >> "$OUT/install.log" 2>&1 \
@@ -30,11 +36,20 @@ for s in $steps; do case $s in
            tests/test_mamba2_triton.py tests/test_mamba2_readcopy.py tests/test_delta_readcopy_triton.py --tb=line \
            tests/test_delta_triton.py tests/test_delta_triton_gpu.py tests/test_kernel_call_anchor.py 2>&1 \
            | grep -iv "warn" | tail -40 | tee "$OUT/pytest.txt" ;;
-  dbreak) timeout 200 python3 benchmarks/diag_stream_ceiling.py --delta qwen35_4b,kimi_linear --delta-read-copy "" \
-           --delta-configs "split;split:flush_list=1;split:flush_list=1,flush_BV=32,flush_warps=2;split:scan_dot=1;split:win_early=1;split:flush_list=1,scan_dot=1,win_early=1,early_d=1" \
+  dbreak) timeout 200 python3 benchmarks/diag_stream_ceiling.py --delta qwen35_4b,kimi_linear \
+           --delta-configs "split:window_warps=1;split:window_warps=1,scan_dot=1;split:window_warps=1,BLOCK_V=32,flush_unroll=1" \
            2>&1 | grep -v Warn | tee "$OUT/delta_breakdown_knobs.txt" ;;
   dconfigs) timeout 300 python3 benchmarks/bench_delta_kernel.py --out "$OUT" --batches 256 \
            --geoms qwen35_4b,kimi_linear --configs "$DK" 2>&1 | grep -v Warn | tee "$OUT/delta_configs.txt" ;;
+  dtests) timeout 150 python3 -m pytest -q $XDIST -p no:cacheprovider tests/test_delta_triton.py \
+           tests/test_delta_triton_gpu.py tests/test_delta_readcopy_triton.py --tb=line 2>&1 | grep -iv "warn" \
+           | tail -20 | tee "$OUT/pytest_delta.txt" ;;
+  dsweep) timeout 280 python3 benchmarks/bench_delta_kernel.py --out "$OUT" 2>&1 | grep -v Warn \
+           | tee "$OUT/delta_sweep.txt" ;;
+  e2e_qwen) timeout 200 replay-compile bench --models qwen35_4b --layers 8 --batches 1,256 --steps 32 \
+           --modes inductor-ro,replayssm-ro --out "$OUT/e2e_qwen" 2>&1 | grep "^|" | tee "$OUT/e2e_qwen.txt" ;;
+  check_mamba2) timeout 150 replay-compile bench --models mamba2_2p7b --layers 8 --check 256 --dtype float32 \
+           --out "$OUT/check_mamba2" 2>&1 | tail -12 | tee "$OUT/check_mamba2.txt" ;;
   sweep) timeout 330 python3 benchmarks/bench_mamba2_kernel.py --out "$OUT" 2>&1 | grep -v Warn \
            | tee "$OUT/mamba2_sweep.txt" ;;
   breakdown) timeout 150 python3 benchmarks/diag_stream_ceiling.py --delta qwen35_4b,kimi_linear 2>&1 \

@@ -239,6 +239,8 @@ def launch_config(K: int, V: int, L: int) -> dict:
     """``BLOCK_V`` 16 and 1 warp (the exact split kernel's H200 choice), ``BLOCK_R`` rows per encode program."""
     return dict(BLOCK_K=max(16, triton.next_power_of_2(K)), BLOCK_L=max(16, triton.next_power_of_2(L)),
                 BLOCK_V=TUNING.get("BLOCK_V") or 16, num_warps=TUNING.get("num_warps") or 1,
+                # the window launch on 1 warp (the exact step's H200 choice, session 8; was 4 for a [16, 128] window)
+                window_warps=TUNING.get("window_warps") or 1, scan_dot=bool(TUNING.get("scan_dot", 1)),
                 BLOCK_R=TUNING.get("BLOCK_R") or 16, BLOCK_VF=max(16, triton.next_power_of_2(V)),
                 # listed flush rows for the encode launches (session 8, H200 bs256: the encode launch 40.5 -> 3.7 us
                 # on non-flush steps, 170 -> 200 us on the flush step). 0: full grid every step
@@ -271,10 +273,9 @@ def delta_replay_step_readcopy_triton(state, copy, fmt, d_ring, k_ring, g_ring, 
     wrow = torch.empty((b,), dtype=cursor.dtype, device=v.device)
     common = dict(HAS_SLOT=has_slot, KDA=kda, BLOCK_K=cfg["BLOCK_K"], BLOCK_L=cfg["BLOCK_L"])
     _delta_window_kernel[(b, HV)](
-        cursor, k_ring, g_ring, q, k, g, slot_arg, win, vec, ke, wrow, wrow, K, L, v_per_k, v_per_q,
-        *k_ring.stride(), *g_strides, *q.stride(), *k.stride(), *gi_strides,
-        EARLY=False, SCAN_DOT=False, LIST=False,        # flush rows are listed by launch 2 here
-        num_warps=4 if cfg["BLOCK_K"] * cfg["BLOCK_L"] >= 2048 else 1, **common)
+        cursor, k_ring, g_ring, q, k, g, slot_arg, win, vec, ke, wrow, K, L, v_per_k, v_per_q,
+        *k_ring.stride(), *g_strides, *q.stride(), *k.stride(), *gi_strides, SCAN_DOT=cfg["scan_dot"],
+        num_warps=cfg["window_warps"], **common)
     (cv, cs, ct), cstrides = _copy_args(enc, name, cursor)
     n_vb = triton.cdiv(V, cfg["BLOCK_V"])
     listed = cfg["flush_list"]                      # flush rows listed by the apply launch for the encode launches

@@ -1,21 +1,18 @@
 """The ``split`` variant of the delta-rule replay step (GDN, KDA) for large batches: the CUDA implementation behind
-:func:`~replay_compile.kernels.delta_triton.delta_replay_step_triton` when ``b * HV`` is large. Launches, all routed
-on the device from the cursor (one captured CUDA graph serves every step):
+:func:`~replay_compile.kernels.delta_triton.delta_replay_step_triton` when ``b * HV`` is large. Two launches, routed on
+the device from the cursor (one captured CUDA graph serves every step):
 
-1. :func:`_delta_window_kernel`, grid ``(b, HV)``: everything that does not touch the checkpoint, once per (row, value
-   head): the window scalars and decayed vectors, ``w`` per row, the scaled keys ``KE`` of flushing rows, and (with
-   ``flush_list``) the flushing rows listed in ``work = [count, rows...]``.
-2. :func:`_delta_apply_kernel`, grid ``(cdiv(V, BLOCK_V), b, HV)``: streams ``K x BLOCK_V`` checkpoint slices, writes
-   ``o`` and appends the records of non-flush rows; folds flush rows itself unless they are listed.
-3. With ``flush_list`` (the default): :func:`_delta_flush_list_kernel`, a fixed grid walking the listed rows' slices:
-   ``o`` and ``S_new = exp(E_tot) ⊙_K S_0 + KEᵀ D + k dᵀ`` (``KEᵀ D`` one IEEE-fp32 ``tl.dot``: in a launch of its own
-   it cannot change the non-flush stream's layouts, which slowed that path 20% when it shared a kernel with it).
-   On the 15 of 16 steps where no row flushes its programs read ``count = 0`` and return.
+1. :func:`_delta_window_kernel`, grid ``(b, HV)``, 1 warp: everything that does not touch the checkpoint, once per
+   (row, value head): the window scalars and decayed vectors, ``w`` per row, the scaled keys ``KE`` of flushing rows.
+2. :func:`_delta_apply_kernel`, grid ``(cdiv(V, BLOCK_V), b, HV)``: streams ``K x BLOCK_V`` checkpoint slices (32
+   wide, 2 warps), writes ``o``, appends the records of non-flush rows and folds flush rows.
 
-Knobs (``TUNING`` of :mod:`.delta_triton`, benchmarks only): ``win_early`` (launch 1 loads the whole ring before the
-cursor, stale slots dropped with ``where``), ``scan_dot`` (KDA: the window's suffix sums of ``[L, K]`` gates as one
-``tl.dot`` with a triangular mask instead of ``tl.cumsum`` across warps), ``early_d`` (launch 2 loads its
-``d`` window before ``w``), ``flush_list``, ``flush_BV`` / ``flush_warps`` (launch 3's slice and warps).
+Measured on the H200 (session 8, ``benchmarks/NOTES.md``; bs256 fp32, L-avg vs fla): the window launch on 1 warp
+instead of 4 (its ``[16, 128]`` tiles; GDN window 24 -> 16 µs, KDA 91 -> 54) and 32-wide slices instead of 16 (the
+checkpoint stream 182 -> ~150 µs) took GDN from 1.61x to 1.94x and KDA from 0.92x to 1.20x. Tried and dropped: a
+launch of its own walking listed flush rows with one ``tl.dot`` (flush 986 µs vs 570, and the early return it needs
+in launch 2 delayed the slice load: +13 µs per non-flush step), the window's ring loads issued before the cursor, the
+``d`` window loaded before ``w``, the flush's L outer products unrolled (all within noise or worse).
 """
 
 from __future__ import annotations
@@ -24,24 +21,24 @@ import torch
 import triton
 import triton.language as tl
 
-from .mamba2_triton import _list_item, _list_row, _row_slot, _sm_count, _step_row, _store_checkpoint
+from .mamba2_triton import _row_slot, _step_row, _store_checkpoint
 
 @triton.jit
 def _delta_window_kernel(
-    cursor_ptr, kr_ptr, gr_ptr, q_ptr, k_ptr, g_ptr, slot_ptr, win_ptr, vec_ptr, ke_ptr, wrow_ptr, work_ptr,
+    cursor_ptr, kr_ptr, gr_ptr, q_ptr, k_ptr, g_ptr, slot_ptr, win_ptr, vec_ptr, ke_ptr, wrow_ptr,
     K, L, v_per_k, v_per_q,
     s_krb, s_krh, s_krl, s_krk, s_grb, s_grh, s_grl, s_grk,
     s_qb, s_qh, s_qk, s_kb, s_kh, s_kk, s_gb, s_gh, s_gk,
     HAS_SLOT: tl.constexpr, KDA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
-    EARLY: tl.constexpr, SCAN_DOT: tl.constexpr, LIST: tl.constexpr,
+    SCAN_DOT: tl.constexpr,
 ):
     """Launch 1, grid ``(batch, HV)``: everything of the step that does not touch the checkpoint, once per (row,
     value head) instead of once per V-block. Writes ``w`` [b] (from head 0), the window scalars
     ``win[row, h] = (u_j = KE_j·k_t, v_j = KE_j·q_t, k_t·q_t)``, the decayed vectors
     ``vec[row, h] = (exp(E_tot) ⊙ k_t, exp(E_tot) ⊙ q_t, exp(E_tot))`` and, for flushing rows only, the scaled keys
-    ``ke[row, h] = KE [BLOCK_L, BLOCK_K]`` (zero past the window) and (``LIST``) the row in ``work``. Reads the
-    cursor, writes nothing of the cache. ``EARLY``: the ring loads are issued before the cursor (the whole ring;
-    stale slots dropped with ``where``, never multiplied: an unwritten slot may hold NaN)."""
+    ``ke[row, h] = KE [BLOCK_L, BLOCK_K]`` (zero past the window). Reads the cursor, writes nothing of the cache.
+    ``SCAN_DOT`` (KDA): the suffix sums of the ``[L, K]`` gates as one small IEEE-fp32 ``tl.dot`` with a triangular
+    mask instead of ``tl.cumsum`` (KDA window 54 -> 46 µs at bs256 on the H200)."""
     row = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     HV = tl.num_programs(1)
@@ -62,23 +59,13 @@ def _delta_window_kernel(
     else:
         gr_ptrs = gr_ptr + slot * s_grb + h * s_grh + offs_l * s_grl
         g_cur = tl.load(g_ptr + row * s_gb + h * s_gh).to(tl.float32)
-    if EARLY:
-        in_ring = offs_l < L
-        kw = tl.load(kr_ptrs, mask=in_ring[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-        if KDA:
-            gw = tl.load(gr_ptrs, mask=in_ring[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-        else:
-            gw = tl.load(gr_ptrs, mask=in_ring, other=0.0).to(tl.float32)
-        w = tl.load(cursor_ptr + slot)
-        hist = offs_l < w
+    w = tl.load(cursor_ptr + slot)
+    hist = offs_l < w
+    kw = tl.load(kr_ptrs, mask=hist[:, None] & mask_k[None, :], other=0.0).to(tl.float32)       # [BLOCK_L, BLOCK_K]
+    if KDA:
+        gw = tl.load(gr_ptrs, mask=hist[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
     else:
-        w = tl.load(cursor_ptr + slot)
-        hist = offs_l < w
-        kw = tl.load(kr_ptrs, mask=hist[:, None] & mask_k[None, :], other=0.0).to(tl.float32)   # [BLOCK_L, BLOCK_K]
-        if KDA:
-            gw = tl.load(gr_ptrs, mask=hist[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-        else:
-            gw = tl.load(gr_ptrs, mask=hist, other=0.0).to(tl.float32)
+        gw = tl.load(gr_ptrs, mask=hist, other=0.0).to(tl.float32)
     if h == 0:
         tl.store(wrow_ptr + row, w)
     cur = offs_l == w
@@ -106,9 +93,6 @@ def _delta_window_kernel(
     if w == L - 1:
         tl.store(vb + 2 * BLOCK_K + offs_k, dec + tl.zeros([BLOCK_K], dtype=tl.float32))
         tl.store(ke_ptr + (row * HV + h) * (BLOCK_L * BLOCK_K) + offs_l[:, None] * BLOCK_K + offs_k[None, :], ke)
-        if LIST:
-            if h == 0:
-                _list_row(work_ptr, row)
 
 
 @triton.jit
@@ -119,19 +103,18 @@ def _delta_apply_kernel(
     s_sb, s_sh, s_sk, s_sv, s_drb, s_drh, s_drl, s_drv, s_krb, s_krh, s_krl, s_krk, s_grb, s_grh, s_grl, s_grk,
     s_kb, s_kh, s_kk, s_vb, s_vh, s_vv, s_gb, s_gh, s_gk, s_bb, s_bh, s_ob, s_oh, s_ov,
     HAS_SLOT: tl.constexpr, KDA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, EARLY_D: tl.constexpr, FLUSH_LISTED: tl.constexpr,
+    BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr,
 ):
     """Launch 2, grid ``(cdiv(V, BLOCK_V), batch, HV)``: reads its ``K x BLOCK_V`` checkpoint slice (issued first)
     and the window's corrected values, takes the rest from launch 1::
 
         S'ᵀk_t = S_0ᵀ(exp(E_tot) ⊙ k_t) + Σ_j u_j d_j     (same for q_t with v_j)
 
-    Non-flush rows append ``d`` (and ``k``, ``g`` once per key / value head). Flush rows return at once when
-    ``FLUSH_LISTED`` (launch 3 folds them); otherwise they write ``exp(E_tot) ⊙_K S_0 + KEᵀ D + k dᵀ`` here, as L
-    outer products with launch 1's scaled keys (no ``tl.dot`` in this kernel: its operand layouts slowed the
-    non-flush path by 20% on the H200, benchmarks/NOTES.md). One program per row advances a non-flush row's
-    cursor (and a flush row's unless listed): launch 1 has already read it and this launch reads ``w`` from launch
-    1's copy, so nobody reads it after the write."""
+    Non-flush rows append ``d`` (and ``k``, ``g`` once per key / value head); flush rows write
+    ``exp(E_tot) ⊙_K S_0 + KEᵀ D + k dᵀ`` once, as L outer products with launch 1's scaled keys (no ``tl.dot`` in
+    this kernel: its operand layouts slowed the non-flush path by 20% on the H200, benchmarks/NOTES.md). Only what a
+    branch needs is loaded in it. One program per row advances the cursor: launch 1 has already read it and this
+    launch reads ``w`` from launch 1's copy, so nobody reads it after the write."""
     pid_v = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
@@ -150,13 +133,7 @@ def _delta_apply_kernel(
     v = tl.load(v_ptr + row * s_vb + h * s_vh + offs_v * s_vv, mask=mask_v, other=0.0).to(tl.float32)
     beta = tl.load(beta_ptr + row * s_bb + h * s_bh).to(tl.float32)
     dr_base = dr_ptr + slot * s_drb + h * s_drh
-    dw_ptrs = dr_base + offs_l[:, None] * s_drl + offs_v[None, :] * s_drv
-    if EARLY_D:
-        dw = tl.load(dw_ptrs, mask=(offs_l < L)[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
     w = tl.load(wrow_ptr + row)
-    if FLUSH_LISTED:
-        if w == L - 1:
-            return                                 # launch 3 folds this row
     wb = win_ptr + (row * HV + h) * (3 * BLOCK_L)
     u = tl.load(wb + offs_l)
     uq = tl.load(wb + BLOCK_L + offs_l)
@@ -165,10 +142,8 @@ def _delta_apply_kernel(
     ak = tl.load(vb + offs_k)
     aq = tl.load(vb + BLOCK_K + offs_k)
     hist = offs_l < w
-    if EARLY_D:
-        dw = tl.where(hist[:, None], dw, 0.0)       # stale slots dropped (an unwritten slot may hold NaN)
-    else:
-        dw = tl.load(dw_ptrs, mask=hist[:, None] & mask_v[None, :], other=0.0).to(tl.float32)  # [BLOCK_L, BLOCK_V]
+    dw = tl.load(dr_base + offs_l[:, None] * s_drl + offs_v[None, :] * s_drv,
+                 mask=hist[:, None] & mask_v[None, :], other=0.0).to(tl.float32)          # [BLOCK_L, BLOCK_V]
     sk = tl.sum(s0 * ak[:, None], axis=0) + tl.sum(u[:, None] * dw, axis=0)
     sq = tl.sum(s0 * aq[:, None], axis=0) + tl.sum(uq[:, None] * dw, axis=0)
     d = beta * (v - sk)
@@ -178,7 +153,7 @@ def _delta_apply_kernel(
     kr_base = kr_ptr + slot * s_krb + hk * s_krh
     gr_base = gr_ptr + slot * s_grb + h * s_grh
     k_ptrs = k_ptr + row * s_kb + hk * s_kh + offs_k * s_kk
-    if w == L - 1:                                 # (never taken when FLUSH_LISTED)
+    if w == L - 1:
         k_cur = tl.load(k_ptrs, mask=mask_k, other=0.0).to(tl.float32)
         dec = tl.load(vb + 2 * BLOCK_K + offs_k)
         s_new = dec[:, None] * s0 + k_cur[:, None] * d[None, :]
@@ -210,60 +185,8 @@ def _delta_apply_kernel(
                 tl.store(cursor_ptr + slot, w + 1)
 
 
-@triton.jit
-def _delta_flush_list_kernel(
-    state_ptr, dr_ptr, cursor_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, slot_ptr, o_ptr, win_ptr, vec_ptr, ke_ptr,
-    work_ptr, HV, K, V, L, v_per_k, n_vb,
-    s_sb, s_sh, s_sk, s_sv, s_drb, s_drh, s_drl, s_drv, s_kb, s_kh, s_kk, s_vb, s_vh, s_vv, s_gb, s_gh,
-    s_bb, s_bh, s_ob, s_oh, s_ov,
-    HAS_SLOT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_L: tl.constexpr,
-    STOCHASTIC_FP16: tl.constexpr,
-):
-    """Launch 3 (``flush_list``): a fixed grid walks the ``count x HV x n_vb`` slices of the rows launch 1 listed in
-    ``work = [count, rows...]``. A slice: ``o`` as launch 2 computes it, then ``S_new = exp(E_tot) ⊙_K S_0 + KEᵀ D
-    + k dᵀ`` (``KEᵀ D``: one IEEE-fp32 ``tl.dot`` of launch 1's ``KE`` [L, K] and the ``d`` window [L, BLOCK_V])
-    written once, fp16 rounded stochastically as the reference. ``w = L - 1`` for every listed row (it is how they
-    were listed); the item of head 0, slice 0 resets the row's cursor."""
-    n_items = tl.load(work_ptr) * (HV * n_vb)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_l = tl.arange(0, BLOCK_L)
-    mask_k = offs_k < K
-    hist = offs_l < L - 1
-    t = tl.program_id(0)
-    while t < n_items:
-        row, h, vblk = _list_item(work_ptr, t, HV, n_vb)
-        slot = _row_slot(slot_ptr, row, HAS_SLOT)
-        offs_v = vblk * BLOCK_V + tl.arange(0, BLOCK_V)
-        mask_v = offs_v < V
-        tile_mask = mask_k[:, None] & mask_v[None, :]
-        st_ptrs = state_ptr + slot * s_sb + h * s_sh + offs_k[:, None] * s_sk + offs_v[None, :] * s_sv
-        s0 = tl.load(st_ptrs, mask=tile_mask, other=0.0).to(tl.float32)                  # [BLOCK_K, BLOCK_V]
-        dw = tl.load(dr_ptr + slot * s_drb + h * s_drh + offs_l[:, None] * s_drl + offs_v[None, :] * s_drv,
-                     mask=hist[:, None] & mask_v[None, :], other=0.0).to(tl.float32)      # [BLOCK_L, BLOCK_V]
-        ke = tl.load(ke_ptr + (row * HV + h) * (BLOCK_L * BLOCK_K) + offs_l[:, None] * BLOCK_K + offs_k[None, :])
-        v = tl.load(v_ptr + row * s_vb + h * s_vh + offs_v * s_vv, mask=mask_v, other=0.0).to(tl.float32)
-        beta = tl.load(beta_ptr + row * s_bb + h * s_bh).to(tl.float32)
-        k_cur = tl.load(k_ptr + row * s_kb + (h // v_per_k) * s_kh + offs_k * s_kk, mask=mask_k, other=0.0)
-        wb = win_ptr + (row * HV + h) * (3 * BLOCK_L)
-        vb = vec_ptr + (row * HV + h) * (3 * BLOCK_K)
-        sk = tl.sum(s0 * tl.load(vb + offs_k)[:, None], axis=0) + tl.sum(tl.load(wb + offs_l)[:, None] * dw, axis=0)
-        sq = (tl.sum(s0 * tl.load(vb + BLOCK_K + offs_k)[:, None], axis=0)
-              + tl.sum(tl.load(wb + BLOCK_L + offs_l)[:, None] * dw, axis=0))
-        d = beta * (v - sk)
-        tl.store(o_ptr + row * s_ob + h * s_oh + offs_v * s_ov, sq + d * tl.load(wb + 2 * BLOCK_L), mask=mask_v)
-        dec = tl.load(vb + 2 * BLOCK_K + offs_k)
-        s_new = (dec[:, None] * s0 + tl.dot(tl.trans(ke), dw, input_precision="ieee")
-                 + k_cur.to(tl.float32)[:, None] * d[None, :])
-        key_gate = tl.load(g_ptr + row * s_gb + h * s_gh).to(tl.float32)    # g (GDN) or g[..., 0] (KDA)
-        _store_checkpoint(st_ptrs, s_new, tile_mask, key_gate, slot * HV + h,
-                          offs_k[:, None] * V + offs_v[None, :], STOCHASTIC_FP16)
-        if (h == 0) & (vblk == 0):
-            tl.store(cursor_ptr + slot, 0)
-        t += tl.num_programs(0)
-
-
 def launch_split(cfg: dict, state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slot_arg, has_slot, o):
-    """Launch the split step (launches 1-3 above) into ``o`` [b, HV, V]; ``cfg`` from
+    """Launch the split step (launches 1-2 above) into ``o`` [b, HV, V]; ``cfg`` from
     :func:`~.delta_triton.launch_config`."""
     S, HV, K, V = state.shape
     b, L = v.shape[0], d_ring.shape[2]
@@ -274,16 +197,14 @@ def launch_split(cfg: dict, state, d_ring, k_ring, g_ring, cursor, q, k, v, g, b
     v_per_k, v_per_q = HV // k_ring.shape[1], HV // q.shape[1]
     common = dict(HAS_SLOT=has_slot, BLOCK_K=bk, BLOCK_L=bl)
     stochastic = state.dtype == torch.float16
-    listed = cfg["flush_list"]
     win = torch.empty((b, HV, 3 * bl), dtype=torch.float32, device=v.device)
     vec = torch.empty((b, HV, 3 * bk), dtype=torch.float32, device=v.device)
     ke = torch.empty((b, HV, bl * bk), dtype=torch.float32, device=v.device)
     wrow = torch.empty((b,), dtype=cursor.dtype, device=v.device)
-    work = torch.zeros((b + 1,), dtype=torch.int32, device=v.device) if listed else wrow
     _delta_window_kernel[(b, HV)](
-        cursor, k_ring, g_ring, q, k, g, slot_arg, win, vec, ke, wrow, work, K, L, v_per_k, v_per_q,
+        cursor, k_ring, g_ring, q, k, g, slot_arg, win, vec, ke, wrow, K, L, v_per_k, v_per_q,
         *k_ring.stride(), *g_strides, *q.stride(), *k.stride(), *gi_strides,
-        KDA=kda, EARLY=cfg["win_early"], SCAN_DOT=cfg["scan_dot"], LIST=listed,
+        KDA=kda, SCAN_DOT=cfg["scan_dot"],
         num_warps=cfg["window_warps"], **common)
     n_vb = triton.cdiv(V, cfg["BLOCK_V"])
     _delta_apply_kernel[(n_vb, b, HV)](
@@ -291,14 +212,5 @@ def launch_split(cfg: dict, state, d_ring, k_ring, g_ring, cursor, q, k, v, g, b
         HV, K, V, L, v_per_k,
         *state.stride(), *d_ring.stride(), *k_ring.stride(), *g_strides,
         *k.stride(), *v.stride(), *gi_strides, *beta.stride(), *o.stride(),
-        KDA=kda, BLOCK_V=cfg["BLOCK_V"], STOCHASTIC_FP16=stochastic, EARLY_D=cfg["early_d"], FLUSH_LISTED=listed,
+        KDA=kda, BLOCK_V=cfg["BLOCK_V"], STOCHASTIC_FP16=stochastic,
         num_warps=cfg["num_warps"], **common)
-    if listed:
-        fbv = cfg["flush_BV"]
-        n_fvb = triton.cdiv(V, fbv)
-        # 32 warps per SM, as the Mamba-2 flush walk (H200 session 7)
-        programs = min(b * HV * n_fvb, max(1, 32 // cfg["flush_warps"]) * _sm_count(v.device))
-        _delta_flush_list_kernel[(programs,)](
-            state, d_ring, cursor, k, v, g, beta, slot_arg, o, win, vec, ke, work, HV, K, V, L, v_per_k, n_fvb,
-            *state.stride(), *d_ring.stride(), *k.stride(), *v.stride(), *gi_strides[:2], *beta.stride(),
-            *o.stride(), BLOCK_V=fbv, STOCHASTIC_FP16=stochastic, num_warps=cfg["flush_warps"], **common)

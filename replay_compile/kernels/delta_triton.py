@@ -144,7 +144,7 @@ def _delta_replay_step_kernel(
 
 
 # Launch configuration override for benchmarks and tests (``mamba2_triton.parse_tuning`` strings):
-# {"variant": "fused"|"split", "BLOCK_V", "num_warps"} and the split variant's knobs (delta_split_triton). Empty in use.
+# {"variant": "fused"|"split", "BLOCK_V", "num_warps"; split only: "window_warps", "scan_dot"}. Empty in use.
 TUNING: dict = {}
 
 # Rows x value heads above which the split variant runs (from the H200 sweep, benchmarks/NOTES.md).
@@ -155,9 +155,9 @@ def launch_config(b: int, HV: int, K: int, V: int, L: int) -> dict:
     """Kernel variant and launch configuration for a step of ``b`` rows.
 
     * ``fused`` (latency, small batch): one launch; each program recomputes the window for its V-block.
-    * ``split`` (bandwidth, large batch): launch 1 computes the window once per (row, value head); launch 2
-      streams the checkpoint in small ``K x BLOCK_V`` slices (as fla's fused recurrent kernel does) with little
-      else live, so many programs fit per SM.
+    * ``split`` (bandwidth, large batch, :mod:`.delta_split_triton`): launch 1 computes the window once per (row,
+      value head); launch 2 streams the checkpoint in ``K x BLOCK_V`` slices (as fla's fused recurrent kernel
+      does) with little else live, so many programs fit per SM.
     K is held whole (padded to a power of two >= 16); the window sits on a power-of-two axis >= 16.
     """
     block_k = max(16, triton.next_power_of_2(K))
@@ -168,12 +168,11 @@ def launch_config(b: int, HV: int, K: int, V: int, L: int) -> dict:
         block_v = TUNING.get("BLOCK_V") or (32 if V > 16 else 16)
         warps = TUNING.get("num_warps") or max(1, min(8, max(block_k * block_v, block_l * block_k) // (32 * 64)))
     elif variant == "split":
-        block_v = TUNING.get("BLOCK_V") or 16
-        warps = TUNING.get("num_warps") or 1
-        extra = dict(window_warps=TUNING.get("window_warps") or (4 if block_k * block_l >= 2048 else 1),
-                     win_early=bool(TUNING.get("win_early", 0)), scan_dot=bool(TUNING.get("scan_dot", 0)),
-                     early_d=bool(TUNING.get("early_d", 0)), flush_list=bool(TUNING.get("flush_list", 0)),
-                     flush_BV=TUNING.get("flush_BV") or 16, flush_warps=TUNING.get("flush_warps") or 1)
+        # H200 session 8: 32-wide slices on 2 warps (16 on 1 warp: GDN bs256 non-flush 206 -> 168 µs), the window
+        # launch on 1 warp (4: GDN window 24 -> 16 µs, KDA 91 -> 54), KDA's gate scan as a dot (54 -> 46 µs)
+        block_v = TUNING.get("BLOCK_V") or (32 if V > 16 else 16)
+        warps = TUNING.get("num_warps") or (2 if block_v >= 32 else 1)
+        extra = dict(window_warps=TUNING.get("window_warps") or 1, scan_dot=bool(TUNING.get("scan_dot", 1)))
     else:
         raise ValueError(f"replay_compile.delta: unknown kernel variant {variant!r} (fused, split)")
     return dict(variant=variant, BLOCK_K=block_k, BLOCK_V=block_v, BLOCK_L=block_l, num_warps=warps, **extra)
@@ -208,6 +207,6 @@ def delta_replay_step_triton(state, d_ring, k_ring, g_ring, cursor, q, k, v, g, 
             BLOCK_V=cfg["BLOCK_V"], STOCHASTIC_FP16=state.dtype == torch.float16, num_warps=cfg["num_warps"],
             **common)
         return o
-    # split: window once per (row, value head) into scratch, then the checkpoint pass (and the listed flush)
+    # split: window once per (row, value head) into scratch, then the checkpoint pass
     launch_split(cfg, state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slot_arg, has_slot, o)
     return o
