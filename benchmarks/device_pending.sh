@@ -11,6 +11,9 @@
 #   dtests     the delta kernel tests only;  dsweep  the delta kernel sweep vs fla (bench_delta_kernel.py)
 #   e2e_qwen   replay-compile bench, Qwen3.5-4B dims, 8 layers, bs 1 and 256, reduce-overhead both sides
 #   check_mamba2  256-token greedy parity at fp32 of the Mamba-2-only model (issue 5)
+#   ksmall     small-batch configs of the delta kernels (KDA's fused kernel at bs1 / 8: 0.60x / 0.50x of fla)
+#   spec       the speculative verify kernels' window warps and slice width at bs256 (issue 6)
+#   rcbreak    the delta read copy's per-kernel times for slice configs (issue 7)
 #   knobs readcopy anchor compile: session 7's pending measurements (done in session 8's first call)
 set -uo pipefail
 OUT=${OUT:-device-logs}; mkdir -p "$OUT"
@@ -25,6 +28,10 @@ W="split:window_warps=1"
 DK="$W;$W,flush_unroll=1;$W,BLOCK_V=32;$W,BLOCK_V=32,flush_unroll=1;$W,BLOCK_V=32,num_warps=2"
 DK="$DK;$W,BLOCK_V=32,num_warps=2,flush_unroll=1;$W,BLOCK_V=64,num_warps=2;$W,scan_dot=1;$W,win_early=1"
 DK="$DK;$W,BLOCK_V=32,early_d=1;split:window_warps=2,BLOCK_V=32,flush_unroll=1"
+KS="fused;fused:scan_dot=1;fused:num_warps=4;fused:scan_dot=1,num_warps=4;fused:BLOCK_V=16,scan_dot=1,num_warps=4"
+KS="$KS;fused:scan_dot=1,num_warps=8;split"
+SG=";window_warps=1;window_warps=1,BLOCK_V=32,num_warps=2;window_warps=2,BLOCK_V=32,num_warps=2"
+SG="$SG;window_warps=1,BLOCK_V=32,num_warps=1"
 XDIST=""
 if ls .wheels/pytest_xdist-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-deps .wheels/pytest_xdist-*.whl .wheels/execnet-*.whl >> "$OUT/install.log" 2>&1 \
@@ -35,14 +42,14 @@ for s in $steps; do case $s in
   tests) timeout 300 python3 -m pytest -q $XDIST -p no:cacheprovider tests/test_mamba2_triton_gpu.py \
            tests/test_mamba2_triton.py tests/test_mamba2_readcopy.py tests/test_delta_readcopy_triton.py --tb=line \
            tests/test_delta_triton.py tests/test_delta_triton_gpu.py tests/test_kernel_call_anchor.py 2>&1 \
-           | grep -iv "warn" | tail -40 | tee "$OUT/pytest.txt" ;;
+           | grep -v "warnings.warn" | tail -40 | tee "$OUT/pytest.txt" ;;
   dbreak) timeout 200 python3 benchmarks/diag_stream_ceiling.py --delta qwen35_4b,kimi_linear \
            --delta-configs "split:window_warps=1;split:window_warps=1,scan_dot=1;split:window_warps=1,BLOCK_V=32,flush_unroll=1" \
            2>&1 | grep -v Warn | tee "$OUT/delta_breakdown_knobs.txt" ;;
   dconfigs) timeout 300 python3 benchmarks/bench_delta_kernel.py --out "$OUT" --batches 256 \
            --geoms qwen35_4b,kimi_linear --configs "$DK" 2>&1 | grep -v Warn | tee "$OUT/delta_configs.txt" ;;
   dtests) timeout 150 python3 -m pytest -q $XDIST -p no:cacheprovider tests/test_delta_triton.py \
-           tests/test_delta_triton_gpu.py tests/test_delta_readcopy_triton.py --tb=line 2>&1 | grep -iv "warn" \
+           tests/test_delta_triton_gpu.py tests/test_delta_readcopy_triton.py --tb=line 2>&1 | grep -v "warnings.warn" \
            | tail -20 | tee "$OUT/pytest_delta.txt" ;;
   dsweep) timeout 280 python3 benchmarks/bench_delta_kernel.py --out "$OUT" 2>&1 | grep -v Warn \
            | tee "$OUT/delta_sweep.txt" ;;
@@ -50,6 +57,15 @@ for s in $steps; do case $s in
            --modes inductor-ro,replayssm-ro --out "$OUT/e2e_qwen" 2>&1 | grep "^|" | tee "$OUT/e2e_qwen.txt" ;;
   check_mamba2) timeout 150 replay-compile bench --models mamba2_2p7b --layers 8 --check 256 --dtype float32 \
            --out "$OUT/check_mamba2" 2>&1 | tail -12 | tee "$OUT/check_mamba2.txt" ;;
+  ksmall) timeout 200 python3 benchmarks/bench_delta_kernel.py --out "$OUT" --batches 1,8 \
+           --geoms kimi_linear,qwen35_4b --configs "$KS" 2>&1 | grep -v Warn | tee "$OUT/delta_small_configs.txt" ;;
+  spec) timeout 200 python3 benchmarks/bench_spec_step.py --out "$OUT/spec_gdn" --geoms qwen35_4b --batches 256 \
+           --configs "$SG" 2>&1 | grep -v Warn | tee "$OUT/spec_configs.txt"
+        timeout 120 python3 benchmarks/bench_spec_step.py --out "$OUT/spec_super" --geoms super --batches 256 \
+           --configs ";window_warps=1;window_warps=2" 2>&1 | grep -v Warn | tee -a "$OUT/spec_configs.txt" ;;
+  rcbreak) timeout 120 python3 benchmarks/diag_stream_ceiling.py --delta qwen35_4b --delta-configs "" \
+           --delta-rc-configs "rc;rc:BLOCK_V=32,num_warps=2;rc:BLOCK_V=32,num_warps=1" 2>&1 | grep -v Warn \
+           | tee "$OUT/delta_rc_breakdown.txt" ;;
   sweep) timeout 330 python3 benchmarks/bench_mamba2_kernel.py --out "$OUT" 2>&1 | grep -v Warn \
            | tee "$OUT/mamba2_sweep.txt" ;;
   breakdown) timeout 150 python3 benchmarks/diag_stream_ceiling.py --delta qwen35_4b,kimi_linear 2>&1 \

@@ -169,6 +169,8 @@ def main():
     ap.add_argument("--delta-configs", default="split", help="';'-separated delta_triton TUNING strings (parse_tuning) "
                     "of the exact step, one breakdown each")
     ap.add_argument("--delta-read-copy", default="fp8_e4m3", help="also break down this read copy ('' for none)")
+    ap.add_argument("--delta-rc-configs", default="rc", help="';'-separated delta_readcopy_triton TUNING strings "
+                    "(parse_tuning; the name before ':' is ignored) of the read-copy step, one breakdown each")
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name(0)} torch {torch.__version__} triton {triton.__version__}")
     bw = copy_bandwidth()
@@ -181,9 +183,11 @@ def main():
             print(f"{gname} bs{args.batch} fp32 state [{args.batch}, {HV}, {K}, {V}], exact, {spec}")
             with tuned(kd.TUNING, spec):
                 delta_breakdown(Hk, HV, K, V, kda, args.batch)
-        if args.delta_read_copy:
-            print(f"{gname} bs{args.batch} fp32 state, read copy {args.delta_read_copy}")
-            delta_breakdown(Hk, HV, K, V, kda, args.batch, read_copy=args.delta_read_copy)
+        from replay_compile.kernels import delta_readcopy_triton as drt
+        for spec in filter(None, args.delta_rc_configs.split(";")) if args.delta_read_copy else ():
+            print(f"{gname} bs{args.batch} fp32 state, read copy {args.delta_read_copy}, {spec}")
+            with tuned(drt.TUNING, spec):
+                delta_breakdown(Hk, HV, K, V, kda, args.batch, read_copy=args.delta_read_copy)
     if args.delta:
         return
     for gname in args.geoms.split(","):

@@ -23,7 +23,7 @@ KEYS = ("q", "k", "v", "g", "beta")
 # the one-launch kernel, the split launches (defaults: 32-wide slices on 2 warps, KDA's gate scan as a dot), and the
 # split launches' other configurations (the session-3 16-wide slices on 1 warp with tl.cumsum on 4 warps)
 VARIANTS = ("fused", "split", "split:BLOCK_V=16,num_warps=1,scan_dot=0,window_warps=4",
-            "split:BLOCK_V=64,num_warps=2")
+            "split:BLOCK_V=64,num_warps=2", "fused:scan_dot=1,BLOCK_V=16,num_warps=4")
 
 
 def variant(name):
@@ -138,8 +138,8 @@ def test_padded_rows_are_untouched_and_zero(kind):
 
 @pytest.mark.parametrize("kda", [False, True])
 @pytest.mark.parametrize("kind", VARIANTS[1:])
-def test_split_configs_track_the_exact_recurrence_with_poisoned_rings(kda, kind):
-    """Every split-launch configuration against the fp64 recurrence over 3 windows, rings filled with NaN (a stale or
+def test_kernel_configs_track_the_exact_recurrence_with_poisoned_rings(kda, kind):
+    """Every kernel configuration but the default fused one against the fp64 recurrence over 3 windows, rings filled with NaN (a stale or
     unwritten slot that leaks in shows), grouped heads, K and V not powers of two, a padded and a permuted row."""
     geom = DeltaGeometry(3, 4, 2, 12, 20, kda)
     L = 4

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .delta_split_triton import launch_split
+from .delta_split_triton import _kda_after, launch_split
 from .mamba2_triton import _ARRIVAL, _arrive, _step_row, _store_checkpoint
 
 
@@ -49,7 +49,7 @@ def _delta_replay_step_kernel(
     s_bb, s_bh,                             # beta [b, HV]
     s_ob, s_oh, s_ov,                       # o [b, HV, V]
     HAS_SLOT: tl.constexpr, KDA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr,
+    BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, SCAN_DOT: tl.constexpr,
 ):
     pid_v = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
@@ -96,8 +96,7 @@ def _delta_replay_step_kernel(
     if KDA:
         gw = tl.where(cur[:, None], g_cur[None, :], tl.where(hist[:, None], gw, 0.0))
         e_tot = tl.sum(gw, axis=0)                                                           # [BLOCK_K]
-        after = tl.minimum(tl.cumsum(gw, axis=0, reverse=True) - gw, 0.0)                  # Σ_{j<i<=w}
-        ke = tl.where(hist[:, None], kw * tl.exp(after), 0.0)                                # [BLOCK_L, BLOCK_K]
+        ke = tl.where(hist[:, None], kw * tl.exp(_kda_after(gw, offs_l, SCAN_DOT)), 0.0)    # [BLOCK_L, BLOCK_K]
         dec = tl.exp(tl.minimum(e_tot, 0.0))                                                 # [BLOCK_K]
         ak = dec * k
         aq = dec * q
@@ -144,7 +143,7 @@ def _delta_replay_step_kernel(
 
 
 # Launch configuration override for benchmarks and tests (``mamba2_triton.parse_tuning`` strings):
-# {"variant": "fused"|"split", "BLOCK_V", "num_warps"; split only: "window_warps", "scan_dot"}. Empty in use.
+# {"variant": "fused"|"split", "BLOCK_V", "num_warps", "scan_dot" (KDA); split only: "window_warps"}. Empty in use.
 TUNING: dict = {}
 
 # Rows x value heads above which the split variant runs (from the H200 sweep, benchmarks/NOTES.md).
@@ -167,6 +166,7 @@ def launch_config(b: int, HV: int, K: int, V: int, L: int) -> dict:
     if variant == "fused":
         block_v = TUNING.get("BLOCK_V") or (32 if V > 16 else 16)
         warps = TUNING.get("num_warps") or max(1, min(8, max(block_k * block_v, block_l * block_k) // (32 * 64)))
+        extra = dict(scan_dot=bool(TUNING.get("scan_dot", 0)))
     elif variant == "split":
         # H200 session 8: 32-wide slices on 2 warps (16 on 1 warp: GDN bs256 non-flush 206 -> 168 µs), the window
         # launch on 1 warp (4: GDN window 24 -> 16 µs, KDA 91 -> 54), KDA's gate scan as a dot (54 -> 46 µs)
@@ -205,7 +205,7 @@ def delta_replay_step_triton(state, d_ring, k_ring, g_ring, cursor, q, k, v, g, 
             *state.stride(), *d_ring.stride(), *k_ring.stride(), *g_strides,
             *q.stride(), *k.stride(), *v.stride(), *gi_strides, *beta.stride(), *o.stride(),
             BLOCK_V=cfg["BLOCK_V"], STOCHASTIC_FP16=state.dtype == torch.float16, num_warps=cfg["num_warps"],
-            **common)
+            SCAN_DOT=cfg["scan_dot"], **common)
         return o
     # split: window once per (row, value head) into scratch, then the checkpoint pass
     launch_split(cfg, state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slot_arg, has_slot, o)
