@@ -14,6 +14,12 @@
 #   ksmall     small-batch configs of the delta kernels (KDA's fused kernel at bs1 / 8: 0.60x / 0.50x of fla)
 #   spec       the speculative verify kernels' window warps and slice width at bs256 (issue 6)
 #   rcbreak    the delta read copy's per-kernel times for slice configs (issue 7)
+#   ftests     GPU tests of the delta, delta read-copy and both spec-verify kernels (session-8 defaults)
+#   dsmall     the delta sweep at bs 1, 2, 4, 8 (fused / split crossover), fp32
+#   specsweep  the T=4 verify+commit sweep, both geometries, bs 1..512 (issue 6)
+#   e2e_rc     Qwen3.5-4B dims, 8 layers, bs256: exact replay vs the fp8 delta read copy vs plain (issue 7)
+#   e2e_nem    Nemotron-Nano-4B dims, 8 layers, bs 1 and 256, reduce-overhead both sides (issue 5)
+#   check_qwen 256-token greedy parity at fp32 of Qwen3.5-4B dims (issue 5)
 #   knobs readcopy anchor compile: session 7's pending measurements (done in session 8's first call)
 set -uo pipefail
 OUT=${OUT:-device-logs}; mkdir -p "$OUT"
@@ -66,6 +72,21 @@ for s in $steps; do case $s in
   rcbreak) timeout 120 python3 benchmarks/diag_stream_ceiling.py --delta qwen35_4b --delta-configs "" \
            --delta-rc-configs "rc;rc:BLOCK_V=32,num_warps=2;rc:BLOCK_V=32,num_warps=1" 2>&1 | grep -v Warn \
            | tee "$OUT/delta_rc_breakdown.txt" ;;
+  ftests) timeout 100 python3 -m pytest -q $XDIST -p no:cacheprovider tests/test_delta_triton.py \
+           tests/test_delta_triton_gpu.py tests/test_delta_readcopy_triton.py tests/test_delta_spec_triton.py \
+           tests/test_mamba2_spec_triton.py tests/test_spec_baselines.py --tb=line 2>&1 \
+           | grep -v "warnings.warn\|Benchmark" | tail -8 | tee "$OUT/pytest_final.txt" ;;
+  dsmall) timeout 60 python3 benchmarks/bench_delta_kernel.py --out "$OUT/dsmall" --batches 1,2,4,8 \
+           --dtypes float32 --geoms qwen35_4b,kimi_linear 2>&1 | grep -v Warn | tee "$OUT/delta_small.txt" ;;
+  specsweep) timeout 150 python3 benchmarks/bench_spec_step.py --out "$OUT/spec" --batches 1,32,256,512 2>&1 | grep -v Warn \
+           | tee "$OUT/spec_sweep.txt" ;;
+  e2e_rc) REPLAY_COMPILE_READ_COPY_FAMILIES=mamba2,gdn,kda timeout 110 replay-compile bench --models qwen35_4b \
+           --layers 8 --batches 256 --steps 32 --modes inductor-ro,replayssm-ro,replayssm-ro:fp8_e4m3 \
+           --out "$OUT/e2e_rc" 2>&1 | grep "^|" | tee "$OUT/e2e_rc.txt" ;;
+  e2e_nem) timeout 150 replay-compile bench --models nemotron_h_nano4b --layers 8 --batches 1,256 --steps 32 \
+           --modes inductor-ro,replayssm-ro --out "$OUT/e2e_nem" 2>&1 | grep "^|" | tee "$OUT/e2e_nem.txt" ;;
+  check_qwen) timeout 120 replay-compile bench --models qwen35_4b --layers 8 --check 256 --dtype float32 \
+           --out "$OUT/check_qwen" 2>&1 | tail -3 | tee "$OUT/check_qwen.txt" ;;
   sweep) timeout 330 python3 benchmarks/bench_mamba2_kernel.py --out "$OUT" 2>&1 | grep -v Warn \
            | tee "$OUT/mamba2_sweep.txt" ;;
   breakdown) timeout 150 python3 benchmarks/diag_stream_ceiling.py --delta qwen35_4b,kimi_linear 2>&1 \

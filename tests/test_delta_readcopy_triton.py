@@ -14,7 +14,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 
 from replay_compile.kernels.delta_readcopy_reference import delta_replay_step_readcopy_reference  # noqa: E402
 from replay_compile.kernels.delta_readcopy_triton import delta_replay_step_readcopy_triton  # noqa: E402
-from replay_compile.quant.formats import FORMATS, Encoded  # noqa: E402
+from replay_compile.quant.formats import FORMATS  # noqa: E402
 from replay_compile.state import DeltaRingSpec  # noqa: E402
 from replay_compile.testing.strategies import DeltaGeometry, delta_problem  # noqa: E402
 
@@ -39,8 +39,10 @@ def _bytes(t):
     (False, "bf16", False), (False, "fp8_e4m3", False), (False, "nvfp4", False), (True, "fp8_e4m3", False),
     (True, "nvfp4", False),                                    # KDA x bf16: the GDN case's decode + KDA gates
     (False, "fp8_e4m3", True), (True, "nvfp4", True)])         # flush rows listed, one encode program walks them
-def test_kernel_matches_reference_step_by_step(kda, fmt, listed, monkeypatch):
+@pytest.mark.parametrize("block_v", [32, 16])                   # the default slice (V = 32: one), and two per row
+def test_kernel_matches_reference_step_by_step(kda, fmt, listed, block_v, monkeypatch):
     import replay_compile.kernels.delta_readcopy_triton as drt
+    monkeypatch.setitem(drt.TUNING, "BLOCK_V", block_v)
     monkeypatch.setitem(drt.TUNING, "flush_list", int(listed))      # 0: the full encode grid every step
     if listed:
         monkeypatch.setitem(drt.TUNING, "flush_programs", 1)

@@ -13,6 +13,7 @@ from hypothesis import given, settings, strategies as st
 triton = pytest.importorskip("triton")
 
 from replay_compile.kernels.delta_spec_reference import delta_spec_verify_reference  # noqa: E402
+from replay_compile.kernels import delta_spec_triton as kt  # noqa: E402
 from replay_compile.kernels.delta_spec_triton import delta_spec_verify_triton  # noqa: E402
 from replay_compile.kernels.mamba2_spec_triton import spec_commit_triton  # noqa: E402
 from replay_compile.kernels.mamba2_spec_reference import (  # noqa: E402
@@ -39,6 +40,17 @@ def held_records(ring, w, origin, buf, slot):
        T=st.integers(1, 8), state_dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
        data=st.data())
 def test_verify_matches_the_reference_over_rounds(geom, Bbud, T, state_dtype, data):
+    # the launch configuration large batches get (32 columns, 1-warp window) or the small-batch one
+    tuning = data.draw(st.sampled_from([{}, {"BLOCK_V": 32, "num_warps": 1, "window_warps": 1}]), label="tuning")
+    kt.TUNING.clear()
+    kt.TUNING.update(tuning)
+    try:
+        _rounds(geom, Bbud, T, state_dtype, data)
+    finally:
+        kt.TUNING.clear()
+
+
+def _rounds(geom, Bbud, T, state_dtype, data):
     b, HV, Hk, K, V = geom.batch, geom.HV, geom.Hk, geom.K, geom.V
     buf = spec_buf_len(Bbud, T)
     seed = data.draw(st.integers(0, 9999), label="seed")

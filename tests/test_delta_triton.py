@@ -20,10 +20,11 @@ from replay_compile.testing.strategies import (  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 KEYS = ("q", "k", "v", "g", "beta")
-# the one-launch kernel, the split launches (defaults: 32-wide slices on 2 warps, KDA's gate scan as a dot), and the
-# split launches' other configurations (the session-3 16-wide slices on 1 warp with tl.cumsum on 4 warps)
+# the one-launch kernel and the split launches (defaults: 32-wide slices, KDA's gate scan as a dot), the split
+# launches' session-3 configuration (16-wide slices on 1 warp, tl.cumsum on 4 warps), 64-wide slices, and the fused
+# kernel with tl.cumsum and 16-wide slices
 VARIANTS = ("fused", "split", "split:BLOCK_V=16,num_warps=1,scan_dot=0,window_warps=4",
-            "split:BLOCK_V=64,num_warps=2", "fused:scan_dot=1,BLOCK_V=16,num_warps=4")
+            "split:BLOCK_V=64,num_warps=2", "fused:scan_dot=0,BLOCK_V=16,num_warps=2")
 
 
 def variant(name):

@@ -146,8 +146,9 @@ def _delta_replay_step_kernel(
 # {"variant": "fused"|"split", "BLOCK_V", "num_warps", "scan_dot" (KDA); split only: "window_warps"}. Empty in use.
 TUNING: dict = {}
 
-# Rows x value heads above which the split variant runs (from the H200 sweep, benchmarks/NOTES.md).
-FUSED_MAX_ROW_HEADS = 256
+# Rows x value heads above which the split variant runs (H200 session 8, HV = 32: fused wins at bs1 (GDN 3.9 vs 5.8
+# µs, KDA 5.3 vs 9.2), split at bs8 (GDN 12.0 vs 14.5, KDA 15.5 vs 24.8); per-row growth puts the crossover near bs2-4).
+FUSED_MAX_ROW_HEADS = 64
 
 
 def launch_config(b: int, HV: int, K: int, V: int, L: int) -> dict:
@@ -165,8 +166,10 @@ def launch_config(b: int, HV: int, K: int, V: int, L: int) -> dict:
     extra = {}
     if variant == "fused":
         block_v = TUNING.get("BLOCK_V") or (32 if V > 16 else 16)
-        warps = TUNING.get("num_warps") or max(1, min(8, max(block_k * block_v, block_l * block_k) // (32 * 64)))
-        extra = dict(scan_dot=bool(TUNING.get("scan_dot", 0)))
+        # 4 warps for a 128 x 32 slice and KDA's scan as a dot (H200 session 8, bs1: GDN 4.2 -> 3.9 µs L-avg, KDA
+        # 7.8 -> 5.3; at bs8 4 warps lost, but bs8 runs split)
+        warps = TUNING.get("num_warps") or max(1, min(8, max(block_k * block_v, block_l * block_k) // (32 * 32)))
+        extra = dict(scan_dot=bool(TUNING.get("scan_dot", 1)))
     elif variant == "split":
         # H200 session 8: 32-wide slices on 2 warps (16 on 1 warp: GDN bs256 non-flush 206 -> 168 µs), the window
         # launch on 1 warp (4: GDN window 24 -> 16 µs, KDA 91 -> 54), KDA's gate scan as a dot (54 -> 46 µs)
