@@ -20,6 +20,7 @@
 #   e2e_rc     Qwen3.5-4B dims, 8 layers, bs256: exact replay vs the fp8 delta read copy vs plain (issue 7)
 #   e2e_nem    Nemotron-Nano-4B dims, 8 layers, bs 1 and 256, reduce-overhead both sides (issue 5)
 #   check_qwen 256-token greedy parity at fp32 of Qwen3.5-4B dims (issue 5)
+#   e2e_full   issue 5's whole sweep on every GPU of the host (kind nvidia-h200-x2: --gpus 2), $E2E_MODELS
 #   knobs readcopy anchor compile: session 7's pending measurements (done in session 8's first call)
 set -uo pipefail
 OUT=${OUT:-device-logs}; mkdir -p "$OUT"
@@ -87,6 +88,9 @@ for s in $steps; do case $s in
            --modes inductor-ro,replayssm-ro --out "$OUT/e2e_nem" 2>&1 | grep "^|" | tee "$OUT/e2e_nem.txt" ;;
   check_qwen) timeout 120 replay-compile bench --models qwen35_4b --layers 8 --check 256 --dtype float32 \
            --out "$OUT/check_qwen" 2>&1 | tail -3 | tee "$OUT/check_qwen.txt" ;;
+  e2e_full) NG=$(nvidia-smi -L | wc -l); timeout 560 replay-compile bench --layers 8 --gpus "$NG" \
+           --models "${E2E_MODELS:-nemotron_h_nano4b,qwen35_4b,mamba2_2p7b}" --out "$OUT/e2e_full" 2>&1 \
+           | grep "^|\|worker\|wrote" | tee "$OUT/e2e_full.txt" ;;
   sweep) timeout 330 python3 benchmarks/bench_mamba2_kernel.py --out "$OUT" 2>&1 | grep -v Warn \
            | tee "$OUT/mamba2_sweep.txt" ;;
   breakdown) timeout 150 python3 benchmarks/diag_stream_ceiling.py --delta qwen35_4b,kimi_linear 2>&1 \

@@ -155,6 +155,19 @@ def _bench(args) -> int:
                                 ("replayssm-ro" if cuda else "replayssm"), tp=args.tp)
         ok = all(r["tokens_agree"] == 1.0 for r in rows)
         return 0 if ok or args.dtype != "float32" else 1
+    if args.gpus > 1:
+        if args.tp > 1 or args.check:
+            raise SystemExit("replay-compile bench: --gpus spreads independent points; it does not combine with --tp "
+                             "or --check")
+        from .bench_parallel import run_parallel
+        forward = ["--steps", str(args.steps), "--buffer-len", str(args.buffer_len), "--dtype", args.dtype,
+                   "--device", args.device] + (["--layers", str(args.layers)] if args.layers else []) + \
+                  (["--threads", str(args.threads)] if args.threads else [])
+        rows, failures = run_parallel(args.gpus, models, batches, modes, forward, args.out)
+        for line in failures:
+            print(f"replay-compile bench: {line}", file=sys.stderr)
+        print(f"wrote {os.path.join(args.out, 'bench.csv')} and bench.md ({len(rows)} rows from {args.gpus} workers)")
+        return 0 if rows and not failures else 1
     rows = bench.run(models, batches, modes, args.steps, args.buffer_len, args.device, args.dtype, args.layers,
                      args.out, tp=args.tp)
     if lead:
@@ -251,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
                         "default replayssm-ro on CUDA) in lockstep and compare tokens and logits; exit 1 if an fp32 "
                         "run disagrees on any token")
     b.add_argument("--check-batch", type=int, default=4)
+    b.add_argument("--gpus", type=int, default=1, metavar="N",
+                   help="spread the sweep's (model, batch) points over N GPUs of this host, one worker process per "
+                        "GPU (CUDA_VISIBLE_DEVICES); one merged CSV, table and plots (worker logs under OUT/worker<k>)")
     b.add_argument("--tp", type=int, default=1, metavar="N",
                    help="shard every model over N ranks (tensor parallel); launch with torchrun --nproc-per-node N "
                         "-m replay_compile.cli bench --tp N ...")

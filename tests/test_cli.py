@@ -93,3 +93,38 @@ def test_bench_modes_take_a_read_copy_and_reject_unknown_ones(tmp_path, capsys):
             dict(model="m", batch=1, mode="replayssm-ro:fp8_e4m3", step_ms=1.0)]
     bench._speedups(rows)
     assert rows[1]["speedup_vs_compile"] == 2.0
+
+
+def test_bench_points_are_dealt_to_workers_by_cost():
+    """Every (model, batch) point lands on exactly one worker; the big batches are spread first, so no worker gets
+    all of them; a worker's points are grouped per model."""
+    from replay_compile.bench_parallel import shard_points
+
+    models, batches = ["a", "b", "c"], [1, 8, 32, 64, 128, 256, 512]
+    shards = shard_points(models, batches, 2)
+    dealt = sorted((m, b) for w in shards for m, bs in w for b in bs)
+    assert dealt == sorted((m, b) for m in models for b in batches)
+    big = [sum(b for _, bs in w for b in bs if b >= 256) for w in shards]
+    assert min(big) > 0, shards
+    assert all(len({m for m, _ in w}) == len(w) for w in shards)
+    assert shard_points(["a"], [1], 3) == [[("a", [1])], [], []]
+
+
+def test_bench_on_two_workers_merges_their_rows(tmp_path, capsys):
+    """``bench --gpus 2``: two worker processes (on CPU here; CUDA_VISIBLE_DEVICES pins them on a GPU host), one
+    merged CSV and table with every point, in model / batch / mode order, speedups computed across them."""
+    from replay_compile.bench_parallel import read_rows
+
+    assert main(["bench", "--models", "tiny_mamba2", "--batches", "1,2", "--modes", "eager,replayssm",
+                 "--steps", "6", "--buffer-len", "4", "--dtype", "float32", "--device", "cpu", "--gpus", "2",
+                 "--out", str(tmp_path)]) == 0
+    rows = read_rows(str(tmp_path / "bench.csv"))
+    assert [(r["batch"], r["mode"]) for r in rows] == [(1, "eager"), (1, "replayssm"), (2, "eager"), (2, "replayssm")]
+    assert all(r["rewrites"] >= 2 for r in rows if r["mode"] == "replayssm")
+    assert {p.name for p in tmp_path.iterdir()} >= {"worker0", "worker1", "bench.csv", "bench.md"}
+    assert "rows from 2 workers" in capsys.readouterr().out
+
+
+def test_bench_gpus_rejects_tp_and_check(tmp_path):
+    with pytest.raises(SystemExit, match="--gpus"):
+        main(["bench", "--device", "cpu", "--gpus", "2", "--tp", "2", "--out", str(tmp_path)])

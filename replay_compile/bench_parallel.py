@@ -1,0 +1,88 @@
+"""``replay-compile bench --gpus N``: the sweep's (model, batch) points spread over N GPUs of one host.
+
+A full sweep (3 models x 7 batches x 5 modes) is mostly compile time, one compile per point and mode, and every point
+is independent: N worker processes, each pinned to one GPU with ``CUDA_VISIBLE_DEVICES``, run their share of the
+points one after another through the ordinary ``bench`` command (a model is built once per worker and model), and
+the parent merges their rows into one CSV, table and set of plots. Timings stay per GPU: no two points ever share a
+device. Each worker's output and log stay under ``OUT/worker<k>/``.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+import threading
+
+from . import bench
+
+
+def shard_points(models: list[str], batches: list[int], n: int) -> list[list[tuple[str, list[int]]]]:
+    """Deal every (model, batch) point to one of ``n`` workers: largest batches first, each to the least-loaded
+    worker (a point costs about one compile per mode plus its decode steps, weight ``1 + batch / 128``). Returns per
+    worker its ``(model, batches)`` groups (one model build per group), in the given model order."""
+    load = [0.0] * n
+    got: list[dict[str, list[int]]] = [{} for _ in range(n)]
+    points = sorted(((m, b) for m in models for b in batches), key=lambda p: (-p[1], models.index(p[0])))
+    for m, b in points:
+        k = min(range(n), key=lambda i: (load[i], i))
+        load[k] += 1 + b / 128
+        got[k].setdefault(m, []).append(b)
+    return [[(m, sorted(w[m])) for m in models if m in w] for w in got]
+
+
+def _value(s: str):
+    for cast in (int, float):
+        try:
+            return cast(s)
+        except ValueError:
+            pass
+    return s
+
+
+def read_rows(path: str) -> list[dict]:
+    """The rows of a ``bench.csv`` with numbers as numbers (as :func:`bench.run` returns them)."""
+    with open(path, newline="") as f:
+        return [{k: _value(v) for k, v in r.items()} for r in csv.DictReader(f)]
+
+
+def run_parallel(n: int, models: list[str], batches: list[int], modes: list[str], forward: list[str],
+                 out_dir: str) -> tuple[list[dict], list[str]]:
+    """Run the sweep on ``n`` GPUs (workers ``0 .. n-1``); ``forward`` holds the other ``bench`` options (steps,
+    dtype, layers, ...). Returns the merged rows (also written to ``out_dir``) and one line per failed group."""
+    os.makedirs(out_dir, exist_ok=True)
+    shards = shard_points(models, batches, n)
+    failures: list[str] = []
+    lock = threading.Lock()
+
+    def worker(k: int) -> None:
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(k))
+        for model, bs in shards[k]:
+            out = os.path.join(out_dir, f"worker{k}", model)
+            os.makedirs(out, exist_ok=True)
+            cmd = [sys.executable, "-m", "replay_compile.cli", "bench", "--models", model,
+                   "--batches", ",".join(map(str, bs)), "--modes", ",".join(modes), "--out", out, *forward]
+            with open(os.path.join(out, "log.txt"), "w") as log:
+                rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+            with lock:
+                line = f"worker {k} (GPU {k}): {model} batches {bs}: " + ("done" if rc == 0 else f"exit {rc}")
+                print(line, file=sys.stderr, flush=True)
+                if rc:
+                    failures.append(f"{line}, see {os.path.join(out, 'log.txt')}")
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(n) if shards[k]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    rows = []
+    for k in range(n):
+        for model, _ in shards[k]:
+            path = os.path.join(out_dir, f"worker{k}", model, "bench.csv")
+            if os.path.exists(path):                     # a worker cut short still leaves the rows it finished
+                rows += read_rows(path)
+    order = {m: i for i, m in enumerate(modes)}
+    rows.sort(key=lambda r: (models.index(r["model"]), r["batch"], order.get(r["mode"], len(order))))
+    bench._write(rows, out_dir)
+    return rows, failures
