@@ -6,8 +6,12 @@ Real-size layer dimensions (``replay_compile.bench``'s models, random weights, f
 set (a random 16-token phrase repeated 4 times per row), greedy decoding of ``--new`` tokens, both sides eager:
 
 * baseline: ``model.generate(do_sample=False)``;
-* ``lookup``: our loop with prompt-lookup drafts (3 per round). With random weights the model rarely repeats the
-  prompt, so acceptance is low: this row measures the cost of verifying drafts that fail;
+* ``lookup``: our loop with prompt-lookup drafts (3 per round). With random weights the model never repeats the
+  prompt, so nothing is accepted: this row measures the cost of verifying drafts that fail. With
+  ``--train-copy STEPS`` each model is first trained (fp32, on the GPU, at most STEPS AdamW steps) on the copy task
+  of ``replay_compile.testing.copy_task`` until it continues a repeated phrase, and the prompts become a phrase of
+  ids < ``--copy-vocab`` repeated twice: prompt lookup then meets the repetitive text it is meant for and this row
+  measures real acceptance;
 * ``oracle``: our loop with the baseline's own continuation as drafts (every draft accepted): the upper bound a
   good draft source reaches, and the check that the mechanism gives the same tokens.
 
@@ -34,9 +38,21 @@ def _timed(fn):
     return out, time.perf_counter() - t0
 
 
+def _trainable(name: str, device, layers):
+    """The fp32 model to train on the copy task: the tiny test models are built with a large init (0.5, for
+    numerically demanding parity tests) that does not train; give them the usual 0.02."""
+    from replay_compile.bench import build_model
+
+    if name.startswith("tiny_"):
+        from replay_compile.testing.hf_models import DELTA_FAMILY, MAMBA2_FAMILY
+        return {**MAMBA2_FAMILY, **DELTA_FAMILY}[name[5:]](dtype=torch.float32, initializer_range=0.02).to(device)
+    return build_model(name, torch.float32, device, layers=layers)
+
+
 def main(argv=None):
     from replay_compile.bench import build_model
     from replay_compile.speculative import PromptLookup, generate_speculative
+    from replay_compile.testing.copy_task import copy_batch, train_copy
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="nemotron_h_nano4b,qwen35_4b")
@@ -46,6 +62,9 @@ def main(argv=None):
     ap.add_argument("--num-draft", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--train-copy", type=int, default=0, metavar="STEPS",
+                    help="train each model on the copy task first (at most STEPS steps; 0: random weights)")
+    ap.add_argument("--copy-vocab", type=int, default=1000)
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-results"))
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -53,21 +72,33 @@ def main(argv=None):
     rows = []
     dev_name = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     print(f"# {dev_name}, torch {torch.__version__}, {args.dtype}, {args.layers} layers, "
-          f"{args.new} new tokens, {args.num_draft} drafts per round")
+          f"{args.new} new tokens, {args.num_draft} drafts per round"
+          + (f", models trained on the copy task (<= {args.train_copy} steps)" if args.train_copy else ""))
     print(f"{'model':18} {'bs':>3} {'variant':8} {'tok/s':>9} {'x base':>7} {'tok/round':>9} {'agree':>6}")
     for name in args.models.split(","):
-        model = build_model(name, dtype, args.device, layers=args.layers)
+        trained = None
+        if args.train_copy:
+            model = _trainable(name, args.device, args.layers)
+            trained = train_copy(model, args.train_copy, vocab=args.copy_vocab, check_every=25,
+                                 log=lambda s: print(f"# {name}: {s}", flush=True))
+            model = model.to(dtype)
+        else:
+            model = build_model(name, dtype, args.device, layers=args.layers)
         vocab = model.config.vocab_size
         for bs in map(int, args.batches.split(",")):
             g = torch.Generator().manual_seed(bs)
-            phrase = torch.randint(3, vocab, (bs, 16), generator=g)
-            ids = phrase.repeat(1, 4).to(args.device)
+            if trained:
+                ids = copy_batch(bs, 16, reps=2, vocab=min(args.copy_vocab, vocab), generator=g, device=args.device)
+            else:
+                ids = torch.randint(3, vocab, (bs, 16), generator=g).repeat(1, 4).to(args.device)
             with torch.no_grad():
                 model.generate(ids, max_new_tokens=4, do_sample=False)                 # warm-up (allocator, kernels)
                 ref, t_ref = _timed(lambda: model.generate(ids, max_new_tokens=args.new, do_sample=False))
             base_tps = bs * args.new / t_ref
+            extra = dict(copy_steps=trained["steps"] if trained else 0,
+                         copy_acc=trained["copy_acc"] if trained else float("nan"))
             rows.append(dict(model=name, bs=bs, variant="generate", tok_s=base_tps, speedup=1.0, tok_round=1.0,
-                             agree=1.0))
+                             agree=1.0, **extra))
             print(f"{name:18} {bs:3d} {'generate':8} {base_tps:9.1f} {1.0:6.2f}x {1.0:9.2f} {1.0:6.3f}", flush=True)
             oracle = lambda t, k: ref[:, t.shape[1]:t.shape[1] + k]  # noqa: E731
             for variant, draft in (("lookup", PromptLookup(ngram=3)), ("oracle", oracle)):
@@ -78,7 +109,7 @@ def main(argv=None):
                 agree = float((out.sequences[:, ids.shape[1]:n] == ref[:, ids.shape[1]:n]).float().mean())
                 tps = bs * args.new / t
                 rows.append(dict(model=name, bs=bs, variant=variant, tok_s=tps, speedup=tps / base_tps,
-                                 tok_round=out.tokens_per_round, agree=agree))
+                                 tok_round=out.tokens_per_round, agree=agree, **extra))
                 print(f"{name:18} {bs:3d} {variant:8} {tps:9.1f} {tps / base_tps:6.2f}x {out.tokens_per_round:9.2f} "
                       f"{agree:6.3f}", flush=True)
         model = None

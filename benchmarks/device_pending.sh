@@ -21,6 +21,8 @@
 #   e2e_nem    Nemotron-Nano-4B dims, 8 layers, bs 1 and 256, reduce-overhead both sides (issue 5)
 #   check_qwen 256-token greedy parity at fp32 of Qwen3.5-4B dims (issue 5)
 #   e2e_full   issue 5's whole sweep on every GPU of the host (kind nvidia-h200-x2: --gpus 2), $E2E_MODELS
+#   spec_copy  issue 6's end-to-end prompt lookup on a repetitive prompt set: each model first trained on the copy
+#              task (testing/copy_task.py) so that it continues repeated phrases, then generate vs our loop
 #   knobs readcopy anchor compile: session 7's pending measurements (done in session 8's first call)
 set -uo pipefail
 OUT=${OUT:-device-logs}; mkdir -p "$OUT"
@@ -91,6 +93,9 @@ for s in $steps; do case $s in
   e2e_full) NG=$(nvidia-smi -L | wc -l); timeout 560 replay-compile bench --layers 8 --gpus "$NG" \
            --models "${E2E_MODELS:-nemotron_h_nano4b,qwen35_4b,mamba2_2p7b}" --out "$OUT/e2e_full" 2>&1 \
            | grep "^|\|worker\|wrote" | tee "$OUT/e2e_full.txt" ;;
+  spec_copy) timeout 400 python3 benchmarks/bench_spec_generate.py --out "$OUT/spec_copy" --train-copy 600 \
+           --models "${GEN_MODELS:-nemotron_h_nano4b,qwen35_4b}" --batches 1,8,32 --layers 8 --new 64 2>&1 \
+           | grep -v "^\[transformers\]" | tee "$OUT/spec_copy.txt" ;;
   sweep) timeout 330 python3 benchmarks/bench_mamba2_kernel.py --out "$OUT" 2>&1 | grep -v Warn \
            | tee "$OUT/mamba2_sweep.txt" ;;
   breakdown) timeout 150 python3 benchmarks/diag_stream_ceiling.py --delta qwen35_4b,kimi_linear 2>&1 \

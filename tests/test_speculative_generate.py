@@ -151,3 +151,25 @@ def test_an_ssm_layer_missed_by_the_module_checks_is_caught_by_its_cache_state(m
     monkeypatch.setattr(gen, "is_gated_deltanet", lambda m: real(m) and m.layer_idx != 2)
     with pytest.raises(ReplayCompileError, match=r"model\.layers\.2\.linear_attn \(Qwen3_5GatedDeltaNet\)"):
         generate_speculative(model, ids, 4)
+
+
+def test_a_model_trained_to_copy_makes_prompt_lookup_accept():
+    """The copy task of the benchmarks (``testing.copy_task``): the tiny NemotronH, trained briefly on repeated
+    phrases, continues a repeated phrase; prompt lookup on such a prompt then accepts most drafts, and the output is
+    still exactly greedy ``generate``'s (the random-weight models accept nothing: 1.00 tokens per round)."""
+    from replay_compile.testing.copy_task import copy_accuracy, copy_batch, train_copy
+
+    torch.manual_seed(0)
+    model = MAMBA2_FAMILY["nemotron_h"](dtype=torch.float32, seed=0, initializer_range=0.02)
+    vocab = model.config.vocab_size
+    assert copy_accuracy(model, phrase_len=8, vocab=vocab) < 0.2
+    res = train_copy(model, 900, phrase_len=8, reps=4, vocab=vocab, batch=48, target=0.97, log=None)
+    assert res["copy_acc"] >= 0.97 and not model.training, res
+    ids = copy_batch(2, phrase_len=8, reps=2, vocab=vocab, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=24, do_sample=False)
+    out = generate_speculative(model, ids, 24, num_draft=3, draft=PromptLookup(ngram=3), buffer_len=8)
+    assert torch.equal(out.sequences, ref)
+    assert out.tokens_per_round > 2.5, out.accepted
+    with pytest.raises(ValueError, match="fp32"):
+        train_copy(model.to(torch.bfloat16), 1)
