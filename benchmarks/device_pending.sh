@@ -23,6 +23,9 @@
 #   e2e_full   issue 5's whole sweep on every GPU of the host (kind nvidia-h200-x2: --gpus 2), $E2E_MODELS
 #   spec_copy  issue 6's end-to-end prompt lookup on a repetitive prompt set: each model first trained on the copy
 #              task (testing/copy_task.py) so that it continues repeated phrases, then generate vs our loop
+#   flushgrid  the listed flush walks with more programs per SM: the read copy's flush step got 25% slower when
+#              listed (fp8 1567 -> 1957 µs at bs256, 1-warp programs, 32 per SM), so try 64 and 128 per SM (and the
+#              full grid) for it, and 48 / 64 warps per SM for the exact Mamba-2 flush walk
 #   knobs readcopy anchor compile: session 7's pending measurements (done in session 8's first call)
 set -uo pipefail
 OUT=${OUT:-device-logs}; mkdir -p "$OUT"
@@ -96,6 +99,13 @@ for s in $steps; do case $s in
   spec_copy) timeout 400 python3 benchmarks/bench_spec_generate.py --out "$OUT/spec_copy" --train-copy 600 \
            --models "${GEN_MODELS:-nemotron_h_nano4b,qwen35_4b}" --batches 1,8,32 --layers 8 --new 64 2>&1 \
            | grep -v "^\[transformers\]" | tee "$OUT/spec_copy.txt" ;;
+  flushgrid) SM=$(python3 -c "import torch; print(torch.cuda.get_device_properties(0).multi_processor_count)")
+           timeout 200 python3 benchmarks/bench_readcopy_kernel.py --out "$OUT/flushgrid" --batches 256 \
+           --configs "pre:;pre:flush_programs=$((64 * SM));pre:flush_programs=$((128 * SM));pre:flush_list=0" 2>&1 \
+           | grep -v Warn | tee "$OUT/readcopy_flushgrid.txt"
+           timeout 150 python3 benchmarks/bench_mamba2_kernel.py --out "$OUT/flushgrid" --batches 128,256 \
+           --configs "pre;pre:flush_per_sm=12;pre:flush_per_sm=16" 2>&1 | grep -v Warn \
+           | tee "$OUT/mamba2_flushgrid.txt" ;;
   sweep) timeout 330 python3 benchmarks/bench_mamba2_kernel.py --out "$OUT" 2>&1 | grep -v Warn \
            | tee "$OUT/mamba2_sweep.txt" ;;
   breakdown) timeout 150 python3 benchmarks/diag_stream_ceiling.py --delta qwen35_4b,kimi_linear 2>&1 \
