@@ -77,39 +77,53 @@ def reference(request):
     return request.param, model, ids, ref
 
 
+def _truth(ref, t, k):
+    """The true next ``k`` tokens of every row of ``t`` (rows right-aligned, left-padded with -1 once they run
+    ahead of each other; past the reference's end: token 3)."""
+    seq = torch.cat([ref.sequences, torch.full((ref.sequences.shape[0], k), 3)], dim=1)
+    n = (t >= 0).sum(1)
+    return torch.stack([seq[r, int(n[r]):int(n[r]) + k] for r in range(t.shape[0])])
+
+
 def _oracle(ref):
-    return lambda t, k: ref.sequences[:, t.shape[1]:t.shape[1] + k]
+    return lambda t, k: _truth(ref, t, k)
 
 
 def _wrong(ref, vocab):
-    return lambda t, k: (ref.sequences[:, t.shape[1]:t.shape[1] + k] + 1 - 3) % (vocab - 3) + 3
+    return lambda t, k: (_truth(ref, t, k) + 1 - 3) % (vocab - 3) + 3
 
 
 def _mixed(ref, vocab, seed=0):
     g = torch.Generator().manual_seed(seed)
 
     def propose(t, k):
-        good = ref.sequences[:, t.shape[1]:t.shape[1] + k]
+        good = _truth(ref, t, k)
         flip = torch.rand(good.shape, generator=g) < 0.3
         return torch.where(flip, (good + 1 - 3) % (vocab - 3) + 3, good)
     return propose
 
 
+@pytest.mark.parametrize("per_row", [True, False])
 @pytest.mark.parametrize("drafts", ["oracle", "wrong", "mixed", "prompt_lookup"])
-def test_greedy_output_and_final_cache_match_generate(reference, drafts):
+def test_greedy_output_and_final_cache_match_generate(reference, drafts, per_row):
     family, model, ids, ref = reference
     vocab = model.config.vocab_size
     draft = {"oracle": _oracle(ref), "wrong": _wrong(ref, vocab), "mixed": _mixed(ref, vocab),
              "prompt_lookup": PromptLookup(ngram=3)}[drafts]
-    out = generate_speculative(model, ids, NEW, num_draft=3, draft=draft, buffer_len=8)
+    out = generate_speculative(model, ids, NEW, num_draft=3, draft=draft, buffer_len=8, per_row=per_row)
     assert torch.equal(out.sequences, ref.sequences), (family, drafts, out.accepted)
-    assert sum(out.accepted) == NEW - 1                                  # the first token comes from the prefill
+    counts = [n for rnd in out.accepted for n in rnd]
+    for row in range(ids.shape[0]):                                     # the first token comes from the prefill
+        assert sum(rnd[row] for rnd in out.accepted) == NEW - 1
     if drafts == "oracle":
-        assert max(out.accepted) == 4 and out.rounds < NEW // 2
+        assert max(counts) == 4 and out.rounds < NEW // 2
     if drafts == "wrong":
-        assert set(out.accepted) == {1}
+        assert set(counts) == {1}
     if drafts == "mixed":
-        assert len(set(out.accepted)) >= 2                                # several acceptance counts
+        assert len(set(counts)) >= 2                                     # several acceptance counts
+        if per_row:          # rows ran ahead of each other, and one sat the last rounds out (slot -1)
+            assert any(len(set(rnd)) > 1 for rnd in out.accepted) and out.attention_mask is not None
+            assert any(0 in rnd for rnd in out.accepted), out.accepted
     ref_cache = output_cache(ref)
     # relative to each tensor's largest entry: the projections see T rows at once, so rounding differs slightly
     for a, b in zip(_recurrent_states(out.cache) + _conv_states(out.cache),

@@ -42,6 +42,9 @@ class SpecLayer:
         self.is_flush = torch.zeros(S, dtype=torch.bool, device=dev)
         ref.spec_reset_reference(self.w, self.origin, self.is_flush, B, T)
         self.pending_conv: torch.Tensor | None = None          # [S, conv_dim, T] inputs of the last verify
+        # [b] slot per row for the verify forward and commit (negative: the row sits this round out: its state,
+        # rings and cursor are not touched); None: row i is slot i
+        self.slot_idx: torch.Tensor | None = None
         # issue 7 experiments: a low-precision read copy of the checkpoint (held decoded), written at each flush by
         # ``read_format`` (quantize-dequantize); the references then serve ordinary rows' outputs from it
         self.read_format = read_format
@@ -52,14 +55,25 @@ class SpecLayer:
             raise ReplayCompileError(f"replay_compile.speculative: {self.name}: {T} tokens in one verify, the rings "
                                      f"were sized for at most {self.T}")
 
-    def commit(self, n: int) -> None:
-        """Keep the first ``n`` tokens (1..T) of the last verify on every row: cursor moves, conv state advanced."""
-        b = self.pending_conv.shape[0]
-        n_acc = torch.full((b,), n, dtype=torch.int32, device=self.w.device)
-        torch.ops.replay_compile.spec_commit(self.w, self.origin, self.is_flush, n_acc, self.B, self.T)
+    def commit(self, n) -> None:
+        """Keep the first ``n`` tokens of the last verify: an int for every row, or [b] counts in 0..T per row (0: a
+        row that sat the round out, its slot negative in :attr:`slot_idx`). Cursors move, the conv state advances by
+        the accepted inputs only."""
+        b, C, T = self.pending_conv.shape
+        dev = self.w.device
+        n_acc = (n.to(device=dev, dtype=torch.int32) if isinstance(n, torch.Tensor)
+                 else torch.full((b,), n, dtype=torch.int32, device=dev))
+        slots = self.slot_idx
+        idle = n_acc == 0
+        if bool(idle.any()):                    # the eager loop's host sync; rows with nothing accepted stay put
+            base = slots if slots is not None else torch.arange(b, dtype=torch.int32, device=dev)
+            slots = torch.where(idle, -1, base.to(torch.int32))
+        torch.ops.replay_compile.spec_commit(self.w, self.origin, self.is_flush, n_acc.clamp(min=1), self.B, self.T,
+                                             slots)
         K = self.conv_state.shape[-1]
-        seq = torch.cat([self.conv_state, self.pending_conv[..., :n].to(self.conv_state.dtype)], dim=-1)
-        self.conv_state.copy_(seq[..., -K:])
+        seq = torch.cat([self.conv_state, self.pending_conv.to(self.conv_state.dtype)], dim=-1)     # [b, C, K + T]
+        cols = n_acc.long()[:, None, None] + torch.arange(K, device=dev)                          # last K of K + n
+        self.conv_state.copy_(torch.gather(seq, -1, cols.expand(b, C, K)))
         self.pending_conv = None
 
     rings: tuple = ()

@@ -83,9 +83,9 @@ class SpecDeltaLayer(SpecLayer):
         args = (self.state, self.d_ring, self.k_ring, self.g_ring, self.w, self.origin, self.is_flush,
                 q, k, v, g.float(), beta.float())
         if self.read_state is None:
-            return torch.ops.replay_compile.delta_spec_verify(*args)
-        return delta_spec_verify_reference(*args, read_state=self.read_state, read_format=self.read_format,
-                                           v_ring=self.v_ring, beta_ring=self.beta_ring)
+            return torch.ops.replay_compile.delta_spec_verify(*args, self.slot_idx)
+        return delta_spec_verify_reference(*args, slot_idx=self.slot_idx, read_state=self.read_state,
+                                           read_format=self.read_format, v_ring=self.v_ring, beta_ring=self.beta_ring)
 
     def _gdn(self, h: torch.Tensor) -> torch.Tensor:
         m = self.mixer

@@ -3,8 +3,9 @@
 Each round verifies ``[last token, d_1 .. d_k]`` in one forward: SSM layers through the output-only verify ops
 (Mamba-2 mixers: :mod:`.mamba2_layer`, ``mamba2_spec_verify``; Gated DeltaNet and Kimi Delta Attention:
 :mod:`.delta_layer`, ``delta_spec_verify``), attention layers as the model does it. The drafts that match the
-model's own greedy choices are accepted; the SSM layers commit by moving cursors and the attention caches drop the
-rejected positions. Every row commits the same count (the smallest over the batch), so the output of every row is
+model's own greedy choices are accepted; the SSM layers commit by moving cursors. Each row keeps its own accepted
+count (the attention caches keep the rejected positions, masked out by the attention mask; ``per_row=False``: every
+row commits the batch's smallest count and the attention caches drop the rest). Either way the output of every row is
 exactly its greedy decode.
 
 Supported (checked against ``model.generate`` in transformers 5.24): NemotronH, Mamba2, Bamba, Zamba2,
@@ -37,11 +38,14 @@ class SpeculativeOutput:
     sequences: torch.Tensor          # [b, prompt + new] prompt and generated tokens
     cache: object                    # the model's cache, holding the true state of every fed token
     rounds: int                      # verify forwards
-    accepted: list                   # tokens emitted per round (1 .. num_draft + 1)
+    accepted: list                   # per round, tokens emitted per row (1 .. num_draft + 1; 0: the row was done)
+    attention_mask: torch.Tensor | None = None   # per_row: [b, cache positions], 0 where a rejected draft sits
 
     @property
     def tokens_per_round(self) -> float:
-        return sum(self.accepted) / max(len(self.accepted), 1)
+        """Tokens emitted per row and round, over the rounds each row took part in."""
+        counts = [n for per_row in self.accepted for n in per_row if n > 0]
+        return sum(counts) / max(len(counts), 1)
 
 
 def _spec_layers(model, cache, B: int, T: int) -> list[SpecLayer]:
@@ -124,19 +128,24 @@ def _step_kwargs(model) -> tuple[str, bool]:
 
 
 def generate_speculative(model, input_ids: torch.Tensor, max_new_tokens: int, *, num_draft: int = 3,
-                         draft: Callable | None = None, buffer_len: int = 16) -> SpeculativeOutput:
+                         draft: Callable | None = None, buffer_len: int = 16, per_row: bool = True) -> SpeculativeOutput:
     """Greedy-decode ``max_new_tokens`` tokens with drafts verified ``num_draft`` at a time.
 
     Args:
         model: an HF causal LM whose SSM layers are Mamba-2 mixers, Gated DeltaNet or KDA layers (see the module
             docstring for the families; eval mode; runs eagerly).
         input_ids: [b, prompt] (no padding).
-        draft: ``(tokens [b, n], k) -> [b, k]`` proposer; default :class:`PromptLookup`.
+        draft: ``(tokens [b, n], k) -> [b, k]`` proposer; default :class:`PromptLookup`. With ``per_row`` rows
+            run ahead of each other: ``tokens`` then holds each row's tokens right-aligned, left-padded with -1.
         buffer_len: history budget ``B`` of the replay rings (records folded into the checkpoint when a verify
             would not fit).
+        per_row: every row keeps its own accepted count (the SSM layers commit per row; the attention caches keep
+            the rejected positions, masked out through the attention mask). ``False``: every row commits the
+            batch's smallest count and the attention caches drop the rest (the layout ``generate`` leaves).
     Returns:
         :class:`SpeculativeOutput`; ``sequences`` equals ``model.generate(input_ids, max_new_tokens=...,
-        do_sample=False)``'s, and ``cache`` holds the state after every fed token, as ``generate``'s does.
+        do_sample=False)``'s, and ``cache`` holds the SSM state after every fed token, as ``generate``'s does (with
+        ``per_row``, its attention layers also hold masked rejected positions: ``attention_mask`` says which).
     """
     if max_new_tokens < 1 or num_draft < 1:
         raise ValueError(f"generate_speculative: need max_new_tokens >= 1 and num_draft >= 1, got {max_new_tokens}, "
@@ -147,28 +156,107 @@ def generate_speculative(model, input_ids: torch.Tensor, max_new_tokens: int, *,
         out = model(input_ids, use_cache=True)
         cache = output_cache(out)
         tok = out.logits[:, -1].argmax(-1, keepdim=True)                    # [b, 1], emitted, not yet fed
-        tokens = torch.cat([input_ids, tok], dim=1)
         layers = _spec_layers(model, cache, buffer_len, T)
         ck, takes_positions = _step_kwargs(model)
-        emitted, accepted = 1, []
         with _verify_forwards(layers):
-            while emitted < max_new_tokens:
-                k = min(num_draft, max_new_tokens - emitted - 1)   # never feed past what generate would
-                drafts = draft(tokens, k) if k else tok[:, :0]
-                window = torch.cat([tok, drafts.to(tok)], dim=1)              # [b, k + 1]
-                fed = tokens.shape[1] - 1                                      # positions already in the cache
-                pos = torch.arange(fed, fed + k + 1, device=window.device).expand(window.shape[0], -1)
-                extra = {"position_ids": pos} if takes_positions else {}
-                pred = model(window, **{ck: cache}, use_cache=True, **extra).logits.argmax(-1)
-                ok = (drafts == pred[:, :k]).int().cumprod(-1).sum(-1) if k else torch.zeros_like(tok[:, 0])
-                n = int(ok.min()) + 1                                          # same count on every row
-                for layer in layers:
-                    layer.commit(n)
-                _drop_attention_tail(cache, k + 1 - n)
-                tokens = torch.cat([tokens, pred[:, :n]], dim=1)
-                tok = pred[:, n - 1:n]
-                emitted += n
-                accepted.append(n)
+            if per_row:
+                res = _rounds_per_row(model, input_ids, tok, cache, layers, ck, takes_positions, max_new_tokens,
+                                      num_draft, draft)
+            else:
+                res = _rounds_batch_min(model, input_ids, tok, cache, layers, ck, takes_positions, max_new_tokens,
+                                        num_draft, draft)
         for layer in layers:
             layer.finish()
+    return res
+
+
+def _checked(drafts, b: int, k: int) -> torch.Tensor:
+    if not isinstance(drafts, torch.Tensor) or tuple(drafts.shape) != (b, k):
+        got = tuple(drafts.shape) if isinstance(drafts, torch.Tensor) else type(drafts).__name__
+        raise ReplayCompileError(f"replay_compile.speculative: the draft proposer must return [b={b}, k={k}] token "
+                                 f"ids, got {got}")
+    return drafts
+
+
+def _rounds_batch_min(model, input_ids, tok, cache, layers, ck, takes_positions, max_new, num_draft, draft):
+    """Every row commits the batch's smallest accepted count; the attention caches drop the rejected tail."""
+    tokens = torch.cat([input_ids, tok], dim=1)
+    emitted, accepted = 1, []
+    b = tokens.shape[0]
+    while emitted < max_new:
+        k = min(num_draft, max_new - emitted - 1)               # never feed past what generate would
+        drafts = _checked(draft(tokens, k), b, k) if k else tok[:, :0]
+        window = torch.cat([tok, drafts.to(tok)], dim=1)                      # [b, k + 1]
+        fed = tokens.shape[1] - 1                                              # positions already in the cache
+        pos = torch.arange(fed, fed + k + 1, device=window.device).expand(b, -1)
+        extra = {"position_ids": pos} if takes_positions else {}
+        pred = model(window, **{ck: cache}, use_cache=True, **extra).logits.argmax(-1)
+        ok = (drafts == pred[:, :k]).int().cumprod(-1).sum(-1) if k else torch.zeros_like(tok[:, 0])
+        n = int(ok.min()) + 1                                                  # same count on every row
+        for layer in layers:
+            layer.commit(n)
+        _drop_attention_tail(cache, k + 1 - n)
+        tokens = torch.cat([tokens, pred[:, :n]], dim=1)
+        tok = pred[:, n - 1:n]
+        emitted += n
+        accepted.append([n] * b)
     return SpeculativeOutput(sequences=tokens, cache=cache, rounds=len(accepted), accepted=accepted)
+
+
+def _rounds_per_row(model, input_ids, tok, cache, layers, ck, takes_positions, max_new, num_draft, draft):
+    """Every row keeps its own accepted count. Rows run ahead of each other, so the attention caches grow by the
+    whole window each round and the attention mask hides each row's rejected positions; positions (RoPE) count a
+    row's accepted tokens only. A row that has all its tokens sits the remaining rounds out: its slot is -1 for the
+    SSM layers (nothing of its state touched) and its window positions are masked."""
+    b, prompt = input_ids.shape
+    dev = input_ids.device
+    width = prompt + max_new
+    tokens = torch.full((b, width + num_draft + 1), -1, dtype=torch.long, device=dev)   # right-aligned per row
+    tokens[:, :prompt] = input_ids
+    tokens[:, prompt] = tok[:, 0]
+    length = torch.full((b,), prompt + 1, dtype=torch.long, device=dev)       # tokens per row (last one not fed)
+    mask = torch.ones((b, prompt), dtype=torch.long, device=dev)              # over the cache's positions
+    rows = torch.arange(b, device=dev)
+    accepted = []
+    while True:
+        rem = max_new - (length - prompt)                                     # tokens still to emit per row
+        active = rem > 0
+        if not bool(active.any()):
+            break
+        k = min(num_draft, int(rem.max()) - 1)                  # never feed past what generate would
+        longest = int(length.max())
+        # each row's tokens right-aligned (left-padded with -1) for the proposer
+        shift = (longest - length)[:, None]
+        cols = torch.arange(longest, device=dev)[None, :] - shift
+        view = torch.where(cols >= 0, tokens.gather(1, cols.clamp(min=0)), -1)
+        drafts = _checked(draft(view, k), b, k).to(dev) if k else view[:, :0]
+        last = tokens[rows, length - 1][:, None]
+        window = torch.cat([last, drafts.to(last)], dim=1)                    # [b, k + 1]
+        fed = length - 1                                                      # accepted tokens in the cache
+        pos = fed[:, None] + torch.arange(k + 1, device=dev)
+        step_mask = torch.cat([mask, torch.ones((b, k + 1), dtype=mask.dtype, device=dev)], dim=1)
+        extra = {"position_ids": pos} if takes_positions else {}
+        slots = None if bool(active.all()) else torch.where(active, rows, -1).to(torch.int32)
+        for layer in layers:
+            layer.slot_idx = slots
+        try:
+            pred = model(window, **{ck: cache}, attention_mask=step_mask, use_cache=True, **extra).logits.argmax(-1)
+        finally:
+            for layer in layers:
+                layer.slot_idx = None
+        ok = (drafts == pred[:, :k]).int().cumprod(-1).sum(-1) if k else torch.zeros_like(length)
+        n = torch.minimum(ok + 1, rem).clamp(min=0)                           # 0 for rows that sat out
+        for layer in layers:
+            layer.slot_idx = slots
+            try:
+                layer.commit(n)
+            finally:
+                layer.slot_idx = None
+        keep = torch.arange(k + 1, device=dev)[None, :] < n[:, None]
+        mask = torch.cat([mask, keep.to(mask.dtype)], dim=1)
+        dst = length[:, None] + torch.arange(k + 1, device=dev)
+        tokens.scatter_(1, torch.where(keep, dst, tokens.shape[1] - 1), torch.where(keep, pred, -1))
+        length += n
+        accepted.append(n.tolist())
+    return SpeculativeOutput(sequences=tokens[:, :width], cache=cache, rounds=len(accepted), accepted=accepted,
+                             attention_mask=mask)

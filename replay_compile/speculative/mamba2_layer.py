@@ -59,9 +59,10 @@ class SpecMamba2Layer(SpecLayer):
         args = (self.state, self.x_ring, self.dt_ring, self.la_ring, self.B_ring, self.w, self.origin, self.is_flush,
                 x, dt.float(), la, Bm.reshape(b, T, G, N), Cm.reshape(b, T, G, N))
         if self.read_state is None:
-            y = torch.ops.replay_compile.mamba2_spec_verify(*args)
+            y = torch.ops.replay_compile.mamba2_spec_verify(*args, self.slot_idx)
         else:                                   # read-copy experiments run the reference (no kernel reads it yet)
-            y = spec_verify_reference(*args, read_state=self.read_state, read_format=self.read_format)
+            y = spec_verify_reference(*args, slot_idx=self.slot_idx, read_state=self.read_state,
+                                      read_format=self.read_format)
         y = (y + x.to(y.dtype) * m.D.to(y.dtype)[:, None]).to(dtype)
         y = m.norm(y.reshape(b, T, -1), gate)
         return m.out_proj(y.to(dtype))
