@@ -2,11 +2,10 @@
 # One device call for what was built without a GPU and has not compiled or been measured yet, most needed first.
 # Carry .baselines (mamba_ssm source) and .wheels (pytest-xdist, execnet, fla).
 # Usage on the GPU machine:  OUT=... bash benchmarks/device_pending.sh [steps...]
-#   steps (default: tests dbreak dconfigs sweep):
+#   steps (default, next session's single-GPU call: tests spec_copy flushgrid e2e_rc; e2e_full on nvidia-h200-x2):
 #   tests      GPU tests of every Mamba-2 / delta kernel (pytest -n 6 when pytest-xdist is carried)
-#   dbreak     diag_stream_ceiling.py --delta: per-kernel time of the GDN / KDA split step for the knobs of
-#              kernels/delta_split_triton.py (listed flush launch, KDA scan as a dot, early loads), bs256
-#   dconfigs   bench_delta_kernel.py --configs: the same knobs as whole steps vs fla, bs256, fp32
+#   dbreak     diag_stream_ceiling.py --delta: per-kernel time of the GDN / KDA split step for $DK configs, bs256
+#   dconfigs   bench_delta_kernel.py --configs $DK: the same configs as whole steps vs fla, bs256, fp32
 #   sweep      the Mamba-2 kernel sweep (bench_mamba2_kernel.py) with the session-8 defaults
 #   dtests     the delta kernel tests only;  dsweep  the delta kernel sweep vs fla (bench_delta_kernel.py)
 #   e2e_qwen   replay-compile bench, Qwen3.5-4B dims, 8 layers, bs 1 and 256, reduce-overhead both sides
@@ -34,12 +33,8 @@ python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.lo
 if ls .wheels/fla_core-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-deps .wheels/fla_core-*.whl .wheels/flash_linear_attention-*.whl >> "$OUT/install.log" 2>&1
 fi
-# round 2 (session 8): round 1 found the window launch on 1 warp (GDN 1.61 -> 1.66x, KDA 0.92 -> 1.05x) and BLOCK_V 32
-# (non-flush 218 -> 187 us) worth it, the listed flush launch a loss (986 us flush vs 570)
-W="split:window_warps=1"
-DK="$W;$W,flush_unroll=1;$W,BLOCK_V=32;$W,BLOCK_V=32,flush_unroll=1;$W,BLOCK_V=32,num_warps=2"
-DK="$DK;$W,BLOCK_V=32,num_warps=2,flush_unroll=1;$W,BLOCK_V=64,num_warps=2;$W,scan_dot=1;$W,win_early=1"
-DK="$DK;$W,BLOCK_V=32,early_d=1;split:window_warps=2,BLOCK_V=32,flush_unroll=1"
+# delta split configurations to compare (kernels/delta_triton.py TUNING; the default first)
+DK=${DK:-"split;split:scan_dot=0;split:window_warps=2;split:BLOCK_V=64,num_warps=2"}
 KS="fused;fused:scan_dot=1;fused:num_warps=4;fused:scan_dot=1,num_warps=4;fused:BLOCK_V=16,scan_dot=1,num_warps=4"
 KS="$KS;fused:scan_dot=1,num_warps=8;split"
 SG=";window_warps=1;window_warps=1,BLOCK_V=32,num_warps=2;window_warps=2,BLOCK_V=32,num_warps=2"
@@ -49,14 +44,14 @@ if ls .wheels/pytest_xdist-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-deps .wheels/pytest_xdist-*.whl .wheels/execnet-*.whl >> "$OUT/install.log" 2>&1 \
     && XDIST="-n 6"
 fi
-steps=${*:-tests dbreak dconfigs sweep}
+steps=${*:-tests spec_copy flushgrid e2e_rc}
 for s in $steps; do case $s in
   tests) timeout 300 python3 -m pytest -q $XDIST -p no:cacheprovider tests/test_mamba2_triton_gpu.py \
            tests/test_mamba2_triton.py tests/test_mamba2_readcopy.py tests/test_delta_readcopy_triton.py --tb=line \
            tests/test_delta_triton.py tests/test_delta_triton_gpu.py tests/test_kernel_call_anchor.py 2>&1 \
            | grep -v "warnings.warn" | tail -40 | tee "$OUT/pytest.txt" ;;
   dbreak) timeout 200 python3 benchmarks/diag_stream_ceiling.py --delta qwen35_4b,kimi_linear \
-           --delta-configs "split:window_warps=1;split:window_warps=1,scan_dot=1;split:window_warps=1,BLOCK_V=32,flush_unroll=1" \
+           --delta-configs "$DK" \
            2>&1 | grep -v Warn | tee "$OUT/delta_breakdown_knobs.txt" ;;
   dconfigs) timeout 300 python3 benchmarks/bench_delta_kernel.py --out "$OUT" --batches 256 \
            --geoms qwen35_4b,kimi_linear --configs "$DK" 2>&1 | grep -v Warn | tee "$OUT/delta_configs.txt" ;;
@@ -86,7 +81,7 @@ for s in $steps; do case $s in
            --dtypes float32 --geoms qwen35_4b,kimi_linear 2>&1 | grep -v Warn | tee "$OUT/delta_small.txt" ;;
   specsweep) timeout 150 python3 benchmarks/bench_spec_step.py --out "$OUT/spec" --batches 1,32,256,512 2>&1 | grep -v Warn \
            | tee "$OUT/spec_sweep.txt" ;;
-  e2e_rc) REPLAY_COMPILE_READ_COPY_FAMILIES=mamba2,gdn,kda timeout 110 replay-compile bench --models qwen35_4b \
+  e2e_rc) REPLAY_COMPILE_READ_COPY_FAMILIES=mamba2,gdn,kda timeout 240 replay-compile bench --models qwen35_4b \
            --layers 8 --batches 256 --steps 32 --modes inductor-ro,replayssm-ro,replayssm-ro:fp8_e4m3 \
            --out "$OUT/e2e_rc" 2>&1 | grep "^|" | tee "$OUT/e2e_rc.txt" ;;
   e2e_nem) timeout 150 replay-compile bench --models nemotron_h_nano4b --layers 8 --batches 1,256 --steps 32 \
