@@ -2,7 +2,8 @@
 # One device call for what was built without a GPU and has not compiled or been measured yet, most needed first.
 # Carry .baselines (mamba_ssm source) and .wheels (pytest-xdist, execnet, fla).
 # Usage on the GPU machine:  OUT=... bash benchmarks/device_pending.sh [steps...]
-#   steps (default, next session's single-GPU call: tests spec_copy flushgrid e2e_rc; e2e_full on nvidia-h200-x2):
+#   steps (default, next session's single-GPU call: tests dbreak dconfigs spec_copy flushgrid e2e_rc; e2e_full on
+#   nvidia-h200-x2):
 #   tests      GPU tests of every Mamba-2 / delta kernel (pytest -n 6 when pytest-xdist is carried)
 #   dbreak     diag_stream_ceiling.py --delta: per-kernel time of the GDN / KDA split step for $DK configs, bs256
 #   dconfigs   bench_delta_kernel.py --configs $DK: the same configs as whole steps vs fla, bs256, fp32
@@ -34,7 +35,7 @@ if ls .wheels/fla_core-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-deps .wheels/fla_core-*.whl .wheels/flash_linear_attention-*.whl >> "$OUT/install.log" 2>&1
 fi
 # delta split configurations to compare (kernels/delta_triton.py TUNING; the default first)
-DK=${DK:-"split;split:scan_dot=0;split:window_warps=2;split:BLOCK_V=64,num_warps=2"}
+DK=${DK:-"split;split:window_rows=1;split:window_rows=1,window_warps=2;split:scan_dot=0;split:BLOCK_V=64,num_warps=2"}
 KS="fused;fused:scan_dot=1;fused:num_warps=4;fused:scan_dot=1,num_warps=4;fused:BLOCK_V=16,scan_dot=1,num_warps=4"
 KS="$KS;fused:scan_dot=1,num_warps=8;split"
 SG=";window_warps=1;window_warps=1,BLOCK_V=32,num_warps=2;window_warps=2,BLOCK_V=32,num_warps=2"
@@ -44,7 +45,7 @@ if ls .wheels/pytest_xdist-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-deps .wheels/pytest_xdist-*.whl .wheels/execnet-*.whl >> "$OUT/install.log" 2>&1 \
     && XDIST="-n 6"
 fi
-steps=${*:-tests spec_copy flushgrid e2e_rc}
+steps=${*:-tests dbreak dconfigs spec_copy flushgrid e2e_rc}
 for s in $steps; do case $s in
   tests) timeout 300 python3 -m pytest -q $XDIST -p no:cacheprovider tests/test_mamba2_triton_gpu.py \
            tests/test_mamba2_triton.py tests/test_mamba2_readcopy.py tests/test_delta_readcopy_triton.py --tb=line \

@@ -12,7 +12,8 @@ instead of 4 (its ``[16, 128]`` tiles; GDN window 24 -> 16 µs, KDA 91 -> 54) an
 checkpoint stream 182 -> ~150 µs) took GDN from 1.61x to 1.94x and KDA from 0.92x to 1.20x. Tried and dropped: a
 launch of its own walking listed flush rows with one ``tl.dot`` (flush 986 µs vs 570, and the early return it needs
 in launch 2 delayed the slice load: +13 µs per non-flush step), the window's ring loads issued before the cursor, the
-``d`` window loaded before ``w``, the flush's L outer products unrolled (all within noise or worse).
+``d`` window loaded before ``w``, the flush's L outer products unrolled (all within noise or worse). Built, not yet
+measured: ``window_rows=1``, launch 1 record by record (:func:`_delta_window_rows_kernel`) for KDA's 46 µs window.
 """
 
 from __future__ import annotations
@@ -100,6 +101,68 @@ def _delta_window_kernel(
     if w == L - 1:
         tl.store(vb + 2 * BLOCK_K + offs_k, dec + tl.zeros([BLOCK_K], dtype=tl.float32))
         tl.store(ke_ptr + (row * HV + h) * (BLOCK_L * BLOCK_K) + offs_l[:, None] * BLOCK_K + offs_k[None, :], ke)
+
+
+@triton.jit
+def _delta_window_rows_kernel(
+    cursor_ptr, kr_ptr, gr_ptr, q_ptr, k_ptr, g_ptr, slot_ptr, win_ptr, vec_ptr, ke_ptr, wrow_ptr,
+    K, L, v_per_k, v_per_q,
+    s_krb, s_krh, s_krl, s_krk, s_grb, s_grh, s_grl, s_grk,
+    s_qb, s_qh, s_qk, s_kb, s_kh, s_kk, s_gb, s_gh, s_gk,
+    HAS_SLOT: tl.constexpr, KDA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
+):
+    """Launch 1 record by record (``window_rows=1``; same outputs as :func:`_delta_window_kernel`): the window's
+    key (and KDA gate) rows are separate ``[K]`` vectors, walked from the newest back with ``E_j`` carried as one
+    running sum, so the ``[L, K]`` suffix scan (or its dot) and the 2-D reductions become L vector steps, about a
+    third of the operations for KDA. Unrolled: every row load can be in flight at once."""
+    row = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    HV = tl.num_programs(1)
+    slot = _row_slot(slot_ptr, row, HAS_SLOT)
+    if slot < 0:
+        return
+    hk = h // v_per_k
+    hq = h // v_per_q
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_l = tl.arange(0, BLOCK_L)
+    mask_k = offs_k < K
+    q = tl.load(q_ptr + row * s_qb + hq * s_qh + offs_k * s_qk, mask=mask_k, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + row * s_kb + hk * s_kh + offs_k * s_kk, mask=mask_k, other=0.0).to(tl.float32)
+    w = tl.load(cursor_ptr + slot)
+    if h == 0:
+        tl.store(wrow_ptr + row, w)
+    kr_base = kr_ptr + slot * s_krb + hk * s_krh
+    gr_base = gr_ptr + slot * s_grb + h * s_grh
+    if KDA:
+        acc = tl.load(g_ptr + row * s_gb + h * s_gh + offs_k * s_gk, mask=mask_k, other=0.0).to(tl.float32)
+    else:
+        gw = tl.load(gr_base + offs_l * s_grl, mask=offs_l < w, other=0.0).to(tl.float32)          # [BLOCK_L]
+        acc = tl.load(g_ptr + row * s_gb + h * s_gh).to(tl.float32)
+    u = tl.zeros([BLOCK_L], dtype=tl.float32)
+    uq = tl.zeros([BLOCK_L], dtype=tl.float32)
+    flushing = (offs_k * 0 + w) == L - 1
+    ke_base = ke_ptr + (row * HV + h) * (BLOCK_L * BLOCK_K)
+    for jj in tl.static_range(BLOCK_L):
+        j = BLOCK_L - 1 - jj                       # newest first: acc = Σ_{j<i<=w} g_i when row j is reached
+        live = (offs_k * 0 + j) < w                # vector masks (the interpreter rejects scalar loop-index ones)
+        k_j = tl.load(kr_base + j * s_krl + offs_k * s_krk, mask=live & mask_k, other=0.0).to(tl.float32)
+        ke_j = tl.where(live, k_j * tl.exp(tl.minimum(acc, 0.0)), 0.0)
+        if KDA:
+            acc += tl.load(gr_base + j * s_grl + offs_k * s_grk, mask=live & mask_k, other=0.0).to(tl.float32)
+        else:
+            acc += tl.sum(tl.where(offs_l == j, gw, 0.0), axis=0)
+        u = tl.where(offs_l == j, tl.sum(ke_j * k, axis=0), u)
+        uq = tl.where(offs_l == j, tl.sum(ke_j * q, axis=0), uq)
+        tl.store(ke_base + j * BLOCK_K + offs_k, ke_j, mask=flushing)
+    dec = tl.exp(tl.minimum(acc, 0.0))                                           # KDA [BLOCK_K], GDN scalar
+    wb = win_ptr + (row * HV + h) * (3 * BLOCK_L)
+    tl.store(wb + offs_l, u)
+    tl.store(wb + BLOCK_L + offs_l, uq)
+    tl.store(wb + 2 * BLOCK_L + offs_l, tl.where(offs_l == 0, tl.sum(k * q, axis=0), 0.0))
+    vb = vec_ptr + (row * HV + h) * (3 * BLOCK_K)
+    tl.store(vb + offs_k, dec * k)
+    tl.store(vb + BLOCK_K + offs_k, dec * q)
+    tl.store(vb + 2 * BLOCK_K + offs_k, dec + tl.zeros([BLOCK_K], dtype=tl.float32), mask=flushing)
 
 
 @triton.jit
@@ -208,11 +271,13 @@ def launch_split(cfg: dict, state, d_ring, k_ring, g_ring, cursor, q, k, v, g, b
     vec = torch.empty((b, HV, 3 * bk), dtype=torch.float32, device=v.device)
     ke = torch.empty((b, HV, bl * bk), dtype=torch.float32, device=v.device)
     wrow = torch.empty((b,), dtype=cursor.dtype, device=v.device)
-    _delta_window_kernel[(b, HV)](
-        cursor, k_ring, g_ring, q, k, g, slot_arg, win, vec, ke, wrow, K, L, v_per_k, v_per_q,
-        *k_ring.stride(), *g_strides, *q.stride(), *k.stride(), *gi_strides,
-        KDA=kda, SCAN_DOT=cfg["scan_dot"],
-        num_warps=cfg["window_warps"], **common)
+    win_args = (cursor, k_ring, g_ring, q, k, g, slot_arg, win, vec, ke, wrow, K, L, v_per_k, v_per_q,
+                *k_ring.stride(), *g_strides, *q.stride(), *k.stride(), *gi_strides)
+    if cfg["window_rows"]:
+        _delta_window_rows_kernel[(b, HV)](*win_args, KDA=kda, num_warps=cfg["window_warps"], **common)
+    else:
+        _delta_window_kernel[(b, HV)](*win_args, KDA=kda, SCAN_DOT=cfg["scan_dot"], num_warps=cfg["window_warps"],
+                                      **common)
     n_vb = triton.cdiv(V, cfg["BLOCK_V"])
     _delta_apply_kernel[(n_vb, b, HV)](
         state, d_ring, k_ring, g_ring, cursor, k, v, g, beta, slot_arg, o, win, vec, ke, wrow,

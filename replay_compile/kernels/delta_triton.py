@@ -143,7 +143,8 @@ def _delta_replay_step_kernel(
 
 
 # Launch configuration override for benchmarks and tests (``mamba2_triton.parse_tuning`` strings):
-# {"variant": "fused"|"split", "BLOCK_V", "num_warps", "scan_dot" (KDA); split only: "window_warps"}. Empty in use.
+# {"variant": "fused"|"split", "BLOCK_V", "num_warps", "scan_dot" (KDA); split only: "window_warps", "window_rows"}.
+# Empty in use.
 TUNING: dict = {}
 
 # Rows x value heads above which the split variant runs (H200 session 8, HV = 32: fused wins at bs1 (GDN 3.9 vs 5.8
@@ -175,7 +176,8 @@ def launch_config(b: int, HV: int, K: int, V: int, L: int) -> dict:
         # launch on 1 warp (4: GDN window 24 -> 16 µs, KDA 91 -> 54), KDA's gate scan as a dot (54 -> 46 µs)
         block_v = TUNING.get("BLOCK_V") or (32 if V > 16 else 16)
         warps = TUNING.get("num_warps") or (2 if block_v >= 32 else 1)
-        extra = dict(window_warps=TUNING.get("window_warps") or 1, scan_dot=bool(TUNING.get("scan_dot", 1)))
+        extra = dict(window_warps=TUNING.get("window_warps") or 1, scan_dot=bool(TUNING.get("scan_dot", 1)),
+                     window_rows=bool(TUNING.get("window_rows", 0)))      # record-by-record launch 1: not measured
     else:
         raise ValueError(f"replay_compile.delta: unknown kernel variant {variant!r} (fused, split)")
     return dict(variant=variant, BLOCK_K=block_k, BLOCK_V=block_v, BLOCK_L=block_l, num_warps=warps, **extra)
