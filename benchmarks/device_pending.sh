@@ -35,7 +35,7 @@ if ls .wheels/fla_core-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-deps .wheels/fla_core-*.whl .wheels/flash_linear_attention-*.whl >> "$OUT/install.log" 2>&1
 fi
 # delta split configurations to compare (kernels/delta_triton.py TUNING; the default first)
-DK=${DK:-"split;split:window_rows=1;split:window_rows=1,window_warps=2;split:scan_dot=0;split:BLOCK_V=64,num_warps=2"}
+DK=${DK:-"split;split:window_rows=1;split:window_rows=1,window_warps=2;split:flush_stages=2;split:flush_stages=4;split:scan_dot=0"}
 KS="fused;fused:scan_dot=1;fused:num_warps=4;fused:scan_dot=1,num_warps=4;fused:BLOCK_V=16,scan_dot=1,num_warps=4"
 KS="$KS;fused:scan_dot=1,num_warps=8;split"
 SG=";window_warps=1;window_warps=1,BLOCK_V=32,num_warps=2;window_warps=2,BLOCK_V=32,num_warps=2"

@@ -24,7 +24,7 @@ KEYS = ("q", "k", "v", "g", "beta")
 # launches' session-3 configuration (16-wide slices on 1 warp, tl.cumsum on 4 warps), 64-wide slices, the fused
 # kernel with tl.cumsum and 16-wide slices, and the split launches with the record-by-record window launch
 VARIANTS = ("fused", "split", "split:BLOCK_V=16,num_warps=1,scan_dot=0,window_warps=4",
-            "split:BLOCK_V=64,num_warps=2", "fused:scan_dot=0,BLOCK_V=16,num_warps=2", "split:window_rows=1")
+            "split:BLOCK_V=64,num_warps=2", "fused:scan_dot=0,BLOCK_V=16,num_warps=2", "split:window_rows=1,flush_stages=3")
 
 
 def variant(name):

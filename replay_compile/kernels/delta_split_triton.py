@@ -13,7 +13,8 @@ checkpoint stream 182 -> ~150 µs) took GDN from 1.61x to 1.94x and KDA from 0.9
 launch of its own walking listed flush rows with one ``tl.dot`` (flush 986 µs vs 570, and the early return it needs
 in launch 2 delayed the slice load: +13 µs per non-flush step), the window's ring loads issued before the cursor, the
 ``d`` window loaded before ``w``, the flush's L outer products unrolled (all within noise or worse). Built, not yet
-measured: ``window_rows=1``, launch 1 record by record (:func:`_delta_window_rows_kernel`) for KDA's 46 µs window.
+measured: ``window_rows=1``, launch 1 record by record (:func:`_delta_window_rows_kernel`) for KDA's 46 µs window;
+``flush_stages=N``, the flush's record loop software-pipelined (``tl.range(num_stages=N)``; 0: a plain loop).
 """
 
 from __future__ import annotations
@@ -166,6 +167,15 @@ def _delta_window_rows_kernel(
 
 
 @triton.jit
+def _fold_record(s_new, ke_base, dr_base, j, w, offs_k, offs_v, mask_v, s_drl, s_drv, BLOCK_K: tl.constexpr):
+    """``s_new + KE_j ⊗ d_j`` for record ``j`` (zero past ``w``). Vector masks built from vectors: triton 3.9's
+    interpreter rejects a mask combined from a scalar comparison of the loop index."""
+    ke_j = tl.load(ke_base + j * BLOCK_K + offs_k, mask=(offs_k * 0 + j) < w, other=0.0)
+    d_j = tl.load(dr_base + j * s_drl + offs_v * s_drv, mask=mask_v & ((offs_v * 0 + j) < w), other=0.0)
+    return s_new + ke_j[:, None] * d_j.to(tl.float32)[None, :]
+
+
+@triton.jit
 def _delta_apply_kernel(
     state_ptr, dr_ptr, kr_ptr, gr_ptr, cursor_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, slot_ptr, o_ptr,
     win_ptr, vec_ptr, ke_ptr, wrow_ptr,
@@ -173,7 +183,7 @@ def _delta_apply_kernel(
     s_sb, s_sh, s_sk, s_sv, s_drb, s_drh, s_drl, s_drv, s_krb, s_krh, s_krl, s_krk, s_grb, s_grh, s_grl, s_grk,
     s_kb, s_kh, s_kk, s_vb, s_vh, s_vv, s_gb, s_gh, s_gk, s_bb, s_bh, s_ob, s_oh, s_ov,
     HAS_SLOT: tl.constexpr, KDA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr,
+    BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, FLUSH_STAGES: tl.constexpr,
 ):
     """Launch 2, grid ``(cdiv(V, BLOCK_V), batch, HV)``: reads its ``K x BLOCK_V`` checkpoint slice (issued first)
     and the window's corrected values, takes the rest from launch 1::
@@ -228,13 +238,15 @@ def _delta_apply_kernel(
         dec = tl.load(vb + 2 * BLOCK_K + offs_k)
         s_new = dec[:, None] * s0 + k_cur[:, None] * d[None, :]
         ke_base = ke_ptr + (row * HV + h) * (BLOCK_L * BLOCK_K)
-        for j in range(BLOCK_L):                     # KEᵀ D as L outer products (no tl.dot here, see above).
-            # Vector masks built from vectors: triton 3.9's interpreter rejects a mask combined from a scalar
-            # comparison of the loop index.
-            ke_j = tl.load(ke_base + j * BLOCK_K + offs_k, mask=(offs_k * 0 + j) < w, other=0.0)
-            d_j = tl.load(dr_base + j * s_drl + offs_v * s_drv, mask=mask_v & ((offs_v * 0 + j) < w),
-                          other=0.0).to(tl.float32)
-            s_new += ke_j[:, None] * d_j[None, :]
+        # KEᵀ D as L outer products (no tl.dot here, see above). FLUSH_STAGES > 0: the record loop software-pipelined
+        # with that many stages (the flush is latency-bound: an L2 round trip per record at ~12 resident warps per
+        # SM); 0: a plain loop (the compiler's default pipelining)
+        if FLUSH_STAGES > 0:
+            for j in tl.range(BLOCK_L, num_stages=FLUSH_STAGES):
+                s_new = _fold_record(s_new, ke_base, dr_base, j, w, offs_k, offs_v, mask_v, s_drl, s_drv, BLOCK_K)
+        else:
+            for j in range(BLOCK_L):
+                s_new = _fold_record(s_new, ke_base, dr_base, j, w, offs_k, offs_v, mask_v, s_drl, s_drv, BLOCK_K)
         key_gate = tl.load(g_ptr + row * s_gb + h * s_gh).to(tl.float32)    # g (GDN) or g[..., 0] (KDA)
         _store_checkpoint(st_ptrs, s_new, tile_mask, key_gate, slot * HV + h,
                           offs_k[:, None] * V + offs_v[None, :], STOCHASTIC_FP16)
@@ -284,5 +296,5 @@ def launch_split(cfg: dict, state, d_ring, k_ring, g_ring, cursor, q, k, v, g, b
         HV, K, V, L, v_per_k,
         *state.stride(), *d_ring.stride(), *k_ring.stride(), *g_strides,
         *k.stride(), *v.stride(), *gi_strides, *beta.stride(), *o.stride(),
-        KDA=kda, BLOCK_V=cfg["BLOCK_V"], STOCHASTIC_FP16=stochastic,
+        KDA=kda, BLOCK_V=cfg["BLOCK_V"], STOCHASTIC_FP16=stochastic, FLUSH_STAGES=cfg["flush_stages"],
         num_warps=cfg["num_warps"], **common)

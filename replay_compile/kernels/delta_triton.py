@@ -143,7 +143,8 @@ def _delta_replay_step_kernel(
 
 
 # Launch configuration override for benchmarks and tests (``mamba2_triton.parse_tuning`` strings):
-# {"variant": "fused"|"split", "BLOCK_V", "num_warps", "scan_dot" (KDA); split only: "window_warps", "window_rows"}.
+# {"variant": "fused"|"split", "BLOCK_V", "num_warps", "scan_dot" (KDA); split only: "window_warps", "window_rows",
+# "flush_stages"}.
 # Empty in use.
 TUNING: dict = {}
 
@@ -177,7 +178,8 @@ def launch_config(b: int, HV: int, K: int, V: int, L: int) -> dict:
         block_v = TUNING.get("BLOCK_V") or (32 if V > 16 else 16)
         warps = TUNING.get("num_warps") or (2 if block_v >= 32 else 1)
         extra = dict(window_warps=TUNING.get("window_warps") or 1, scan_dot=bool(TUNING.get("scan_dot", 1)),
-                     window_rows=bool(TUNING.get("window_rows", 0)))      # record-by-record launch 1: not measured
+                     # not measured yet: launch 1 record by record; the flush's record loop pipelined
+                     window_rows=bool(TUNING.get("window_rows", 0)), flush_stages=TUNING.get("flush_stages", 0))
     else:
         raise ValueError(f"replay_compile.delta: unknown kernel variant {variant!r} (fused, split)")
     return dict(variant=variant, BLOCK_K=block_k, BLOCK_V=block_v, BLOCK_L=block_l, num_warps=warps, **extra)
