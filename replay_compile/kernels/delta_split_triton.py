@@ -25,6 +25,7 @@ import triton.language as tl
 
 from .mamba2_triton import _row_slot, _step_row, _store_checkpoint
 
+
 @triton.jit
 def _kda_after(gw, offs_l, SCAN_DOT: tl.constexpr):
     """KDA's ``E_j = Σ_{j<i<=w} g_i`` per key channel from the window's gates ``gw`` [BLOCK_L, BLOCK_K] (zero past
