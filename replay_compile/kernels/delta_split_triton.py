@@ -40,6 +40,21 @@ def _kda_after(gw, offs_l, SCAN_DOT: tl.constexpr):
 
 
 @triton.jit
+def _store_window(win_ptr, vec_ptr, rh, u, uq, k, q, dec, flushing, offs_l, offs_k, BLOCK_L: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """Launch 1's outputs for (row, value head) ``rh``: ``win = (u [L], uq [L], k·q)``, ``vec = (dec ⊙ k, dec ⊙ q)``
+    and, where ``flushing`` (a [BLOCK_K] mask), ``dec`` itself (``dec``: [BLOCK_K] for KDA, a scalar for GDN)."""
+    wb = win_ptr + rh * (3 * BLOCK_L)
+    tl.store(wb + offs_l, u)
+    tl.store(wb + BLOCK_L + offs_l, uq)
+    tl.store(wb + 2 * BLOCK_L + offs_l, tl.where(offs_l == 0, tl.sum(k * q, axis=0), 0.0))
+    vb = vec_ptr + rh * (3 * BLOCK_K)
+    tl.store(vb + offs_k, dec * k)
+    tl.store(vb + BLOCK_K + offs_k, dec * q)
+    tl.store(vb + 2 * BLOCK_K + offs_k, dec + tl.zeros([BLOCK_K], dtype=tl.float32), mask=flushing)
+
+
+@triton.jit
 def _delta_window_kernel(
     cursor_ptr, kr_ptr, gr_ptr, q_ptr, k_ptr, g_ptr, slot_ptr, win_ptr, vec_ptr, ke_ptr, wrow_ptr,
     K, L, v_per_k, v_per_q,
@@ -93,15 +108,9 @@ def _delta_window_kernel(
         after = tl.minimum(tl.cumsum(gw, axis=0, reverse=True) - gw, 0.0)
         ke = tl.where(hist[:, None], kw * tl.exp(after)[:, None], 0.0)
         dec = tl.exp(tl.minimum(tl.sum(gw, axis=0), 0.0))
-    wb = win_ptr + (row * HV + h) * (3 * BLOCK_L)
-    tl.store(wb + offs_l, tl.sum(ke * k[None, :], axis=1))
-    tl.store(wb + BLOCK_L + offs_l, tl.sum(ke * q[None, :], axis=1))
-    tl.store(wb + 2 * BLOCK_L + offs_l, tl.where(offs_l == 0, tl.sum(k * q, axis=0), 0.0))
-    vb = vec_ptr + (row * HV + h) * (3 * BLOCK_K)
-    tl.store(vb + offs_k, dec * k)
-    tl.store(vb + BLOCK_K + offs_k, dec * q)
+    _store_window(win_ptr, vec_ptr, row * HV + h, tl.sum(ke * k[None, :], axis=1), tl.sum(ke * q[None, :], axis=1),
+                  k, q, dec, (offs_k * 0 + w) == L - 1, offs_l, offs_k, BLOCK_L, BLOCK_K)
     if w == L - 1:
-        tl.store(vb + 2 * BLOCK_K + offs_k, dec + tl.zeros([BLOCK_K], dtype=tl.float32))
         tl.store(ke_ptr + (row * HV + h) * (BLOCK_L * BLOCK_K) + offs_l[:, None] * BLOCK_K + offs_k[None, :], ke)
 
 
@@ -157,14 +166,7 @@ def _delta_window_rows_kernel(
         uq = tl.where(offs_l == j, tl.sum(ke_j * q, axis=0), uq)
         tl.store(ke_base + j * BLOCK_K + offs_k, ke_j, mask=flushing)
     dec = tl.exp(tl.minimum(acc, 0.0))                                           # KDA [BLOCK_K], GDN scalar
-    wb = win_ptr + (row * HV + h) * (3 * BLOCK_L)
-    tl.store(wb + offs_l, u)
-    tl.store(wb + BLOCK_L + offs_l, uq)
-    tl.store(wb + 2 * BLOCK_L + offs_l, tl.where(offs_l == 0, tl.sum(k * q, axis=0), 0.0))
-    vb = vec_ptr + (row * HV + h) * (3 * BLOCK_K)
-    tl.store(vb + offs_k, dec * k)
-    tl.store(vb + BLOCK_K + offs_k, dec * q)
-    tl.store(vb + 2 * BLOCK_K + offs_k, dec + tl.zeros([BLOCK_K], dtype=tl.float32), mask=flushing)
+    _store_window(win_ptr, vec_ptr, row * HV + h, u, uq, k, q, dec, flushing, offs_l, offs_k, BLOCK_L, BLOCK_K)
 
 
 @triton.jit

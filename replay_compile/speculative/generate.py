@@ -237,20 +237,16 @@ def _rounds_per_row(model, input_ids, tok, cache, layers, ck, takes_positions, m
         step_mask = torch.cat([mask, torch.ones((b, k + 1), dtype=mask.dtype, device=dev)], dim=1)
         extra = {"position_ids": pos} if takes_positions else {}
         slots = None if bool(active.all()) else torch.where(active, rows, -1).to(torch.int32)
-        for layer in layers:
+        for layer in layers:                    # the verify forward and the commit see the same slots
             layer.slot_idx = slots
         try:
             pred = model(window, **{ck: cache}, attention_mask=step_mask, use_cache=True, **extra).logits.argmax(-1)
+            ok = (drafts == pred[:, :k]).int().cumprod(-1).sum(-1) if k else torch.zeros_like(length)
+            n = torch.minimum(ok + 1, rem).clamp(min=0)                       # 0 for rows that sat out
+            for layer in layers:
+                layer.commit(n)
         finally:
             for layer in layers:
-                layer.slot_idx = None
-        ok = (drafts == pred[:, :k]).int().cumprod(-1).sum(-1) if k else torch.zeros_like(length)
-        n = torch.minimum(ok + 1, rem).clamp(min=0)                           # 0 for rows that sat out
-        for layer in layers:
-            layer.slot_idx = slots
-            try:
-                layer.commit(n)
-            finally:
                 layer.slot_idx = None
         keep = torch.arange(k + 1, device=dev)[None, :] < n[:, None]
         mask = torch.cat([mask, keep.to(mask.dtype)], dim=1)
