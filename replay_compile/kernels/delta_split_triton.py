@@ -12,9 +12,10 @@ instead of 4 (its ``[16, 128]`` tiles; GDN window 24 -> 16 µs, KDA 91 -> 54) an
 checkpoint stream 182 -> ~150 µs) took GDN from 1.61x to 1.94x and KDA from 0.92x to 1.20x. Tried and dropped: a
 launch of its own walking listed flush rows with one ``tl.dot`` (flush 986 µs vs 570, and the early return it needs
 in launch 2 delayed the slice load: +13 µs per non-flush step), the window's ring loads issued before the cursor, the
-``d`` window loaded before ``w``, the flush's L outer products unrolled (all within noise or worse). Built, not yet
-measured: ``window_rows=1``, launch 1 record by record (:func:`_delta_window_rows_kernel`) for KDA's 46 µs window;
-``flush_stages=N``, the flush's record loop software-pipelined (``tl.range(num_stages=N)``; 0: a plain loop).
+``d`` window loaded before ``w``, the flush's L outer products unrolled (all within noise or worse). Session 9
+defaults: KDA's launch 1 record by record (``window_rows``, :func:`_delta_window_rows_kernel`: 46 -> 22 µs; GDN keeps
+the tile form, 16 vs 17 µs) and the flush's record loop software-pipelined 4 deep (``flush_stages``,
+``tl.range(num_stages=4)``: the flush apply 570 -> 445 µs for both; 0 is a plain loop).
 """
 
 from __future__ import annotations

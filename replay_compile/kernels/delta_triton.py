@@ -153,14 +153,15 @@ TUNING: dict = {}
 FUSED_MAX_ROW_HEADS = 64
 
 
-def launch_config(b: int, HV: int, K: int, V: int, L: int) -> dict:
+def launch_config(b: int, HV: int, K: int, V: int, L: int, kda: bool = False) -> dict:
     """Kernel variant and launch configuration for a step of ``b`` rows.
 
     * ``fused`` (latency, small batch): one launch; each program recomputes the window for its V-block.
     * ``split`` (bandwidth, large batch, :mod:`.delta_split_triton`): launch 1 computes the window once per (row,
       value head); launch 2 streams the checkpoint in ``K x BLOCK_V`` slices (as fla's fused recurrent kernel
       does) with little else live, so many programs fit per SM.
-    K is held whole (padded to a power of two >= 16); the window sits on a power-of-two axis >= 16.
+    K is held whole (padded to a power of two >= 16); the window sits on a power-of-two axis >= 16. ``kda``: the
+    step has per-key-channel gates (launch 1 of the split variant then runs record by record).
     """
     block_k = max(16, triton.next_power_of_2(K))
     block_l = max(16, triton.next_power_of_2(L))
@@ -178,8 +179,10 @@ def launch_config(b: int, HV: int, K: int, V: int, L: int) -> dict:
         block_v = TUNING.get("BLOCK_V") or (32 if V > 16 else 16)
         warps = TUNING.get("num_warps") or (2 if block_v >= 32 else 1)
         extra = dict(window_warps=TUNING.get("window_warps") or 1, scan_dot=bool(TUNING.get("scan_dot", 1)),
-                     # not measured yet: launch 1 record by record; the flush's record loop pipelined
-                     window_rows=bool(TUNING.get("window_rows", 0)), flush_stages=TUNING.get("flush_stages", 0))
+                     # H200 session 9, bs256 fp32: KDA's launch 1 record by record (window 46 -> 22 µs, L-avg 1.24 ->
+                     # 1.38x of fla; GDN's window 16 -> 17 µs, so GDN keeps the tile form), and the flush's record
+                     # loop pipelined 4 deep (flush apply 570 -> 445 µs, both; 2 stages: 563)
+                     window_rows=bool(TUNING.get("window_rows", kda)), flush_stages=TUNING.get("flush_stages", 4))
     else:
         raise ValueError(f"replay_compile.delta: unknown kernel variant {variant!r} (fused, split)")
     return dict(variant=variant, BLOCK_K=block_k, BLOCK_V=block_v, BLOCK_L=block_l, num_warps=warps, **extra)
@@ -194,7 +197,7 @@ def delta_replay_step_triton(state, d_ring, k_ring, g_ring, cursor, q, k, v, g, 
     o = torch.empty((b, HV, V), dtype=torch.float32, device=v.device)
     if b == 0:
         return o
-    cfg = launch_config(b, HV, K, V, L)
+    cfg = launch_config(b, HV, K, V, L, kda=kda)
     n_vb = triton.cdiv(V, cfg["BLOCK_V"])
     if n_vb * HV >= 1 << 15 or L >= _ARRIVAL:
         raise ValueError(f"replay_compile.delta: {HV} heads x {n_vb} V-blocks (or L={L}) exceed the cursor word's "
