@@ -168,6 +168,7 @@ GEOMS = [  # (geometry with batch b, slots S, L, BLOCK_P)
     (Mamba2Geometry(3, 2, 20, 19, 1, 2), 3, 3, 16),       # two P tiles (the nvfp4 slot amax spans programs), odd N
     (Mamba2Geometry(3, 4, 5, 32, 2, 1), 5, 4, 16),        # more slots than rows, two nvfp4 blocks, G = 2
     (Mamba2Geometry(2, 2, 4, 6, 1, 1), 2, 2, 16),         # N < 16: one partial nvfp4 block, L = 2
+    (Mamba2Geometry(2, 3, 9, 24, 1, 3), 3, 3, 16),        # N % 16 = 8: nvfp4 words with a half block
 ]
 
 
@@ -176,8 +177,12 @@ def _clone_all(state, copy, rings):
 
 
 # pre (flush rows listed and walked by fixed grids), the same with one program walking them all, pre with the full
-# flush grid, and the one-launch fused kernel
-@pytest.mark.parametrize("variant", ["pre", "pre:flush_programs=1,", "pre:flush_list=0,", "fused"])
+# flush grid, pre with its flush launch on its own tile / warps folding with one tl.dot (listed and full grid), pre
+# reading nvfp4 codes as int32 words (N % 8 == 0 geometries), and the one-launch fused kernel
+@pytest.mark.parametrize("variant", ["pre", "pre:flush_programs=1,", "pre:flush_list=0,",
+                                     "pre:FLUSH_P=32,flush_warps=4,flush_dot=1,",
+                                     "pre:flush_list=0,FLUSH_P=32,flush_warps=2,flush_dot=1,",
+                                     "pre:nvfp4_words=1,", "fused"])
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("gi", range(len(GEOMS)))
 def test_kernel_matches_reference_step_by_step(fmt, gi, variant):

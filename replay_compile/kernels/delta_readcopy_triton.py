@@ -73,6 +73,23 @@ def _exact_token(s, k, dec, v, beta, KDA: tl.constexpr):
 
 
 @triton.jit
+def _exact_record(s, j, w, kr_base, vr_base, br_base, gr_base, offs_k, offs_v, mask_k, mask_v, L,
+                  s_krl, s_krk, s_vrl, s_vrv, s_brl, s_grl, s_grk, KDA: tl.constexpr):
+    """Record ``j`` of the raw window applied exactly to the slice ``s`` (:func:`_exact_token`), or ``s`` unchanged
+    for ``j >= w``."""
+    jj = tl.minimum(j, L - 1)                      # in-bounds address; records j >= w are not applied
+    act = (offs_k * 0 + j) < w                     # vector mask (triton 3.9's interpreter: see delta_triton)
+    k_j = tl.load(kr_base + jj * s_krl + offs_k * s_krk, mask=mask_k, other=0.0).to(tl.float32)
+    v_j = tl.load(vr_base + jj * s_vrl + offs_v * s_vrv, mask=mask_v, other=0.0).to(tl.float32)
+    b_j = tl.load(br_base + jj * s_brl).to(tl.float32)
+    if KDA:
+        dec_j = tl.exp(tl.load(gr_base + jj * s_grl + offs_k * s_grk, mask=mask_k, other=0.0))
+    else:
+        dec_j = tl.exp(tl.load(gr_base + jj * s_grl).to(tl.float32))
+    return tl.where(act[:, None], _exact_token(s, k_j, dec_j, v_j, b_j, KDA), s)
+
+
+@triton.jit
 def _delta_rc_apply_kernel(
     state_ptr, dr_ptr, kr_ptr, gr_ptr, vr_ptr, br_ptr, cursor_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, slot_ptr,
     o_ptr, win_ptr, vec_ptr, wrow_ptr, cv_ptr, cs_ptr, ct_ptr,
@@ -83,6 +100,7 @@ def _delta_rc_apply_kernel(
     s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp, s_csn, s_ctb,
     FMT: tl.constexpr, HAS_SLOT: tl.constexpr, KDA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, work_ptr, LISTED: tl.constexpr,
+    FLUSH_STAGES: tl.constexpr,
 ):
     pid_v = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
@@ -113,17 +131,16 @@ def _delta_rc_apply_kernel(
         # the exact recurrence from the fp32 checkpoint over the raw window, then the current token
         st_ptrs = state_ptr + slot * s_sb + h * s_sh + offs_k[:, None] * s_sk + offs_v[None, :] * s_sv
         s = tl.load(st_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
-        for j in range(BLOCK_L):
-            jj = tl.minimum(j, L - 1)                  # in-bounds address; records j >= w are not applied
-            act = (offs_k * 0 + j) < w                 # vector mask (triton 3.9's interpreter: see delta_triton)
-            k_j = tl.load(kr_base + jj * s_krl + offs_k * s_krk, mask=mask_k, other=0.0).to(tl.float32)
-            v_j = tl.load(vr_base + jj * s_vrl + offs_v * s_vrv, mask=mask_v, other=0.0).to(tl.float32)
-            b_j = tl.load(br_base + jj * s_brl).to(tl.float32)
-            if KDA:
-                dec_j = tl.exp(tl.load(gr_base + jj * s_grl + offs_k * s_grk, mask=mask_k, other=0.0))
-            else:
-                dec_j = tl.exp(tl.load(gr_base + jj * s_grl).to(tl.float32))
-            s = tl.where(act[:, None], _exact_token(s, k_j, dec_j, v_j, b_j, KDA), s)
+        # FLUSH_STAGES > 0: the record loop software-pipelined that deep (the record loads are L2 round trips on
+        # the critical path; the exact split flush went 570 -> 445 µs with 4 stages); 0: a plain loop
+        if FLUSH_STAGES > 0:
+            for j in tl.range(BLOCK_L, num_stages=FLUSH_STAGES):
+                s = _exact_record(s, j, w, kr_base, vr_base, br_base, gr_base, offs_k, offs_v, mask_k, mask_v, L,
+                                  s_krl, s_krk, s_vrl, s_vrv, s_brl, s_grl, s_grk, KDA)
+        else:
+            for j in range(BLOCK_L):
+                s = _exact_record(s, j, w, kr_base, vr_base, br_base, gr_base, offs_k, offs_v, mask_k, mask_v, L,
+                                  s_krl, s_krk, s_vrl, s_vrv, s_brl, s_grl, s_grk, KDA)
         if KDA:
             g_cur = tl.load(g_ptr + row * s_gb + h * s_gh + offs_k * s_gk, mask=mask_k, other=0.0).to(tl.float32)
         else:
@@ -246,7 +263,9 @@ def launch_config(K: int, V: int, L: int) -> dict:
                 BLOCK_R=TUNING.get("BLOCK_R") or 16, BLOCK_VF=max(16, triton.next_power_of_2(V)),
                 # listed flush rows for the encode launches (session 8, H200 bs256: the encode launch 40.5 -> 3.7 us
                 # on non-flush steps, 170 -> 200 us on the flush step). 0: full grid every step
-                flush_list=bool(TUNING.get("flush_list", 1)), flush_programs=TUNING.get("flush_programs"))
+                flush_list=bool(TUNING.get("flush_list", 1)), flush_programs=TUNING.get("flush_programs"),
+                # the flush's record loop pipelined N deep (0: plain loop; not measured yet)
+                flush_stages=TUNING.get("flush_stages", 0))
 
 
 def delta_replay_step_readcopy_triton(state, copy, fmt, d_ring, k_ring, g_ring, v_ring, beta_ring, cursor,
@@ -288,7 +307,8 @@ def delta_replay_step_readcopy_triton(state, copy, fmt, d_ring, k_ring, g_ring, 
         *state.stride(), *d_ring.stride(), *k_ring.stride(), *g_strides, *v_ring.stride(), *beta_ring.stride(),
         *q.stride(), *k.stride(), *v.stride(), *gi_strides, *beta.stride(), *o.stride(), *cstrides,
         FMT=FORMAT_IDS[name], BLOCK_V=cfg["BLOCK_V"], STOCHASTIC_FP16=state.dtype == torch.float16,
-        num_warps=cfg["num_warps"], work_ptr=work if listed else cursor, LISTED=listed, **common)
+        num_warps=cfg["num_warps"], work_ptr=work if listed else cursor, LISTED=listed,
+        FLUSH_STAGES=cfg["flush_stages"], **common)
     amax = torch.zeros(b, dtype=torch.int32, device=v.device) if name == "nvfp4" else cursor
     n_rb = triton.cdiv(K, cfg["BLOCK_R"])
     grid_r = (n_rb, b, HV)

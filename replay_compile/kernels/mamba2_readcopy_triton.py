@@ -212,6 +212,37 @@ def _load_nvfp4(cv_ptr, cs_ptr, ct_ptr, slot, h, offs_p, P, N,
     return even, odd
 
 
+@triton.jit
+def _nvfp4_words_dot(cw_ptr, cs_ptr, ct_ptr, c_base, s_cn, slot, h, offs_p, P, N,
+                     s_wb, s_wh, s_wp, s_wn, s_qb, s_qh, s_qp, s_qn, s_tb, NB: tl.constexpr):
+    """``Σ_n S[p, n] c[n]`` for the nvfp4 copy of rows ``offs_p`` [BLOCK_P], the codes read as int32 words (8
+    codes each, code ``j`` of a word in bits ``4j..4j+3``: little-endian bytes, low nibble first); needs N % 8 == 0.
+
+    Fewer instructions per value than :func:`_load_nvfp4` (the non-flush NVFP4 step is ALU-bound there, 362 µs at
+    Super bs256 vs 135 for fp8): a code's sign and magnitude bits placed as fp16 bits ``s..ee m`` at bits 15 and
+    9-11 make an fp16 (subnormal for ``ee = 0``) equal to ``e2m1 / 2^14`` exactly, one hardware conversion away
+    from fp32; the block scales (and the ``2^14``) are applied per block of 16 after the sum over the block, the
+    tensor scale once per row. Same value as decoding first, summed in another order (fp32 rounding only)."""
+    p3 = offs_p[:, None, None]
+    blk = tl.arange(0, NB)[None, :, None]
+    wi = blk * 2 + tl.arange(0, 2)[None, None, :]                  # word index [1, NB, 2]: 2 words per block
+    words = tl.load(cw_ptr + slot * s_wb + h * s_wh + p3 * s_wp + wi * s_wn, mask=(p3 < P) & (wi * 8 < N),
+                    other=0)                                           # [BLOCK_P, NB, 2] int32
+    acc = tl.zeros(words.shape, dtype=tl.float32)
+    for j in tl.static_range(8):
+        col = wi * 8 + j
+        cj = tl.load(c_base + col * s_cn, mask=col < N, other=0.0).to(tl.float32)        # [1, NB, 2]
+        nib = words >> (4 * j)
+        bits = ((nib & 7) << 9) | ((nib & 8) << 12)
+        acc += bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * cj
+    offs_b = tl.arange(0, NB)
+    bs = tl.load(cs_ptr + slot * s_qb + h * s_qh + offs_p[:, None] * s_qp + offs_b[None, :] * s_qn,
+                 mask=(offs_p[:, None] < P) & (offs_b[None, :] * 16 < N),
+                 other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)             # [BLOCK_P, NB]
+    sg = tl.load(ct_ptr + slot * s_tb)
+    return tl.sum(tl.sum(acc, axis=2) * bs, axis=1) * (sg * 16384.0)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------------------------
@@ -417,10 +448,12 @@ def _readcopy_apply_kernel(
     s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
     s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb,
     FMT: tl.constexpr, HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    WORDS: tl.constexpr,
 ):
     """``pre`` variant's copy pass, grid ``(cdiv(P, BLOCK_P), batch, H)``: for non-flush rows
     ``y = decay (S_copy C) + win`` from the decoded copy and the window launch's scratch
-    (:func:`~replay_compile.kernels.mamba2_pre_triton._mamba2_prepass_window_kernel`); flush rows return at once."""
+    (:func:`~replay_compile.kernels.mamba2_pre_triton._mamba2_prepass_window_kernel`); flush rows return at once.
+    ``WORDS`` (nvfp4): ``cv_ptr`` is the codes viewed as int32 (strides in words), :func:`_nvfp4_words_dot`."""
     pid_p = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
@@ -434,7 +467,10 @@ def _readcopy_apply_kernel(
     if w == L - 1:
         return
     c_base = C_ptr + row * s_cb + (h // heads_per_gc) * s_cg
-    if FMT == 2:
+    if WORDS:
+        sc = _nvfp4_words_dot(cv_ptr, cs_ptr, ct_ptr, c_base, s_cn, slot, h, offs_p, P, N, s_vb, s_vh, s_vp, s_vn,
+                              s_qb, s_qh, s_qp, s_qn, s_tb, BLOCK_N // 16)
+    elif FMT == 2:
         p3, blk, k = _nvfp4_offsets(offs_p, BLOCK_N // 16)
         col_e = blk * 16 + 2 * k
         even, odd = _load_nvfp4(cv_ptr, cs_ptr, ct_ptr, slot, h, offs_p, P, N, s_vb, s_vh, s_vp, s_vn,
@@ -588,7 +624,13 @@ def launch_config(P: int, N: int, L: int) -> dict:
                 # listed flush rows (session 8, H200 Super bs256: non-flush fp8 213 -> 135 us, bf16 264 -> 187,
                 # NVFP4 516 -> 362; the flush step 10-25% slower; L-avg 1.2-1.3x better). 0: full grid
                 flush_list=bool(TUNING.get("flush_list", 1)),
-                flush_programs=TUNING.get("flush_programs"))         # default: 32 warps per SM
+                flush_programs=TUNING.get("flush_programs"),         # default: 32 warps per SM
+                # the pre variant's flush launch (its own launch: a tile shape, warps and a tl.dot there cost the
+                # non-flush steps nothing). Default: the step's (BLOCK_P x BLOCK_N on num_warps, record by record)
+                FLUSH_P=TUNING.get("FLUSH_P") or block_p, flush_warps=TUNING.get("flush_warps") or warps,
+                flush_dot=bool(TUNING.get("flush_dot", TUNING.get("fold_dot", 0))),
+                # nvfp4 non-flush reads as int32 words, fp16-bit decode (_nvfp4_words_dot; N % 8 == 0); not measured
+                nvfp4_words=bool(TUNING.get("nvfp4_words", 0)))
 
 
 def _format_name(fmt) -> str:
@@ -613,6 +655,15 @@ def _copy_args(enc: Encoded, name: str, dummy: torch.Tensor):
         return (v, s, dummy), (*v.stride(), *s.stride(), 0, 0)
     v, s, g = t["codes"], t["block_scale"].view(torch.uint8), t["tensor_scale"]
     return (v, s, g), (*v.stride(), *s.stride(), *g.stride())
+
+
+def _code_words(codes: torch.Tensor):
+    """nvfp4 codes ``[S, H, P, N/2]`` uint8 viewed as int32 words ``[S, H, P, N/8]``, or None where the layout
+    does not allow it (a last stride other than 1, or strides / offset not multiples of 4 bytes)."""
+    if codes.stride(-1) != 1 or codes.shape[-1] % 4 or any(st % 4 for st in codes.stride()[:-1]) \
+            or codes.storage_offset() % 4:
+        return None
+    return codes.view(torch.int32)
 
 
 def replay_step_readcopy_triton(state, copy, fmt, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C,
@@ -645,30 +696,37 @@ def replay_step_readcopy_triton(state, copy, fmt, x_ring, dt_ring, la_ring, B_ri
         work = torch.zeros((b + 1,), dtype=torch.int32, device=x.device) if cfg["flush_list"] else None
         win, dec = launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, has_slot,
                                  cfg["BLOCK_N"], cfg["BLOCK_L"], work)
+        words = _code_words(cv) if name == "nvfp4" and cfg["nvfp4_words"] and N % 8 == 0 else None
+        av, astrides = (cv, cstrides) if words is None else (words, (*words.stride(), *cstrides[4:]))
         k = _readcopy_apply_kernel[(triton.cdiv(P, cfg["APPLY_P"]), b, H)](
-            cursor, C, slot_arg, y, win, dec, cv, cs, ct, H, P, N, L, H // Gc, *C.stride(), *y.stride(), *cstrides,
+            cursor, C, slot_arg, y, win, dec, av, cs, ct, H, P, N, L, H // Gc, *C.stride(), *y.stride(), *astrides,
             FMT=FORMAT_IDS[name], HAS_SLOT=has_slot, BLOCK_P=cfg["APPLY_P"], BLOCK_N=cfg["BLOCK_N"],
-            num_warps=cfg["apply_warps"])
+            WORDS=words is not None, num_warps=cfg["apply_warps"])
     listed = pre and cfg["flush_list"]
     step_args = (state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, y, cv, cs, ct, amax)
     strides = (H, P, N, L, H // G, H // Gc,
                *state.stride(), *x_ring.stride(), *dt_ring.stride(), *la_ring.stride(), *B_ring.stride(),
                *x.stride(), *dt.stride(), *la.stride(), *B.stride(), *C.stride(), *y.stride(), *cstrides)
-    step_kw = dict(FMT=FORMAT_IDS[name], HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_P"], BLOCK_N=cfg["BLOCK_N"],
-                   BLOCK_L=cfg["BLOCK_L"], STOCHASTIC_FP16=state.dtype == torch.float16, FOLD_DOT=cfg["fold_dot"],
-                   ROUTE=2 if pre else 0, num_warps=cfg["num_warps"])
-    programs = cfg["flush_programs"] or min(b * H * n_pb, max(1, 32 // cfg["num_warps"]) * _sm_count(x.device))
+    # pre: the flush rows' launch, with its own tile (FLUSH_P rows of whole N), warps and fold; fused: the one step
+    flush_p, flush_w = (cfg["FLUSH_P"], cfg["flush_warps"]) if pre else (cfg["BLOCK_P"], cfg["num_warps"])
+    n_fp = triton.cdiv(P, flush_p)
+    step_kw = dict(FMT=FORMAT_IDS[name], HAS_SLOT=has_slot, BLOCK_P=flush_p, BLOCK_N=cfg["BLOCK_N"],
+                   BLOCK_L=cfg["BLOCK_L"], STOCHASTIC_FP16=state.dtype == torch.float16,
+                   FOLD_DOT=cfg["flush_dot"] if pre else cfg["fold_dot"], ROUTE=2 if pre else 0, num_warps=flush_w)
     if listed:
-        k2 = _readcopy_flush_list_kernel[(programs,)](*step_args, work, n_pb, *strides, **step_kw)
+        programs = cfg["flush_programs"] or min(b * H * n_fp, max(1, 32 // flush_w) * _sm_count(x.device))
+        k2 = _readcopy_flush_list_kernel[(programs,)](*step_args, work, n_fp, *strides, **step_kw)
     else:
-        k2 = _readcopy_step_kernel[grid](*step_args, *strides, **step_kw)
+        k2 = _readcopy_step_kernel[(n_fp, b, H)](*step_args, *strides, **step_kw)
     LAST_LAUNCH["kernel"] = k if pre else k2
     if name == "nvfp4":
         enc_args = (state, cursor, slot_arg, amax, cv, cs, ct)
         enc_kw = dict(HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_P"], NB=cfg["BLOCK_N"] // 16, num_warps=cfg["num_warps"])
         if listed:
-            _nvfp4_flush_encode_list_kernel[(programs,)](*enc_args, work, H, n_pb, P, N, L, *state.stride(),
-                                                         *cstrides, **enc_kw)
+            enc_programs = cfg["flush_programs"] or min(b * H * n_pb,
+                                                        max(1, 32 // cfg["num_warps"]) * _sm_count(x.device))
+            _nvfp4_flush_encode_list_kernel[(enc_programs,)](*enc_args, work, H, n_pb, P, N, L, *state.stride(),
+                                                             *cstrides, **enc_kw)
         else:
             _nvfp4_flush_encode_kernel[grid](*enc_args, P, N, L, *state.stride(), *cstrides, **enc_kw)
     _advance_cursor_kernel[(triton.cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
