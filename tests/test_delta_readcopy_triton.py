@@ -46,7 +46,9 @@ def test_kernel_matches_reference_step_by_step(kda, fmt, listed, block_v, monkey
     monkeypatch.setitem(drt.TUNING, "flush_list", int(listed))      # 0: the full encode grid every step
     if listed:
         monkeypatch.setitem(drt.TUNING, "flush_programs", 1)
-        monkeypatch.setitem(drt.TUNING, "flush_stages", 3)          # the flush's record loop pipelined
+        monkeypatch.setitem(drt.TUNING, "flush_stages", 3)          # pipelined 3 deep (default 4)
+    else:
+        monkeypatch.setitem(drt.TUNING, "flush_stages", 0)          # the plain record loop
     geom = DeltaGeometry(batch=3, HV=4, Hk=2, K=12, V=32, kda=kda)
     L, S = 4, 4
     steps = 2 * L + 3

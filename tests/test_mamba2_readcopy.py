@@ -177,12 +177,12 @@ def _clone_all(state, copy, rings):
 
 
 # pre (flush rows listed and walked by fixed grids), the same with one program walking them all, pre with the full
-# flush grid, pre with its flush launch on its own tile / warps folding with one tl.dot (listed and full grid), pre
-# reading nvfp4 codes as int32 words (N % 8 == 0 geometries), and the one-launch fused kernel
+# flush grid, pre with its flush launch on other tiles / warps (defaults: one tl.dot fold, nvfp4 codes read as int32
+# words where N % 8 == 0), pre with the record-by-record flush and byte-wise nvfp4 decode, and the fused kernel
 @pytest.mark.parametrize("variant", ["pre", "pre:flush_programs=1,", "pre:flush_list=0,",
                                      "pre:FLUSH_P=32,flush_warps=4,flush_dot=1,",
                                      "pre:flush_list=0,FLUSH_P=32,flush_warps=2,flush_dot=1,",
-                                     "pre:nvfp4_words=1,", "fused"])
+                                     "pre:nvfp4_words=0,flush_dot=0,", "fused"])
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("gi", range(len(GEOMS)))
 def test_kernel_matches_reference_step_by_step(fmt, gi, variant):

@@ -608,9 +608,10 @@ def tuned(spec: str):
         TUNING.clear()
 
 
-def launch_config(P: int, N: int, L: int) -> dict:
+def launch_config(P: int, N: int, L: int, fmt: str = "") -> dict:
     """``BLOCK_N = next_pow2(N)`` (>= 16: whole rows per program), ``BLOCK_P`` 32 where ``P % 32 == 0`` and P > 64,
-    else 16 (the ``whole`` variant's choice; not tuned on a GPU), ``BLOCK_L = max(16, next_pow2(L))``."""
+    else 16 (the ``whole`` variant's choice; not tuned on a GPU), ``BLOCK_L = max(16, next_pow2(L))``. ``fmt``
+    (the format's name) picks the ``pre`` flush launch's tile and warps."""
     block_n = max(16, triton.next_power_of_2(N))
     block_l = max(16, triton.next_power_of_2(L))
     block_p = TUNING.get("BLOCK_P") or (32 if P % 32 == 0 and P > 64 else 16)
@@ -626,11 +627,16 @@ def launch_config(P: int, N: int, L: int) -> dict:
                 flush_list=bool(TUNING.get("flush_list", 1)),
                 flush_programs=TUNING.get("flush_programs"),         # default: 32 warps per SM
                 # the pre variant's flush launch (its own launch: a tile shape, warps and a tl.dot there cost the
-                # non-flush steps nothing). Default: the step's (BLOCK_P x BLOCK_N on num_warps, record by record)
-                FLUSH_P=TUNING.get("FLUSH_P") or block_p, flush_warps=TUNING.get("flush_warps") or warps,
-                flush_dot=bool(TUNING.get("flush_dot", TUNING.get("fold_dot", 0))),
-                # nvfp4 non-flush reads as int32 words, fp16-bit decode (_nvfp4_words_dot; N % 8 == 0); not measured
-                nvfp4_words=bool(TUNING.get("nvfp4_words", 0)))
+                # non-flush steps nothing), folding with one IEEE tl.dot. H200 session 9, Super bs256 flush step:
+                # bf16 1477 -> 1077 µs with 16 x N tiles on 1 warp, fp8 1951 -> 1840 with 32 x N on 4 warps (its
+                # software e4m3 rounding wants threads: 16 on 1 warp took 3348), nvfp4 2425 -> 2158 (16, 1 warp).
+                # 2 warps with the dot took 5-20 ms for every format: avoid
+                FLUSH_P=TUNING.get("FLUSH_P") or (32 if fmt == "fp8_e4m3" else 16),
+                flush_warps=TUNING.get("flush_warps") or (4 if fmt == "fp8_e4m3" else 1),
+                flush_dot=bool(TUNING.get("flush_dot", TUNING.get("fold_dot", 1))),
+                # nvfp4 non-flush reads as int32 words, fp16-bit decode (_nvfp4_words_dot; N % 8 == 0). H200
+                # session 9, Super bs256: the non-flush step 357 -> 203 µs, L-avg 1.41 -> 2.01x
+                nvfp4_words=bool(TUNING.get("nvfp4_words", 1)))
 
 
 def _format_name(fmt) -> str:
@@ -681,7 +687,7 @@ def replay_step_readcopy_triton(state, copy, fmt, x_ring, dt_ring, la_ring, B_ri
     y = torch.empty((b, H, P), dtype=torch.float32, device=x.device)
     if b == 0:
         return y
-    cfg = launch_config(P, N, L)
+    cfg = launch_config(P, N, L, name)
     n_pb = triton.cdiv(P, cfg["BLOCK_P"])
     has_slot = slot_idx is not None
     slot_arg = slot_idx if has_slot else cursor          # any pointer; unused when HAS_SLOT is False
