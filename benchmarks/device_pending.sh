@@ -92,9 +92,14 @@ for s in $steps; do case $s in
            --modes inductor-ro,replayssm-ro --out "$OUT/e2e_nem" 2>&1 | grep "^|" | tee "$OUT/e2e_nem.txt" ;;
   check_qwen) timeout 120 replay-compile bench --models qwen35_4b --layers 8 --check 256 --dtype float32 \
            --out "$OUT/check_qwen" 2>&1 | tail -3 | tee "$OUT/check_qwen.txt" ;;
-  e2e_full) NG=$(nvidia-smi -L | wc -l); timeout 560 replay-compile bench --layers 8 --gpus "$NG" \
-           --models "${E2E_MODELS:-nemotron_h_nano4b,qwen35_4b,mamba2_2p7b}" --out "$OUT/e2e_full" 2>&1 \
-           | grep "^|\|worker\|wrote" | tee "$OUT/e2e_full.txt" ;;
+  e2e_full) # outputs outside $OUT, the merged files copied flat: the device returns 8 files at most, 2 folders deep
+           # (session 9 lost a whole sweep to that: worker CSVs sat 3 folders down, the merge cut by the timeout)
+           NG=$(nvidia-smi -L | wc -l); E2E=/tmp/e2e_full; rm -rf $E2E
+           timeout 590 replay-compile bench --layers 8 --gpus "$NG" --time-limit "${E2E_LIMIT:-530}" \
+           --models "${E2E_MODELS:-nemotron_h_nano4b,qwen35_4b,mamba2_2p7b}" --batches "${E2E_BATCHES:-1,8,32,64,128,256,512}" \
+           --out $E2E 2>&1 | grep "^|\|worker\|wrote" | tee "$OUT/e2e_full.txt"
+           for f in $E2E/worker*/*/log.txt; do echo "== $f"; tail -3 "$f"; done >> "$OUT/e2e_full.txt" 2>/dev/null
+           cp $E2E/bench.csv $E2E/bench.md "$OUT/" 2>/dev/null; cp $E2E/*.png "$OUT/" 2>/dev/null ;;
   spec_copy) timeout 400 python3 benchmarks/bench_spec_generate.py --out "$OUT/spec_copy" --train-copy 600 \
            --models "${GEN_MODELS:-nemotron_h_nano4b,qwen35_4b}" --batches 1,8,32 --layers 8 --new 64 2>&1 \
            | grep -v "^\[transformers\]" | tee "$OUT/spec_copy.txt" ;;

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 from . import bench
 
@@ -48,27 +49,39 @@ def read_rows(path: str) -> list[dict]:
 
 
 def run_parallel(n: int, models: list[str], batches: list[int], modes: list[str], forward: list[str],
-                 out_dir: str) -> tuple[list[dict], list[str]]:
+                 out_dir: str, time_limit: float | None = None) -> tuple[list[dict], list[str]]:
     """Run the sweep on ``n`` GPUs (workers ``0 .. n-1``); ``forward`` holds the other ``bench`` options (steps,
-    dtype, layers, ...). Returns the merged rows (also written to ``out_dir``) and one line per failed group."""
+    dtype, layers, ...). ``time_limit`` (seconds): a worker still running then is stopped and its later groups are
+    skipped, and the rows finished so far are merged all the same (a sweep cut by an outer timeout merges nothing).
+    Returns the merged rows (also written to ``out_dir``) and one line per failed, cut or skipped group."""
     os.makedirs(out_dir, exist_ok=True)
     shards = shard_points(models, batches, n)
     failures: list[str] = []
     lock = threading.Lock()
+    deadline = None if time_limit is None else time.monotonic() + time_limit
 
     def worker(k: int) -> None:
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(k))
         for model, bs in shards[k]:
             out = os.path.join(out_dir, f"worker{k}", model)
             os.makedirs(out, exist_ok=True)
-            cmd = [sys.executable, "-m", "replay_compile.cli", "bench", "--models", model,
-                   "--batches", ",".join(map(str, bs)), "--modes", ",".join(modes), "--out", out, *forward]
-            with open(os.path.join(out, "log.txt"), "w") as log:
-                rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                status = "skipped (time limit)"
+            else:
+                cmd = [sys.executable, "-m", "replay_compile.cli", "bench", "--models", model,
+                       "--batches", ",".join(map(str, bs)), "--modes", ",".join(modes), "--out", out, *forward]
+                with open(os.path.join(out, "log.txt"), "w") as log:
+                    try:
+                        rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                            timeout=left).returncode
+                        status = "done" if rc == 0 else f"exit {rc}"
+                    except subprocess.TimeoutExpired:          # the child is killed; its finished rows stay
+                        status = "cut at the time limit"
             with lock:
-                line = f"worker {k} (GPU {k}): {model} batches {bs}: " + ("done" if rc == 0 else f"exit {rc}")
+                line = f"worker {k} (GPU {k}): {model} batches {bs}: {status}"
                 print(line, file=sys.stderr, flush=True)
-                if rc:
+                if status != "done":
                     failures.append(f"{line}, see {os.path.join(out, 'log.txt')}")
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(n) if shards[k]]

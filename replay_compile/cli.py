@@ -155,15 +155,16 @@ def _bench(args) -> int:
                                 ("replayssm-ro" if cuda else "replayssm"), tp=args.tp)
         ok = all(r["tokens_agree"] == 1.0 for r in rows)
         return 0 if ok or args.dtype != "float32" else 1
-    if args.gpus > 1:
+    if args.gpus > 1 or args.time_limit:
         if args.tp > 1 or args.check:
-            raise SystemExit("replay-compile bench: --gpus spreads independent points; it does not combine with --tp "
-                             "or --check")
+            raise SystemExit("replay-compile bench: --gpus / --time-limit spread independent points over worker "
+                             "processes; they do not combine with --tp or --check")
         from .bench_parallel import run_parallel
         forward = ["--steps", str(args.steps), "--buffer-len", str(args.buffer_len), "--dtype", args.dtype,
                    "--device", args.device] + (["--layers", str(args.layers)] if args.layers else []) + \
                   (["--threads", str(args.threads)] if args.threads else [])
-        rows, failures = run_parallel(args.gpus, models, batches, modes, forward, args.out)
+        rows, failures = run_parallel(args.gpus, models, batches, modes, forward, args.out,
+                                      time_limit=args.time_limit)
         for line in failures:
             print(f"replay-compile bench: {line}", file=sys.stderr)
         print(f"wrote {os.path.join(args.out, 'bench.csv')} and bench.md ({len(rows)} rows from {args.gpus} workers)")
@@ -267,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--gpus", type=int, default=1, metavar="N",
                    help="spread the sweep's (model, batch) points over N GPUs of this host, one worker process per "
                         "GPU (CUDA_VISIBLE_DEVICES); one merged CSV, table and plots (worker logs under OUT/worker<k>)")
+    b.add_argument("--time-limit", type=float, default=None, metavar="S",
+                   help="stop the sweep after S seconds and still merge what finished (runs through the --gpus "
+                        "workers, also for one GPU): the (model, batch) groups cut or skipped are listed")
     b.add_argument("--tp", type=int, default=1, metavar="N",
                    help="shard every model over N ranks (tensor parallel); launch with torchrun --nproc-per-node N "
                         "-m replay_compile.cli bench --tp N ...")

@@ -125,6 +125,35 @@ def test_bench_on_two_workers_merges_their_rows(tmp_path, capsys):
     assert "rows from 2 workers" in capsys.readouterr().out
 
 
+def test_bench_time_limit_merges_what_finished(tmp_path, monkeypatch, capsys):
+    """``bench --time-limit``: the group running at the limit is stopped (its finished rows kept), later groups are
+    skipped, and the rows are merged all the same, with each cut or skipped group reported."""
+    import subprocess
+
+    import replay_compile.bench_parallel as bp
+
+    calls = []
+
+    def fake_run(cmd, env, stdout, stderr, timeout):
+        out = cmd[cmd.index("--out") + 1]
+        model = cmd[cmd.index("--models") + 1]
+        calls.append((model, timeout))
+        row = dict(model=model, layers=2, tp=1, batch=1, mode="inductor", step_ms=2.0, nonflush_ms=2.0, flush_ms=2.0,
+                   tokens_per_s=500.0, first_step_s=1.0, peak_mem_gib=0.1, steady_mem_gib=0.1, rewrites=0)
+        with open(f"{out}/bench.csv", "w") as f:                 # the row a bench run writes after its first point
+            f.write(",".join(row) + "\n" + ",".join(map(str, row.values())) + "\n")
+        monkeypatch.setattr(bp.time, "monotonic", lambda: 1e9)  # ... and then the limit passes
+        raise subprocess.TimeoutExpired(cmd, timeout)
+
+    monkeypatch.setattr(bp.subprocess, "run", fake_run)
+    rows, failures = bp.run_parallel(1, ["a", "b"], [1], ["inductor"], [], str(tmp_path), time_limit=300)
+    assert [c[0] for c in calls] == ["a"] and 0 < calls[0][1] <= 300
+    assert [(r["model"], r["step_ms"]) for r in rows] == [("a", 2.0)]
+    assert (tmp_path / "bench.csv").exists()
+    assert len(failures) == 2 and "a batches [1]: cut at the time limit" in failures[0]
+    assert "b batches [1]: skipped (time limit)" in failures[1]
+
+
 def test_bench_gpus_rejects_tp_and_check(tmp_path):
     with pytest.raises(SystemExit, match="--gpus"):
         main(["bench", "--device", "cpu", "--gpus", "2", "--tp", "2", "--out", str(tmp_path)])

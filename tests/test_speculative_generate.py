@@ -187,3 +187,26 @@ def test_a_model_trained_to_copy_makes_prompt_lookup_accept():
     assert out.tokens_per_round > 2.5, out.accepted
     with pytest.raises(ValueError, match="fp32"):
         train_copy(model.to(torch.bfloat16), 1)
+
+
+def test_copy_training_runs_delta_rules_through_torch():
+    """``train_copy`` trains Gated DeltaNet models through transformers' torch chunked rule (fla's backward is
+    refused on Hopper with Triton < 3.7.1): inside ``torch_delta_rules`` the model's modeling module calls the plain
+    torch function, training steps run, and every patch is undone afterwards; a Mamba-2 model needs none."""
+    import sys
+
+    from replay_compile.testing.copy_task import default_lr, torch_delta_rules, train_copy
+
+    model = DELTA_FAMILY["qwen3_5"](dtype=torch.float32, initializer_range=0.02)
+    mod = sys.modules[type(model.model.layers[0].linear_attn).__module__]
+    before = mod.torch_chunk_gated_delta_rule
+    with torch_delta_rules(model) as n:
+        assert n >= 1
+        assert not hasattr(mod.torch_chunk_gated_delta_rule, "__wrapped__")
+    assert mod.torch_chunk_gated_delta_rule is before
+    res = train_copy(model, 3, phrase_len=4, reps=2, vocab=model.config.vocab_size, batch=2, check_every=3, log=None)
+    assert res["steps"] == 3 and math.isfinite(res["loss"]) and mod.torch_chunk_gated_delta_rule is before
+    with torch_delta_rules(MAMBA2_FAMILY["nemotron_h"]()) as n:
+        assert n == 0
+    assert default_lr(model) == 3e-3 and abs(default_lr(type("M", (), {"config": type("C", (), {
+        "hidden_size": 3072})})()) - 2.5e-4) < 1e-12

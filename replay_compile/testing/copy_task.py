@@ -10,9 +10,17 @@ perfectly after ~400 steps (46 s on one CPU core).
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import sys
 from typing import Callable
 
 import torch
+
+# transformers' torch implementations of the chunked delta rules, which the models call through a wrapper that picks
+# fla's kernels when fla is installed (or, in older releases, pick per layer at construction)
+_TORCH_CHUNK_RULES = ("torch_chunk_gated_delta_rule",)
+_LAYER_ATTRS = {"chunk_gated_delta_rule": "torch_chunk_gated_delta_rule"}
 
 
 def copy_batch(n: int, phrase_len: int = 16, reps: int = 4, vocab: int = 1000, generator=None,
@@ -33,39 +41,83 @@ def copy_accuracy(model, n: int = 64, phrase_len: int = 16, reps: int = 4, vocab
     return float((pred == ids[:, phrase_len:]).float().mean())
 
 
+@contextlib.contextmanager
+def torch_delta_rules(model):
+    """Run ``model``'s chunked delta rules (Gated DeltaNet prefill and training) through transformers' torch
+    implementations instead of fla's kernels while the block runs; restored afterwards. Needed to train on the H200:
+    fla 0.6 refuses its gated-delta backward on Hopper with Triton < 3.7.1 (it computes wrong gradients there,
+    fla #640; the device has Triton 3.6). Handles both transformers forms: a module-level wrapper that dispatches to
+    fla (``functools.wraps``, so ``__wrapped__`` is the torch function) and a per-layer attribute chosen at
+    construction. Yields the number of patches made (0: nothing to patch, e.g. a Mamba-2 model)."""
+    patches = []
+    modules = {sys.modules.get(type(m).__module__) for m in model.modules()} - {None}
+    for mod in modules:
+        for name in _TORCH_CHUNK_RULES:
+            fn = getattr(mod, name, None)
+            if fn is not None and inspect.unwrap(fn) is not fn:
+                patches.append((mod, name, fn))
+                setattr(mod, name, inspect.unwrap(fn))
+    for m in model.modules():
+        for attr, torch_name in _LAYER_ATTRS.items():
+            plain = getattr(sys.modules.get(type(m).__module__), torch_name, None)
+            if attr in vars(m) and plain is not None:
+                patches.append((m, attr, vars(m)[attr]))
+                setattr(m, attr, inspect.unwrap(plain))
+    try:
+        yield len(patches)
+    finally:
+        for obj, name, value in reversed(patches):
+            setattr(obj, name, value)
+
+
+def default_lr(model) -> float:
+    """AdamW learning rate for the copy task: 3e-3 up to hidden size 256 (the tiny test models copy after ~400 steps
+    there), scaled by ``256 / hidden`` above (a Nemotron-Nano-4B-sized model, hidden 3072, stayed at chance loss for
+    600 steps at 3e-3 on the H200, session 9)."""
+    hidden = getattr(model.config, "hidden_size", 256)
+    return 3e-3 * min(1.0, 256 / hidden)
+
+
 def train_copy(model, steps: int, *, phrase_len: int = 16, reps: int = 4, vocab: int = 1000, batch: int = 32,
-               lr: float = 3e-3, target: float = 0.98, check_every: int = 50,
-               log: Callable[[str], None] | None = print) -> dict:
+               lr: float | None = None, warmup: int = 50, clip: float = 1.0, target: float = 0.98,
+               check_every: int = 50, log: Callable[[str], None] | None = print) -> dict:
     """Train ``model`` (fp32 parameters) on the copy task for at most ``steps`` steps, stopping once
     :func:`copy_accuracy` reaches ``target``; leaves it in eval mode. ``vocab`` is capped at the model's vocabulary.
-    Returns ``{"steps", "loss", "copy_acc"}``."""
+    AdamW at ``lr`` (default :func:`default_lr`) after a linear warmup of ``warmup`` steps, gradients clipped to
+    norm ``clip``; delta rules through torch (:func:`torch_delta_rules`). Returns ``{"steps", "loss", "copy_acc",
+    "lr"}``."""
     if any(p.dtype != torch.float32 for p in model.parameters()):
         raise ValueError("train_copy: train the fp32 model, then convert it (AdamW on bf16 weights stalls)")
     vocab = min(vocab, model.config.vocab_size)
+    lr = default_lr(model) if lr is None else lr
     gen = torch.Generator().manual_seed(0)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / max(1, warmup)))
     model.train()
     loss, acc, step = float("nan"), 0.0, 0
     try:
-        for step in range(1, steps + 1):
-            ids = copy_batch(batch, phrase_len, reps, vocab, gen, _device(model))
-            out = model(input_ids=ids, labels=ids)
-            opt.zero_grad(set_to_none=True)
-            out.loss.backward()
-            opt.step()
-            loss = float(out.loss)
-            if step % check_every == 0 or step == steps:
-                model.eval()
-                acc = copy_accuracy(model, phrase_len=phrase_len, reps=reps, vocab=vocab)
-                model.train()
-                if log:
-                    log(f"copy task step {step}: loss {loss:.3f}, copy accuracy {acc:.3f}")
-                if acc >= target:
-                    break
+        with torch_delta_rules(model):
+            for step in range(1, steps + 1):
+                ids = copy_batch(batch, phrase_len, reps, vocab, gen, _device(model))
+                out = model(input_ids=ids, labels=ids)
+                opt.zero_grad(set_to_none=True)
+                out.loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                opt.step()
+                sched.step()
+                loss = float(out.loss.detach())
+                if step % check_every == 0 or step == steps:
+                    model.eval()
+                    acc = copy_accuracy(model, phrase_len=phrase_len, reps=reps, vocab=vocab)
+                    model.train()
+                    if log:
+                        log(f"copy task step {step}: loss {loss:.3f}, copy accuracy {acc:.3f}")
+                    if acc >= target:
+                        break
     finally:
         model.eval()
         del opt
-    return dict(steps=step, loss=loss, copy_acc=acc)
+    return dict(steps=step, loss=loss, copy_acc=acc, lr=lr)
 
 
 def _device(model) -> torch.device:
