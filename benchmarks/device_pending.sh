@@ -27,8 +27,8 @@
 #   flushgrid  the listed flush walks with more programs per SM: the read copy's flush step got 25% slower when
 #              listed (fp8 1567 -> 1957 µs at bs256, 1-warp programs, 32 per SM), so try 64 and 128 per SM (and the
 #              full grid) for it, and 48 / 64 warps per SM for the exact Mamba-2 flush walk
-#   rctests    GPU tests of both read-copy kernels;  rcflush  the Mamba-2 read copy's flush launch tile / warps /
-#              tl.dot fold and the nvfp4 word decode, bs256 ($RCF);  rcdelta  the delta read copy's flush stages
+#   rctests    GPU tests of both read-copy kernels;  rcflush  the Mamba-2 fp8 read copy's flush with the hardware
+#              e4m3 rounding (hw_e4m3) and flush tiles, bs256 ($RCF);  rcdelta  the same knob in the delta read copy
 #   knobs readcopy anchor compile: session 7's pending measurements (done in session 8's first call)
 set -uo pipefail
 OUT=${OUT:-device-logs}; mkdir -p "$OUT"
@@ -114,10 +114,10 @@ for s in $steps; do case $s in
            tests/test_delta_readcopy_triton.py --tb=line 2>&1 | grep -v "warnings.warn" | tail -8 \
            | tee "$OUT/pytest_readcopy.txt" ;;
   rcflush) timeout 240 python3 benchmarks/bench_readcopy_kernel.py --out "$OUT/rcflush" --batches 256 \
-           --configs "${RCF:-pre:;pre:FLUSH_P=32,flush_warps=4,flush_dot=1;pre:FLUSH_P=64,flush_warps=4,flush_dot=1;pre:FLUSH_P=16,flush_warps=1,flush_dot=1;pre:FLUSH_P=32,flush_warps=2,flush_dot=1;pre:nvfp4_words=1}" \
+           --formats fp8_e4m3 --configs "${RCF:-pre:;pre:hw_e4m3=1;pre:hw_e4m3=1,FLUSH_P=16,flush_warps=1;pre:hw_e4m3=1,FLUSH_P=16,flush_warps=4}" \
            2>&1 | grep -v Warn | tee "$OUT/readcopy_flush_configs.txt" ;;
   rcdelta) timeout 120 python3 benchmarks/diag_stream_ceiling.py --delta qwen35_4b,kimi_linear --delta-configs "" \
-           --delta-rc-configs "rc;rc:flush_stages=4;rc:flush_stages=2" 2>&1 | grep -v Warn \
+           --delta-rc-configs "rc;rc:hw_e4m3=1" 2>&1 | grep -v Warn \
            | tee "$OUT/delta_rc_flush_stages.txt" ;;
   m2bs128) timeout 200 python3 benchmarks/bench_mamba2_kernel.py --out "$OUT/m2bs128" --batches 128 \
            --configs "pre;pre:BLOCK_P=32,num_warps=2;pre:BLOCK_P=32,num_warps=1;pre:BLOCK_P=8;pre:win_heads=8" 2>&1 \

@@ -17,6 +17,8 @@ Runs under ``TRITON_INTERPRET=1`` on CPU (conftest), on CUDA tensors where a GPU
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -137,10 +139,12 @@ def _tie_state(dev):
     return st.to(dev)
 
 
+@pytest.mark.parametrize("hw", [0, 1])
 @pytest.mark.parametrize("fmt", FMTS)
-def test_flush_encode_is_exact_on_rounding_ties(fmt):
+def test_flush_encode_is_exact_on_rounding_ties(fmt, hw):
     """A flush with dt = 0 and la = 0 leaves the checkpoint as it was; its copy must be the format's encoding of it,
-    byte for byte, on a state built from rounding ties."""
+    byte for byte, on a state built from rounding ties. ``hw``: fp8 rounded by the hardware conversion where the
+    kernel is compiled for sm_89+ (:func:`hw_fp8_cast`; under the interpreter both runs take the software path)."""
     st = _tie_state(DEV)
     S, H, P, N = st.shape
     L = 3
@@ -150,7 +154,8 @@ def test_flush_encode_is_exact_on_rounding_ties(fmt):
                B=torch.zeros(S, 1, N, device=DEV), C=torch.ones(S, 1, N, device=DEV))
     copy = FORMATS[fmt].allocate(st.shape, device=DEV)             # zeros: every byte must be rewritten
     state = st.clone()
-    replay_step_readcopy_triton(state, copy, fmt, *rings, **tok)
+    with kt.tuned(f"pre:hw_e4m3={hw}"):
+        replay_step_readcopy_triton(state, copy, fmt, *rings, **tok)
     assert torch.equal(bits(state), bits(st + 0.0))                # -0 + 0 = +0, nothing else changes
     assert copy_equal(copy, FORMATS[fmt].encode(state.cpu()))
     assert torch.equal(rings[-1].cpu(), torch.zeros(S, dtype=torch.int32))
@@ -178,11 +183,12 @@ def _clone_all(state, copy, rings):
 
 # pre (flush rows listed and walked by fixed grids), the same with one program walking them all, pre with the full
 # flush grid, pre with its flush launch on other tiles / warps (defaults: one tl.dot fold, nvfp4 codes read as int32
-# words where N % 8 == 0), pre with the record-by-record flush and byte-wise nvfp4 decode, and the fused kernel
+# words where N % 8 == 0), pre with the record-by-record flush and byte-wise nvfp4 decode, pre with the hardware
+# fp32 -> e4m3 rounding (compiled only: the same as pre under the interpreter), and the fused kernel
 @pytest.mark.parametrize("variant", ["pre", "pre:flush_programs=1,", "pre:flush_list=0,",
                                      "pre:FLUSH_P=32,flush_warps=4,flush_dot=1,",
                                      "pre:flush_list=0,FLUSH_P=32,flush_warps=2,flush_dot=1,",
-                                     "pre:nvfp4_words=0,flush_dot=0,", "fused"])
+                                     "pre:nvfp4_words=0,flush_dot=0,", "pre:hw_e4m3=1,", "fused"])
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("gi", range(len(GEOMS)))
 def test_kernel_matches_reference_step_by_step(fmt, gi, variant):
@@ -324,6 +330,14 @@ def test_low_precision_checkpoint_copy_encodes_the_stored_value(state_dtype):
         assert rel(y, y_r) < 1e-5
         assert rel(state.float(), st_r.float()) < 1e-2
         assert copy_equal(copy, FORMATS["fp8_e4m3"].encode(state.cpu())), f"step {t}"
+
+
+def test_hardware_fp8_rounding_only_where_compiled():
+    """The hardware e4m3 conversion is used only in compiled kernels on sm_89+: never on CPU tensors, never under
+    ``TRITON_INTERPRET=1`` (whose cast rounds half-up)."""
+    assert not kt.hw_fp8_cast(torch.device("cpu"))
+    if os.environ.get("TRITON_INTERPRET") == "1" and torch.cuda.is_available():
+        assert not kt.hw_fp8_cast(torch.device("cuda"))
 
 
 def test_argument_checks():

@@ -34,9 +34,9 @@ import triton.language as tl
 
 from .delta_split_triton import _delta_window_kernel
 from .mamba2_readcopy_reference import as_encoded
-from .mamba2_readcopy_triton import (FORMAT_IDS, _bf16_bits, _copy_args, _e2m1_value, _e4m3_encode,
+from .mamba2_readcopy_triton import (FORMAT_IDS, _bf16_bits, _copy_args, _e2m1_value, _e4m3_byte,
                                      _format_name, _load_copy_rows, _nvfp4_flush_encode_kernel,
-                                     _nvfp4_flush_encode_list_kernel)
+                                     _nvfp4_flush_encode_list_kernel, hw_fp8_cast)
 from .mamba2_triton import (_advance_cursor_kernel, _list_item, _list_row, _row_slot, _sm_count, _step_row,
                             _store_checkpoint)
 
@@ -191,7 +191,7 @@ def _delta_rc_apply_kernel(
 def _encode_rows_body(
     pid_r, row, h, slot, state_ptr, amax_ptr, cv_ptr, cs_ptr, K, V,
     s_sb, s_sh, s_sk, s_sv, s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp,
-    FMT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
+    FMT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, HW_E4M3: tl.constexpr,
 ):
     """Rewrite ``BLOCK_R`` rows of a flushed slot's copy from the stored checkpoint (bf16, fp8 with its row scale),
     or, for NVFP4, fold their amax into the slot's (the 4th launch encodes). No early returns (called in a loop)."""
@@ -208,7 +208,7 @@ def _encode_rows_body(
         scale = tl.div_rn(tl.max(tl.abs(x), axis=1), 448.0)
         scale = tl.where(scale > 0.0, scale, 1.0)                      # zero rows: scale 1, zeros stored
         qv = tl.minimum(tl.maximum(tl.div_rn(x, scale[:, None]), -448.0), 448.0)
-        tl.store(c_ptrs, _e4m3_encode(qv).to(tl.uint8), mask=tile_mask)
+        tl.store(c_ptrs, _e4m3_byte(qv, HW_E4M3), mask=tile_mask)
         tl.store(cs_ptr + slot * s_csb + h * s_csh + offs_r * s_csp, scale, mask=mask_r)
     else:
         amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
@@ -220,6 +220,7 @@ def _flush_encode_rows_kernel(
     state_ptr, cursor_ptr, slot_ptr, amax_ptr, cv_ptr, cs_ptr, K, V, L,
     s_sb, s_sh, s_sk, s_sv, s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp,
     FMT: tl.constexpr, HAS_SLOT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
+    HW_E4M3: tl.constexpr,
 ):
     """Flush rows (cursor still ``L-1``), grid ``(cdiv(K, BLOCK_R), b, HV)``: :func:`_encode_rows_body`."""
     pid_r = tl.program_id(0)
@@ -231,7 +232,8 @@ def _flush_encode_rows_kernel(
     if tl.load(cursor_ptr + slot) != L - 1:
         return
     _encode_rows_body(pid_r, row, h, slot, state_ptr, amax_ptr, cv_ptr, cs_ptr, K, V,
-                      s_sb, s_sh, s_sk, s_sv, s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp, FMT, BLOCK_R, BLOCK_V)
+                      s_sb, s_sh, s_sk, s_sv, s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp, FMT, BLOCK_R, BLOCK_V,
+                      HW_E4M3)
 
 
 @triton.jit
@@ -239,6 +241,7 @@ def _flush_encode_rows_list_kernel(
     state_ptr, slot_ptr, amax_ptr, cv_ptr, cs_ptr, work_ptr, HV, n_rb, K, V,
     s_sb, s_sh, s_sk, s_sv, s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp,
     FMT: tl.constexpr, HAS_SLOT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
+    HW_E4M3: tl.constexpr,
 ):
     """:func:`_flush_encode_rows_kernel` over the rows the apply launch listed, on a fixed grid (a non-flush step
     then costs a few programs reading ``count = 0``, not a ``(K / BLOCK_R, b, HV)`` grid reading cursors)."""
@@ -248,7 +251,7 @@ def _flush_encode_rows_list_kernel(
         row, h, tile = _list_item(work_ptr, t, HV, n_rb)
         _encode_rows_body(tile, row, h, _row_slot(slot_ptr, row, HAS_SLOT),
                           state_ptr, amax_ptr, cv_ptr, cs_ptr, K, V, s_sb, s_sh, s_sk, s_sv, s_cvb, s_cvh, s_cvp,
-                          s_cvn, s_csb, s_csh, s_csp, FMT, BLOCK_R, BLOCK_V)
+                          s_cvn, s_csb, s_csh, s_csp, FMT, BLOCK_R, BLOCK_V, HW_E4M3)
         t += tl.num_programs(0)
 
 
@@ -266,7 +269,10 @@ def launch_config(K: int, V: int, L: int) -> dict:
                 flush_list=bool(TUNING.get("flush_list", 1)), flush_programs=TUNING.get("flush_programs"),
                 # the flush's record loop pipelined 4 deep (H200 session 9, bs256 fp8: the flush apply 1061 -> 696 µs
                 # for GDN, 1185 -> 752 for KDA; 2 stages: 703 / 758). 0: a plain loop
-                flush_stages=TUNING.get("flush_stages", 4))
+                flush_stages=TUNING.get("flush_stages", 4),
+                # fp8 encode by the hardware conversion (compiled only; mamba2_readcopy_triton._e4m3_byte); not
+                # measured yet
+                hw_e4m3=bool(TUNING.get("hw_e4m3", 0)))
 
 
 def delta_replay_step_readcopy_triton(state, copy, fmt, d_ring, k_ring, g_ring, v_ring, beta_ring, cursor,
@@ -313,7 +319,8 @@ def delta_replay_step_readcopy_triton(state, copy, fmt, d_ring, k_ring, g_ring, 
     amax = torch.zeros(b, dtype=torch.int32, device=v.device) if name == "nvfp4" else cursor
     n_rb = triton.cdiv(K, cfg["BLOCK_R"])
     grid_r = (n_rb, b, HV)
-    enc_kw = dict(FMT=FORMAT_IDS[name], HAS_SLOT=has_slot, BLOCK_R=cfg["BLOCK_R"], BLOCK_V=cfg["BLOCK_VF"])
+    enc_kw = dict(FMT=FORMAT_IDS[name], HAS_SLOT=has_slot, BLOCK_R=cfg["BLOCK_R"], BLOCK_V=cfg["BLOCK_VF"],
+                  HW_E4M3=cfg["hw_e4m3"] and hw_fp8_cast(v.device))
     if listed:
         programs = cfg["flush_programs"] or min(b * HV * n_rb, 32 * _sm_count(v.device))
         _flush_encode_rows_list_kernel[(programs,)](

@@ -88,6 +88,7 @@ notes (all held on the H200):
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 import triton
@@ -146,6 +147,17 @@ def _e4m3_encode(v):
     """fp32 ``|v| <= 448`` -> e4m3fn byte (uint32 0..255, sign in bit 7; -0 and negatives that round to 0 give 0x80,
     as torch's cast)."""
     return _e4m3_code(tl.abs(v)) | ((v.to(tl.uint32, bitcast=True) >> 31) << 7)
+
+
+@triton.jit
+def _e4m3_byte(v, HW: tl.constexpr):
+    """fp32 ``|v| <= 448`` -> e4m3fn byte (uint8), round to nearest even, as torch's cast. ``HW``: the hardware
+    conversion (``cvt.rn.satfinite.e4m3x2.f32`` on sm_89+; a few instructions per pair instead of ~15 integer ops
+    per value); else :func:`_e4m3_encode` (the interpreter's own fp8 cast rounds wrongly, see the module notes)."""
+    if HW:
+        return v.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+    else:
+        return _e4m3_encode(v).to(tl.uint8)
 
 
 @triton.jit
@@ -268,6 +280,7 @@ def _rc_body(
     s_tb,                                   # nvfp4 tensor_scale [S]
     FMT: tl.constexpr, HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, FOLD_DOT: tl.constexpr, ROUTE: tl.constexpr,
+    HW_E4M3: tl.constexpr,
 ):
     """The work of one read-copy program once its row's slot and cursor are known (no early returns: the flush-list
     kernel calls it inside a loop)."""
@@ -325,7 +338,7 @@ def _rc_body(
             scale = tl.div_rn(tl.max(tl.abs(v), axis=1), 448.0)
             scale = tl.where(scale > 0.0, scale, 1.0)                      # zero rows: scale 1, zeros stored
             q = tl.minimum(tl.maximum(tl.div_rn(v, scale[:, None]), -448.0), 448.0)
-            tl.store(v_ptrs, _e4m3_encode(q).to(tl.uint8), mask=tile_mask)
+            tl.store(v_ptrs, _e4m3_byte(q, HW_E4M3), mask=tile_mask)
             tl.store(cs_ptr + slot * s_qb + h * s_qh + offs_p * s_qp, scale, mask=mask_p)
         else:
             # the slot's amax: non-negative fp32 bits order as int32; encoded by _nvfp4_flush_encode_kernel
@@ -378,6 +391,7 @@ def _readcopy_step_kernel(
     s_tb,                                   # nvfp4 tensor_scale [S]
     FMT: tl.constexpr, HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, FOLD_DOT: tl.constexpr, ROUTE: tl.constexpr,
+    HW_E4M3: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
@@ -398,7 +412,7 @@ def _readcopy_step_kernel(
              s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl, s_brb, s_brg, s_brl,
              s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn, s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
              s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, FMT, HAS_SLOT, BLOCK_P, BLOCK_N, BLOCK_L,
-             STOCHASTIC_FP16, FOLD_DOT, ROUTE)
+             STOCHASTIC_FP16, FOLD_DOT, ROUTE, HW_E4M3)
 
 
 @triton.jit
@@ -423,6 +437,7 @@ def _readcopy_flush_list_kernel(
     s_tb,                                   # nvfp4 tensor_scale [S]
     FMT: tl.constexpr, HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, FOLD_DOT: tl.constexpr, ROUTE: tl.constexpr,
+    HW_E4M3: tl.constexpr,
 ):
     """``pre`` read-copy flush launch on a fixed grid: walks the ``count x H x n_pb`` tiles of the rows the window
     launch listed in ``work = [count, rows...]`` (as :func:`~.mamba2_pre_triton._mamba2_flush_list_kernel`: a non-flush
@@ -437,7 +452,7 @@ def _readcopy_flush_list_kernel(
                  s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl, s_brb,
                  s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn, s_cb, s_cg, s_cn,
                  s_yb, s_yh, s_yp, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, FMT, HAS_SLOT, BLOCK_P,
-                 BLOCK_N, BLOCK_L, STOCHASTIC_FP16, FOLD_DOT, ROUTE)
+                 BLOCK_N, BLOCK_L, STOCHASTIC_FP16, FOLD_DOT, ROUTE, HW_E4M3)
         t += tl.num_programs(0)
 
 
@@ -636,7 +651,10 @@ def launch_config(P: int, N: int, L: int, fmt: str = "") -> dict:
                 flush_dot=bool(TUNING.get("flush_dot", TUNING.get("fold_dot", 1))),
                 # nvfp4 non-flush reads as int32 words, fp16-bit decode (_nvfp4_words_dot; N % 8 == 0). H200
                 # session 9, Super bs256: the non-flush step 357 -> 203 µs, L-avg 1.41 -> 2.01x
-                nvfp4_words=bool(TUNING.get("nvfp4_words", 1)))
+                nvfp4_words=bool(TUNING.get("nvfp4_words", 1)),
+                # fp8 flush encode by the hardware conversion (compiled only: the interpreter keeps the software
+                # rounding); not measured yet
+                hw_e4m3=bool(TUNING.get("hw_e4m3", 0)))
 
 
 def _format_name(fmt) -> str:
@@ -661,6 +679,14 @@ def _copy_args(enc: Encoded, name: str, dummy: torch.Tensor):
         return (v, s, dummy), (*v.stride(), *s.stride(), 0, 0)
     v, s, g = t["codes"], t["block_scale"].view(torch.uint8), t["tensor_scale"]
     return (v, s, g), (*v.stride(), *s.stride(), *g.stride())
+
+
+def hw_fp8_cast(device: torch.device) -> bool:
+    """Whether kernels on ``device`` may round fp32 -> e4m3 with the hardware conversion: compiled (not under
+    ``TRITON_INTERPRET=1``, whose cast rounds half-up) on a CUDA device of compute capability 8.9 or newer."""
+    if os.environ.get("TRITON_INTERPRET") == "1" or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _code_words(codes: torch.Tensor):
@@ -718,7 +744,8 @@ def replay_step_readcopy_triton(state, copy, fmt, x_ring, dt_ring, la_ring, B_ri
     n_fp = triton.cdiv(P, flush_p)
     step_kw = dict(FMT=FORMAT_IDS[name], HAS_SLOT=has_slot, BLOCK_P=flush_p, BLOCK_N=cfg["BLOCK_N"],
                    BLOCK_L=cfg["BLOCK_L"], STOCHASTIC_FP16=state.dtype == torch.float16,
-                   FOLD_DOT=cfg["flush_dot"] if pre else cfg["fold_dot"], ROUTE=2 if pre else 0, num_warps=flush_w)
+                   FOLD_DOT=cfg["flush_dot"] if pre else cfg["fold_dot"], ROUTE=2 if pre else 0, num_warps=flush_w,
+                   HW_E4M3=cfg["hw_e4m3"] and hw_fp8_cast(x.device))
     if listed:
         programs = cfg["flush_programs"] or min(b * H * n_fp, max(1, 32 // flush_w) * _sm_count(x.device))
         k2 = _readcopy_flush_list_kernel[(programs,)](*step_args, work, n_fp, *strides, **step_kw)
