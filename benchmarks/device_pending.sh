@@ -2,8 +2,9 @@
 # One device call for what was built without a GPU and has not compiled or been measured yet, most needed first.
 # Carry .baselines (mamba_ssm source) and .wheels (pytest-xdist, execnet, fla).
 # Usage on the GPU machine:  OUT=... bash benchmarks/device_pending.sh [steps...]
-#   steps (default, next session's single-GPU call: tests dbreak dconfigs spec_copy flushgrid e2e_rc; e2e_full on
-#   nvidia-h200-x2):
+#   steps (default, the next session's first single-GPU call: rctests rcflush rcdelta dsweep; then e2e_full on
+#   nvidia-h200-x2; then "spec_copy e2e_rc" with GEN_MODELS=qwen35_4b). The device returns at most 8 files, no more
+#   than 2 folders below $OUT: steps keep to that.
 #   tests      GPU tests of every Mamba-2 / delta kernel (pytest -n 6 when pytest-xdist is carried)
 #   dbreak     diag_stream_ceiling.py --delta: per-kernel time of the GDN / KDA split step for $DK configs, bs256
 #   dconfigs   bench_delta_kernel.py --configs $DK: the same configs as whole steps vs fla, bs256, fp32
@@ -48,7 +49,7 @@ if ls .wheels/pytest_xdist-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-deps .wheels/pytest_xdist-*.whl .wheels/execnet-*.whl >> "$OUT/install.log" 2>&1 \
     && XDIST="-n 6"
 fi
-steps=${*:-tests dbreak dconfigs spec_copy flushgrid e2e_rc}
+steps=${*:-rctests rcflush rcdelta dsweep}
 for s in $steps; do case $s in
   tests) timeout 300 python3 -m pytest -q $XDIST -p no:cacheprovider tests/test_mamba2_triton_gpu.py \
            tests/test_mamba2_triton.py tests/test_mamba2_readcopy.py tests/test_delta_readcopy_triton.py --tb=line \

@@ -43,7 +43,9 @@ aligned to them. Everything is computed in fp32.
     the high nibble the odd one, and ``S_0 C`` is summed as ``Σ even * C[0::2] + Σ odd * C[1::2]``. The e2m1
     magnitude ``m`` (3 bits) decodes arithmetically: ``m / 2`` for ``m < 4``, else ``(2 if m < 6 else 4) *
     (1 + (m & 1) / 2)`` (= 0, .5, 1, 1.5, 2, 3, 4, 6); bit 3 is the sign; then ``(e2m1 * block_scale) *
-    tensor_scale`` in fp32, the formats' order (the first product is exact).
+    tensor_scale`` in fp32, the formats' order (the first product is exact). The ``pre`` variant's non-flush pass
+    (where N % 8 == 0) instead reads int32 words of 8 codes and turns each code into fp16 bits equal to
+    ``e2m1 / 2^14`` (:func:`_nvfp4_words_dot`): 357 -> 203 µs per step at Super bs256 (H200, session 9).
 
 * Flush programs fold the fp32 state tile (``tl.dot``, IEEE fp32), write it, read ``y`` out of the folded tile, and
   encode the copy of the value *as stored*:
@@ -71,8 +73,9 @@ No ``tl.join`` / ``tl.interleave`` / ``tl.split`` / ``tl.reshape`` either: the n
 
 Status: registered as the CUDA implementation of ``replay_compile::mamba2_step_rc`` (the pass inserts it with
 ``read_copy``); compiled and run on the H200 in session 6 (37 tests; ``pre`` variant: bf16 2.0x, fp8 2.2-2.4x, NVFP4
-1.1x over ``selective_state_update`` at batch 256, benchmarks/NOTES.md). Not done: a batch threshold for the
-``fused`` variant at small batches (``pre`` is 0.61x at batch 1), a faster NVFP4 decode, N-tiling. Portability
+1.1x over ``selective_state_update`` at batch 256, benchmarks/NOTES.md; session 9: bf16 2.99x, fp8 2.95x, NVFP4
+2.11x). Not done: a batch threshold for the ``fused`` variant at small batches (``pre`` is 0.61x at batch 1),
+N-tiling. Portability
 notes (all held on the H200):
 
 * ``float8e4nv`` (bitcast from uint8, then ``.to(fp32)``) needs sm_89+ (Ada / Hopper); on sm_80 Triton refuses the
