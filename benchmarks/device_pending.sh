@@ -115,7 +115,7 @@ for s in $steps; do case $s in
            tests/test_delta_readcopy_triton.py --tb=line 2>&1 | grep -v "warnings.warn" | tail -8 \
            | tee "$OUT/pytest_readcopy.txt" ;;
   rcflush) timeout 240 python3 benchmarks/bench_readcopy_kernel.py --out "$OUT/rcflush" --batches 256 \
-           --formats fp8_e4m3 --configs "${RCF:-pre:;pre:hw_e4m3=1;pre:hw_e4m3=1,FLUSH_P=16,flush_warps=1;pre:hw_e4m3=1,FLUSH_P=16,flush_warps=4}" \
+           --formats fp8_e4m3,nvfp4 --configs "${RCF:-pre:;pre:hw_e4m3=1;pre:hw_e4m3=1,FLUSH_P=16,flush_warps=1;pre:hw_e4m3=1,FLUSH_P=16,flush_warps=4;pre:enc_warps=4;pre:enc_warps=2}" \
            2>&1 | grep -v Warn | tee "$OUT/readcopy_flush_configs.txt" ;;
   rcdelta) timeout 120 python3 benchmarks/diag_stream_ceiling.py --delta qwen35_4b,kimi_linear --delta-configs "" \
            --delta-rc-configs "rc;rc:hw_e4m3=1" 2>&1 | grep -v Warn \

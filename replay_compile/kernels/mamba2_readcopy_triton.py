@@ -657,7 +657,10 @@ def launch_config(P: int, N: int, L: int, fmt: str = "") -> dict:
                 nvfp4_words=bool(TUNING.get("nvfp4_words", 1)),
                 # fp8 flush encode by the hardware conversion (compiled only: the interpreter keeps the software
                 # rounding); not measured yet
-                hw_e4m3=bool(TUNING.get("hw_e4m3", 0)))
+                hw_e4m3=bool(TUNING.get("hw_e4m3", 0)),
+                # warps of the nvfp4 encode launch (two IEEE divisions and 14 comparisons per value: ALU-bound on the
+                # step's 1 warp?); not measured yet
+                enc_warps=TUNING.get("enc_warps") or warps)
 
 
 def _format_name(fmt) -> str:
@@ -757,10 +760,10 @@ def replay_step_readcopy_triton(state, copy, fmt, x_ring, dt_ring, la_ring, B_ri
     LAST_LAUNCH["kernel"] = k if pre else k2
     if name == "nvfp4":
         enc_args = (state, cursor, slot_arg, amax, cv, cs, ct)
-        enc_kw = dict(HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_P"], NB=cfg["BLOCK_N"] // 16, num_warps=cfg["num_warps"])
+        enc_kw = dict(HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_P"], NB=cfg["BLOCK_N"] // 16, num_warps=cfg["enc_warps"])
         if listed:
             enc_programs = cfg["flush_programs"] or min(b * H * n_pb,
-                                                        max(1, 32 // cfg["num_warps"]) * _sm_count(x.device))
+                                                        max(1, 32 // cfg["enc_warps"]) * _sm_count(x.device))
             _nvfp4_flush_encode_list_kernel[(enc_programs,)](*enc_args, work, H, n_pb, P, N, L, *state.stride(),
                                                              *cstrides, **enc_kw)
         else:
