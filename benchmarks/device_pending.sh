@@ -41,7 +41,7 @@ fi
 # delta split configurations to compare (kernels/delta_triton.py TUNING; the default first)
 DK=${DK:-"split;split:window_rows=1;split:window_rows=1,window_warps=2;split:flush_stages=2;split:flush_stages=4;split:scan_dot=0"}
 # small-batch delta configurations (the default fused kernel first: 32-wide slices, 4 warps, KDA's scan as a dot)
-KS=${KS:-"fused;fused:BLOCK_V=64,num_warps=4;fused:BLOCK_V=64,num_warps=8;fused:num_warps=2;split:window_rows=1"}
+KS=${KS:-"fused;fused:BLOCK_V=64,num_warps=4;fused:BLOCK_V=64,num_warps=8;fused:BLOCK_V=128,num_warps=8;fused:num_warps=2"}
 SG=";window_warps=1;window_warps=1,BLOCK_V=32,num_warps=2;window_warps=2,BLOCK_V=32,num_warps=2"
 SG="$SG;window_warps=1,BLOCK_V=32,num_warps=1"
 XDIST=""
@@ -115,7 +115,7 @@ for s in $steps; do case $s in
            tests/test_delta_readcopy_triton.py --tb=line 2>&1 | grep -v "warnings.warn" | tail -8 \
            | tee "$OUT/pytest_readcopy.txt" ;;
   rcflush) timeout 240 python3 benchmarks/bench_readcopy_kernel.py --out "$OUT/rcflush" --batches 256 \
-           --formats fp8_e4m3,nvfp4 --configs "${RCF:-pre:;pre:hw_e4m3=1;pre:hw_e4m3=1,FLUSH_P=16,flush_warps=1;pre:hw_e4m3=1,FLUSH_P=16,flush_warps=4;pre:enc_warps=4;pre:enc_warps=2}" \
+           --formats fp8_e4m3,nvfp4 --configs "${RCF:-pre:;pre:hw_e4m3=1;pre:hw_e4m3=1,FLUSH_P=16,flush_warps=1;pre:hw_e4m3=1,FLUSH_P=16,flush_warps=4;pre:enc_warps=4;pre:enc_warps=2;pre:APPLY_P=32;pre:APPLY_P=32,apply_warps=2;pre:APPLY_P=8}" \
            2>&1 | grep -v Warn | tee "$OUT/readcopy_flush_configs.txt" ;;
   rcdelta) timeout 120 python3 benchmarks/diag_stream_ceiling.py --delta qwen35_4b,kimi_linear --delta-configs "" \
            --delta-rc-configs "rc;rc:hw_e4m3=1" 2>&1 | grep -v Warn \
