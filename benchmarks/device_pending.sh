@@ -2,7 +2,7 @@
 # One device call for what was built without a GPU and has not compiled or been measured yet, most needed first.
 # Carry .baselines (mamba_ssm source) and .wheels (pytest-xdist, execnet, fla).
 # Usage on the GPU machine:  OUT=... bash benchmarks/device_pending.sh [steps...]
-#   steps (default, the next session's first single-GPU call: rctests rcflush rcdelta dsweep; then e2e_full on
+#   steps (default, the next session's first single-GPU call: rctests rcflush rcapply rcdelta; then e2e_full on
 #   nvidia-h200-x2; then "spec_copy e2e_rc" with GEN_MODELS=qwen35_4b). The device returns at most 8 files, no more
 #   than 2 folders below $OUT: steps keep to that.
 #   tests      GPU tests of every Mamba-2 / delta kernel (pytest -n 6 when pytest-xdist is carried)
@@ -29,7 +29,8 @@
 #              listed (fp8 1567 -> 1957 µs at bs256, 1-warp programs, 32 per SM), so try 64 and 128 per SM (and the
 #              full grid) for it, and 48 / 64 warps per SM for the exact Mamba-2 flush walk
 #   rctests    GPU tests of both read-copy kernels;  rcflush  the Mamba-2 fp8 read copy's flush with the hardware
-#              e4m3 rounding (hw_e4m3) and flush tiles, bs256 ($RCF);  rcdelta  the same knob in the delta read copy
+#              e4m3 rounding (hw_e4m3) and flush tiles, bs256 ($RCF);  rcapply  the non-flush copy pass's tile, warps
+#              and early loads, bs128 / 256 ($RCA);  rcdelta  hw_e4m3 in the delta read copy
 #   knobs readcopy anchor compile: session 7's pending measurements (done in session 8's first call)
 set -uo pipefail
 OUT=${OUT:-device-logs}; mkdir -p "$OUT"
@@ -49,7 +50,7 @@ if ls .wheels/pytest_xdist-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-deps .wheels/pytest_xdist-*.whl .wheels/execnet-*.whl >> "$OUT/install.log" 2>&1 \
     && XDIST="-n 6"
 fi
-steps=${*:-rctests rcflush rcdelta dsweep}
+steps=${*:-rctests rcflush rcapply rcdelta}
 for s in $steps; do case $s in
   tests) timeout 300 python3 -m pytest -q $XDIST -p no:cacheprovider tests/test_mamba2_triton_gpu.py \
            tests/test_mamba2_triton.py tests/test_mamba2_readcopy.py tests/test_delta_readcopy_triton.py --tb=line \
@@ -115,8 +116,11 @@ for s in $steps; do case $s in
            tests/test_delta_readcopy_triton.py --tb=line 2>&1 | grep -v "warnings.warn" | tail -8 \
            | tee "$OUT/pytest_readcopy.txt" ;;
   rcflush) timeout 240 python3 benchmarks/bench_readcopy_kernel.py --out "$OUT/rcflush" --batches 256 \
-           --formats fp8_e4m3,nvfp4 --configs "${RCF:-pre:;pre:hw_e4m3=1;pre:hw_e4m3=1,FLUSH_P=16,flush_warps=1;pre:hw_e4m3=1,FLUSH_P=16,flush_warps=4;pre:enc_warps=4;pre:enc_warps=2;pre:APPLY_P=32;pre:APPLY_P=32,apply_warps=2;pre:APPLY_P=8}" \
+           --formats fp8_e4m3,nvfp4 --configs "${RCF:-pre:;pre:hw_e4m3=1;pre:hw_e4m3=1,FLUSH_P=16,flush_warps=1;pre:hw_e4m3=1,FLUSH_P=16,flush_warps=4;pre:enc_warps=4;pre:enc_warps=2}" \
            2>&1 | grep -v Warn | tee "$OUT/readcopy_flush_configs.txt" ;;
+  rcapply) timeout 240 python3 benchmarks/bench_readcopy_kernel.py --out "$OUT/rcapply" --batches 128,256 \
+           --formats fp8_e4m3,nvfp4 --configs "${RCA:-pre:;pre:apply_early=1;pre:apply_early=1,APPLY_P=32;pre:APPLY_P=32;pre:APPLY_P=32,apply_warps=2;pre:APPLY_P=64,apply_warps=2;pre:APPLY_P=64,apply_warps=4}" \
+           2>&1 | grep -v Warn | tee "$OUT/readcopy_apply_configs.txt" ;;
   rcdelta) timeout 120 python3 benchmarks/diag_stream_ceiling.py --delta qwen35_4b,kimi_linear --delta-configs "" \
            --delta-rc-configs "rc;rc:hw_e4m3=1" 2>&1 | grep -v Warn \
            | tee "$OUT/delta_rc_flush_stages.txt" ;;

@@ -460,31 +460,11 @@ def _readcopy_flush_list_kernel(
 
 
 @triton.jit
-def _readcopy_apply_kernel(
-    cursor_ptr, C_ptr, slot_ptr, y_ptr, win_ptr, dec_ptr, cv_ptr, cs_ptr, ct_ptr,
-    H, P, N, L, heads_per_gc,
-    s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
-    s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb,
-    FMT: tl.constexpr, HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    WORDS: tl.constexpr,
-):
-    """``pre`` variant's copy pass, grid ``(cdiv(P, BLOCK_P), batch, H)``: for non-flush rows
-    ``y = decay (S_copy C) + win`` from the decoded copy and the window launch's scratch
-    (:func:`~replay_compile.kernels.mamba2_pre_triton._mamba2_prepass_window_kernel`); flush rows return at once.
-    ``WORDS`` (nvfp4): ``cv_ptr`` is the codes viewed as int32 (strides in words), :func:`_nvfp4_words_dot`."""
-    pid_p = tl.program_id(0)
-    row = tl.program_id(1).to(tl.int64)
-    h = tl.program_id(2).to(tl.int64)
-    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
-    mask_p = offs_p < P
-    y_ptrs = y_ptr + row * s_yb + h * s_yh + offs_p * s_yp
-    slot = _step_row(slot_ptr, row, y_ptrs, mask_p, HAS_SLOT, BLOCK_P)
-    if slot < 0:                                   # padding row: zero output (stored above), touch nothing else
-        return
-    w = tl.load(cursor_ptr + slot)
-    if w == L - 1:
-        return
-    c_base = C_ptr + row * s_cb + (h // heads_per_gc) * s_cg
+def _copy_dot(cv_ptr, cs_ptr, ct_ptr, c_base, s_cn, slot, h, offs_p, mask_p, P, N,
+              s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb,
+              FMT: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
+    """``S_copy C`` [BLOCK_P] for rows ``offs_p`` of the copy of (slot, head ``h``): nvfp4 as int32 words
+    (``WORDS``, :func:`_nvfp4_words_dot`) or byte by byte (:func:`_load_nvfp4`), bf16 / fp8 as decoded rows."""
     if WORDS:
         sc = _nvfp4_words_dot(cv_ptr, cs_ptr, ct_ptr, c_base, s_cn, slot, h, offs_p, P, N, s_vb, s_vh, s_vp, s_vn,
                               s_qb, s_qh, s_qp, s_qn, s_tb, BLOCK_N // 16)
@@ -503,8 +483,50 @@ def _readcopy_apply_kernel(
         s0 = _load_copy_rows(cv_ptr, cs_ptr, slot, h, offs_p, offs_n, mask_p, mask_p[:, None] & mask_n[None, :],
                              s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, FMT)
         sc = tl.sum(s0 * c[None, :], axis=1)
-    decay = tl.load(dec_ptr + row * H + h)
-    win = tl.load(win_ptr + (row * H + h) * P + offs_p, mask=mask_p, other=0.0)
+    return sc
+
+
+@triton.jit
+def _readcopy_apply_kernel(
+    cursor_ptr, C_ptr, slot_ptr, y_ptr, win_ptr, dec_ptr, cv_ptr, cs_ptr, ct_ptr,
+    H, P, N, L, heads_per_gc,
+    s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
+    s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb,
+    FMT: tl.constexpr, HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    WORDS: tl.constexpr, EARLY: tl.constexpr,
+):
+    """``pre`` variant's copy pass, grid ``(cdiv(P, BLOCK_P), batch, H)``: for non-flush rows
+    ``y = decay (S_copy C) + win`` from the decoded copy and the window launch's scratch
+    (:func:`~replay_compile.kernels.mamba2_pre_triton._mamba2_prepass_window_kernel`); flush rows return at once.
+    ``WORDS`` (nvfp4): ``cv_ptr`` is the codes viewed as int32 (strides in words), :func:`_nvfp4_words_dot`.
+    ``EARLY``: every load issued before the cursor's (a 1-warp program otherwise waits slot -> cursor -> copy, three
+    dependent round trips, with at most 32 programs per SM)."""
+    pid_p = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2).to(tl.int64)
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    mask_p = offs_p < P
+    y_ptrs = y_ptr + row * s_yb + h * s_yh + offs_p * s_yp
+    slot = _step_row(slot_ptr, row, y_ptrs, mask_p, HAS_SLOT, BLOCK_P)
+    if slot < 0:                                   # padding row: zero output (stored above), touch nothing else
+        return
+    c_base = C_ptr + row * s_cb + (h // heads_per_gc) * s_cg
+    if EARLY:       # the copy tile, scales and window scratch loaded before the cursor: wasted on flush rows only
+        sc = _copy_dot(cv_ptr, cs_ptr, ct_ptr, c_base, s_cn, slot, h, offs_p, mask_p, P, N,
+                       s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, FMT, BLOCK_N, WORDS)
+        decay = tl.load(dec_ptr + row * H + h)
+        win = tl.load(win_ptr + (row * H + h) * P + offs_p, mask=mask_p, other=0.0)
+        w = tl.load(cursor_ptr + slot)
+        if w == L - 1:
+            return
+    else:
+        w = tl.load(cursor_ptr + slot)
+        if w == L - 1:
+            return
+        sc = _copy_dot(cv_ptr, cs_ptr, ct_ptr, c_base, s_cn, slot, h, offs_p, mask_p, P, N,
+                       s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, FMT, BLOCK_N, WORDS)
+        decay = tl.load(dec_ptr + row * H + h)
+        win = tl.load(win_ptr + (row * H + h) * P + offs_p, mask=mask_p, other=0.0)
     tl.store(y_ptrs, decay * sc + win, mask=mask_p)
 
 
@@ -660,7 +682,9 @@ def launch_config(P: int, N: int, L: int, fmt: str = "") -> dict:
                 hw_e4m3=bool(TUNING.get("hw_e4m3", 0)),
                 # warps of the nvfp4 encode launch (two IEEE divisions and 14 comparisons per value: ALU-bound on the
                 # step's 1 warp?); not measured yet
-                enc_warps=TUNING.get("enc_warps") or warps)
+                enc_warps=TUNING.get("enc_warps") or warps,
+                # the non-flush copy pass issues its loads before the cursor's; not measured yet
+                apply_early=bool(TUNING.get("apply_early", 0)))
 
 
 def _format_name(fmt) -> str:
@@ -739,7 +763,7 @@ def replay_step_readcopy_triton(state, copy, fmt, x_ring, dt_ring, la_ring, B_ri
         k = _readcopy_apply_kernel[(triton.cdiv(P, cfg["APPLY_P"]), b, H)](
             cursor, C, slot_arg, y, win, dec, av, cs, ct, H, P, N, L, H // Gc, *C.stride(), *y.stride(), *astrides,
             FMT=FORMAT_IDS[name], HAS_SLOT=has_slot, BLOCK_P=cfg["APPLY_P"], BLOCK_N=cfg["BLOCK_N"],
-            WORDS=words is not None, num_warps=cfg["apply_warps"])
+            WORDS=words is not None, EARLY=cfg["apply_early"], num_warps=cfg["apply_warps"])
     listed = pre and cfg["flush_list"]
     step_args = (state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, y, cv, cs, ct, amax)
     strides = (H, P, N, L, H // G, H // Gc,
