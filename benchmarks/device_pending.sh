@@ -30,7 +30,7 @@
 #              full grid) for it, and 48 / 64 warps per SM for the exact Mamba-2 flush walk
 #   rctests    GPU tests of both read-copy kernels;  rcflush  the Mamba-2 fp8 read copy's flush with the hardware
 #              e4m3 rounding (hw_e4m3) and flush tiles, bs256 ($RCF);  rcapply  the non-flush copy pass's tile, warps
-#              and early loads, bs128 / 256 ($RCA);  rcdelta  hw_e4m3 in the delta read copy
+#              and early loads, bs128 / 256 ($RCA);  rcdelta  hw_e4m3 and apply_early in the delta read copy
 #   knobs readcopy anchor compile: session 7's pending measurements (done in session 8's first call)
 set -uo pipefail
 OUT=${OUT:-device-logs}; mkdir -p "$OUT"
@@ -122,7 +122,7 @@ for s in $steps; do case $s in
            --formats fp8_e4m3,nvfp4 --configs "${RCA:-pre:;pre:apply_early=1;pre:apply_early=1,APPLY_P=32;pre:APPLY_P=32;pre:APPLY_P=32,apply_warps=2;pre:APPLY_P=64,apply_warps=2;pre:APPLY_P=64,apply_warps=4}" \
            2>&1 | grep -v Warn | tee "$OUT/readcopy_apply_configs.txt" ;;
   rcdelta) timeout 120 python3 benchmarks/diag_stream_ceiling.py --delta qwen35_4b,kimi_linear --delta-configs "" \
-           --delta-rc-configs "rc;rc:hw_e4m3=1" 2>&1 | grep -v Warn \
+           --delta-rc-configs "rc;rc:hw_e4m3=1;rc:apply_early=1;rc:apply_early=1,hw_e4m3=1" 2>&1 | grep -v Warn \
            | tee "$OUT/delta_rc_flush_stages.txt" ;;
   m2bs128) timeout 200 python3 benchmarks/bench_mamba2_kernel.py --out "$OUT/m2bs128" --batches 128 \
            --configs "pre;pre:BLOCK_P=32,num_warps=2;pre:BLOCK_P=32,num_warps=1;pre:BLOCK_P=8;pre:win_heads=8" 2>&1 \
