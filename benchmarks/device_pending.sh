@@ -30,7 +30,8 @@
 #              full grid) for it, and 48 / 64 warps per SM for the exact Mamba-2 flush walk
 #   rctests    GPU tests of both read-copy kernels;  rcflush  the Mamba-2 fp8 read copy's flush with the hardware
 #              e4m3 rounding (hw_e4m3) and flush tiles, bs256 ($RCF);  rcapply  the non-flush copy pass's tile, warps
-#              and early loads, bs128 / 256 ($RCA);  rcdelta  hw_e4m3 and apply_early in the delta read copy
+#              and early loads, bs256 ($RCA);  rcdelta  hw_e4m3 and apply_early in the delta read copy. nvfp4_row
+#              (tensor scale per row, encoded inside the flush launch) beside nvfp4 in both
 #   knobs readcopy anchor compile: session 7's pending measurements (done in session 8's first call)
 set -uo pipefail
 OUT=${OUT:-device-logs}; mkdir -p "$OUT"
@@ -116,10 +117,10 @@ for s in $steps; do case $s in
            tests/test_delta_readcopy_triton.py --tb=line 2>&1 | grep -v "warnings.warn" | tail -8 \
            | tee "$OUT/pytest_readcopy.txt" ;;
   rcflush) timeout 240 python3 benchmarks/bench_readcopy_kernel.py --out "$OUT/rcflush" --batches 256 \
-           --formats fp8_e4m3,nvfp4 --configs "${RCF:-pre:;pre:hw_e4m3=1;pre:hw_e4m3=1,FLUSH_P=16,flush_warps=1;pre:hw_e4m3=1,FLUSH_P=16,flush_warps=4;pre:enc_warps=4;pre:enc_warps=2}" \
+           --formats fp8_e4m3,nvfp4,nvfp4_row --configs "${RCF:-pre:;pre:hw_e4m3=1;pre:hw_e4m3=1,FLUSH_P=16,flush_warps=1;pre:hw_e4m3=1,FLUSH_P=16,flush_warps=4;pre:enc_warps=4;pre:enc_warps=2}" \
            2>&1 | grep -v Warn | tee "$OUT/readcopy_flush_configs.txt" ;;
-  rcapply) timeout 240 python3 benchmarks/bench_readcopy_kernel.py --out "$OUT/rcapply" --batches 128,256 \
-           --formats fp8_e4m3,nvfp4 --configs "${RCA:-pre:;pre:apply_early=1;pre:apply_early=1,APPLY_P=32;pre:APPLY_P=32;pre:APPLY_P=32,apply_warps=2;pre:APPLY_P=64,apply_warps=2;pre:APPLY_P=64,apply_warps=4}" \
+  rcapply) timeout 240 python3 benchmarks/bench_readcopy_kernel.py --out "$OUT/rcapply" --batches 256 \
+           --formats fp8_e4m3,nvfp4_row --configs "${RCA:-pre:;pre:apply_early=1;pre:apply_early=1,APPLY_P=32;pre:APPLY_P=32;pre:APPLY_P=32,apply_warps=2;pre:APPLY_P=64,apply_warps=2;pre:APPLY_P=64,apply_warps=4}" \
            2>&1 | grep -v Warn | tee "$OUT/readcopy_apply_configs.txt" ;;
   rcdelta) timeout 120 python3 benchmarks/diag_stream_ceiling.py --delta qwen35_4b,kimi_linear --delta-configs "" \
            --delta-rc-configs "rc;rc:hw_e4m3=1;rc:apply_early=1;rc:apply_early=1,hw_e4m3=1" 2>&1 | grep -v Warn \

@@ -26,8 +26,8 @@ def rel(a, b):
 
 
 def _enc(spec, rings):
-    names = {"bf16": ("values",), "fp8_e4m3": ("values", "scale"),
-             "nvfp4": ("codes", "block_scale", "tensor_scale")}[spec.read_copy]
+    names = {"bf16": ("values",), "fp8_e4m3": ("values", "scale"), "nvfp4": ("codes", "block_scale", "tensor_scale"),
+             "nvfp4_row": ("codes", "block_scale", "tensor_scale")}[spec.read_copy]
     return dict(zip(names, rings[5:8]))
 
 
@@ -38,7 +38,8 @@ def _bytes(t):
 @pytest.mark.parametrize("kda, fmt, listed", [
     (False, "bf16", False), (False, "fp8_e4m3", False), (False, "nvfp4", False), (True, "fp8_e4m3", False),
     (True, "nvfp4", False),                                    # KDA x bf16: the GDN case's decode + KDA gates
-    (False, "fp8_e4m3", True), (True, "nvfp4", True)])         # flush rows listed, one encode program walks them
+    (False, "fp8_e4m3", True), (True, "nvfp4", True),          # flush rows listed, one encode program walks them
+    (False, "nvfp4_row", False), (True, "nvfp4_row", True)])   # tensor scale per row, encoded by the rows' launch
 @pytest.mark.parametrize("block_v", [32, 16])                   # the default slice (V = 32: one), and two per row
 def test_kernel_matches_reference_step_by_step(kda, fmt, listed, block_v, monkeypatch):
     import replay_compile.kernels.delta_readcopy_triton as drt

@@ -34,7 +34,7 @@ from replay_compile.quant.formats import FORMATS, Encoded, NVFP4Format  # noqa: 
 from replay_compile.testing.strategies import Mamba2Geometry  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-FMTS = ("bf16", "fp8_e4m3", "nvfp4")
+FMTS = ("bf16", "fp8_e4m3", "nvfp4", "nvfp4_row")
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -69,7 +69,7 @@ def nvfp4_expected_scales(x, tensor_scale_dims=1):
     s_g = torch.where(s_g > 0, s_g, torch.ones_like(s_g))
     xp = torch.cat([x, x.new_zeros(*x.shape[:-1], nb * 16 - C)], -1).reshape(*x.shape[:-1], nb, 16)
     amax_b = xp.abs().amax(-1)
-    s_g_b = s_g.reshape(tuple(s_g.shape) + (1,) * (amax_b.dim() - k))
+    s_g_b = s_g.reshape(tuple(s_g.shape) + (1,) * (amax_b.dim() - s_g.dim()))     # k = -1: per row
     s_b = (amax_b / (6.0 * s_g_b)).clamp(max=448.0).to(torch.float8_e4m3fn)
     return s_g, s_b, amax_b, s_g_b
 

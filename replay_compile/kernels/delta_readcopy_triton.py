@@ -35,7 +35,7 @@ import triton.language as tl
 from .delta_split_triton import _delta_window_kernel
 from .mamba2_readcopy_reference import as_encoded
 from .mamba2_readcopy_triton import (FORMAT_IDS, _bf16_bits, _copy_args, _e2m1_value, _e4m3_byte,
-                                     _format_name, _load_copy_rows, _nvfp4_flush_encode_kernel,
+                                     _format_name, _load_copy_rows, _nvfp4_encode_body, _nvfp4_flush_encode_kernel,
                                      _nvfp4_flush_encode_list_kernel, hw_fp8_cast)
 from .mamba2_triton import (_advance_cursor_kernel, _list_item, _list_row, _row_slot, _sm_count, _step_row,
                             _store_checkpoint)
@@ -48,25 +48,26 @@ TUNING: dict = {}
 
 @triton.jit
 def _load_nvfp4_cols(cv_ptr, cs_ptr, ct_ptr, slot, h, offs_k, offs_v, tile_mask,
-                     s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb):
+                     s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp):
     """Decoded ``[BLOCK_K, BLOCK_V]`` slice of an NVFP4 copy at any V offset (byte ``v // 2``, low nibble for even
-    ``v``; block scale ``v // 16``); 0 outside ``tile_mask``."""
+    ``v``; block scale ``v // 16``; tensor scale per slot, or per K row for ``nvfp4_row``); 0 outside
+    ``tile_mask``."""
     byte = tl.load(cv_ptr + slot * s_vb + h * s_vh + offs_k[:, None] * s_vp + (offs_v // 2)[None, :] * s_vn,
                    mask=tile_mask, other=0).to(tl.int32)
     code = (byte >> ((offs_v & 1) * 4)[None, :]) & 15
     bs = tl.load(cs_ptr + slot * s_qb + h * s_qh + offs_k[:, None] * s_qp + (offs_v // 16)[None, :] * s_qn,
                  mask=tile_mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    sg = tl.load(ct_ptr + slot * s_tb)
-    return tl.where(tile_mask, (_e2m1_value(code) * bs) * sg, 0.0)
+    sg = tl.load(ct_ptr + slot * s_tb + h * s_th + offs_k * s_tp, mask=offs_k * 0 == 0, other=1.0)
+    return tl.where(tile_mask, (_e2m1_value(code) * bs) * sg[:, None], 0.0)
 
 
 @triton.jit
 def _load_copy_slice(cv_ptr, cs_ptr, ct_ptr, slot, h, offs_k, offs_v, mask_k, tile_mask,
-                     s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp, s_csn, s_ctb, FMT: tl.constexpr):
+                     s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp, s_csn, s_ctb, s_cth, s_ctp, FMT: tl.constexpr):
     """The decoded ``[BLOCK_K, BLOCK_V]`` slice of the copy (NVFP4 by columns, bf16 / fp8 by rows)."""
     if FMT == 2:
         s0 = _load_nvfp4_cols(cv_ptr, cs_ptr, ct_ptr, slot, h, offs_k, offs_v, tile_mask,
-                              s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp, s_csn, s_ctb)
+                              s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp, s_csn, s_ctb, s_cth, s_ctp)
     else:
         s0 = _load_copy_rows(cv_ptr, cs_ptr, slot, h, offs_k, offs_v, mask_k, tile_mask,
                              s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp, FMT)
@@ -110,7 +111,7 @@ def _delta_rc_apply_kernel(
     s_sb, s_sh, s_sk, s_sv, s_drb, s_drh, s_drl, s_drv, s_krb, s_krh, s_krl, s_krk, s_grb, s_grh, s_grl, s_grk,
     s_vrb, s_vrh, s_vrl, s_vrv, s_brb, s_brh, s_brl,
     s_qb, s_qh, s_qk, s_kb, s_kh, s_kk, s_vb, s_vh, s_vv, s_gb, s_gh, s_gk, s_bb, s_bh, s_ob, s_oh, s_ov,
-    s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp, s_csn, s_ctb,
+    s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp, s_csn, s_ctb, s_cth, s_ctp,
     FMT: tl.constexpr, HAS_SLOT: tl.constexpr, KDA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, work_ptr, LISTED: tl.constexpr,
     FLUSH_STAGES: tl.constexpr, EARLY: tl.constexpr,
@@ -139,7 +140,7 @@ def _delta_rc_apply_kernel(
     br_base = br_ptr + slot * s_brb + h * s_brh
     if EARLY:                                      # the copy slice loaded before the cursor (wasted on flush rows)
         s0 = _load_copy_slice(cv_ptr, cs_ptr, ct_ptr, slot, h, offs_k, offs_v, mask_k, tile_mask,
-                              s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp, s_csn, s_ctb, FMT)
+                              s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp, s_csn, s_ctb, s_cth, s_ctp, FMT)
     if w == L - 1:
         if LISTED:                                 # the row's first program lists it for the encode launch
             if (pid_v == 0) & (h == 0):
@@ -170,7 +171,7 @@ def _delta_rc_apply_kernel(
     else:
         if not EARLY:
             s0 = _load_copy_slice(cv_ptr, cs_ptr, ct_ptr, slot, h, offs_k, offs_v, mask_k, tile_mask,
-                                  s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp, s_csn, s_ctb, FMT)
+                                  s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp, s_csn, s_ctb, s_cth, s_ctp, FMT)
         wb = win_ptr + (row * HV + h) * (3 * BLOCK_L)
         u = tl.load(wb + offs_l)
         uq = tl.load(wb + BLOCK_L + offs_l)
@@ -202,12 +203,14 @@ def _delta_rc_apply_kernel(
 
 @triton.jit
 def _encode_rows_body(
-    pid_r, row, h, slot, state_ptr, amax_ptr, cv_ptr, cs_ptr, K, V,
-    s_sb, s_sh, s_sk, s_sv, s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp,
+    pid_r, row, h, slot, state_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr, K, V,
+    s_sb, s_sh, s_sk, s_sv, s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp, s_csn, s_ctb, s_cth, s_ctp,
     FMT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, HW_E4M3: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
 ):
-    """Rewrite ``BLOCK_R`` rows of a flushed slot's copy from the stored checkpoint (bf16, fp8 with its row scale),
-    or, for NVFP4, fold their amax into the slot's (the 4th launch encodes). No early returns (called in a loop)."""
+    """Rewrite ``BLOCK_R`` rows of a flushed slot's copy from the stored checkpoint (bf16, fp8 with its row scale,
+    ``nvfp4_row`` with its row scales: :func:`~.mamba2_readcopy_triton._nvfp4_encode_body`), or, for ``nvfp4``,
+    fold their amax into the slot's (the 4th launch encodes). No early returns (called in a loop)."""
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_v = tl.arange(0, BLOCK_V)
     mask_r = offs_r < K
@@ -223,6 +226,10 @@ def _encode_rows_body(
         qv = tl.minimum(tl.maximum(tl.div_rn(x, scale[:, None]), -448.0), 448.0)
         tl.store(c_ptrs, _e4m3_byte(qv, HW_E4M3), mask=tile_mask)
         tl.store(cs_ptr + slot * s_csb + h * s_csh + offs_r * s_csp, scale, mask=mask_r)
+    elif ROW_SCALE:         # reloads the rows in the encoder's layout (x above is then dead: the compiler drops it)
+        _nvfp4_encode_body(pid_r, row, h, slot, state_ptr, amax_ptr, amax_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr,
+                           K, V, 0, s_sb, s_sh, s_sk, s_sv, s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp,
+                           s_csn, s_ctb, s_cth, s_ctp, False, BLOCK_R, BLOCK_V // 16, True)
     else:
         amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
         tl.atomic_max(amax_ptr + row, amax.to(tl.int32, bitcast=True), sem="relaxed")
@@ -230,10 +237,10 @@ def _encode_rows_body(
 
 @triton.jit
 def _flush_encode_rows_kernel(
-    state_ptr, cursor_ptr, slot_ptr, amax_ptr, cv_ptr, cs_ptr, K, V, L,
-    s_sb, s_sh, s_sk, s_sv, s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp,
+    state_ptr, cursor_ptr, slot_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr, K, V, L,
+    s_sb, s_sh, s_sk, s_sv, s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp, s_csn, s_ctb, s_cth, s_ctp,
     FMT: tl.constexpr, HAS_SLOT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
-    HW_E4M3: tl.constexpr,
+    HW_E4M3: tl.constexpr, ROW_SCALE: tl.constexpr,
 ):
     """Flush rows (cursor still ``L-1``), grid ``(cdiv(K, BLOCK_R), b, HV)``: :func:`_encode_rows_body`."""
     pid_r = tl.program_id(0)
@@ -244,17 +251,17 @@ def _flush_encode_rows_kernel(
         return
     if tl.load(cursor_ptr + slot) != L - 1:
         return
-    _encode_rows_body(pid_r, row, h, slot, state_ptr, amax_ptr, cv_ptr, cs_ptr, K, V,
-                      s_sb, s_sh, s_sk, s_sv, s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp, FMT, BLOCK_R, BLOCK_V,
-                      HW_E4M3)
+    _encode_rows_body(pid_r, row, h, slot, state_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr, K, V,
+                      s_sb, s_sh, s_sk, s_sv, s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp, s_csn, s_ctb, s_cth,
+                      s_ctp, FMT, BLOCK_R, BLOCK_V, HW_E4M3, ROW_SCALE)
 
 
 @triton.jit
 def _flush_encode_rows_list_kernel(
-    state_ptr, slot_ptr, amax_ptr, cv_ptr, cs_ptr, work_ptr, HV, n_rb, K, V,
-    s_sb, s_sh, s_sk, s_sv, s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp,
+    state_ptr, slot_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr, work_ptr, HV, n_rb, K, V,
+    s_sb, s_sh, s_sk, s_sv, s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp, s_csn, s_ctb, s_cth, s_ctp,
     FMT: tl.constexpr, HAS_SLOT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
-    HW_E4M3: tl.constexpr,
+    HW_E4M3: tl.constexpr, ROW_SCALE: tl.constexpr,
 ):
     """:func:`_flush_encode_rows_kernel` over the rows the apply launch listed, on a fixed grid (a non-flush step
     then costs a few programs reading ``count = 0``, not a ``(K / BLOCK_R, b, HV)`` grid reading cursors)."""
@@ -263,8 +270,9 @@ def _flush_encode_rows_list_kernel(
     while t < n_items:
         row, h, tile = _list_item(work_ptr, t, HV, n_rb)
         _encode_rows_body(tile, row, h, _row_slot(slot_ptr, row, HAS_SLOT),
-                          state_ptr, amax_ptr, cv_ptr, cs_ptr, K, V, s_sb, s_sh, s_sk, s_sv, s_cvb, s_cvh, s_cvp,
-                          s_cvn, s_csb, s_csh, s_csp, FMT, BLOCK_R, BLOCK_V, HW_E4M3)
+                          state_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr, K, V, s_sb, s_sh, s_sk, s_sv, s_cvb, s_cvh,
+                          s_cvp, s_cvn, s_csb, s_csh, s_csp, s_csn, s_ctb, s_cth, s_ctp, FMT, BLOCK_R, BLOCK_V,
+                          HW_E4M3, ROW_SCALE)
         t += tl.num_programs(0)
 
 
@@ -303,8 +311,8 @@ def delta_replay_step_readcopy_triton(state, copy, fmt, d_ring, k_ring, g_ring, 
     o = torch.empty((b, HV, V), dtype=torch.float32, device=v.device)
     if b == 0:
         return o
-    if name == "nvfp4" and V % 16:
-        raise ValueError(f"replay_compile.delta read copy: nvfp4 needs V % 16 == 0 (whole scale blocks), got V={V}")
+    if FORMAT_IDS[name] == 2 and V % 16:
+        raise ValueError(f"replay_compile.delta read copy: {name} needs V % 16 == 0 (whole scale blocks), got V={V}")
     cfg = launch_config(K, V, L)
     has_slot = slot_idx is not None
     slot_arg = slot_idx if has_slot else cursor
@@ -336,14 +344,14 @@ def delta_replay_step_readcopy_triton(state, copy, fmt, d_ring, k_ring, g_ring, 
     n_rb = triton.cdiv(K, cfg["BLOCK_R"])
     grid_r = (n_rb, b, HV)
     enc_kw = dict(FMT=FORMAT_IDS[name], HAS_SLOT=has_slot, BLOCK_R=cfg["BLOCK_R"], BLOCK_V=cfg["BLOCK_VF"],
-                  HW_E4M3=cfg["hw_e4m3"] and hw_fp8_cast(v.device))
+                  HW_E4M3=cfg["hw_e4m3"] and hw_fp8_cast(v.device), ROW_SCALE=name == "nvfp4_row")
     if listed:
         programs = cfg["flush_programs"] or min(b * HV * n_rb, 32 * _sm_count(v.device))
         _flush_encode_rows_list_kernel[(programs,)](
-            state, slot_arg, amax, cv, cs, work, HV, n_rb, K, V, *state.stride(), *cstrides[:7], **enc_kw)
+            state, slot_arg, amax, cv, cs, ct, work, HV, n_rb, K, V, *state.stride(), *cstrides, **enc_kw)
     else:
         _flush_encode_rows_kernel[grid_r](
-            state, cursor, slot_arg, amax, cv, cs, K, V, L, *state.stride(), *cstrides[:7], **enc_kw)
+            state, cursor, slot_arg, amax, cv, cs, ct, K, V, L, *state.stride(), *cstrides, **enc_kw)
     if name == "nvfp4":
         nv_kw = dict(HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_R"], NB=cfg["BLOCK_VF"] // 16)
         if listed:

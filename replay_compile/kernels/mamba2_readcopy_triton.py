@@ -97,7 +97,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quant.formats import Encoded, ReadCopyFormat, get_format
+from ..quant.formats import Encoded, get_format
 from .mamba2_readcopy_reference import as_encoded
 from .mamba2_pre_triton import launch_window
 from .mamba2_triton import (_advance_cursor_kernel, _list_item, _round_checkpoint, _row_slot, _sm_count, _step_row,
@@ -107,7 +107,7 @@ __all__ = ["FORMAT_IDS", "TUNING", "decode_read_copy_triton", "launch_config", "
            "tuned"]
 
 #: Format name -> the kernels' ``FMT`` constexpr.
-FORMAT_IDS = {"bf16": 0, "fp8_e4m3": 1, "nvfp4": 2}
+FORMAT_IDS = {"bf16": 0, "fp8_e4m3": 1, "nvfp4": 2, "nvfp4_row": 2}     # nvfp4_row: FMT 2 with ROW_SCALE
 
 # Launch configuration override for tests and benchmarks: {"BLOCK_P", "num_warps"}. Empty in use.
 TUNING: dict = {}
@@ -208,7 +208,7 @@ def _nvfp4_offsets(offs_p, NB: tl.constexpr):
 
 @triton.jit
 def _load_nvfp4(cv_ptr, cs_ptr, ct_ptr, slot, h, offs_p, P, N,
-                s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, NB: tl.constexpr):
+                s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, NB: tl.constexpr):
     """Decoded nvfp4 tile as (even columns, odd columns), each ``[BLOCK_P, NB, 8]``; 0 outside the state."""
     p3, blk, k = _nvfp4_offsets(offs_p, NB)
     col_e = blk * 16 + 2 * k
@@ -220,7 +220,7 @@ def _load_nvfp4(cv_ptr, cs_ptr, ct_ptr, slot, h, offs_p, P, N,
     bmask = (offs_p[:, None] < P) & (offs_b[None, :] * 16 < N)
     bs = tl.load(cs_ptr + slot * s_qb + h * s_qh + offs_p[:, None] * s_qp + offs_b[None, :] * s_qn, mask=bmask,
                  other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)        # [BLOCK_P, NB]
-    sg = tl.load(ct_ptr + slot * s_tb)
+    sg = tl.load(ct_ptr + slot * s_tb + h * s_th + offs_p * s_tp, mask=offs_p < P, other=1.0)[:, None, None]
     bs3 = bs[:, :, None]
     even = tl.where(m_e, (_e2m1_value(byte & 15) * bs3) * sg, 0.0)
     odd = tl.where(m_o, (_e2m1_value(byte >> 4) * bs3) * sg, 0.0)
@@ -229,7 +229,7 @@ def _load_nvfp4(cv_ptr, cs_ptr, ct_ptr, slot, h, offs_p, P, N,
 
 @triton.jit
 def _nvfp4_words_dot(cw_ptr, cs_ptr, ct_ptr, c_base, s_cn, slot, h, offs_p, P, N,
-                     s_wb, s_wh, s_wp, s_wn, s_qb, s_qh, s_qp, s_qn, s_tb, NB: tl.constexpr):
+                     s_wb, s_wh, s_wp, s_wn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, NB: tl.constexpr):
     """``Σ_n S[p, n] c[n]`` for the nvfp4 copy of rows ``offs_p`` [BLOCK_P], the codes read as int32 words (8
     codes each, code ``j`` of a word in bits ``4j..4j+3``: little-endian bytes, low nibble first); needs N % 8 == 0.
 
@@ -254,7 +254,7 @@ def _nvfp4_words_dot(cw_ptr, cs_ptr, ct_ptr, c_base, s_cn, slot, h, offs_p, P, N
     bs = tl.load(cs_ptr + slot * s_qb + h * s_qh + offs_p[:, None] * s_qp + offs_b[None, :] * s_qn,
                  mask=(offs_p[:, None] < P) & (offs_b[None, :] * 16 < N),
                  other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)             # [BLOCK_P, NB]
-    sg = tl.load(ct_ptr + slot * s_tb)
+    sg = tl.load(ct_ptr + slot * s_tb + h * s_th + offs_p * s_tp, mask=offs_p < P, other=1.0)     # per slot or row
     return tl.sum(tl.sum(acc, axis=2) * bs, axis=1) * (sg * 16384.0)
 
 
@@ -280,10 +280,10 @@ def _rc_body(
     s_yb, s_yh, s_yp,                       # y [b, H, P]
     s_vb, s_vh, s_vp, s_vn,                 # copy values [S, H, P, N] / nvfp4 codes [S, H, P, ceil(N/2)]
     s_qb, s_qh, s_qp, s_qn,                 # fp8 scale [S, H, P] (s_qn unused) / nvfp4 block_scale [S, H, P, NB]
-    s_tb,                                   # nvfp4 tensor_scale [S]
+    s_tb, s_th, s_tp,                       # nvfp4 tensor_scale [S] (0, 0) / nvfp4_row [S, H, P]
     FMT: tl.constexpr, HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, FOLD_DOT: tl.constexpr, ROUTE: tl.constexpr,
-    HW_E4M3: tl.constexpr,
+    HW_E4M3: tl.constexpr, ROW_SCALE: tl.constexpr,
 ):
     """The work of one read-copy program once its row's slot and cursor are known (no early returns: the flush-list
     kernel calls it inside a loop)."""
@@ -343,6 +343,14 @@ def _rc_body(
             q = tl.minimum(tl.maximum(tl.div_rn(v, scale[:, None]), -448.0), 448.0)
             tl.store(v_ptrs, _e4m3_byte(q, HW_E4M3), mask=tile_mask)
             tl.store(cs_ptr + slot * s_qb + h * s_qh + offs_p * s_qp, scale, mask=mask_p)
+        elif ROW_SCALE:
+            # nvfp4_row: every scale is per row and this program holds whole rows: encode them here, from the
+            # values just stored (read back in the encoder's 3-D layout; the barrier makes every thread's stores
+            # visible to the others)
+            tl.debug_barrier()
+            _nvfp4_encode_body(pid_p, row, h, slot, state_ptr, cursor_ptr, slot_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr,
+                               P, N, L, s_sb, s_sh, s_sp, s_sn, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn,
+                               s_tb, s_th, s_tp, HAS_SLOT, BLOCK_P, BLOCK_N // 16, True)
         else:
             # the slot's amax: non-negative fp32 bits order as int32; encoded by _nvfp4_flush_encode_kernel
             amax = tl.max(tl.max(tl.abs(v), axis=1), axis=0)
@@ -353,7 +361,7 @@ def _rc_body(
             p3, blk, k = _nvfp4_offsets(offs_p, BLOCK_N // 16)
             col_e = blk * 16 + 2 * k
             even, odd = _load_nvfp4(cv_ptr, cs_ptr, ct_ptr, slot, h, offs_p, P, N, s_vb, s_vh, s_vp, s_vn,
-                                    s_qb, s_qh, s_qp, s_qn, s_tb, BLOCK_N // 16)
+                                    s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, BLOCK_N // 16)
             c_e = tl.load(c_base + col_e * s_cn, mask=col_e < N, other=0.0).to(tl.float32)
             c_o = tl.load(c_base + (col_e + 1) * s_cn, mask=col_e + 1 < N, other=0.0).to(tl.float32)
             sc = tl.sum(tl.sum(even * c_e + odd * c_o, axis=2), axis=1)
@@ -391,10 +399,10 @@ def _readcopy_step_kernel(
     s_yb, s_yh, s_yp,                       # y [b, H, P]
     s_vb, s_vh, s_vp, s_vn,                 # copy values [S, H, P, N] / nvfp4 codes [S, H, P, ceil(N/2)]
     s_qb, s_qh, s_qp, s_qn,                 # fp8 scale [S, H, P] (s_qn unused) / nvfp4 block_scale [S, H, P, NB]
-    s_tb,                                   # nvfp4 tensor_scale [S]
+    s_tb, s_th, s_tp,                       # nvfp4 tensor_scale [S] (0, 0) / nvfp4_row [S, H, P]
     FMT: tl.constexpr, HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, FOLD_DOT: tl.constexpr, ROUTE: tl.constexpr,
-    HW_E4M3: tl.constexpr,
+    HW_E4M3: tl.constexpr, ROW_SCALE: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
@@ -414,8 +422,8 @@ def _readcopy_step_kernel(
              slot_ptr, y_ptr, cv_ptr, cs_ptr, ct_ptr, amax_ptr, H, P, N, L, heads_per_g, heads_per_gc, s_sb, s_sh,
              s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl, s_brb, s_brg, s_brl,
              s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn, s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
-             s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, FMT, HAS_SLOT, BLOCK_P, BLOCK_N, BLOCK_L,
-             STOCHASTIC_FP16, FOLD_DOT, ROUTE, HW_E4M3)
+             s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, FMT, HAS_SLOT, BLOCK_P, BLOCK_N, BLOCK_L,
+             STOCHASTIC_FP16, FOLD_DOT, ROUTE, HW_E4M3, ROW_SCALE)
 
 
 @triton.jit
@@ -437,10 +445,10 @@ def _readcopy_flush_list_kernel(
     s_yb, s_yh, s_yp,                       # y [b, H, P]
     s_vb, s_vh, s_vp, s_vn,                 # copy values [S, H, P, N] / nvfp4 codes [S, H, P, ceil(N/2)]
     s_qb, s_qh, s_qp, s_qn,                 # fp8 scale [S, H, P] (s_qn unused) / nvfp4 block_scale [S, H, P, NB]
-    s_tb,                                   # nvfp4 tensor_scale [S]
+    s_tb, s_th, s_tp,                       # nvfp4 tensor_scale [S] (0, 0) / nvfp4_row [S, H, P]
     FMT: tl.constexpr, HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, FOLD_DOT: tl.constexpr, ROUTE: tl.constexpr,
-    HW_E4M3: tl.constexpr,
+    HW_E4M3: tl.constexpr, ROW_SCALE: tl.constexpr,
 ):
     """``pre`` read-copy flush launch on a fixed grid: walks the ``count x H x n_pb`` tiles of the rows the window
     launch listed in ``work = [count, rows...]`` (as :func:`~.mamba2_pre_triton._mamba2_flush_list_kernel`: a non-flush
@@ -454,25 +462,25 @@ def _readcopy_flush_list_kernel(
                  slot_ptr, y_ptr, cv_ptr, cs_ptr, ct_ptr, amax_ptr, H, P, N, L, heads_per_g, heads_per_gc, s_sb,
                  s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl, s_brb,
                  s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn, s_cb, s_cg, s_cn,
-                 s_yb, s_yh, s_yp, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, FMT, HAS_SLOT, BLOCK_P,
-                 BLOCK_N, BLOCK_L, STOCHASTIC_FP16, FOLD_DOT, ROUTE, HW_E4M3)
+                 s_yb, s_yh, s_yp, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, FMT, HAS_SLOT, BLOCK_P,
+                 BLOCK_N, BLOCK_L, STOCHASTIC_FP16, FOLD_DOT, ROUTE, HW_E4M3, ROW_SCALE)
         t += tl.num_programs(0)
 
 
 @triton.jit
 def _copy_dot(cv_ptr, cs_ptr, ct_ptr, c_base, s_cn, slot, h, offs_p, mask_p, P, N,
-              s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb,
+              s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp,
               FMT: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
     """``S_copy C`` [BLOCK_P] for rows ``offs_p`` of the copy of (slot, head ``h``): nvfp4 as int32 words
     (``WORDS``, :func:`_nvfp4_words_dot`) or byte by byte (:func:`_load_nvfp4`), bf16 / fp8 as decoded rows."""
     if WORDS:
         sc = _nvfp4_words_dot(cv_ptr, cs_ptr, ct_ptr, c_base, s_cn, slot, h, offs_p, P, N, s_vb, s_vh, s_vp, s_vn,
-                              s_qb, s_qh, s_qp, s_qn, s_tb, BLOCK_N // 16)
+                              s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, BLOCK_N // 16)
     elif FMT == 2:
         p3, blk, k = _nvfp4_offsets(offs_p, BLOCK_N // 16)
         col_e = blk * 16 + 2 * k
         even, odd = _load_nvfp4(cv_ptr, cs_ptr, ct_ptr, slot, h, offs_p, P, N, s_vb, s_vh, s_vp, s_vn,
-                                s_qb, s_qh, s_qp, s_qn, s_tb, BLOCK_N // 16)
+                                s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, BLOCK_N // 16)
         c_e = tl.load(c_base + col_e * s_cn, mask=col_e < N, other=0.0).to(tl.float32)
         c_o = tl.load(c_base + (col_e + 1) * s_cn, mask=col_e + 1 < N, other=0.0).to(tl.float32)
         sc = tl.sum(tl.sum(even * c_e + odd * c_o, axis=2), axis=1)
@@ -491,7 +499,7 @@ def _readcopy_apply_kernel(
     cursor_ptr, C_ptr, slot_ptr, y_ptr, win_ptr, dec_ptr, cv_ptr, cs_ptr, ct_ptr,
     H, P, N, L, heads_per_gc,
     s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
-    s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb,
+    s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp,
     FMT: tl.constexpr, HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     WORDS: tl.constexpr, EARLY: tl.constexpr,
 ):
@@ -513,7 +521,7 @@ def _readcopy_apply_kernel(
     c_base = C_ptr + row * s_cb + (h // heads_per_gc) * s_cg
     if EARLY:       # the copy tile, scales and window scratch loaded before the cursor: wasted on flush rows only
         sc = _copy_dot(cv_ptr, cs_ptr, ct_ptr, c_base, s_cn, slot, h, offs_p, mask_p, P, N,
-                       s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, FMT, BLOCK_N, WORDS)
+                       s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, FMT, BLOCK_N, WORDS)
         decay = tl.load(dec_ptr + row * H + h)
         win = tl.load(win_ptr + (row * H + h) * P + offs_p, mask=mask_p, other=0.0)
         w = tl.load(cursor_ptr + slot)
@@ -524,7 +532,7 @@ def _readcopy_apply_kernel(
         if w == L - 1:
             return
         sc = _copy_dot(cv_ptr, cs_ptr, ct_ptr, c_base, s_cn, slot, h, offs_p, mask_p, P, N,
-                       s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, FMT, BLOCK_N, WORDS)
+                       s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, FMT, BLOCK_N, WORDS)
         decay = tl.load(dec_ptr + row * H + h)
         win = tl.load(win_ptr + (row * H + h) * P + offs_p, mask=mask_p, other=0.0)
     tl.store(y_ptrs, decay * sc + win, mask=mask_p)
@@ -535,13 +543,12 @@ def _nvfp4_encode_body(
     pid_p, row, h, slot,
     state_ptr, cursor_ptr, slot_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr,
     P, N, L,
-    s_sb, s_sh, s_sp, s_sn, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb,
-    HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, NB: tl.constexpr,
+    s_sb, s_sh, s_sp, s_sn, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp,
+    HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, NB: tl.constexpr, ROW_SCALE: tl.constexpr,
 ):
-    """Encode one flushed program's copy tile (no early returns: called inside the list kernel's loop)."""
-    amax = tl.load(amax_ptr + row).to(tl.float32, bitcast=True)
-    s_g = tl.div_rn(amax, 2688.0)                                  # amax / (448 * 6)
-    s_g = tl.where(s_g > 0.0, s_g, 1.0)
+    """Encode one flushed program's copy tile (no early returns: called inside the list kernel's loop) from the
+    stored checkpoint rows. ``ROW_SCALE`` (``nvfp4_row``): each row's tensor scale from its own amax, stored per row;
+    else the slot's from the amax the flush programs gathered (``amax_ptr``), stored by one program per slot."""
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     p3, blk, k = _nvfp4_offsets(offs_p, NB)
     col_e = blk * 16 + 2 * k
@@ -551,6 +558,11 @@ def _nvfp4_encode_body(
     xe = tl.load(st + col_e * s_sn, mask=m_e, other=0.0).to(tl.float32)
     xo = tl.load(st + (col_e + 1) * s_sn, mask=m_o, other=0.0).to(tl.float32)
     amax_b = tl.maximum(tl.max(tl.abs(xe), axis=2), tl.max(tl.abs(xo), axis=2))        # [BLOCK_P, NB]
+    if ROW_SCALE:
+        s_g = tl.div_rn(tl.max(amax_b, axis=1), 2688.0)[:, None]     # [BLOCK_P, 1]: amax / (448 * 6) per row
+    else:
+        s_g = tl.div_rn(tl.load(amax_ptr + row).to(tl.float32, bitcast=True), 2688.0)
+    s_g = tl.where(s_g > 0.0, s_g, 1.0)                              # zero groups: scale 1
     sb_code = _e4m3_code(tl.minimum(tl.div_rn(amax_b, 6.0 * s_g), 448.0))
     eff = (_e4m3_value(sb_code) * s_g)[:, :, None]
     safe = tl.where(eff > 0.0, eff, 1.0)
@@ -561,7 +573,9 @@ def _nvfp4_encode_body(
     offs_b = tl.arange(0, NB)
     tl.store(cs_ptr + slot * s_qb + h * s_qh + offs_p[:, None] * s_qp + offs_b[None, :] * s_qn,
              sb_code.to(tl.uint8), mask=(offs_p[:, None] < P) & (offs_b[None, :] * 16 < N))
-    if (pid_p == 0) & (h == 0):
+    if ROW_SCALE:
+        tl.store(ct_ptr + slot * s_tb + h * s_th + offs_p[:, None] * s_tp, s_g, mask=offs_p[:, None] < P)
+    elif (pid_p == 0) & (h == 0):
         tl.store(ct_ptr + slot * s_tb, s_g)
 
 
@@ -569,7 +583,7 @@ def _nvfp4_encode_body(
 def _nvfp4_flush_encode_kernel(
     state_ptr, cursor_ptr, slot_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr,
     P, N, L,
-    s_sb, s_sh, s_sp, s_sn, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb,
+    s_sb, s_sh, s_sp, s_sn, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp,
     HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, NB: tl.constexpr,
 ):
     """Second launch of an nvfp4 step: encode the copy of every slot that flushed (cursor still ``L-1``) from the
@@ -585,14 +599,15 @@ def _nvfp4_flush_encode_kernel(
         return
     _nvfp4_encode_body(pid_p, row, h, slot,
                        state_ptr, cursor_ptr, slot_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr, P, N, L, s_sb, s_sh,
-                       s_sp, s_sn, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, HAS_SLOT, BLOCK_P, NB)
+                       s_sp, s_sn, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, HAS_SLOT,
+                       BLOCK_P, NB, False)
 
 
 @triton.jit
 def _nvfp4_flush_encode_list_kernel(
     state_ptr, cursor_ptr, slot_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr, work_ptr, H, n_pb,
     P, N, L,
-    s_sb, s_sh, s_sp, s_sn, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb,
+    s_sb, s_sh, s_sp, s_sn, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp,
     HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, NB: tl.constexpr,
 ):
     """:func:`_nvfp4_flush_encode_kernel` over the listed flush rows only, on a fixed grid."""
@@ -602,13 +617,14 @@ def _nvfp4_flush_encode_list_kernel(
         row, h, tile = _list_item(work_ptr, t, H, n_pb)
         _nvfp4_encode_body(tile, row, h, _row_slot(slot_ptr, row, HAS_SLOT),
                            state_ptr, cursor_ptr, slot_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr, P, N, L, s_sb, s_sh,
-                           s_sp, s_sn, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, HAS_SLOT, BLOCK_P, NB)
+                           s_sp, s_sn, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, HAS_SLOT,
+                       BLOCK_P, NB, False)
         t += tl.num_programs(0)
 
 
 @triton.jit
 def _decode_kernel(cv_ptr, cs_ptr, ct_ptr, out_ptr, P, N,
-                   s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_ob, s_oh, s_op, s_on,
+                   s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, s_ob, s_oh, s_op, s_on,
                    FMT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     """Decode a whole copy with the step kernel's decode helpers (tests check them against ``FORMATS.decode``)."""
     pid_p = tl.program_id(0)
@@ -620,7 +636,7 @@ def _decode_kernel(cv_ptr, cs_ptr, ct_ptr, out_ptr, P, N,
         p3, blk, k = _nvfp4_offsets(offs_p, BLOCK_N // 16)
         col_e = blk * 16 + 2 * k
         even, odd = _load_nvfp4(cv_ptr, cs_ptr, ct_ptr, slot, h, offs_p, P, N, s_vb, s_vh, s_vp, s_vn,
-                                s_qb, s_qh, s_qp, s_qn, s_tb, BLOCK_N // 16)
+                                s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, BLOCK_N // 16)
         tl.store(o_base + p3 * s_op + col_e * s_on, even, mask=(p3 < P) & (col_e < N))
         tl.store(o_base + p3 * s_op + (col_e + 1) * s_on, odd, mask=(p3 < P) & (col_e + 1 < N))
     else:
@@ -691,24 +707,28 @@ def _format_name(fmt) -> str:
     f = get_format(fmt)
     if f.name not in FORMAT_IDS:
         raise ValueError(f"replay_compile.mamba2 read copy: no Triton kernel for format {f.name!r}")
-    if isinstance(fmt, ReadCopyFormat) and getattr(fmt, "tensor_scale_dims", 1) != 1:
-        raise ValueError("replay_compile.mamba2 read copy: the Triton kernel supports nvfp4 with one tensor scale "
-                         "per slot (tensor_scale_dims=1) only")
+    dims = getattr(f, "tensor_scale_dims", None)
+    if dims is not None and dims != (-1 if f.name == "nvfp4_row" else 1):
+        raise ValueError("replay_compile read copy: the Triton kernels support nvfp4 with one tensor scale per slot "
+                         "(\"nvfp4\", tensor_scale_dims=1) or per row (\"nvfp4_row\") only, got "
+                         f"{f!r}")
     return f.name
 
 
 def _copy_args(enc: Encoded, name: str, dummy: torch.Tensor):
-    """(values/codes, row/block scale, tensor scale) pointers and their strides (4 + 4 + 1) for the kernels;
-    fp8 tensors as uint8 views (the kernels bitcast), unused pointers ``dummy`` with zero strides."""
+    """(values/codes, row/block scale, tensor scale) pointers and their strides (4 + 4 + 3) for the kernels;
+    fp8 tensors as uint8 views (the kernels bitcast), unused pointers ``dummy`` with zero strides. The tensor
+    scale's strides are (slot, head, row): ``nvfp4``'s one per slot is ``[S]`` (head and row strides 0), that of
+    ``nvfp4_row`` ``[S, H, rows]``."""
     t = enc.tensors
     if name == "bf16":
         v = t["values"]
-        return (v, dummy, dummy), (*v.stride(), 0, 0, 0, 0, 0)
+        return (v, dummy, dummy), (*v.stride(), 0, 0, 0, 0, 0, 0, 0)
     if name == "fp8_e4m3":
         v, s = t["values"].view(torch.uint8), t["scale"]
-        return (v, s, dummy), (*v.stride(), *s.stride(), 0, 0)
+        return (v, s, dummy), (*v.stride(), *s.stride(), 0, 0, 0, 0)
     v, s, g = t["codes"], t["block_scale"].view(torch.uint8), t["tensor_scale"]
-    return (v, s, g), (*v.stride(), *s.stride(), *g.stride())
+    return (v, s, g), (*v.stride(), *s.stride(), *(g.stride() + (0, 0))[:3])
 
 
 def hw_fp8_cast(device: torch.device) -> bool:
@@ -732,7 +752,8 @@ def replay_step_readcopy_triton(state, copy, fmt, x_ring, dt_ring, la_ring, B_ri
                                 slot_idx=None):
     """Triton implementation of :func:`replay_step_readcopy_reference` (same arguments, same in-place contract).
 
-    Launches: the step kernel; for nvfp4 the flush encode kernel; the cursor advance. ``y`` is fp32.
+    Launches: the step kernel; for nvfp4 (one tensor scale per slot) the flush encode kernel (``nvfp4_row``
+    encodes inside the flush); the cursor advance. ``y`` is fp32.
     """
     name = _format_name(fmt)
     S, H, P, N = state.shape
@@ -758,7 +779,7 @@ def replay_step_readcopy_triton(state, copy, fmt, x_ring, dt_ring, la_ring, B_ri
         work = torch.zeros((b + 1,), dtype=torch.int32, device=x.device) if cfg["flush_list"] else None
         win, dec = launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, has_slot,
                                  cfg["BLOCK_N"], cfg["BLOCK_L"], work)
-        words = _code_words(cv) if name == "nvfp4" and cfg["nvfp4_words"] and N % 8 == 0 else None
+        words = _code_words(cv) if FORMAT_IDS[name] == 2 and cfg["nvfp4_words"] and N % 8 == 0 else None
         av, astrides = (cv, cstrides) if words is None else (words, (*words.stride(), *cstrides[4:]))
         k = _readcopy_apply_kernel[(triton.cdiv(P, cfg["APPLY_P"]), b, H)](
             cursor, C, slot_arg, y, win, dec, av, cs, ct, H, P, N, L, H // Gc, *C.stride(), *y.stride(), *astrides,
@@ -775,7 +796,7 @@ def replay_step_readcopy_triton(state, copy, fmt, x_ring, dt_ring, la_ring, B_ri
     step_kw = dict(FMT=FORMAT_IDS[name], HAS_SLOT=has_slot, BLOCK_P=flush_p, BLOCK_N=cfg["BLOCK_N"],
                    BLOCK_L=cfg["BLOCK_L"], STOCHASTIC_FP16=state.dtype == torch.float16,
                    FOLD_DOT=cfg["flush_dot"] if pre else cfg["fold_dot"], ROUTE=2 if pre else 0, num_warps=flush_w,
-                   HW_E4M3=cfg["hw_e4m3"] and hw_fp8_cast(x.device))
+                   HW_E4M3=cfg["hw_e4m3"] and hw_fp8_cast(x.device), ROW_SCALE=name == "nvfp4_row")
     if listed:
         programs = cfg["flush_programs"] or min(b * H * n_fp, max(1, 32 // flush_w) * _sm_count(x.device))
         k2 = _readcopy_flush_list_kernel[(programs,)](*step_args, work, n_fp, *strides, **step_kw)
