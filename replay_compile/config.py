@@ -26,8 +26,8 @@ ENV_VARS: dict[str, tuple[str, Any, str]] = {
     "REPLAY_COMPILE_DISABLE": ("enabled", lambda s: s in ("", "0", "false", "False"),
                                "1: compile with the lowering only, rewrite nothing"),
     "REPLAY_COMPILE_READ_COPY": ("read_copy", lambda s: s or None,
-                                 "bf16 / fp8_e4m3 / nvfp4 / nvfp4_row: non-flush steps read a low-precision copy of the "
-                                 "checkpoint (the recurrence stays exact); default: none"),
+                                 "bf16 / fp8_e4m3 / nvfp4 / nvfp4_row: non-flush steps read a low-precision copy of "
+                                 "the checkpoint (the recurrence stays exact); default: none"),
     "REPLAY_COMPILE_READ_COPY_FAMILIES": ("read_copy_families", lambda s: tuple(x for x in s.split(",") if x),
                                           "comma list of families given the read copy; default mamba2"),
 }
@@ -58,8 +58,9 @@ class ReplayConfig:
             ``"piecewise"`` (split at mutating nodes, Inductor per pure piece) or ``"tensorrt"`` (the same with
             Torch-TensorRT per piece; :mod:`replay_compile.piecewise`).
         read_copy: None (default: every read is exact) or a read-copy format (``"bf16"``, ``"fp8_e4m3"``,
-            ``"nvfp4"``, ``"nvfp4_row"``: NVFP4 with a tensor scale per row, encoded inside the flush): Mamba-2 non-flush steps read their checkpoint term from a copy in that format, rewritten
-            at every flush; the fp32 recurrence is untouched, outputs carry the copy's rounding (issue 7;
+            ``"nvfp4"``, ``"nvfp4_row"``: NVFP4 with a tensor scale per row, encoded inside the flush): Mamba-2
+            non-flush steps read their checkpoint term from a copy in that format, rewritten at every flush; the
+            fp32 recurrence is untouched, outputs carry the copy's rounding (issue 7;
             ``benchmarks/drift.py`` measures the drift).
         read_copy_families: the families whose layers get the read copy when ``read_copy`` is set (default
             ``("mamba2",)``). Delta-rule layers (``"gdn"``, ``"kda"``) also keep raw values so that flushes re-run

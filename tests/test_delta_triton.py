@@ -25,8 +25,8 @@ KEYS = ("q", "k", "v", "g", "beta")
 # kernel with tl.cumsum and 16-wide slices, the split launches with the record-by-record window launch (KDA's
 # default) and 3 flush stages, and with the tile-form window launch (GDN's default) and the plain flush loop
 VARIANTS = ("fused", "split", "split:BLOCK_V=16,num_warps=1,scan_dot=0,window_warps=4",
-            "split:BLOCK_V=64,num_warps=2", "fused:scan_dot=0,BLOCK_V=16,num_warps=2", "split:window_rows=1,flush_stages=3",
-            "split:window_rows=0,flush_stages=0")
+            "split:BLOCK_V=64,num_warps=2", "fused:scan_dot=0,BLOCK_V=16,num_warps=2",
+            "split:window_rows=1,flush_stages=3", "split:window_rows=0,flush_stages=0")
 
 
 def variant(name):

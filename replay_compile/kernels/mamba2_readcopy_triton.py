@@ -462,8 +462,8 @@ def _readcopy_flush_list_kernel(
                  slot_ptr, y_ptr, cv_ptr, cs_ptr, ct_ptr, amax_ptr, H, P, N, L, heads_per_g, heads_per_gc, s_sb,
                  s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl, s_brb,
                  s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn, s_cb, s_cg, s_cn,
-                 s_yb, s_yh, s_yp, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, FMT, HAS_SLOT, BLOCK_P,
-                 BLOCK_N, BLOCK_L, STOCHASTIC_FP16, FOLD_DOT, ROUTE, HW_E4M3, ROW_SCALE)
+                 s_yb, s_yh, s_yp, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, FMT, HAS_SLOT,
+                 BLOCK_P, BLOCK_N, BLOCK_L, STOCHASTIC_FP16, FOLD_DOT, ROUTE, HW_E4M3, ROW_SCALE)
         t += tl.num_programs(0)
 
 
