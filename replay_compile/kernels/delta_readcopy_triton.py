@@ -47,7 +47,7 @@ TUNING: dict = {}
 
 
 @triton.jit
-def _load_nvfp4_cols(cv_ptr, cs_ptr, ct_ptr, slot, h, offs_k, offs_v, tile_mask,
+def _load_nvfp4_cols(cv_ptr, cs_ptr, ct_ptr, slot, h, offs_k, offs_v, mask_k, tile_mask,
                      s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp):
     """Decoded ``[BLOCK_K, BLOCK_V]`` slice of an NVFP4 copy at any V offset (byte ``v // 2``, low nibble for even
     ``v``; block scale ``v // 16``; tensor scale per slot, or per K row for ``nvfp4_row``); 0 outside
@@ -57,7 +57,7 @@ def _load_nvfp4_cols(cv_ptr, cs_ptr, ct_ptr, slot, h, offs_k, offs_v, tile_mask,
     code = (byte >> ((offs_v & 1) * 4)[None, :]) & 15
     bs = tl.load(cs_ptr + slot * s_qb + h * s_qh + offs_k[:, None] * s_qp + (offs_v // 16)[None, :] * s_qn,
                  mask=tile_mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    sg = tl.load(ct_ptr + slot * s_tb + h * s_th + offs_k * s_tp, mask=offs_k * 0 == 0, other=1.0)
+    sg = tl.load(ct_ptr + slot * s_tb + h * s_th + offs_k * s_tp, mask=mask_k, other=1.0)
     return tl.where(tile_mask, (_e2m1_value(code) * bs) * sg[:, None], 0.0)
 
 
@@ -66,7 +66,7 @@ def _load_copy_slice(cv_ptr, cs_ptr, ct_ptr, slot, h, offs_k, offs_v, mask_k, ti
                      s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp, s_csn, s_ctb, s_cth, s_ctp, FMT: tl.constexpr):
     """The decoded ``[BLOCK_K, BLOCK_V]`` slice of the copy (NVFP4 by columns, bf16 / fp8 by rows)."""
     if FMT == 2:
-        s0 = _load_nvfp4_cols(cv_ptr, cs_ptr, ct_ptr, slot, h, offs_k, offs_v, tile_mask,
+        s0 = _load_nvfp4_cols(cv_ptr, cs_ptr, ct_ptr, slot, h, offs_k, offs_v, mask_k, tile_mask,
                               s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp, s_csn, s_ctb, s_cth, s_ctp)
     else:
         s0 = _load_copy_rows(cv_ptr, cs_ptr, slot, h, offs_k, offs_v, mask_k, tile_mask,
