@@ -89,8 +89,14 @@ def main(argv=None):
         plain = bench_point(ssu, H, P, N, G, bs, torch.float32, L)          # our fp32 replay step + the baseline
         for fmt in args.formats.split(","):
             for spec in args.configs.split(";"):
-                with tuned(spec):
-                    r = readcopy_point(fmt, bs)
+                try:
+                    with tuned(spec):
+                        r = readcopy_point(fmt, bs)
+                except Exception as e:  # noqa: BLE001 - reported; the sweep's other configurations still run
+                    msg = str(e).splitlines()[0][:200] if str(e) else ""
+                    print(f"{fmt:9} {bs:4d} FAILED {type(e).__name__}: {msg}  {spec or 'default'}", flush=True)
+                    torch.cuda.synchronize()
+                    continue
                 base = plain.get("baseline_us", float("nan"))
                 row = dict(fmt=fmt, bs=bs, config=spec, baseline_us=base, fp32_lavg_us=plain["lavg_us"], **r,
                            speedup=base / r["lavg_us"], vs_fp32=plain["lavg_us"] / r["lavg_us"])

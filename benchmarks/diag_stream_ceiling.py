@@ -159,6 +159,16 @@ def delta_breakdown(Hk, HV, K, V, kda, bs, L=16, read_copy=None):
 DELTA_GEOMS = {"qwen35_4b": (16, 32, 128, 128, False), "kimi_linear": (32, 32, 128, 128, True)}
 
 
+def _reported(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``; a configuration that fails (does not compile, or fails its check) is reported in one
+    line and the sweep goes on (a device call's other configurations are not lost to it)."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001
+        print(f"  FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}", flush=True)
+        torch.cuda.synchronize()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--geoms", default="super,nano")
@@ -182,12 +192,12 @@ def main():
         for spec in filter(None, args.delta_configs.split(";")):
             print(f"{gname} bs{args.batch} fp32 state [{args.batch}, {HV}, {K}, {V}], exact, {spec}")
             with tuned(kd.TUNING, spec):
-                delta_breakdown(Hk, HV, K, V, kda, args.batch)
+                _reported(delta_breakdown, Hk, HV, K, V, kda, args.batch)
         from replay_compile.kernels import delta_readcopy_triton as drt
         for spec in filter(None, args.delta_rc_configs.split(";")) if args.delta_read_copy else ():
             print(f"{gname} bs{args.batch} fp32 state, read copy {args.delta_read_copy}, {spec}")
             with tuned(drt.TUNING, spec):
-                delta_breakdown(Hk, HV, K, V, kda, args.batch, read_copy=args.delta_read_copy)
+                _reported(delta_breakdown, Hk, HV, K, V, kda, args.batch, read_copy=args.delta_read_copy)
     if args.delta:
         return
     for gname in args.geoms.split(","):
