@@ -15,8 +15,9 @@ the device from the cursor (one captured CUDA graph serves every step):
      slice of ``S`` holds whole columns, so ``Sᵀk`` and the update stay inside the program), then the current
      token; they write the checkpoint (fp16: stochastic rounding, keyed as the exact kernels) and ``o``.
 3. :func:`_flush_encode_rows_kernel`, grid ``(cdiv(K, BLOCK_R), b, HV)``: flush rows rewrite their copy from the
-   stored checkpoint (whole rows of V, as the fp8 row scale needs): bf16 and fp8 directly; NVFP4 reduces the slot's
-   amax (atomic max), and :func:`~.mamba2_readcopy_triton._nvfp4_flush_encode_kernel` encodes in a 4th launch.
+   stored checkpoint (whole rows of V, as the fp8 row scale needs): bf16, fp8 and ``nvfp4_row`` (tensor scale per
+   row) directly; ``nvfp4`` (tensor scale per slot) reduces the slot's amax (atomic max), and
+   :func:`~.mamba2_readcopy_triton._nvfp4_flush_encode_kernel` encodes in a 4th launch.
 4. :func:`~.mamba2_triton._advance_cursor_kernel`: ``w -> w + 1`` or 0. Launches 2 and 3 read the cursor before
    it moves.
 

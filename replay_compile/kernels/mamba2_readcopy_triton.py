@@ -3,8 +3,8 @@
 Same signature and in-place contract as
 :func:`~replay_compile.kernels.mamba2_readcopy_reference.replay_step_readcopy_reference`: non-flush rows compute the
 checkpoint term from the read copy, decoded in registers, and never touch the fp32 ``state``; flush rows fold from the
-fp32 ``state``, write it, and rewrite their slot of the copy. Formats: ``"bf16"``, ``"fp8_e4m3"``, ``"nvfp4"`` as
-defined (bit for bit) by :mod:`replay_compile.quant.formats`.
+fp32 ``state``, write it, and rewrite their slot of the copy. Formats: ``"bf16"``, ``"fp8_e4m3"``, ``"nvfp4"``,
+``"nvfp4_row"`` as defined (bit for bit) by :mod:`replay_compile.quant.formats`.
 
 Shapes and layouts (``S`` slots, ``b`` rows, ``L`` ring length)::
 
@@ -15,6 +15,7 @@ Shapes and layouts (``S`` slots, ``b`` rows, ``L`` ring length)::
             fp8_e4m3: values [S, H, P, N] float8_e4m3fn, scale [S, H, P] fp32 (amax over N / 448)
             nvfp4:    codes [S, H, P, ceil(N/2)] uint8 (low nibble = even column), block_scale [S, H, P, ceil(N/16)]
                       float8_e4m3fn (one per 16 values of N), tensor_scale [S] fp32 (one per slot)
+            nvfp4_row: the same with tensor_scale [S, H, P] (one per row)
 
 Bytes one non-flush step reads per (slot, head) for the checkpoint term (rings, x, B, C, y not counted):
 
@@ -50,7 +51,8 @@ aligned to them. Everything is computed in fp32.
 * Flush programs fold the fp32 state tile (``tl.dot``, IEEE fp32), write it, read ``y`` out of the folded tile, and
   encode the copy of the value *as stored*:
 
-  - bf16 and fp8 in the same program: every scale is per row and the program holds whole rows;
+  - bf16, fp8 and ``nvfp4_row`` in the same program: every scale is per row and the program holds whole rows
+    (``nvfp4_row`` stores the tile, ``tl.debug_barrier()``, and re-reads it from L2 in the encoder's 3-D layout);
   - nvfp4: the per-slot tensor scale needs the amax of the whole slot ``[H, P, N]``, spread over ``H * cdiv(P,
     BLOCK_P)`` programs. Scheme: the flush programs ``atomic_max`` their tile's amax (fp32 bits of a non-negative
     value, as int32: same order) into a per-row int32 scratch zeroed by the launcher; a second launch
