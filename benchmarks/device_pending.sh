@@ -32,6 +32,8 @@
 #              e4m3 rounding (hw_e4m3) and flush tiles, bs256 ($RCF);  rcapply  the non-flush copy pass's tile, warps
 #              and early loads, bs256 ($RCA);  rcdelta  hw_e4m3 and apply_early in the delta read copy. nvfp4_row
 #              (tensor scale per row, encoded inside the flush launch) beside nvfp4 in both
+#   prof1      issue 5's batch-1 question: kernels, launches and device time per whole decode step, plain
+#              torch.compile vs replayssm (reduce-overhead both), Nemotron-Nano and Qwen3.5 dims, 8 layers
 #   knobs readcopy anchor compile: session 7's pending measurements (done in session 8's first call)
 set -uo pipefail
 OUT=${OUT:-device-logs}; mkdir -p "$OUT"
@@ -125,6 +127,9 @@ for s in $steps; do case $s in
   rcdelta) timeout 120 python3 benchmarks/diag_stream_ceiling.py --delta qwen35_4b,kimi_linear --delta-configs "" \
            --delta-rc-configs "rc;rc:hw_e4m3=1;rc:apply_early=1;rc:apply_early=1,hw_e4m3=1" 2>&1 | grep -v Warn \
            | tee "$OUT/delta_rc_flush_stages.txt" ;;
+  prof1) for m in ${PROF_MODELS:-nemotron_h_nano4b qwen35_4b}; do timeout 200 python3 benchmarks/profile_decode_step.py \
+           --model $m --batch 1 --layers 8 --out "$OUT" 2>&1 | grep -v "^\[transformers\]\|Warn\|USDT" \
+           | tail -40; done | tee "$OUT/profile_bs1.txt" ;;
   m2bs128) timeout 200 python3 benchmarks/bench_mamba2_kernel.py --out "$OUT/m2bs128" --batches 128 \
            --configs "pre;pre:BLOCK_P=32,num_warps=2;pre:BLOCK_P=32,num_warps=1;pre:BLOCK_P=8;pre:win_heads=8" 2>&1 \
            | grep -v Warn | tee "$OUT/mamba2_bs128.txt" ;;
