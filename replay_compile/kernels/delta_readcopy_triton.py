@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .delta_split_triton import _delta_window_kernel
+from .delta_split_triton import _append_gate_key, _delta_window_kernel, _window_readout
 from .mamba2_readcopy_reference import as_encoded
 from .mamba2_readcopy_triton import (FORMAT_IDS, _bf16_bits, _copy_args, _e2m1_value, _e4m3_byte,
                                      _format_name, _load_copy_rows, _nvfp4_encode_body, _nvfp4_flush_encode_kernel,
@@ -173,33 +173,16 @@ def _delta_rc_apply_kernel(
         if not EARLY:
             s0 = _load_copy_slice(cv_ptr, cs_ptr, ct_ptr, slot, h, offs_k, offs_v, mask_k, tile_mask,
                                   s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp, s_csn, s_ctb, s_cth, s_ctp, FMT)
-        wb = win_ptr + (row * HV + h) * (3 * BLOCK_L)
-        u = tl.load(wb + offs_l)
-        uq = tl.load(wb + BLOCK_L + offs_l)
-        kq = tl.load(wb + 2 * BLOCK_L)
-        vb = vec_ptr + (row * HV + h) * (3 * BLOCK_K)
-        ak = tl.load(vb + offs_k)
-        aq = tl.load(vb + BLOCK_K + offs_k)
-        hist = offs_l < w
         dr_base = dr_ptr + slot * s_drb + h * s_drh
-        dw = tl.load(dr_base + offs_l[:, None] * s_drl + offs_v[None, :] * s_drv,
-                     mask=hist[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
-        sk = tl.sum(s0 * ak[:, None], axis=0) + tl.sum(u[:, None] * dw, axis=0)
-        sq = tl.sum(s0 * aq[:, None], axis=0) + tl.sum(uq[:, None] * dw, axis=0)
-        d = beta * (v - sk)
-        tl.store(o_ptrs, sq + d * kq, mask=mask_v)
+        d, o = _window_readout(s0, v, beta, w, win_ptr, vec_ptr, row * HV + h, dr_base, offs_l, offs_k, offs_v,
+                               mask_v, s_drl, s_drv, BLOCK_L, BLOCK_K)
+        tl.store(o_ptrs, o, mask=mask_v)
         tl.store(dr_base + w * s_drl + offs_v * s_drv, d.to(dr_ptr.dtype.element_ty), mask=mask_v)
         tl.store(vr_base + w * s_vrl + offs_v * s_vrv, v.to(vr_ptr.dtype.element_ty), mask=mask_v)
         if pid_v == 0:
             tl.store(br_base + w * s_brl, beta)
-            if KDA:
-                g_cur = tl.load(g_ptr + row * s_gb + h * s_gh + offs_k * s_gk, mask=mask_k, other=0.0)
-                tl.store(gr_base + w * s_grl + offs_k * s_grk, g_cur.to(tl.float32), mask=mask_k)
-            else:
-                tl.store(gr_base + w * s_grl, tl.load(g_ptr + row * s_gb + h * s_gh).to(tl.float32))
-            if h % v_per_k == 0:                       # one program per key head appends k_t
-                k_raw = tl.load(k_ptr + row * s_kb + hk * s_kh + offs_k * s_kk, mask=mask_k, other=0.0)
-                tl.store(kr_base + w * s_krl + offs_k * s_krk, k_raw.to(kr_ptr.dtype.element_ty), mask=mask_k)
+            _append_gate_key(g_ptr, k_ptr + row * s_kb + hk * s_kh + offs_k * s_kk, gr_base, kr_base, w, row, h,
+                             v_per_k, offs_k, mask_k, s_gb, s_gh, s_gk, s_grl, s_grk, s_krl, s_krk, KDA)
 
 
 @triton.jit

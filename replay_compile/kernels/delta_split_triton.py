@@ -180,6 +180,47 @@ def _fold_record(s_new, ke_base, dr_base, j, w, offs_k, offs_v, mask_v, s_drl, s
 
 
 @triton.jit
+def _window_readout(s0, v, beta, w, win_ptr, vec_ptr, rh, dr_base, offs_l, offs_k, offs_v, mask_v, s_drl, s_drv,
+                    BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A non-flush readout of one ``K x BLOCK_V`` slice from its checkpoint term ``s0`` (the checkpoint, or the
+    decoded read copy) and launch 1's window for (row, value head) ``rh``::
+
+        S'ᵀk_t = s0ᵀ(exp(E_tot) ⊙ k_t) + Σ_{j<w} u_j d_j ;  S'ᵀq_t likewise with uq_j ;  d = β (v − S'ᵀk_t)
+
+    Returns ``(d, o)`` [BLOCK_V], ``o = S'ᵀq_t + d (k_t·q_t)``."""
+    wb = win_ptr + rh * (3 * BLOCK_L)
+    u = tl.load(wb + offs_l)
+    uq = tl.load(wb + BLOCK_L + offs_l)
+    kq = tl.load(wb + 2 * BLOCK_L)
+    vb = vec_ptr + rh * (3 * BLOCK_K)
+    ak = tl.load(vb + offs_k)
+    aq = tl.load(vb + BLOCK_K + offs_k)
+    hist = offs_l < w
+    dw = tl.load(dr_base + offs_l[:, None] * s_drl + offs_v[None, :] * s_drv,
+                 mask=hist[:, None] & mask_v[None, :], other=0.0).to(tl.float32)          # [BLOCK_L, BLOCK_V]
+    sk = tl.sum(s0 * ak[:, None], axis=0) + tl.sum(u[:, None] * dw, axis=0)
+    sq = tl.sum(s0 * aq[:, None], axis=0) + tl.sum(uq[:, None] * dw, axis=0)
+    d = beta * (v - sk)
+    return d, sq + d * kq
+
+
+@triton.jit
+def _append_gate_key(g_ptr, k_ptrs, gr_base, kr_base, w, row, h, v_per_k, offs_k, mask_k,
+                     s_gb, s_gh, s_gk, s_grl, s_grk, s_krl, s_krk, KDA: tl.constexpr):
+    """A non-flush row's gate record (per value head: ``g_t``, [K] for KDA) and, from one value head per key head,
+    its key record ``k_t`` (``k_ptrs``: the step's ``k_t``) at ring position ``w``. Called by one program per
+    (row, value head)."""
+    if KDA:
+        g_cur = tl.load(g_ptr + row * s_gb + h * s_gh + offs_k * s_gk, mask=mask_k, other=0.0)
+        tl.store(gr_base + w * s_grl + offs_k * s_grk, g_cur.to(tl.float32), mask=mask_k)
+    else:
+        tl.store(gr_base + w * s_grl, tl.load(g_ptr + row * s_gb + h * s_gh).to(tl.float32))
+    if h % v_per_k == 0:                           # one program per key head appends k_t
+        k_raw = tl.load(k_ptrs, mask=mask_k, other=0.0)
+        tl.store(kr_base + w * s_krl + offs_k * s_krk, k_raw.to(kr_base.dtype.element_ty), mask=mask_k)
+
+
+@triton.jit
 def _delta_apply_kernel(
     state_ptr, dr_ptr, kr_ptr, gr_ptr, cursor_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, slot_ptr, o_ptr,
     win_ptr, vec_ptr, ke_ptr, wrow_ptr,
@@ -218,20 +259,9 @@ def _delta_apply_kernel(
     beta = tl.load(beta_ptr + row * s_bb + h * s_bh).to(tl.float32)
     dr_base = dr_ptr + slot * s_drb + h * s_drh
     w = tl.load(wrow_ptr + row)
-    wb = win_ptr + (row * HV + h) * (3 * BLOCK_L)
-    u = tl.load(wb + offs_l)
-    uq = tl.load(wb + BLOCK_L + offs_l)
-    kq = tl.load(wb + 2 * BLOCK_L)
-    vb = vec_ptr + (row * HV + h) * (3 * BLOCK_K)
-    ak = tl.load(vb + offs_k)
-    aq = tl.load(vb + BLOCK_K + offs_k)
-    hist = offs_l < w
-    dw = tl.load(dr_base + offs_l[:, None] * s_drl + offs_v[None, :] * s_drv,
-                 mask=hist[:, None] & mask_v[None, :], other=0.0).to(tl.float32)          # [BLOCK_L, BLOCK_V]
-    sk = tl.sum(s0 * ak[:, None], axis=0) + tl.sum(u[:, None] * dw, axis=0)
-    sq = tl.sum(s0 * aq[:, None], axis=0) + tl.sum(uq[:, None] * dw, axis=0)
-    d = beta * (v - sk)
-    tl.store(o_ptrs, sq + d * kq, mask=mask_v)
+    d, o = _window_readout(s0, v, beta, w, win_ptr, vec_ptr, row * HV + h, dr_base, offs_l, offs_k, offs_v, mask_v,
+                           s_drl, s_drv, BLOCK_L, BLOCK_K)
+    tl.store(o_ptrs, o, mask=mask_v)
 
     hk = h // v_per_k
     kr_base = kr_ptr + slot * s_krb + hk * s_krh
@@ -239,7 +269,7 @@ def _delta_apply_kernel(
     k_ptrs = k_ptr + row * s_kb + hk * s_kh + offs_k * s_kk
     if w == L - 1:
         k_cur = tl.load(k_ptrs, mask=mask_k, other=0.0).to(tl.float32)
-        dec = tl.load(vb + 2 * BLOCK_K + offs_k)
+        dec = tl.load(vec_ptr + (row * HV + h) * (3 * BLOCK_K) + 2 * BLOCK_K + offs_k)     # launch 1's exp(E_tot)
         s_new = dec[:, None] * s0 + k_cur[:, None] * d[None, :]
         ke_base = ke_ptr + (row * HV + h) * (BLOCK_L * BLOCK_K)
         # KEᵀ D as L outer products (no tl.dot here, see above). FLUSH_STAGES > 0: the record loop software-pipelined
@@ -259,14 +289,8 @@ def _delta_apply_kernel(
     else:
         tl.store(dr_base + w * s_drl + offs_v * s_drv, d.to(dr_ptr.dtype.element_ty), mask=mask_v)
         if pid_v == 0:
-            if KDA:
-                g_cur = tl.load(g_ptr + row * s_gb + h * s_gh + offs_k * s_gk, mask=mask_k, other=0.0)
-                tl.store(gr_base + w * s_grl + offs_k * s_grk, g_cur.to(tl.float32), mask=mask_k)
-            else:
-                tl.store(gr_base + w * s_grl, tl.load(g_ptr + row * s_gb + h * s_gh).to(tl.float32))
-            if h % v_per_k == 0:                       # one program per key head appends k_t
-                k_raw = tl.load(k_ptrs, mask=mask_k, other=0.0)
-                tl.store(kr_base + w * s_krl + offs_k * s_krk, k_raw.to(kr_ptr.dtype.element_ty), mask=mask_k)
+            _append_gate_key(g_ptr, k_ptrs, gr_base, kr_base, w, row, h, v_per_k, offs_k, mask_k,
+                             s_gb, s_gh, s_gk, s_grl, s_grk, s_krl, s_krk, KDA)
             if h == 0:
                 tl.store(cursor_ptr + slot, w + 1)
 

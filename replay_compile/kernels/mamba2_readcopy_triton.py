@@ -359,18 +359,8 @@ def _rc_body(
             tl.atomic_max(amax_ptr + row, amax.to(tl.int32, bitcast=True), sem="relaxed")
     elif ROUTE == 0:
         # y = exp(Σ la) (S_0 C) + Σ_j coef_j (B_j·C) x_j with S_0 the decoded copy; the fp32 state is not read
-        if FMT == 2:
-            p3, blk, k = _nvfp4_offsets(offs_p, BLOCK_N // 16)
-            col_e = blk * 16 + 2 * k
-            even, odd = _load_nvfp4(cv_ptr, cs_ptr, ct_ptr, slot, h, offs_p, P, N, s_vb, s_vh, s_vp, s_vn,
-                                    s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, BLOCK_N // 16)
-            c_e = tl.load(c_base + col_e * s_cn, mask=col_e < N, other=0.0).to(tl.float32)
-            c_o = tl.load(c_base + (col_e + 1) * s_cn, mask=col_e + 1 < N, other=0.0).to(tl.float32)
-            sc = tl.sum(tl.sum(even * c_e + odd * c_o, axis=2), axis=1)
-        else:
-            s0 = _load_copy_rows(cv_ptr, cs_ptr, slot, h, offs_p, offs_n, mask_p, tile_mask,
-                                 s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, FMT)
-            sc = tl.sum(s0 * c[None, :], axis=1)
+        sc = _copy_dot(cv_ptr, cs_ptr, ct_ptr, c_base, c, s_cn, slot, h, offs_p, mask_p, P, N,
+                       s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, FMT, BLOCK_N, False)
         bc = tl.sum(bw * c[None, :], axis=1)
         y = decay * sc + tl.sum((coef * bc)[:, None] * xw, axis=0)
         tl.store(y_ptrs, y, mask=mask_p)
@@ -470,11 +460,13 @@ def _readcopy_flush_list_kernel(
 
 
 @triton.jit
-def _copy_dot(cv_ptr, cs_ptr, ct_ptr, c_base, s_cn, slot, h, offs_p, mask_p, P, N,
+def _copy_dot(cv_ptr, cs_ptr, ct_ptr, c_base, c, s_cn, slot, h, offs_p, mask_p, P, N,
               s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp,
               FMT: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
     """``S_copy C`` [BLOCK_P] for rows ``offs_p`` of the copy of (slot, head ``h``): nvfp4 as int32 words
-    (``WORDS``, :func:`_nvfp4_words_dot`) or byte by byte (:func:`_load_nvfp4`), bf16 / fp8 as decoded rows."""
+    (``WORDS``, :func:`_nvfp4_words_dot`) or byte by byte (:func:`_load_nvfp4`), both reading ``C`` in their own
+    layouts from ``c_base``; bf16 / fp8 as decoded rows against ``c`` [BLOCK_N] (the caller's load; unused, and so
+    dropped by the compiler, on the nvfp4 paths)."""
     if WORDS:
         sc = _nvfp4_words_dot(cv_ptr, cs_ptr, ct_ptr, c_base, s_cn, slot, h, offs_p, P, N, s_vb, s_vh, s_vp, s_vn,
                               s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, BLOCK_N // 16)
@@ -488,9 +480,7 @@ def _copy_dot(cv_ptr, cs_ptr, ct_ptr, c_base, s_cn, slot, h, offs_p, mask_p, P, 
         sc = tl.sum(tl.sum(even * c_e + odd * c_o, axis=2), axis=1)
     else:
         offs_n = tl.arange(0, BLOCK_N)
-        mask_n = offs_n < N
-        c = tl.load(c_base + offs_n * s_cn, mask=mask_n, other=0.0).to(tl.float32)
-        s0 = _load_copy_rows(cv_ptr, cs_ptr, slot, h, offs_p, offs_n, mask_p, mask_p[:, None] & mask_n[None, :],
+        s0 = _load_copy_rows(cv_ptr, cs_ptr, slot, h, offs_p, offs_n, mask_p, mask_p[:, None] & (offs_n < N)[None, :],
                              s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, FMT)
         sc = tl.sum(s0 * c[None, :], axis=1)
     return sc
@@ -521,8 +511,10 @@ def _readcopy_apply_kernel(
     if slot < 0:                                   # padding row: zero output (stored above), touch nothing else
         return
     c_base = C_ptr + row * s_cb + (h // heads_per_gc) * s_cg
+    offs_n = tl.arange(0, BLOCK_N)
+    c = tl.load(c_base + offs_n * s_cn, mask=offs_n < N, other=0.0).to(tl.float32)
     if EARLY:       # the copy tile, scales and window scratch loaded before the cursor: wasted on flush rows only
-        sc = _copy_dot(cv_ptr, cs_ptr, ct_ptr, c_base, s_cn, slot, h, offs_p, mask_p, P, N,
+        sc = _copy_dot(cv_ptr, cs_ptr, ct_ptr, c_base, c, s_cn, slot, h, offs_p, mask_p, P, N,
                        s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, FMT, BLOCK_N, WORDS)
         decay = tl.load(dec_ptr + row * H + h)
         win = tl.load(win_ptr + (row * H + h) * P + offs_p, mask=mask_p, other=0.0)
@@ -533,7 +525,7 @@ def _readcopy_apply_kernel(
         w = tl.load(cursor_ptr + slot)
         if w == L - 1:
             return
-        sc = _copy_dot(cv_ptr, cs_ptr, ct_ptr, c_base, s_cn, slot, h, offs_p, mask_p, P, N,
+        sc = _copy_dot(cv_ptr, cs_ptr, ct_ptr, c_base, c, s_cn, slot, h, offs_p, mask_p, P, N,
                        s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, FMT, BLOCK_N, WORDS)
         decay = tl.load(dec_ptr + row * H + h)
         win = tl.load(win_ptr + (row * H + h) * P + offs_p, mask=mask_p, other=0.0)
