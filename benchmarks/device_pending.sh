@@ -127,9 +127,9 @@ for s in $steps; do case $s in
   rcdelta) timeout 120 python3 benchmarks/diag_stream_ceiling.py --delta qwen35_4b,kimi_linear --delta-configs "" \
            --delta-rc-configs "rc;rc:hw_e4m3=1;rc:apply_early=1;rc:apply_early=1,hw_e4m3=1" 2>&1 | grep -v Warn \
            | tee "$OUT/delta_rc_flush_stages.txt" ;;
-  prof1) for m in ${PROF_MODELS:-nemotron_h_nano4b qwen35_4b}; do timeout 200 python3 benchmarks/profile_decode_step.py \
-           --model $m --batch 1 --layers 8 --out "$OUT" 2>&1 | grep -v "^\[transformers\]\|Warn\|USDT" \
-           | tail -40; done | tee "$OUT/profile_bs1.txt" ;;
+  prof1) for m in ${PROF_MODELS:-nemotron_h_nano4b qwen35_4b}; do timeout 200 python3 benchmarks/diag_step_profile.py \
+           --model $m --batch 1 --layers 8 2>&1 | grep -v "^\[transformers\]\|Warn\|USDT" \
+           | tail -60; done | tee "$OUT/profile_bs1.txt" ;;
   m2bs128) timeout 200 python3 benchmarks/bench_mamba2_kernel.py --out "$OUT/m2bs128" --batches 128 \
            --configs "pre;pre:BLOCK_P=32,num_warps=2;pre:BLOCK_P=32,num_warps=1;pre:BLOCK_P=8;pre:win_heads=8" 2>&1 \
            | grep -v Warn | tee "$OUT/mamba2_bs128.txt" ;;

@@ -1,7 +1,5 @@
 """replay-compile verify/env and the equivalence checker behind them (fast settings: eager lowering)."""
 
-import os
-
 import pytest
 
 pytest.importorskip("transformers")
@@ -160,18 +158,3 @@ def test_bench_gpus_rejects_tp_and_check(tmp_path):
     with pytest.raises(SystemExit, match="--gpus"):
         main(["bench", "--device", "cpu", "--gpus", "2", "--tp", "2", "--out", str(tmp_path)])
 
-
-def test_profile_decode_step_names_the_replay_op(tmp_path):
-    """benchmarks/profile_decode_step.py on CPU: both modes profiled, the replay mode's step runs our op (it shows
-    among the top operators) and rewrote the tiny NemotronH's two Mamba-2 layers; the report file is written."""
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-    import profile_decode_step
-
-    profile_decode_step.main(["--model", "tiny_nemotron_h", "--device", "cpu", "--dtype", "float32", "--modes",
-                              "eager,replayssm", "--steps", "2", "--out", str(tmp_path)])
-    text = (tmp_path / "profile_tiny_nemotron_h_bs1.txt").read_text()
-    eager, replay = text.split("\nreplayssm: ")
-    assert "eager: wall" in eager and "replay_compile::mamba2_step" not in eager
-    assert "2 rewrites" in replay.splitlines()[0] and "replay_compile::mamba2_step" in replay
