@@ -115,8 +115,9 @@ for s in $steps; do case $s in
            timeout 150 python3 benchmarks/bench_mamba2_kernel.py --out "$OUT/flushgrid" --batches 128,256 \
            --configs "pre;pre:flush_per_sm=12;pre:flush_per_sm=16" 2>&1 | grep -v Warn \
            | tee "$OUT/mamba2_flushgrid.txt" ;;
-  rctests) timeout 150 python3 -m pytest -q $XDIST -p no:cacheprovider tests/test_mamba2_readcopy.py \
-           tests/test_delta_readcopy_triton.py --tb=line 2>&1 | grep -v "warnings.warn" | tail -8 \
+  rctests) timeout 200 python3 -m pytest -q $XDIST -p no:cacheprovider tests/test_mamba2_readcopy.py \
+           tests/test_delta_readcopy_triton.py tests/test_delta_triton.py tests/test_delta_triton_gpu.py --tb=line \
+           2>&1 | grep -v "warnings.warn" | tail -8 \
            | tee "$OUT/pytest_readcopy.txt" ;;
   rcflush) timeout 240 python3 benchmarks/bench_readcopy_kernel.py --out "$OUT/rcflush" --batches 256 \
            --formats fp8_e4m3,nvfp4,nvfp4_row --configs "${RCF:-pre:;pre:hw_e4m3=1;pre:hw_e4m3=1,FLUSH_P=16,flush_warps=1;pre:hw_e4m3=1,FLUSH_P=16,flush_warps=4;pre:enc_warps=4;pre:enc_warps=2}" \
