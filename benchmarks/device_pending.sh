@@ -38,9 +38,12 @@
 set -uo pipefail
 OUT=${OUT:-device-logs}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
-python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1
+# the install log stays out of $OUT (8 files come back at most) unless an install fails
+INSTALL_LOG=/tmp/install.log
+python3 -m pip install -q --no-build-isolation --no-deps -e . > $INSTALL_LOG 2>&1 || cp $INSTALL_LOG "$OUT/"
 if ls .wheels/fla_core-*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-deps .wheels/fla_core-*.whl .wheels/flash_linear_attention-*.whl >> "$OUT/install.log" 2>&1
+  python3 -m pip install -q --no-deps .wheels/fla_core-*.whl .wheels/flash_linear_attention-*.whl >> $INSTALL_LOG 2>&1 \
+    || cp $INSTALL_LOG "$OUT/"
 fi
 # delta split configurations to compare (kernels/delta_triton.py TUNING; the default first)
 DK=${DK:-"split;split:window_rows=1;split:window_rows=1,window_warps=2;split:flush_stages=2;split:flush_stages=4;split:scan_dot=0"}
@@ -50,11 +53,11 @@ SG=";window_warps=1;window_warps=1,BLOCK_V=32,num_warps=2;window_warps=2,BLOCK_V
 SG="$SG;window_warps=1,BLOCK_V=32,num_warps=1"
 XDIST=""
 if ls .wheels/pytest_xdist-*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-deps .wheels/pytest_xdist-*.whl .wheels/execnet-*.whl >> "$OUT/install.log" 2>&1 \
+  python3 -m pip install -q --no-deps .wheels/pytest_xdist-*.whl .wheels/execnet-*.whl >> $INSTALL_LOG 2>&1 \
     && XDIST="-n 6"
 fi
 steps=${*:-rctests rcflush rcapply rcdelta}
-for s in $steps; do case $s in
+for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
   tests) timeout 300 python3 -m pytest -q $XDIST -p no:cacheprovider tests/test_mamba2_triton_gpu.py \
            tests/test_mamba2_triton.py tests/test_mamba2_readcopy.py tests/test_delta_readcopy_triton.py --tb=line \
            tests/test_delta_triton.py tests/test_delta_triton_gpu.py tests/test_kernel_call_anchor.py 2>&1 \
@@ -131,7 +134,7 @@ for s in $steps; do case $s in
   prof1) for m in ${PROF_MODELS:-nemotron_h_nano4b qwen35_4b}; do timeout 200 python3 benchmarks/diag_step_profile.py \
            --model $m --batch 1 --layers 8 2>&1 | grep -v "^\[transformers\]\|Warn\|USDT" \
            | tail -60; done | tee "$OUT/profile_bs1.txt" ;;
-  m2bs128) timeout 200 python3 benchmarks/bench_mamba2_kernel.py --out "$OUT/m2bs128" --batches 128 \
+  m2bs128) timeout 200 python3 benchmarks/bench_mamba2_kernel.py --out /tmp/m2bs128 --batches 128 \
            --configs "pre;pre:BLOCK_P=32,num_warps=2;pre:BLOCK_P=32,num_warps=1;pre:BLOCK_P=8;pre:win_heads=8" 2>&1 \
            | grep -v Warn | tee "$OUT/mamba2_bs128.txt" ;;
   sweep) timeout 330 python3 benchmarks/bench_mamba2_kernel.py --out "$OUT" 2>&1 | grep -v Warn \
