@@ -34,6 +34,10 @@
 #              (tensor scale per row, encoded inside the flush launch) beside nvfp4 in both
 #   prof1      issue 5's batch-1 question: kernels, launches and device time per whole decode step, plain
 #              torch.compile vs replayssm (reduce-overhead both), Nemotron-Nano and Qwen3.5 dims, 8 layers
+#   host       diag_host_overhead.py (host µs per op call, dispatcher vs Triton entry) and the default-mode (no CUDA
+#              graphs) whole step of Qwen3.5-4B / Nemotron-Nano-4B dims at bs 1 and 256 (issue 5)
+#   rcdefaults the Mamba-2 read copies' defaults at bs256 (issue 7's table);  dquick  the delta kernels' defaults
+#              vs fla at bs 1 and 256, fp32 (issue 4's targets)
 #   knobs readcopy anchor compile: session 7's pending measurements (done in session 8's first call)
 set -uo pipefail
 OUT=${OUT:-device-logs}; mkdir -p "$OUT"
@@ -131,6 +135,13 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
   rcdelta) timeout 120 python3 benchmarks/diag_stream_ceiling.py --delta qwen35_4b,kimi_linear --delta-configs "" \
            --delta-rc-configs "rc;rc:hw_e4m3=1;rc:apply_early=1;rc:apply_early=1,hw_e4m3=1" 2>&1 | grep -v Warn \
            | tee "$OUT/delta_rc_flush_stages.txt" ;;
+  host) timeout 90 python3 benchmarks/diag_host_overhead.py 2>&1 | grep -v Warn | tee "$OUT/host_overhead.txt"
+        timeout 300 replay-compile bench --models qwen35_4b,nemotron_h_nano4b --layers 8 --batches 1,256 --steps 32 \
+           --modes inductor,replayssm --out /tmp/e2e_default 2>&1 | grep "^|" | tee -a "$OUT/host_overhead.txt" ;;
+  rcdefaults) timeout 150 python3 benchmarks/bench_readcopy_kernel.py --out /tmp/rcdefaults --batches 256 \
+           --formats bf16,fp8_e4m3,nvfp4 2>&1 | grep -v Warn | tee "$OUT/readcopy_defaults.txt" ;;
+  dquick) timeout 150 python3 benchmarks/bench_delta_kernel.py --out /tmp/dquick --batches 1,256 --dtypes float32 \
+           2>&1 | grep -v Warn | tee "$OUT/delta_defaults.txt" ;;
   prof1) for m in ${PROF_MODELS:-nemotron_h_nano4b qwen35_4b}; do timeout 200 python3 benchmarks/diag_step_profile.py \
            --model $m --batch 1 --layers 8 2>&1 | grep -v "^\[transformers\]\|Warn\|USDT" \
            | tail -60; done | tee "$OUT/profile_bs1.txt" ;;

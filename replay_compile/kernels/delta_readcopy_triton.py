@@ -275,11 +275,11 @@ def launch_config(K: int, V: int, L: int) -> dict:
                 # the flush's record loop pipelined 4 deep (H200 session 9, bs256 fp8: the flush apply 1061 -> 696 µs
                 # for GDN, 1185 -> 752 for KDA; 2 stages: 703 / 758). 0: a plain loop
                 flush_stages=TUNING.get("flush_stages", 4),
-                # fp8 encode by the hardware conversion (compiled only; mamba2_readcopy_triton._e4m3_byte); not
-                # measured yet
-                hw_e4m3=bool(TUNING.get("hw_e4m3", 0)),
-                # non-flush rows' copy slice loaded before the cursor branch; not measured yet (the apply launch's
-                # non-flush step is 140 µs at Qwen3.5-4B bs256 fp8 against a ~32 µs read of the copy)
+                # fp8 encode by the hardware conversion (compiled sm_89+ only; mamba2_readcopy_triton._e4m3_byte).
+                # H200 session 10, bs256 fp8: the flush's encode launch 200.5 -> 180.7 µs (GDN), 200.4 -> 181.2 (KDA)
+                hw_e4m3=bool(TUNING.get("hw_e4m3", 1)),
+                # non-flush rows' copy slice loaded before the cursor branch: off (H200 session 10: GDN apply 136.9
+                # -> 136.0 µs, KDA 143.2 -> 146.9, KDA flush apply 751 -> 814)
                 apply_early=bool(TUNING.get("apply_early", 0)))
 
 

@@ -671,7 +671,10 @@ def launch_config(P: int, N: int, L: int, fmt: str = "") -> dict:
         raise ValueError(f"replay_compile.mamba2 read copy: unknown kernel variant {variant!r} (pre, fused)")
     return dict(BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_L=block_l, num_warps=warps,
                 fold_dot=bool(TUNING.get("fold_dot", 0)), variant=variant,
-                APPLY_P=TUNING.get("APPLY_P") or 16, apply_warps=TUNING.get("apply_warps") or 1,
+                # the non-flush copy pass's tile: 32 rows for fp8 (H200 session 10, Super bs256: non-flush 131.1 ->
+                # 119.9 µs, 1 warp, 64 registers); nvfp4_row 201 -> 199 at 168 registers, kept at 16 for the 4-bit ones
+                APPLY_P=TUNING.get("APPLY_P") or (32 if fmt == "fp8_e4m3" else 16),
+                apply_warps=TUNING.get("apply_warps") or 1,
                 # listed flush rows (session 8, H200 Super bs256: non-flush fp8 213 -> 135 us, bf16 264 -> 187,
                 # NVFP4 516 -> 362; the flush step 10-25% slower; L-avg 1.2-1.3x better). 0: full grid
                 flush_list=bool(TUNING.get("flush_list", 1)),
@@ -687,13 +690,14 @@ def launch_config(P: int, N: int, L: int, fmt: str = "") -> dict:
                 # nvfp4 non-flush reads as int32 words, fp16-bit decode (_nvfp4_words_dot; N % 8 == 0). H200
                 # session 9, Super bs256: the non-flush step 357 -> 203 µs, L-avg 1.41 -> 2.01x
                 nvfp4_words=bool(TUNING.get("nvfp4_words", 1)),
-                # fp8 flush encode by the hardware conversion (compiled only: the interpreter keeps the software
-                # rounding); not measured yet
-                hw_e4m3=bool(TUNING.get("hw_e4m3", 0)),
-                # warps of the nvfp4 encode launch (two IEEE divisions and 14 comparisons per value: ALU-bound on the
-                # step's 1 warp?); not measured yet
-                enc_warps=TUNING.get("enc_warps") or warps,
-                # the non-flush copy pass issues its loads before the cursor's; not measured yet
+                # fp8 flush encode by the hardware conversion (compiled sm_89+ only: the interpreter keeps the software
+                # rounding). H200 session 10, Super bs256: the fp8 flush step 1837 -> 1724 µs (L-avg 3.02 -> 3.12x)
+                hw_e4m3=bool(TUNING.get("hw_e4m3", 1)),
+                # warps of the nvfp4 encode launch (two IEEE divisions and 14 comparisons per value): 2 (H200 session
+                # 10, Super bs256: the nvfp4 flush step 2147 -> 1814 µs, L-avg 2.13 -> 2.29x; 4 warps 1829)
+                enc_warps=TUNING.get("enc_warps") or 2,
+                # the non-flush copy pass issues its loads before the cursor's: off (H200 session 10: fp8 131.1 ->
+                # 129.8 µs, nvfp4_row 200.9 -> 208.2)
                 apply_early=bool(TUNING.get("apply_early", 0)))
 
 

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import delta_reference as ref
+from .library import replay_op
 from .mamba2 import _STATE_DTYPES, check_token_args, use_triton
 
 
@@ -73,7 +74,7 @@ def check_step_args(state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slo
     check_token_args((("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)), slot_idx, b, S, _fail)
 
 
-@torch.library.custom_op("replay_compile::delta_step", mutates_args=("state", "d_ring", "k_ring", "g_ring", "cursor"))
+@replay_op("replay_compile::delta_step", mutates_args=("state", "d_ring", "k_ring", "g_ring", "cursor"))
 def delta_step(
     state: Tensor, d_ring: Tensor, k_ring: Tensor, g_ring: Tensor, cursor: Tensor,
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, slot_idx: Optional[Tensor] = None,
@@ -100,7 +101,7 @@ def _(state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slot_idx=None):
     return v.new_empty(v.shape, dtype=_compute_dtype(state, q, k, v, g, beta))
 
 
-@torch.library.custom_op("replay_compile::delta_flush", mutates_args=("state", "cursor"))
+@replay_op("replay_compile::delta_flush", mutates_args=("state", "cursor"))
 def delta_flush(state: Tensor, d_ring: Tensor, k_ring: Tensor, g_ring: Tensor, cursor: Tensor,
                 slot_idx: Optional[Tensor] = None) -> None:
     """Fold every held record into the checkpoint and reset the cursor (see :func:`delta_replay_flush_reference`)."""
@@ -113,7 +114,7 @@ def _(state, d_ring, k_ring, g_ring, cursor, slot_idx=None):
     return None
 
 
-@torch.library.custom_op("replay_compile::delta_materialize", mutates_args=())
+@replay_op("replay_compile::delta_materialize", mutates_args=())
 def delta_materialize(state: Tensor, d_ring: Tensor, k_ring: Tensor, g_ring: Tensor, cursor: Tensor,
                       count: Optional[Tensor] = None, slot_idx: Optional[Tensor] = None) -> Tensor:
     """The true state after ``count`` records per row, out of place (see :func:`delta_replay_materialize_reference`)."""

@@ -21,6 +21,7 @@ from torch import Tensor
 from ..kernels import delta_readcopy_reference as rcref
 from ..kernels.mamba2_reference import _compute_dtype
 from .delta import _fail, check_ring_args, check_step_args, use_triton
+from .library import replay_op
 from .mamba2_readcopy import as_copy
 
 _MUTATED = ("state", "d_ring", "k_ring", "g_ring", "v_ring", "beta_ring", "copy0", "copy1", "copy2", "cursor")
@@ -43,7 +44,7 @@ def _check_step(state, d_ring, k_ring, g_ring, v_ring, beta_ring, copy0, copy1, 
     return as_copy(fmt, state, (copy0, copy1, copy2), _fail)
 
 
-@torch.library.custom_op("replay_compile::delta_step_rc", mutates_args=_MUTATED)
+@replay_op("replay_compile::delta_step_rc", mutates_args=_MUTATED)
 def delta_step_rc(
     state: Tensor, d_ring: Tensor, k_ring: Tensor, g_ring: Tensor, v_ring: Tensor, beta_ring: Tensor,
     copy0: Tensor, copy1: Tensor, copy2: Tensor, cursor: Tensor,
@@ -74,7 +75,7 @@ def _(state, d_ring, k_ring, g_ring, v_ring, beta_ring, copy0, copy1, copy2, cur
     return v.new_empty(v.shape, dtype=_compute_dtype(state, q, k, v, g, beta))
 
 
-@torch.library.custom_op("replay_compile::delta_flush_rc",
+@replay_op("replay_compile::delta_flush_rc",
                          mutates_args=("state", "copy0", "copy1", "copy2", "cursor"))
 def delta_flush_rc(
     state: Tensor, d_ring: Tensor, k_ring: Tensor, g_ring: Tensor, v_ring: Tensor, beta_ring: Tensor,
@@ -92,7 +93,7 @@ def _(state, d_ring, k_ring, g_ring, v_ring, beta_ring, copy0, copy1, copy2, cur
     return None
 
 
-@torch.library.custom_op("replay_compile::delta_materialize_rc", mutates_args=())
+@replay_op("replay_compile::delta_materialize_rc", mutates_args=())
 def delta_materialize_rc(
     state: Tensor, d_ring: Tensor, k_ring: Tensor, g_ring: Tensor, v_ring: Tensor, beta_ring: Tensor, cursor: Tensor,
     count: Optional[Tensor] = None, slot_idx: Optional[Tensor] = None,

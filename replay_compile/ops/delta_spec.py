@@ -19,11 +19,12 @@ import torch
 from ..kernels.delta_reference import _compute_dtype
 from ..kernels.delta_spec_reference import delta_spec_verify_reference
 from .delta import check_step_args
+from .library import replay_op
 from .mamba2 import use_triton
 from .spec import check_spec_cursors
 
 
-@torch.library.custom_op("replay_compile::delta_spec_verify", mutates_args=("state", "d_ring", "k_ring", "g_ring"))
+@replay_op("replay_compile::delta_spec_verify", mutates_args=("state", "d_ring", "k_ring", "g_ring"))
 def delta_spec_verify(state: Tensor, d_ring: Tensor, k_ring: Tensor, g_ring: Tensor, w: Tensor, origin: Tensor,
                       is_flush: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                       slot_idx: Optional[Tensor] = None) -> Tensor:

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import mamba2_reference as ref
+from .library import replay_op
 
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _STATE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -89,7 +90,7 @@ def check_token_args(named, slot_idx, b: int, S: int, fail) -> None:
         fail(f"slot_idx must be int32/int64 [b={b}], got {slot_idx.dtype} {tuple(slot_idx.shape)}")
 
 
-@torch.library.custom_op(
+@replay_op(
     "replay_compile::mamba2_step",
     mutates_args=("state", "x_ring", "dt_ring", "la_ring", "B_ring", "cursor"),
 )
@@ -118,7 +119,7 @@ def _(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_idx
     return x.new_empty(x.shape, dtype=cdt)
 
 
-@torch.library.custom_op("replay_compile::mamba2_flush", mutates_args=("state", "cursor"))
+@replay_op("replay_compile::mamba2_flush", mutates_args=("state", "cursor"))
 def mamba2_flush(
     state: Tensor, x_ring: Tensor, dt_ring: Tensor, la_ring: Tensor, B_ring: Tensor, cursor: Tensor,
     slot_idx: Optional[Tensor] = None,
@@ -133,7 +134,7 @@ def _(state, x_ring, dt_ring, la_ring, B_ring, cursor, slot_idx=None):
     return None
 
 
-@torch.library.custom_op("replay_compile::mamba2_materialize", mutates_args=())
+@replay_op("replay_compile::mamba2_materialize", mutates_args=())
 def mamba2_materialize(
     state: Tensor, x_ring: Tensor, dt_ring: Tensor, la_ring: Tensor, B_ring: Tensor, cursor: Tensor,
     count: Optional[Tensor] = None, slot_idx: Optional[Tensor] = None,

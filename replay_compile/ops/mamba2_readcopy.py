@@ -22,6 +22,7 @@ from torch import Tensor
 from ..kernels import mamba2_readcopy_reference as rcref
 from ..kernels import mamba2_reference as ref
 from ..quant.formats import FORMATS, Encoded
+from .library import replay_op
 from .mamba2 import _fail, check_step_args, use_triton
 
 COPY_TENSORS = 3      # the op's fixed number of copy storage tensors
@@ -69,7 +70,7 @@ def _check(state, x_ring, dt_ring, la_ring, B_ring, copy0, copy1, copy2, cursor,
     return as_copy(fmt, state, (copy0, copy1, copy2))
 
 
-@torch.library.custom_op(
+@replay_op(
     "replay_compile::mamba2_step_rc",
     mutates_args=("state", "x_ring", "dt_ring", "la_ring", "B_ring", "copy0", "copy1", "copy2", "cursor"),
 )

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import mamba2_spec_reference as ref
+from .library import replay_op
 from .mamba2 import check_ring_args, use_triton
 from .spec import check_spec_cursors
 
@@ -26,7 +27,7 @@ def _fail(msg: str):
     raise ValueError(f"replay_compile.mamba2_spec: {msg}")
 
 
-@torch.library.custom_op("replay_compile::mamba2_spec_verify",
+@replay_op("replay_compile::mamba2_spec_verify",
                          mutates_args=("state", "x_ring", "dt_ring", "la_ring", "B_ring"))
 def mamba2_spec_verify(state: Tensor, x_ring: Tensor, dt_ring: Tensor, la_ring: Tensor, B_ring: Tensor,
                        w: Tensor, origin: Tensor, is_flush: Tensor, x: Tensor, dt: Tensor, la: Tensor, B: Tensor,

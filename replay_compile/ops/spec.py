@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import mamba2_spec_reference as ref
+from .library import replay_op
 from .mamba2 import use_triton
 
 
@@ -31,7 +32,7 @@ def check_spec_cursors(op: str, state: Tensor, buf: int, w: Tensor, origin: Tens
                          f"got {buf}")
 
 
-@torch.library.custom_op("replay_compile::spec_commit", mutates_args=("w", "origin", "is_flush"))
+@replay_op("replay_compile::spec_commit", mutates_args=("w", "origin", "is_flush"))
 def spec_commit(w: Tensor, origin: Tensor, is_flush: Tensor, n_accepted: Tensor, B: int, T: int,
                 slot_idx: Optional[Tensor] = None) -> None:
     """Accept ``n_accepted`` [b] (each in 1..T) tokens of the last verify; see :func:`spec_commit_reference`."""
