@@ -22,6 +22,7 @@ import sys
 import time
 
 import torch
+from torch import Tensor
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_mamba2_kernel import random_step  # noqa: E402
@@ -48,7 +49,7 @@ def mamba2_calls(bs: int):
     rings, (x, dt, la, B, C) = random_step(bs, 128, 64, 128, 8, 16, 1, torch.bfloat16)
     state = torch.zeros(bs, 128, 64, 128, device="cuda")
     args = (state, *rings[0], x, dt, la, B, C, None)
-    return (lambda: torch.ops.replay_compile.mamba2_step.default(*args)), (lambda: replay_step_triton(*args))
+    return (lambda: torch.ops.replay_compile.mamba2_step.default(*args)), (lambda: replay_step_triton(*args)), args
 
 
 def delta_calls(bs: int, kda: bool):
@@ -64,12 +65,35 @@ def delta_calls(bs: int, kda: bool):
     g = -torch.rand((bs, HV, K) if kda else (bs, HV), device="cuda") * 0.1
     beta = torch.rand(bs, HV, device="cuda")
     args = (state, *rings, q, k, v, g, beta, None)
-    return (lambda: torch.ops.replay_compile.delta_step.default(*args)), (lambda: delta_replay_step_triton(*args))
+    return (lambda: torch.ops.replay_compile.delta_step.default(*args)), (lambda: delta_replay_step_triton(*args)), args
+
+
+def delta_custom_op():
+    """The delta step's Triton entry defined as a ``torch.library.custom_op`` (how our ops were defined up to
+    session 9), to compare the two registrations on the same work."""
+    from replay_compile.kernels.delta_triton import delta_replay_step_triton
+
+    def step(state: Tensor, d_ring: Tensor, k_ring: Tensor, g_ring: Tensor, cursor: Tensor, q: Tensor, k: Tensor,
+             v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
+        return delta_replay_step_triton(state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, None)
+
+    op = torch.library.custom_op("replay_diag::delta_step_custom_op", step,
+                                 mutates_args=("state", "d_ring", "k_ring", "g_ring", "cursor"))
+    op.register_fake(lambda state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta: torch.empty_like(v, dtype=torch.float32))
+    return torch.ops.replay_diag.delta_step_custom_op.default
+
+
+def compiled_default_mode(op, args):
+    """``op`` inside a small ``torch.compile``d function (default mode: no CUDA graphs), as the rewritten graph
+    calls it: the Inductor-generated wrapper around the call, the functionalised mutations re-inplaced."""
+    def f(*a):
+        return op(*a[:5], a[5] * 1.0, *a[6:]) + 1.0
+    cf = torch.compile(f)
+    cf(*args)
+    return lambda: cf(*args)
 
 
 def noop_ops():
-    from torch import Tensor
-
     def body(a: Tensor, b: Tensor, c: Tensor, d: Tensor, e: Tensor, x: Tensor) -> Tensor:
         return torch.empty_like(x)
 
@@ -94,9 +118,16 @@ def main(argv=None):
     with torch.no_grad():
         nc, nl, _lib = noop_ops()
         print(f"no-op, 5 mutated args: custom_op {host_us(nc, args.calls):7.1f}   Library {host_us(nl, args.calls):7.1f}")
-        for name, (op, direct) in (("mamba2_step super", mamba2_calls(args.batch)),
-                                   ("delta_step gdn", delta_calls(args.batch, False)),
-                                   ("delta_step kda", delta_calls(args.batch, True))):
+        a10 = delta_calls(args.batch, False)[2][:10]
+        custom = delta_custom_op()
+        lib = lambda *a: torch.ops.replay_compile.delta_step.default(*a, None)  # noqa: E731
+        print(f"delta_step gdn eager:    Library {host_us(lambda: lib(*a10), args.calls):7.1f}"
+              f"   custom_op {host_us(lambda: custom(*a10), args.calls):7.1f}")
+        print(f"delta_step gdn compiled: Library {host_us(compiled_default_mode(lib, a10), args.calls):7.1f}"
+              f"   custom_op {host_us(compiled_default_mode(custom, a10), args.calls):7.1f}   (default mode)")
+        for name, (op, direct, _) in (("mamba2_step super", mamba2_calls(args.batch)),
+                                      ("delta_step gdn", delta_calls(args.batch, False)),
+                                      ("delta_step kda", delta_calls(args.batch, True))):
             print(f"{name:20s} dispatcher {host_us(op, args.calls):7.1f}   triton entry {host_us(direct, args.calls):7.1f}")
 
 
