@@ -135,7 +135,8 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
   rcdelta) timeout 120 python3 benchmarks/diag_stream_ceiling.py --delta qwen35_4b,kimi_linear --delta-configs "" \
            --delta-rc-configs "rc;rc:hw_e4m3=1;rc:apply_early=1;rc:apply_early=1,hw_e4m3=1" 2>&1 | grep -v Warn \
            | tee "$OUT/delta_rc_flush_stages.txt" ;;
-  host) timeout 90 python3 benchmarks/diag_host_overhead.py 2>&1 | grep -v Warn | tee "$OUT/host_overhead.txt"
+  hostdiag) timeout 120 python3 benchmarks/diag_host_overhead.py 2>&1 | grep -v Warn | tee -a "$OUT/host_overhead.txt" ;;
+  host) timeout 90 python3 benchmarks/diag_host_overhead.py 2>&1 | grep -v Warn | tee -a "$OUT/host_overhead.txt"
         timeout 300 replay-compile bench --models qwen35_4b,nemotron_h_nano4b --layers 8 --batches 1,256 --steps 32 \
            --modes inductor,replayssm --out /tmp/e2e_default 2>&1 | grep "^|" | tee -a "$OUT/host_overhead.txt" ;;
   rcdefaults) timeout 150 python3 benchmarks/bench_readcopy_kernel.py --out /tmp/rcdefaults --batches 256 \
