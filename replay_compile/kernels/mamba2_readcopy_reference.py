@@ -32,7 +32,8 @@ Contract (in place on ``state``, ``copy``, rings and ``cursor``; returns ``y [b,
   the stochastically rounded value);
 * padded rows (``slot_idx < 0``): nothing read or written, ``y = 0``.
 
-Not done here: wiring into the custom ops / the pass (the ops still read the fp32 state), delta-rule families.
+The op is ``replay_compile::mamba2_step_rc`` (:mod:`replay_compile.ops.mamba2_readcopy`); the delta-rule families'
+read copy is :mod:`replay_compile.kernels.delta_readcopy_reference`.
 """
 
 from __future__ import annotations
