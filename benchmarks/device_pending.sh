@@ -2,8 +2,7 @@
 # One device call for what was built without a GPU and has not compiled or been measured yet, most needed first.
 # Carry .baselines (mamba_ssm source) and .wheels (pytest-xdist, execnet, fla).
 # Usage on the GPU machine:  OUT=... bash benchmarks/device_pending.sh [steps...]
-#   steps (default, the next session's first single-GPU call: rctests rcflush rcapply rcdelta; then e2e_full on
-#   nvidia-h200-x2; then "spec_copy e2e_rc" with GEN_MODELS=qwen35_4b). The device returns at most 8 files, no more
+#   steps (default, session 11's first call: hostprof host compile; see NOTES "Session 10" for the rest). The device returns at most 8 files, no more
 #   than 2 folders below $OUT: steps keep to that.
 #   tests      GPU tests of every Mamba-2 / delta kernel (pytest -n 6 when pytest-xdist is carried)
 #   dbreak     diag_stream_ceiling.py --delta: per-kernel time of the GDN / KDA split step for $DK configs, bs256
@@ -34,6 +33,7 @@
 #              (tensor scale per row, encoded inside the flush launch) beside nvfp4 in both
 #   prof1      issue 5's batch-1 question: kernels, launches and device time per whole decode step, plain
 #              torch.compile vs replayssm (reduce-overhead both), Nemotron-Nano and Qwen3.5 dims, 8 layers
+#   hostprof   diag_host_overhead.py under cProfile (where an op call's host time goes, dispatcher vs Triton entry)
 #   host       diag_host_overhead.py (host µs per op call, dispatcher vs Triton entry) and the default-mode (no CUDA
 #              graphs) whole step of Qwen3.5-4B / Nemotron-Nano-4B dims at bs 1 and 256 (issue 5)
 #   rcdefaults the Mamba-2 read copies' defaults at bs256 (issue 7's table);  dquick  the delta kernels' defaults
@@ -60,7 +60,7 @@ if ls .wheels/pytest_xdist-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-deps .wheels/pytest_xdist-*.whl .wheels/execnet-*.whl >> $INSTALL_LOG 2>&1 \
     && XDIST="-n 6"
 fi
-steps=${*:-rctests rcflush rcapply rcdelta}
+steps=${*:-hostprof host compile}
 for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
   tests) timeout 300 python3 -m pytest -q $XDIST -p no:cacheprovider tests/test_mamba2_triton_gpu.py \
            tests/test_mamba2_triton.py tests/test_mamba2_readcopy.py tests/test_delta_readcopy_triton.py --tb=line \
@@ -135,6 +135,8 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
   rcdelta) timeout 120 python3 benchmarks/diag_stream_ceiling.py --delta qwen35_4b,kimi_linear --delta-configs "" \
            --delta-rc-configs "rc;rc:hw_e4m3=1;rc:apply_early=1;rc:apply_early=1,hw_e4m3=1" 2>&1 | grep -v Warn \
            | tee "$OUT/delta_rc_flush_stages.txt" ;;
+  hostprof) timeout 150 python3 -m cProfile -s tottime benchmarks/diag_host_overhead.py --calls 2000 2>&1 \
+           | grep -v Warn | head -70 | tee "$OUT/host_cprofile.txt" ;;
   hostdiag) timeout 120 python3 benchmarks/diag_host_overhead.py 2>&1 | grep -v Warn | tee -a "$OUT/host_overhead.txt" ;;
   host) timeout 90 python3 benchmarks/diag_host_overhead.py 2>&1 | grep -v Warn | tee -a "$OUT/host_overhead.txt"
         timeout 300 replay-compile bench --models qwen35_4b,nemotron_h_nano4b --layers 8 --batches 1,256 --steps 32 \
