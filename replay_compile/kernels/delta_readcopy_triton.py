@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from .delta_split_triton import _append_gate_key, _delta_window_kernel, _window_readout
+from .host_math import cdiv, next_pow2, memo_unless_tuned
 from .mamba2_readcopy_reference import as_encoded
 from .mamba2_readcopy_triton import (FORMAT_IDS, _bf16_bits, _copy_args, _e2m1_value, _e4m3_byte,
                                      _format_name, _load_copy_rows, _nvfp4_encode_body, _nvfp4_flush_encode_kernel,
@@ -260,15 +261,16 @@ def _flush_encode_rows_list_kernel(
         t += tl.num_programs(0)
 
 
+@memo_unless_tuned(TUNING)
 def launch_config(K: int, V: int, L: int) -> dict:
     """``BLOCK_V`` 32 and 1 warp (H200, session 8), ``BLOCK_R`` rows per encode program."""
-    return dict(BLOCK_K=max(16, triton.next_power_of_2(K)), BLOCK_L=max(16, triton.next_power_of_2(L)),
+    return dict(BLOCK_K=max(16, next_pow2(K)), BLOCK_L=max(16, next_pow2(L)),
                 # 32 columns on 1 warp (H200 session 8, Qwen3.5-4B bs256 fp8: the apply launch 177 -> 140 µs on
                 # non-flush steps, 1179 -> 1059 on the flush; 32 on 2 warps lost: 239 / 1485)
                 BLOCK_V=TUNING.get("BLOCK_V") or (32 if V > 16 else 16), num_warps=TUNING.get("num_warps") or 1,
                 # the window launch on 1 warp (the exact step's H200 choice, session 8; was 4 for a [16, 128] window)
                 window_warps=TUNING.get("window_warps") or 1, scan_dot=bool(TUNING.get("scan_dot", 1)),
-                BLOCK_R=TUNING.get("BLOCK_R") or 16, BLOCK_VF=max(16, triton.next_power_of_2(V)),
+                BLOCK_R=TUNING.get("BLOCK_R") or 16, BLOCK_VF=max(16, next_pow2(V)),
                 # listed flush rows for the encode launches (session 8, H200 bs256: the encode launch 40.5 -> 3.7 us
                 # on non-flush steps, 170 -> 200 us on the flush step). 0: full grid every step
                 flush_list=bool(TUNING.get("flush_list", 1)), flush_programs=TUNING.get("flush_programs"),
@@ -313,7 +315,7 @@ def delta_replay_step_readcopy_triton(state, copy, fmt, d_ring, k_ring, g_ring, 
         *k_ring.stride(), *g_strides, *q.stride(), *k.stride(), *gi_strides, SCAN_DOT=cfg["scan_dot"],
         num_warps=cfg["window_warps"], **common)
     (cv, cs, ct), cstrides = _copy_args(enc, name, cursor)
-    n_vb = triton.cdiv(V, cfg["BLOCK_V"])
+    n_vb = cdiv(V, cfg["BLOCK_V"])
     listed = cfg["flush_list"]                      # flush rows listed by the apply launch for the encode launches
     work = torch.zeros((b + 1,), dtype=torch.int32, device=v.device) if listed else None
     _delta_rc_apply_kernel[(n_vb, b, HV)](
@@ -325,7 +327,7 @@ def delta_replay_step_readcopy_triton(state, copy, fmt, d_ring, k_ring, g_ring, 
         num_warps=cfg["num_warps"], work_ptr=work if listed else cursor, LISTED=listed,
         FLUSH_STAGES=cfg["flush_stages"], EARLY=cfg["apply_early"], **common)
     amax = torch.zeros(b, dtype=torch.int32, device=v.device) if name == "nvfp4" else cursor
-    n_rb = triton.cdiv(K, cfg["BLOCK_R"])
+    n_rb = cdiv(K, cfg["BLOCK_R"])
     grid_r = (n_rb, b, HV)
     enc_kw = dict(FMT=FORMAT_IDS[name], HAS_SLOT=has_slot, BLOCK_R=cfg["BLOCK_R"], BLOCK_V=cfg["BLOCK_VF"],
                   HW_E4M3=cfg["hw_e4m3"] and hw_fp8_cast(v.device), ROW_SCALE=name == "nvfp4_row")
@@ -345,5 +347,5 @@ def delta_replay_step_readcopy_triton(state, copy, fmt, d_ring, k_ring, g_ring, 
         else:
             _nvfp4_flush_encode_kernel[grid_r](
                 state, cursor, slot_arg, amax, cv, cs, ct, K, V, L, *state.stride(), *cstrides, **nv_kw)
-    _advance_cursor_kernel[(triton.cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
+    _advance_cursor_kernel[(cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
     return o

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .host_math import cdiv, next_pow2
 from .mamba2_spec_triton import _spec_apply_row, _spec_row
 from .mamba2_triton import _store_checkpoint
 
@@ -244,13 +245,13 @@ def delta_spec_verify_triton(state, d_ring, k_ring, g_ring, w, origin, is_flush,
     o = torch.empty((b, T, HV, V), dtype=torch.float32, device=v.device)
     if b == 0 or T == 0:
         return o
-    block_k = max(16, triton.next_power_of_2(K))
+    block_k = max(16, next_pow2(K))
     # from batch 64 up, 32 columns on 1 warp and the window launch on 1 warp (H200 session 8, Qwen3.5-4B bs256:
     # 492 -> 450 µs, 1.74x -> 1.91x over per-draft snapshots; 32 columns on 2 warps lost: 596 µs); smaller batches
     # keep session 5's 16 columns and 4 window warps
     big = b >= 64
     block_v = TUNING.get("BLOCK_V") or (32 if big and V > 16 else 16)
-    block_w, block_t = max(16, buf), triton.next_power_of_2(T)
+    block_w, block_t = max(16, buf), next_pow2(T)
     has_slot = slot_idx is not None
     slot_arg = slot_idx if has_slot else w
     g_strides = tuple(g_ring.stride()) + ((0,) if not kda else ())
@@ -265,7 +266,7 @@ def delta_spec_verify_triton(state, d_ring, k_ring, g_ring, w, origin, is_flush,
         k_ring, g_ring, w, origin, is_flush, q, k, g, slot_arg, ck, cq, dec, K, T, v_per_k, v_per_q,
         *k_ring.stride(), *g_strides, *q.stride(), *k.stride(), *gi_strides,
         num_warps=TUNING.get("window_warps") or (1 if big else 4), **common)
-    _delta_spec_apply_kernel[(triton.cdiv(V, block_v), b, HV)](
+    _delta_spec_apply_kernel[(cdiv(V, block_v), b, HV)](
         state, d_ring, k_ring, g_ring, w, origin, is_flush, q, k, v, g, beta, slot_arg, o, ck, cq, dec,
         HV, K, V, T, v_per_k, v_per_q,
         *state.stride(), *d_ring.stride(), *k_ring.stride(), *g_strides,

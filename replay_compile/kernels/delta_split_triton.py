@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .host_math import cdiv
 from .mamba2_triton import _row_slot, _step_row, _store_checkpoint
 
 
@@ -318,7 +319,7 @@ def launch_split(cfg: dict, state, d_ring, k_ring, g_ring, cursor, q, k, v, g, b
     else:
         _delta_window_kernel[(b, HV)](*win_args, KDA=kda, SCAN_DOT=cfg["scan_dot"], num_warps=cfg["window_warps"],
                                       **common)
-    n_vb = triton.cdiv(V, cfg["BLOCK_V"])
+    n_vb = cdiv(V, cfg["BLOCK_V"])
     _delta_apply_kernel[(n_vb, b, HV)](
         state, d_ring, k_ring, g_ring, cursor, k, v, g, beta, slot_arg, o, win, vec, ke, wrow,
         HV, K, V, L, v_per_k,

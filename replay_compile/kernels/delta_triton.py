@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from .delta_split_triton import _kda_after, launch_split
+from .host_math import cdiv, next_pow2, memo_unless_tuned
 from .mamba2_triton import _ARRIVAL, _arrive, _step_row, _store_checkpoint
 
 
@@ -153,6 +154,7 @@ TUNING: dict = {}
 FUSED_MAX_ROW_HEADS = 64
 
 
+@memo_unless_tuned(TUNING)
 def launch_config(b: int, HV: int, K: int, V: int, L: int, kda: bool = False) -> dict:
     """Kernel variant and launch configuration for a step of ``b`` rows.
 
@@ -163,8 +165,8 @@ def launch_config(b: int, HV: int, K: int, V: int, L: int, kda: bool = False) ->
     K is held whole (padded to a power of two >= 16); the window sits on a power-of-two axis >= 16. ``kda``: the
     step has per-key-channel gates (launch 1 of the split variant then runs record by record).
     """
-    block_k = max(16, triton.next_power_of_2(K))
-    block_l = max(16, triton.next_power_of_2(L))
+    block_k = max(16, next_pow2(K))
+    block_l = max(16, next_pow2(L))
     variant = TUNING.get("variant") or ("fused" if b * HV <= FUSED_MAX_ROW_HEADS else "split")
     extra = {}
     if variant == "fused":
@@ -198,7 +200,7 @@ def delta_replay_step_triton(state, d_ring, k_ring, g_ring, cursor, q, k, v, g, 
     if b == 0:
         return o
     cfg = launch_config(b, HV, K, V, L, kda=kda)
-    n_vb = triton.cdiv(V, cfg["BLOCK_V"])
+    n_vb = cdiv(V, cfg["BLOCK_V"])
     if n_vb * HV >= 1 << 15 or L >= _ARRIVAL:
         raise ValueError(f"replay_compile.delta: {HV} heads x {n_vb} V-blocks (or L={L}) exceed the cursor word's "
                          "arrival counter")

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from . import mamba2_triton as base
+from .host_math import cdiv, next_pow2
 from .mamba2_triton import (_advance_cursor_kernel, _fold_tile, _list_item, _list_row, _mamba2_replay_tiled_kernel,
                             _row_slot, _sm_count, _step_row, _step_window, _store_checkpoint)
 
@@ -139,7 +140,7 @@ def window_heads(H: int, G: int, Gc: int, P: int, block_l: int) -> int:
     (so they share ``B_j·C``), at most 16, and at most 16K window elements (``HB x BLOCK_L x P``) per program."""
     common = math.gcd(H // G, H // Gc)
     hb = min(16, common & -common)                  # largest power of two dividing both group sizes
-    while hb > 1 and hb * block_l * max(16, triton.next_power_of_2(P)) > 16384:
+    while hb > 1 and hb * block_l * max(16, next_pow2(P)) > 16384:
         hb //= 2
     return base.TUNING.get("win_heads") or hb
 
@@ -154,7 +155,7 @@ def launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slo
     G, Gc = B_ring.shape[1], C.shape[1]
     win = torch.empty((b, H, block_l if cb_only else P), dtype=torch.float32, device=x.device)
     dec = torch.empty((b, H), dtype=torch.float32, device=x.device)
-    bpw = 16 if cb_only else max(16, triton.next_power_of_2(P))        # no P axis without the x window
+    bpw = 16 if cb_only else max(16, next_pow2(P))        # no P axis without the x window
     hb = window_heads(H, G, Gc, bpw, block_l)
     warps = base.TUNING.get("window_warps") or (1 if cb_only else max(1, min(4, hb * block_l * bpw // 4096)))
     _mamba2_prepass_window_kernel[(b, H // hb)](
@@ -305,8 +306,8 @@ def replay_step_pre(cfg: dict, args: tuple, common: dict, has_slot: bool, slot_a
         WIN_X=win_x, num_warps=cfg["num_warps"])
     if cfg["route"] == 1:
         fl = dict(common, BLOCK_P=cfg["FLUSH_P"], BLOCK_N=cfg["FLUSH_N"], num_warps=cfg["flush_warps"],
-                  N_TILES=triton.cdiv(N, cfg["FLUSH_N"]))
-        n_fp = triton.cdiv(P, cfg["FLUSH_P"])
+                  N_TILES=cdiv(N, cfg["FLUSH_N"]))
+        n_fp = cdiv(P, cfg["FLUSH_P"])
         if listed:
             # 32 warps per SM (H200 session 7: 4 programs of 2 warps per SM made Nano's flush 1.6x slower)
             per_sm = cfg["flush_programs_per_sm"] or max(1, 32 // cfg["flush_warps"])
@@ -317,5 +318,5 @@ def replay_step_pre(cfg: dict, args: tuple, common: dict, has_slot: bool, slot_a
         else:
             _mamba2_replay_tiled_kernel[(n_fp, b, H)](*args, STATE_EVICT="", ROUTE=2, **fl)
     if not advanced:
-        _advance_cursor_kernel[(triton.cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
+        _advance_cursor_kernel[(cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
     return k

@@ -100,8 +100,9 @@ import triton
 import triton.language as tl
 
 from ..quant.formats import Encoded, get_format
-from .mamba2_readcopy_reference import as_encoded
+from .host_math import cdiv, next_pow2, memo_unless_tuned
 from .mamba2_pre_triton import launch_window
+from .mamba2_readcopy_reference import as_encoded
 from .mamba2_triton import (_advance_cursor_kernel, _list_item, _round_checkpoint, _row_slot, _sm_count, _step_row,
                             _step_window, parse_tuning)
 
@@ -658,12 +659,13 @@ def tuned(spec: str):
         TUNING.clear()
 
 
+@memo_unless_tuned(TUNING)
 def launch_config(P: int, N: int, L: int, fmt: str = "") -> dict:
     """``BLOCK_N = next_pow2(N)`` (>= 16: whole rows per program), ``BLOCK_P`` 32 where ``P % 32 == 0`` and P > 64,
     else 16 (the ``whole`` variant's choice; not tuned on a GPU), ``BLOCK_L = max(16, next_pow2(L))``. ``fmt``
     (the format's name) picks the ``pre`` flush launch's tile and warps."""
-    block_n = max(16, triton.next_power_of_2(N))
-    block_l = max(16, triton.next_power_of_2(L))
+    block_n = max(16, next_pow2(N))
+    block_l = max(16, next_pow2(L))
     block_p = TUNING.get("BLOCK_P") or (32 if P % 32 == 0 and P > 64 else 16)
     warps = TUNING.get("num_warps") or max(1, min(8, max(block_p, block_l) * block_n // (32 * 64)))
     variant = TUNING.get("variant") or "pre"
@@ -763,7 +765,7 @@ def replay_step_readcopy_triton(state, copy, fmt, x_ring, dt_ring, la_ring, B_ri
     if b == 0:
         return y
     cfg = launch_config(P, N, L, name)
-    n_pb = triton.cdiv(P, cfg["BLOCK_P"])
+    n_pb = cdiv(P, cfg["BLOCK_P"])
     has_slot = slot_idx is not None
     slot_arg = slot_idx if has_slot else cursor          # any pointer; unused when HAS_SLOT is False
     amax = torch.zeros(b, dtype=torch.int32, device=x.device) if name == "nvfp4" else cursor
@@ -779,7 +781,7 @@ def replay_step_readcopy_triton(state, copy, fmt, x_ring, dt_ring, la_ring, B_ri
                                  cfg["BLOCK_N"], cfg["BLOCK_L"], work)
         words = _code_words(cv) if FORMAT_IDS[name] == 2 and cfg["nvfp4_words"] and N % 8 == 0 else None
         av, astrides = (cv, cstrides) if words is None else (words, (*words.stride(), *cstrides[4:]))
-        k = _readcopy_apply_kernel[(triton.cdiv(P, cfg["APPLY_P"]), b, H)](
+        k = _readcopy_apply_kernel[(cdiv(P, cfg["APPLY_P"]), b, H)](
             cursor, C, slot_arg, y, win, dec, av, cs, ct, H, P, N, L, H // Gc, *C.stride(), *y.stride(), *astrides,
             FMT=FORMAT_IDS[name], HAS_SLOT=has_slot, BLOCK_P=cfg["APPLY_P"], BLOCK_N=cfg["BLOCK_N"],
             WORDS=words is not None, EARLY=cfg["apply_early"], num_warps=cfg["apply_warps"])
@@ -790,7 +792,7 @@ def replay_step_readcopy_triton(state, copy, fmt, x_ring, dt_ring, la_ring, B_ri
                *x.stride(), *dt.stride(), *la.stride(), *B.stride(), *C.stride(), *y.stride(), *cstrides)
     # pre: the flush rows' launch, with its own tile (FLUSH_P rows of whole N), warps and fold; fused: the one step
     flush_p, flush_w = (cfg["FLUSH_P"], cfg["flush_warps"]) if pre else (cfg["BLOCK_P"], cfg["num_warps"])
-    n_fp = triton.cdiv(P, flush_p)
+    n_fp = cdiv(P, flush_p)
     step_kw = dict(FMT=FORMAT_IDS[name], HAS_SLOT=has_slot, BLOCK_P=flush_p, BLOCK_N=cfg["BLOCK_N"],
                    BLOCK_L=cfg["BLOCK_L"], STOCHASTIC_FP16=state.dtype == torch.float16,
                    FOLD_DOT=cfg["flush_dot"] if pre else cfg["fold_dot"], ROUTE=2 if pre else 0, num_warps=flush_w,
@@ -811,7 +813,7 @@ def replay_step_readcopy_triton(state, copy, fmt, x_ring, dt_ring, la_ring, B_ri
                                                              *cstrides, **enc_kw)
         else:
             _nvfp4_flush_encode_kernel[grid](*enc_args, P, N, L, *state.stride(), *cstrides, **enc_kw)
-    _advance_cursor_kernel[(triton.cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
+    _advance_cursor_kernel[(cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
     return y
 
 
@@ -829,7 +831,7 @@ def decode_read_copy_triton(copy, fmt, shape=None) -> torch.Tensor:
         return out
     cfg = launch_config(P, N, 1)
     (cv, cs, ct), cstrides = _copy_args(enc, name, out)
-    _decode_kernel[(triton.cdiv(P, cfg["BLOCK_P"]), S, H)](
+    _decode_kernel[(cdiv(P, cfg["BLOCK_P"]), S, H)](
         cv, cs, ct, out, P, N, *cstrides, *out.stride(), FMT=FORMAT_IDS[name], BLOCK_P=cfg["BLOCK_P"],
         BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
     return out

@@ -53,6 +53,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .host_math import cdiv, next_pow2, memo_unless_tuned
+
 _ARRIVAL = 1 << 16          # one arrival in the cursor word's high half; w lives in the low 16 bits
 _ARRIVAL_C = tl.constexpr(_ARRIVAL)
 
@@ -445,6 +447,7 @@ def tuned(tuning: dict, spec: str):
         tuning.clear()
 
 
+@memo_unless_tuned(TUNING)
 def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
     """Kernel variant and launch configuration for a step of ``b`` rows (H200 sweeps: benchmarks/NOTES.md).
 
@@ -463,12 +466,12 @@ def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
       kinds of row, then the cursor advance.
     ``tl.dot`` needs every dim >= 16; the window sits on a power-of-two axis >= 16.
     """
-    block_l = max(16, triton.next_power_of_2(L))
-    block_n_whole = max(16, triton.next_power_of_2(N))
+    block_l = max(16, next_pow2(L))
+    block_n_whole = max(16, next_pow2(N))
     variant = TUNING.get("variant") or ("whole" if b * H <= WHOLE_MAX_ROW_HEADS else "pre")
     bp = 64 if P % 64 == 0 else 32                  # the tiled body's tile edge (64 divides Super's P = 64)
-    tiled_p = max(16, min(bp, triton.next_power_of_2(P)))
-    tiled_n = max(16, min(bp, triton.next_power_of_2(N)))
+    tiled_p = max(16, min(bp, next_pow2(P)))
+    tiled_n = max(16, min(bp, next_pow2(N)))
     if variant == "whole":
         block_p = TUNING.get("BLOCK_P") or (32 if P % 32 == 0 and P > 64 else 16)
         cfg = dict(BLOCK_P=block_p, BLOCK_N=block_n_whole,
@@ -513,7 +516,7 @@ def replay_step_triton(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, l
     if b == 0:
         return y
     cfg = launch_config(b, H, P, N, L)
-    n_pb = triton.cdiv(P, cfg["BLOCK_P"])
+    n_pb = cdiv(P, cfg["BLOCK_P"])
     if n_pb * H >= 1 << 15 or L >= _ARRIVAL:
         raise ValueError(f"replay_compile.mamba2: {H} heads x {n_pb} P-blocks (or L={L}) exceed the cursor word's "
                          "arrival counter; use fewer heads per layer")
@@ -528,9 +531,9 @@ def replay_step_triton(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, l
     if cfg["variant"] == "whole":
         k = _mamba2_replay_whole_kernel[(n_pb, b, H)](*args, **common)
     elif cfg["variant"] == "tiled":
-        k = _mamba2_replay_tiled_kernel[(n_pb, b, H)](*args, N_TILES=triton.cdiv(N, cfg["BLOCK_N"]),
+        k = _mamba2_replay_tiled_kernel[(n_pb, b, H)](*args, N_TILES=cdiv(N, cfg["BLOCK_N"]),
                                                       STATE_EVICT=cfg["state_evict"], ROUTE=0, **common)
-        _advance_cursor_kernel[(triton.cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
+        _advance_cursor_kernel[(cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
     else:                                          # pre: launches in mamba2_pre_triton
         from .mamba2_pre_triton import replay_step_pre
 
