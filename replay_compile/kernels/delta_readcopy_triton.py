@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from .delta_split_triton import _append_gate_key, _delta_window_kernel, _window_readout
-from .host_math import cdiv, next_pow2, memo_unless_tuned
+from .host_math import cdiv, memo_unless_tuned, next_pow2
 from .mamba2_readcopy_reference import as_encoded
 from .mamba2_readcopy_triton import (FORMAT_IDS, _bf16_bits, _copy_args, _e2m1_value, _e4m3_byte,
                                      _format_name, _load_copy_rows, _nvfp4_encode_body, _nvfp4_flush_encode_kernel,

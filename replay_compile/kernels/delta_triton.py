@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from .delta_split_triton import _kda_after, launch_split
-from .host_math import cdiv, next_pow2, memo_unless_tuned
+from .host_math import cdiv, memo_unless_tuned, next_pow2
 from .mamba2_triton import _ARRIVAL, _arrive, _step_row, _store_checkpoint
 
 

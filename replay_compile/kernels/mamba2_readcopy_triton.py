@@ -100,7 +100,7 @@ import triton
 import triton.language as tl
 
 from ..quant.formats import Encoded, get_format
-from .host_math import cdiv, next_pow2, memo_unless_tuned
+from .host_math import cdiv, memo_unless_tuned, next_pow2
 from .mamba2_pre_triton import launch_window
 from .mamba2_readcopy_reference import as_encoded
 from .mamba2_triton import (_advance_cursor_kernel, _list_item, _round_checkpoint, _row_slot, _sm_count, _step_row,

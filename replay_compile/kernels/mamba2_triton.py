@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .host_math import cdiv, next_pow2, memo_unless_tuned
+from .host_math import cdiv, memo_unless_tuned, next_pow2
 
 _ARRIVAL = 1 << 16          # one arrival in the cursor word's high half; w lives in the low 16 bits
 _ARRIVAL_C = tl.constexpr(_ARRIVAL)
