@@ -28,8 +28,8 @@
 #              listed (fp8 1567 -> 1957 µs at bs256, 1-warp programs, 32 per SM), so try 64 and 128 per SM (and the
 #              full grid) for it, and 48 / 64 warps per SM for the exact Mamba-2 flush walk
 #   rctests    GPU tests of both read-copy kernels;  rcflush  the Mamba-2 fp8 read copy's flush with the hardware
-#              e4m3 rounding (hw_e4m3) and flush tiles, bs256 ($RCF);  rcapply  the non-flush copy pass's tile, warps
-#              and early loads, bs256 ($RCA);  rcdelta  hw_e4m3 and apply_early in the delta read copy. nvfp4_row
+#              e4m3 rounding (hw_e4m3) and flush tiles, bs256 ($RCF);  rcapply  the non-flush copy pass's tile and warps,
+#              bs256 ($RCA);  rcdelta  the delta read copy with and without hw_e4m3. nvfp4_row
 #              (tensor scale per row, encoded inside the flush launch) beside nvfp4 in both
 #   prof1      issue 5's batch-1 question: kernels, launches and device time per whole decode step, plain
 #              torch.compile vs replayssm (reduce-overhead both), Nemotron-Nano and Qwen3.5 dims, 8 layers
@@ -130,10 +130,10 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
            --formats fp8_e4m3,nvfp4,nvfp4_row --configs "${RCF:-pre:;pre:hw_e4m3=1;pre:hw_e4m3=1,FLUSH_P=16,flush_warps=1;pre:hw_e4m3=1,FLUSH_P=16,flush_warps=4;pre:enc_warps=4;pre:enc_warps=2}" \
            2>&1 | grep -v Warn | tee "$OUT/readcopy_flush_configs.txt" ;;
   rcapply) timeout 240 python3 benchmarks/bench_readcopy_kernel.py --out "$OUT/rcapply" --batches 256 \
-           --formats fp8_e4m3,nvfp4_row --configs "${RCA:-pre:;pre:apply_early=1;pre:apply_early=1,APPLY_P=32;pre:APPLY_P=32;pre:APPLY_P=32,apply_warps=2;pre:APPLY_P=64,apply_warps=2;pre:APPLY_P=64,apply_warps=4}" \
+           --formats fp8_e4m3,nvfp4_row --configs "${RCA:-pre:;pre:APPLY_P=16;pre:APPLY_P=32,apply_warps=2;pre:APPLY_P=64,apply_warps=2;pre:APPLY_P=64,apply_warps=4}" \
            2>&1 | grep -v Warn | tee "$OUT/readcopy_apply_configs.txt" ;;
   rcdelta) timeout 120 python3 benchmarks/diag_stream_ceiling.py --delta qwen35_4b,kimi_linear --delta-configs "" \
-           --delta-rc-configs "rc;rc:hw_e4m3=1;rc:apply_early=1;rc:apply_early=1,hw_e4m3=1" 2>&1 | grep -v Warn \
+           --delta-rc-configs "rc;rc:hw_e4m3=0" 2>&1 | grep -v Warn \
            | tee "$OUT/delta_rc_flush_stages.txt" ;;
   hostprof) timeout 150 python3 -m cProfile -s tottime benchmarks/diag_host_overhead.py --calls 2000 2>&1 \
            | grep -v Warn | head -70 | tee "$OUT/host_cprofile.txt" ;;

@@ -49,7 +49,6 @@ def test_kernel_matches_reference_step_by_step(kda, fmt, listed, block_v, monkey
         monkeypatch.setitem(drt.TUNING, "flush_programs", 1)
         monkeypatch.setitem(drt.TUNING, "flush_stages", 3)          # pipelined 3 deep (default 4)
         monkeypatch.setitem(drt.TUNING, "hw_e4m3", 1)               # compiled: the hardware fp8 rounding
-        monkeypatch.setitem(drt.TUNING, "apply_early", 1)           # the copy slice loaded before the branch
     else:
         monkeypatch.setitem(drt.TUNING, "flush_stages", 0)          # the plain record loop
     geom = DeltaGeometry(batch=3, HV=4, Hk=2, K=12, V=32, kda=kda)

@@ -184,13 +184,13 @@ def _clone_all(state, copy, rings):
 # pre (flush rows listed and walked by fixed grids), the same with one program walking them all, pre with the full
 # flush grid, pre with its flush launch on other tiles / warps (defaults: one tl.dot fold, nvfp4 codes read as int32
 # words where N % 8 == 0), pre with the record-by-record flush and byte-wise nvfp4 decode, pre with the hardware
-# fp32 -> e4m3 rounding (compiled only: the same as pre under the interpreter), a 4-warp nvfp4 encode launch and
-# the copy pass's loads issued before the cursor (with either nvfp4 decode), and the fused kernel
+# fp32 -> e4m3 rounding (compiled only: the same as pre under the interpreter) and a 4-warp nvfp4 encode launch,
+# the copy pass on 32-row tiles (with either nvfp4 decode), and the fused kernel
 @pytest.mark.parametrize("variant", ["pre", "pre:flush_programs=1,", "pre:flush_list=0,",
                                      "pre:FLUSH_P=32,flush_warps=4,flush_dot=1,",
                                      "pre:flush_list=0,FLUSH_P=32,flush_warps=2,flush_dot=1,",
-                                     "pre:nvfp4_words=0,flush_dot=0,", "pre:hw_e4m3=1,enc_warps=4,apply_early=1,",
-                                     "pre:apply_early=1,nvfp4_words=0,", "fused"])
+                                     "pre:nvfp4_words=0,flush_dot=0,", "pre:hw_e4m3=1,enc_warps=4,APPLY_P=32,",
+                                     "pre:APPLY_P=32,nvfp4_words=0,", "fused"])
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("gi", range(len(GEOMS)))
 def test_kernel_matches_reference_step_by_step(fmt, gi, variant):

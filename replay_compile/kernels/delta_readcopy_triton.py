@@ -116,7 +116,7 @@ def _delta_rc_apply_kernel(
     s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp, s_csn, s_ctb, s_cth, s_ctp,
     FMT: tl.constexpr, HAS_SLOT: tl.constexpr, KDA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, work_ptr, LISTED: tl.constexpr,
-    FLUSH_STAGES: tl.constexpr, EARLY: tl.constexpr,
+    FLUSH_STAGES: tl.constexpr,
 ):
     pid_v = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
@@ -140,9 +140,6 @@ def _delta_rc_apply_kernel(
     gr_base = gr_ptr + slot * s_grb + h * s_grh
     vr_base = vr_ptr + slot * s_vrb + h * s_vrh
     br_base = br_ptr + slot * s_brb + h * s_brh
-    if EARLY:                                      # the copy slice loaded before the cursor (wasted on flush rows)
-        s0 = _load_copy_slice(cv_ptr, cs_ptr, ct_ptr, slot, h, offs_k, offs_v, mask_k, tile_mask,
-                              s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp, s_csn, s_ctb, s_cth, s_ctp, FMT)
     if w == L - 1:
         if LISTED:                                 # the row's first program lists it for the encode launch
             if (pid_v == 0) & (h == 0):
@@ -171,9 +168,8 @@ def _delta_rc_apply_kernel(
         _store_checkpoint(st_ptrs, s, tile_mask, key_gate, slot * HV + h, offs_k[:, None] * V + offs_v[None, :],
                           STOCHASTIC_FP16)
     else:
-        if not EARLY:
-            s0 = _load_copy_slice(cv_ptr, cs_ptr, ct_ptr, slot, h, offs_k, offs_v, mask_k, tile_mask,
-                                  s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp, s_csn, s_ctb, s_cth, s_ctp, FMT)
+        s0 = _load_copy_slice(cv_ptr, cs_ptr, ct_ptr, slot, h, offs_k, offs_v, mask_k, tile_mask,
+                              s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp, s_csn, s_ctb, s_cth, s_ctp, FMT)
         dr_base = dr_ptr + slot * s_drb + h * s_drh
         d, o = _window_readout(s0, v, beta, w, win_ptr, vec_ptr, row * HV + h, dr_base, offs_l, offs_k, offs_v,
                                mask_v, s_drl, s_drv, BLOCK_L, BLOCK_K)
@@ -212,9 +208,9 @@ def _encode_rows_body(
         tl.store(c_ptrs, _e4m3_byte(qv, HW_E4M3), mask=tile_mask)
         tl.store(cs_ptr + slot * s_csb + h * s_csh + offs_r * s_csp, scale, mask=mask_r)
     elif ROW_SCALE:         # reloads the rows in the encoder's layout (x above is then dead: the compiler drops it)
-        _nvfp4_encode_body(pid_r, row, h, slot, state_ptr, amax_ptr, amax_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr,
-                           K, V, 0, s_sb, s_sh, s_sk, s_sv, s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp,
-                           s_csn, s_ctb, s_cth, s_ctp, False, BLOCK_R, BLOCK_V // 16, True)
+        _nvfp4_encode_body(pid_r, row, h, slot, state_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr,
+                           K, V, s_sb, s_sh, s_sk, s_sv, s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp,
+                           s_csn, s_ctb, s_cth, s_ctp, BLOCK_R, BLOCK_V // 16, True)
     else:
         amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
         tl.atomic_max(amax_ptr + row, amax.to(tl.int32, bitcast=True), sem="relaxed")
@@ -279,10 +275,9 @@ def launch_config(K: int, V: int, L: int) -> dict:
                 flush_stages=TUNING.get("flush_stages", 4),
                 # fp8 encode by the hardware conversion (compiled sm_89+ only; mamba2_readcopy_triton._e4m3_byte).
                 # H200 session 10, bs256 fp8: the flush's encode launch 200.5 -> 180.7 µs (GDN), 200.4 -> 181.2 (KDA)
-                hw_e4m3=bool(TUNING.get("hw_e4m3", 1)),
-                # non-flush rows' copy slice loaded before the cursor branch: off (H200 session 10: GDN apply 136.9
-                # -> 136.0 µs, KDA 143.2 -> 146.9, KDA flush apply 751 -> 814)
-                apply_early=bool(TUNING.get("apply_early", 0)))
+                # (loading the copy slice before the cursor branch was tried and removed: H200 session 10, GDN apply
+                # 136.9 -> 136.0 µs, KDA 143.2 -> 146.9, KDA flush apply 751 -> 814)
+                hw_e4m3=bool(TUNING.get("hw_e4m3", 1)))
 
 
 def delta_replay_step_readcopy_triton(state, copy, fmt, d_ring, k_ring, g_ring, v_ring, beta_ring, cursor,
@@ -325,7 +320,7 @@ def delta_replay_step_readcopy_triton(state, copy, fmt, d_ring, k_ring, g_ring, 
         *q.stride(), *k.stride(), *v.stride(), *gi_strides, *beta.stride(), *o.stride(), *cstrides,
         FMT=FORMAT_IDS[name], BLOCK_V=cfg["BLOCK_V"], STOCHASTIC_FP16=state.dtype == torch.float16,
         num_warps=cfg["num_warps"], work_ptr=work if listed else cursor, LISTED=listed,
-        FLUSH_STAGES=cfg["flush_stages"], EARLY=cfg["apply_early"], **common)
+        FLUSH_STAGES=cfg["flush_stages"], **common)
     amax = torch.zeros(b, dtype=torch.int32, device=v.device) if name == "nvfp4" else cursor
     n_rb = cdiv(K, cfg["BLOCK_R"])
     grid_r = (n_rb, b, HV)

@@ -351,9 +351,9 @@ def _rc_body(
             # values just stored (read back in the encoder's 3-D layout; the barrier makes every thread's stores
             # visible to the others)
             tl.debug_barrier()
-            _nvfp4_encode_body(pid_p, row, h, slot, state_ptr, cursor_ptr, slot_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr,
-                               P, N, L, s_sb, s_sh, s_sp, s_sn, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn,
-                               s_tb, s_th, s_tp, HAS_SLOT, BLOCK_P, BLOCK_N // 16, True)
+            _nvfp4_encode_body(pid_p, row, h, slot, state_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr,
+                               P, N, s_sb, s_sh, s_sp, s_sn, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn,
+                               s_tb, s_th, s_tp, BLOCK_P, BLOCK_N // 16, True)
         else:
             # the slot's amax: non-negative fp32 bits order as int32; encoded by _nvfp4_flush_encode_kernel
             amax = tl.max(tl.max(tl.abs(v), axis=1), axis=0)
@@ -494,14 +494,12 @@ def _readcopy_apply_kernel(
     s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
     s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp,
     FMT: tl.constexpr, HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    WORDS: tl.constexpr, EARLY: tl.constexpr,
+    WORDS: tl.constexpr,
 ):
     """``pre`` variant's copy pass, grid ``(cdiv(P, BLOCK_P), batch, H)``: for non-flush rows
     ``y = decay (S_copy C) + win`` from the decoded copy and the window launch's scratch
     (:func:`~replay_compile.kernels.mamba2_pre_triton._mamba2_prepass_window_kernel`); flush rows return at once.
-    ``WORDS`` (nvfp4): ``cv_ptr`` is the codes viewed as int32 (strides in words), :func:`_nvfp4_words_dot`.
-    ``EARLY``: every load issued before the cursor's (a 1-warp program otherwise waits slot -> cursor -> copy, three
-    dependent round trips, with at most 32 programs per SM)."""
+    ``WORDS`` (nvfp4): ``cv_ptr`` is the codes viewed as int32 (strides in words), :func:`_nvfp4_words_dot`."""
     pid_p = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
@@ -514,32 +512,23 @@ def _readcopy_apply_kernel(
     c_base = C_ptr + row * s_cb + (h // heads_per_gc) * s_cg
     offs_n = tl.arange(0, BLOCK_N)
     c = tl.load(c_base + offs_n * s_cn, mask=offs_n < N, other=0.0).to(tl.float32)
-    if EARLY:       # the copy tile, scales and window scratch loaded before the cursor: wasted on flush rows only
-        sc = _copy_dot(cv_ptr, cs_ptr, ct_ptr, c_base, c, s_cn, slot, h, offs_p, mask_p, P, N,
-                       s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, FMT, BLOCK_N, WORDS)
-        decay = tl.load(dec_ptr + row * H + h)
-        win = tl.load(win_ptr + (row * H + h) * P + offs_p, mask=mask_p, other=0.0)
-        w = tl.load(cursor_ptr + slot)
-        if w == L - 1:
-            return
-    else:
-        w = tl.load(cursor_ptr + slot)
-        if w == L - 1:
-            return
-        sc = _copy_dot(cv_ptr, cs_ptr, ct_ptr, c_base, c, s_cn, slot, h, offs_p, mask_p, P, N,
-                       s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, FMT, BLOCK_N, WORDS)
-        decay = tl.load(dec_ptr + row * H + h)
-        win = tl.load(win_ptr + (row * H + h) * P + offs_p, mask=mask_p, other=0.0)
+    w = tl.load(cursor_ptr + slot)
+    if w == L - 1:
+        return
+    sc = _copy_dot(cv_ptr, cs_ptr, ct_ptr, c_base, c, s_cn, slot, h, offs_p, mask_p, P, N,
+                   s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, FMT, BLOCK_N, WORDS)
+    decay = tl.load(dec_ptr + row * H + h)
+    win = tl.load(win_ptr + (row * H + h) * P + offs_p, mask=mask_p, other=0.0)
     tl.store(y_ptrs, decay * sc + win, mask=mask_p)
 
 
 @triton.jit
 def _nvfp4_encode_body(
     pid_p, row, h, slot,
-    state_ptr, cursor_ptr, slot_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr,
-    P, N, L,
+    state_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr,
+    P, N,
     s_sb, s_sh, s_sp, s_sn, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp,
-    HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, NB: tl.constexpr, ROW_SCALE: tl.constexpr,
+    BLOCK_P: tl.constexpr, NB: tl.constexpr, ROW_SCALE: tl.constexpr,
 ):
     """Encode one flushed program's copy tile (no early returns: called inside the list kernel's loop) from the
     stored checkpoint rows. ``ROW_SCALE`` (``nvfp4_row``): each row's tensor scale from its own amax, stored per row;
@@ -593,8 +582,8 @@ def _nvfp4_flush_encode_kernel(
     if w != L - 1:
         return
     _nvfp4_encode_body(pid_p, row, h, slot,
-                       state_ptr, cursor_ptr, slot_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr, P, N, L, s_sb, s_sh,
-                       s_sp, s_sn, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, HAS_SLOT,
+                       state_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr, P, N, s_sb, s_sh,
+                       s_sp, s_sn, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp,
                        BLOCK_P, NB, False)
 
 
@@ -611,9 +600,9 @@ def _nvfp4_flush_encode_list_kernel(
     while t < n_items:
         row, h, tile = _list_item(work_ptr, t, H, n_pb)
         _nvfp4_encode_body(tile, row, h, _row_slot(slot_ptr, row, HAS_SLOT),
-                           state_ptr, cursor_ptr, slot_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr, P, N, L, s_sb, s_sh,
-                           s_sp, s_sn, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, HAS_SLOT,
-                       BLOCK_P, NB, False)
+                           state_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr, P, N, s_sb, s_sh,
+                           s_sp, s_sn, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp,
+                           BLOCK_P, NB, False)
         t += tl.num_programs(0)
 
 
@@ -697,10 +686,9 @@ def launch_config(P: int, N: int, L: int, fmt: str = "") -> dict:
                 hw_e4m3=bool(TUNING.get("hw_e4m3", 1)),
                 # warps of the nvfp4 encode launch (two IEEE divisions and 14 comparisons per value): 2 (H200 session
                 # 10, Super bs256: the nvfp4 flush step 2147 -> 1814 µs, L-avg 2.13 -> 2.29x; 4 warps 1829)
-                enc_warps=TUNING.get("enc_warps") or 2,
-                # the non-flush copy pass issues its loads before the cursor's: off (H200 session 10: fp8 131.1 ->
-                # 129.8 µs, nvfp4_row 200.9 -> 208.2)
-                apply_early=bool(TUNING.get("apply_early", 0)))
+                # (issuing the non-flush copy pass's loads before the cursor's was tried and removed: H200 session
+                # 10, fp8 131.1 -> 129.8 µs, nvfp4_row 200.9 -> 208.2)
+                enc_warps=TUNING.get("enc_warps") or 2)
 
 
 def _format_name(fmt) -> str:
@@ -784,7 +772,7 @@ def replay_step_readcopy_triton(state, copy, fmt, x_ring, dt_ring, la_ring, B_ri
         k = _readcopy_apply_kernel[(cdiv(P, cfg["APPLY_P"]), b, H)](
             cursor, C, slot_arg, y, win, dec, av, cs, ct, H, P, N, L, H // Gc, *C.stride(), *y.stride(), *astrides,
             FMT=FORMAT_IDS[name], HAS_SLOT=has_slot, BLOCK_P=cfg["APPLY_P"], BLOCK_N=cfg["BLOCK_N"],
-            WORDS=words is not None, EARLY=cfg["apply_early"], num_warps=cfg["apply_warps"])
+            WORDS=words is not None, num_warps=cfg["apply_warps"])
     listed = pre and cfg["flush_list"]
     step_args = (state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, y, cv, cs, ct, amax)
     strides = (H, P, N, L, H // G, H // Gc,
