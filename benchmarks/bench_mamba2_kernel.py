@@ -150,6 +150,19 @@ def bench_point(ssu, H, P, N, G, bs, state_dtype, L, act=torch.bfloat16):
     return res
 
 
+def reported(label: str, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, or ``None`` after one line naming ``label`` and the error: a configuration that fails
+    (does not compile, or fails its check) is reported and the sweep goes on (a device call's other configurations
+    are not lost to it). Shared by the kernel sweeps and diagnostics here."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - reported, not raised
+        print(f"  {label} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}", flush=True)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return None
+
+
 def compare_configs(tuning: dict, points, configs, bw, csv_path):
     """Launch-config comparison shared by the kernel benchmarks: for each point ``(geom, batch, baseline_us, run)``
     (``run()`` times our kernel: a ``bench_point`` result without the baseline), every ``configs`` entry (a
@@ -167,11 +180,9 @@ def compare_configs(tuning: dict, points, configs, bw, csv_path):
           f"{'base us':>8} {'x':>5}")
     for gname, bs, base, run in points:
         for spec in configs:
-            try:
-                with tuned(tuning, spec):
-                    r = run()
-            except Exception as e:  # noqa: BLE001 - a config that does not compile is just skipped
-                print(gname, bs, spec, "failed:", type(e).__name__, str(e)[:160])
+            with tuned(tuning, spec):
+                r = reported(f"{gname} {bs} {spec}", run)
+            if r is None:
                 continue
             pct = r["bytes_nonflush"] / (r["nonflush_us"] * 1e-6) / bw * 100
             rows.append(dict(geom=gname, bs=bs, config=spec, **r, baseline_us=base, pct_floor_nonflush=pct,

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_mamba2_kernel import (  # noqa: E402
-    bench_point, copy_bandwidth, load_baseline, random_step, time_graph, warm_clocks, write_csv)
+    bench_point, copy_bandwidth, load_baseline, random_step, reported, time_graph, warm_clocks, write_csv)
 
 H, P, N, G, L = 128, 64, 128, 8, 16
 
@@ -89,13 +89,9 @@ def main(argv=None):
         plain = bench_point(ssu, H, P, N, G, bs, torch.float32, L)          # our fp32 replay step + the baseline
         for fmt in args.formats.split(","):
             for spec in args.configs.split(";"):
-                try:
-                    with tuned(spec):
-                        r = readcopy_point(fmt, bs)
-                except Exception as e:  # noqa: BLE001 - reported; the sweep's other configurations still run
-                    msg = str(e).splitlines()[0][:200] if str(e) else ""
-                    print(f"{fmt:9} {bs:4d} FAILED {type(e).__name__}: {msg}  {spec or 'default'}", flush=True)
-                    torch.cuda.synchronize()
+                with tuned(spec):
+                    r = reported(f"{fmt} {bs} {spec or 'default'}", readcopy_point, fmt, bs)
+                if r is None:
                     continue
                 base = plain.get("baseline_us", float("nan"))
                 row = dict(fmt=fmt, bs=bs, config=spec, baseline_us=base, fp32_lavg_us=plain["lavg_us"], **r,

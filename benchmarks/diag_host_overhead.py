@@ -79,7 +79,8 @@ def delta_custom_op():
 
     op = torch.library.custom_op("replay_diag::delta_step_custom_op", step,
                                  mutates_args=("state", "d_ring", "k_ring", "g_ring", "cursor"))
-    op.register_fake(lambda state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta: torch.empty_like(v, dtype=torch.float32))
+    op.register_fake(lambda state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta:
+                     torch.empty_like(v, dtype=torch.float32))
     return torch.ops.replay_diag.delta_step_custom_op.default
 
 
@@ -117,7 +118,8 @@ def main(argv=None):
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, host µs per call (no sync), bs{args.batch}")
     with torch.no_grad():
         nc, nl, _lib = noop_ops()
-        print(f"no-op, 5 mutated args: custom_op {host_us(nc, args.calls):7.1f}   Library {host_us(nl, args.calls):7.1f}")
+        print(f"no-op, 5 mutated args: custom_op {host_us(nc, args.calls):7.1f}"
+              f"   Library {host_us(nl, args.calls):7.1f}")
         a10 = delta_calls(args.batch, False)[2][:10]
         custom = delta_custom_op()
         lib = lambda *a: torch.ops.replay_compile.delta_step.default(*a, None)  # noqa: E731
@@ -128,7 +130,8 @@ def main(argv=None):
         for name, (op, direct, _) in (("mamba2_step super", mamba2_calls(args.batch)),
                                       ("delta_step gdn", delta_calls(args.batch, False)),
                                       ("delta_step kda", delta_calls(args.batch, True))):
-            print(f"{name:20s} dispatcher {host_us(op, args.calls):7.1f}   triton entry {host_us(direct, args.calls):7.1f}")
+            print(f"{name:20s} dispatcher {host_us(op, args.calls):7.1f}"
+                  f"   triton entry {host_us(direct, args.calls):7.1f}")
 
 
 if __name__ == "__main__":

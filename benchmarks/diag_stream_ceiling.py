@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_mamba2_kernel import GEOMS, copy_bandwidth, random_step, time_graph  # noqa: E402
+from bench_mamba2_kernel import GEOMS, copy_bandwidth, random_step, reported, time_graph  # noqa: E402
 
 
 @triton.jit
@@ -89,10 +89,8 @@ def stream_ceiling(bs, H, P, N, G, bw):
         fn = lambda: _gemv_persistent_kernel[(sms * per_sm,)](  # noqa: E731
             state, c, y, n_tiles, P, N, H, H // G, n_pb, BLOCK_P=bp, BLOCK_N=triton.next_power_of_2(N),
             STAGES=stages, num_warps=nw)
-        try:
-            report(f"persistent BLOCK_P={bp} warps={nw} {per_sm}/SM stages={stages}", time_graph(fn))
-        except Exception as e:  # noqa: BLE001 - a config that does not compile is reported, the rest still run
-            print(f"  persistent {bp}/{nw}/{per_sm}/{stages}: {type(e).__name__}: {str(e)[:160]}")
+        label = f"persistent BLOCK_P={bp} warps={nw} {per_sm}/SM stages={stages}"
+        reported(label, lambda: report(label, time_graph(fn)))
     return rows
 
 
@@ -159,16 +157,6 @@ def delta_breakdown(Hk, HV, K, V, kda, bs, L=16, read_copy=None):
 DELTA_GEOMS = {"qwen35_4b": (16, 32, 128, 128, False), "kimi_linear": (32, 32, 128, 128, True)}
 
 
-def _reported(fn, *args, **kwargs):
-    """``fn(*args, **kwargs)``; a configuration that fails (does not compile, or fails its check) is reported in one
-    line and the sweep goes on (a device call's other configurations are not lost to it)."""
-    try:
-        return fn(*args, **kwargs)
-    except Exception as e:  # noqa: BLE001
-        print(f"  FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}", flush=True)
-        torch.cuda.synchronize()
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--geoms", default="super,nano")
@@ -192,12 +180,12 @@ def main():
         for spec in filter(None, args.delta_configs.split(";")):
             print(f"{gname} bs{args.batch} fp32 state [{args.batch}, {HV}, {K}, {V}], exact, {spec}")
             with tuned(kd.TUNING, spec):
-                _reported(delta_breakdown, Hk, HV, K, V, kda, args.batch)
+                reported(spec, delta_breakdown, Hk, HV, K, V, kda, args.batch)
         from replay_compile.kernels import delta_readcopy_triton as drt
         for spec in filter(None, args.delta_rc_configs.split(";")) if args.delta_read_copy else ():
             print(f"{gname} bs{args.batch} fp32 state, read copy {args.delta_read_copy}, {spec}")
             with tuned(drt.TUNING, spec):
-                _reported(delta_breakdown, Hk, HV, K, V, kda, args.batch, read_copy=args.delta_read_copy)
+                reported(spec, delta_breakdown, Hk, HV, K, V, kda, args.batch, read_copy=args.delta_read_copy)
     if args.delta:
         return
     for gname in args.geoms.split(","):
