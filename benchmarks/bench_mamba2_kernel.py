@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import math
 import os
 import platform
 import statistics
@@ -218,6 +219,8 @@ def write_results(rows, out, stem, geoms, dtypes, ylabel):
     """``<stem>.csv`` with every row and, with matplotlib, ``<stem>_speedup.png`` (speedup vs batch per geometry and
     state dtype). Shared by the kernel benchmarks."""
     write_csv(rows, os.path.join(out, f"{stem}.csv"))
+    if not any(math.isfinite(r["speedup"]) for r in rows):
+        return                  # no baseline in this run (not installed): no speedup to plot
     try:
         import matplotlib
         matplotlib.use("Agg")

@@ -2,7 +2,7 @@
 # One device call for what was built without a GPU and has not compiled or been measured yet, most needed first.
 # Carry .baselines (mamba_ssm source) and .wheels (pytest-xdist, execnet, fla).
 # Usage on the GPU machine:  OUT=... bash benchmarks/device_pending.sh [steps...]
-#   steps (default, session 11's first call: hostprof host compile; NOTES "Session 10" lists the rest). The device
+#   steps (default, session 12's first call: inlinefinal inline256; NOTES "Session 11" lists the rest). The device
 #   returns at most 8 files, no more than 2 folders below $OUT: steps keep to that.
 #   tests      GPU tests of every Mamba-2 / delta kernel (pytest -n 6 when pytest-xdist is carried)
 #   dbreak     diag_stream_ceiling.py --delta: per-kernel time of the GDN / KDA split step for $DK configs, bs256
@@ -33,6 +33,14 @@
 #              (tensor scale per row, encoded inside the flush launch) beside nvfp4 in both
 #   prof1      issue 5's batch-1 question: kernels, launches and device time per whole decode step, plain
 #              torch.compile vs replayssm (reduce-overhead both), Nemotron-Nano and Qwen3.5 dims, 8 layers
+#   inline     GPU tests of the step ops inlined into compiled graphs (ops/library.py), then default-mode and
+#              reduce-overhead whole steps at bs1 / 256 with them, and bs1 with REPLAY_COMPILE_INLINE_KERNELS=0 (issue 5)
+#   inlinediag the inline tests with their failures in full, and diag_inline.py on $INLINE_CASES (per-step diffs,
+#              generated code)
+#   inlinefinal the inline tests, then default-mode whole steps (inlined) at bs 1 / 32 for the three models, and
+#              Nemotron bs32 with REPLAY_COMPILE_INLINE_KERNELS=0 (the pre kernels opaque)
+#   inline256  Nemotron-Nano dims bs256, default mode and reduce-overhead, with REPLAY_COMPILE_INLINE_KERNELS=1 (the
+#              default: latency variants only), all and 0: step time and decode-loop peak (the ~2 GiB question)
 #   hostprof   diag_host_overhead.py under cProfile (where an op call's host time goes, dispatcher vs Triton entry)
 #   host       diag_host_overhead.py (host µs per op call, dispatcher vs Triton entry) and the default-mode (no CUDA
 #              graphs) whole step of Qwen3.5-4B / Nemotron-Nano-4B dims at bs 1 and 256 (issue 5)
@@ -60,7 +68,7 @@ if ls .wheels/pytest_xdist-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-deps .wheels/pytest_xdist-*.whl .wheels/execnet-*.whl >> $INSTALL_LOG 2>&1 \
     && XDIST="-n 6"
 fi
-steps=${*:-hostprof host compile}
+steps=${*:-inlinefinal inline256}
 for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
   tests) timeout 300 python3 -m pytest -q $XDIST -p no:cacheprovider tests/test_mamba2_triton_gpu.py \
            tests/test_mamba2_triton.py tests/test_mamba2_readcopy.py tests/test_delta_readcopy_triton.py --tb=line \
@@ -135,6 +143,30 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
   rcdelta) timeout 120 python3 benchmarks/diag_stream_ceiling.py --delta qwen35_4b,kimi_linear --delta-configs "" \
            --delta-rc-configs "rc;rc:hw_e4m3=0" 2>&1 | grep -v Warn \
            | tee "$OUT/delta_rc_flush_stages.txt" ;;
+  inline) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_inline_kernels_gpu.py --tb=short 2>&1 \
+           | grep -v "warnings.warn" | tail -40 | tee "$OUT/pytest_inline.txt"
+         timeout 90 python3 benchmarks/diag_host_overhead.py 2>&1 | grep -v Warn | tee "$OUT/inline_e2e.txt"
+         timeout 200 replay-compile bench --models nemotron_h_nano4b,qwen35_4b --layers 8 --batches 1 --steps 32 \
+           --modes inductor,replayssm,inductor-ro,replayssm-ro --out /tmp/e2e_inline1 2>&1 | grep "^|" | tee -a "$OUT/inline_e2e.txt"
+         timeout 150 replay-compile bench --models nemotron_h_nano4b,qwen35_4b --layers 8 --batches 256 --steps 32 \
+           --modes inductor,replayssm --out /tmp/e2e_inline256 2>&1 | grep "^|" | tee -a "$OUT/inline_e2e.txt"
+         REPLAY_COMPILE_INLINE_KERNELS=0 timeout 100 replay-compile bench --models nemotron_h_nano4b,qwen35_4b \
+           --layers 8 --batches 1 --steps 32 --modes replayssm --out /tmp/e2e_opaque 2>&1 | grep "^|" \
+           | tee -a "$OUT/inline_e2e.txt" ;;
+  inlinediag) timeout 240 python3 -m pytest -q -p no:cacheprovider -p no:logging tests/test_inline_kernels_gpu.py \
+           --tb=short 2>&1 | grep -v "warnings.warn" | tail -150 > "$OUT/pytest_inline.txt"; tail -12 "$OUT/pytest_inline.txt"
+         timeout 200 python3 benchmarks/diag_inline.py --out "$OUT/inline_code" --cases ${INLINE_CASES:-1,3,8} 2>&1 \
+           | grep -v Warn | tee "$OUT/inline_diag.txt" ;;
+  inlinefinal) timeout 150 python3 -m pytest -q -p no:cacheprovider -p no:logging tests/test_inline_kernels_gpu.py \
+           --tb=short 2>&1 | grep -v "warnings.warn" | tail -60 > "$OUT/pytest_inline.txt"; tail -6 "$OUT/pytest_inline.txt"
+         timeout 330 replay-compile bench --models nemotron_h_nano4b,qwen35_4b,mamba2_2p7b --layers 8 --batches 1,32 \
+           --steps 32 --modes inductor,replayssm --out /tmp/e2e_if 2>&1 | grep "^|" | tee "$OUT/inline_default_mode.txt"
+         REPLAY_COMPILE_INLINE_KERNELS=0 timeout 60 replay-compile bench --models nemotron_h_nano4b --layers 8 \
+           --batches 32 --steps 32 --modes replayssm --out /tmp/e2e_of 2>&1 | grep "^|" \
+           | tee -a "$OUT/inline_default_mode.txt" ;;
+  inline256) for v in 1 all 0; do REPLAY_COMPILE_INLINE_KERNELS=$v timeout 200 replay-compile bench \
+           --models nemotron_h_nano4b --layers 8 --batches 256 --steps 32 --modes replayssm,replayssm-ro \
+           --out /tmp/e2e_i256_$v 2>&1 | grep "^| nem" | sed "s/^/inline=$v /" | tee -a "$OUT/inline_bs256.txt"; done ;;
   hostprof) timeout 150 python3 -m cProfile -s tottime benchmarks/diag_host_overhead.py --calls 2000 2>&1 \
            | grep -v Warn | head -70 | tee "$OUT/host_cprofile.txt" ;;
   hostdiag) timeout 120 python3 benchmarks/diag_host_overhead.py 2>&1 | grep -v Warn | tee -a "$OUT/host_overhead.txt" ;;
@@ -146,7 +178,7 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
   dquick) timeout 150 python3 benchmarks/bench_delta_kernel.py --out /tmp/dquick --batches 1,256 --dtypes float32 \
            2>&1 | grep -v Warn | tee "$OUT/delta_defaults.txt" ;;
   prof1) for m in ${PROF_MODELS:-nemotron_h_nano4b qwen35_4b}; do timeout 200 python3 benchmarks/diag_step_profile.py \
-           --model $m --batch 1 --layers 8 ${PROF_MODES:+--modes $PROF_MODES} 2>&1 | grep -v "^\[transformers\]\|Warn\|USDT" \
+           --model $m --batch ${PROF_BATCH:-1} --layers 8 ${PROF_MODES:+--modes $PROF_MODES} 2>&1 | grep -v "^\[transformers\]\|Warn\|USDT" \
            | tail -60; done | tee "$OUT/profile_bs1.txt" ;;
   m2bs128) timeout 200 python3 benchmarks/bench_mamba2_kernel.py --out /tmp/m2bs128 --batches 128 \
            --configs "pre;pre:BLOCK_P=32,num_warps=2;pre:BLOCK_P=32,num_warps=1;pre:BLOCK_P=8;pre:win_heads=8" 2>&1 \

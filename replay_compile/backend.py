@@ -8,6 +8,7 @@ a :class:`ReplayRunner`, which feeds each rewritten layer the rings of the cache
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import sys
 from typing import Any, Sequence
@@ -101,7 +102,22 @@ def _lower(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig, mode: st
     if mode and mode != "default":
         patches.update(torch._inductor.list_mode_options(mode))
     patches.update(lower_opts)
-    return compile_fx(gm, example_inputs, config_patches=patches or None)
+    with _cache_tagged():
+        return compile_fx(gm, example_inputs, config_patches=patches or None)
+
+
+@contextlib.contextmanager
+def _cache_tagged():
+    """Inductor's and AOTAutograd's caches key on the graph, which holds our ops, not the kernels inlined from behind
+    them (ops/library.py): add :func:`~replay_compile.ops.library.inline_cache_tag` to their key while we compile."""
+    cconfig = getattr(torch.compiler, "config", None)
+    if cconfig is None or not hasattr(cconfig, "cache_key_tag"):
+        yield
+        return
+    from .ops.library import inline_cache_tag
+
+    with cconfig.patch(cache_key_tag=f"{cconfig.cache_key_tag}{inline_cache_tag()}"):
+        yield
 
 
 def _install_integrations() -> None:

@@ -27,6 +27,7 @@ rank 0 writes the results (column ``tp``). Both sides of every ratio run sharded
 from __future__ import annotations
 
 import csv
+import math
 import os
 import statistics
 import sys
@@ -416,9 +417,12 @@ def _write(rows, out_dir, quiet=False):
     except ImportError:
         return
     for model in sorted({r["model"] for r in rows}):
+        curves = {mode: [r for r in rows if r["model"] == model and r["mode"] == mode
+                         and math.isfinite(r["speedup_vs_compile"])] for mode in ("replayssm", "replayssm-ro")}
+        if not any(curves.values()):
+            continue            # no plain torch.compile row to compare with in this run: nothing to plot
         fig, ax = plt.subplots(figsize=(6, 4))
-        for mode in ("replayssm", "replayssm-ro"):
-            pts = [r for r in rows if r["model"] == model and r["mode"] == mode]
+        for mode, pts in curves.items():
             if pts:
                 ax.plot([r["batch"] for r in pts], [r["speedup_vs_compile"] for r in pts], marker="o", label=mode)
         ax.axhline(1.0, color="gray", lw=0.8)

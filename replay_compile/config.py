@@ -34,6 +34,8 @@ ENV_VARS: dict[str, tuple[str, Any, str]] = {
 # read where they act, not part of ReplayConfig
 OTHER_ENV_VARS = {
     "REPLAY_COMPILE_KERNELS": "reference: run the ops' PyTorch reference on CUDA instead of the Triton kernels",
+    "REPLAY_COMPILE_INLINE_KERNELS": "0: keep the step ops opaque in compiled graphs; all: trace every kernel variant "
+                                     "into them (default: the small-batch latency kernels only; ops/library.py)",
     "REPLAY_COMPILE_LOG": "info / debug: log rewrites and skips (and graphs at debug) to stderr",
 }
 

@@ -67,3 +67,77 @@ def test_bad_definitions_fail_with_the_name():
         def f(a: Tensor) -> Tensor:
             return a.clone()
         torch_op(f).register_kernel("tpu")
+
+
+def test_only_cuda_kernels_are_inlined():
+    from replay_compile.ops.mamba2 import mamba2_step
+
+    with pytest.raises(ValueError, match="only CUDA kernels are inlined"):
+        mamba2_step.register_kernel("cpu", inline=lambda *a, **k: True)
+
+
+def test_inline_switches(monkeypatch):
+    from replay_compile.ops.library import inline_mode
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("REPLAY_COMPILE_KERNELS", raising=False)
+    monkeypatch.delenv("REPLAY_COMPILE_INLINE_KERNELS", raising=False)
+    assert inline_mode() == "latency"
+    monkeypatch.setenv("REPLAY_COMPILE_INLINE_KERNELS", "all")
+    assert inline_mode() == "all"
+    for var, val in (("REPLAY_COMPILE_INLINE_KERNELS", "0"), ("REPLAY_COMPILE_KERNELS", "reference"),
+                     ("TRITON_INTERPRET", "1")):
+        with monkeypatch.context() as m:
+            m.setenv(var, val)
+            assert inline_mode() == "off"
+
+
+def test_latency_predicates_follow_the_launch_configuration():
+    """The ops are inlined by default where they launch their latency kernel (small batch), not elsewhere."""
+    from replay_compile.kernels import delta_triton as kd
+    from replay_compile.kernels import mamba2_triton as km
+    from replay_compile.ops import delta, mamba2
+    from replay_compile.state import DeltaRingSpec, Mamba2RingSpec
+
+    def m2(b):
+        st = torch.zeros(b, 128, 64, 128)
+        rings = Mamba2RingSpec(128, 64, 128, 8, 16, torch.bfloat16, torch.bfloat16).allocate(b, "cpu")
+        return mamba2._latency_launch(st, *rings, torch.zeros(b, 128, 64))
+    assert m2(1) and not m2(64)
+    with km.tuned(km.TUNING, "pre"):
+        assert not m2(1)
+
+    def d(b, kda=False):
+        st = torch.zeros(b, 32, 128, 128)
+        rings = DeltaRingSpec(32, 16, 128, 128, 16, torch.float32, torch.bfloat16, kda).allocate(b, "cpu")
+        q = torch.zeros(b, 16, 128)
+        return delta._latency_launch(st, *rings, q, q, torch.zeros(b, 32, 128))
+    assert d(1) and d(1, kda=True) and not d(256)
+    with km.tuned(kd.TUNING, "split"):
+        assert not d(1)
+
+
+def test_launch_wraps_only_while_tracing():
+    from replay_compile.kernels.launch import launch, traced_launches, tracing
+
+    kernel = object()                     # never wrapped outside tracing, whatever it is
+    assert launch(kernel) is kernel and not tracing()
+    with traced_launches():
+        with traced_launches():
+            assert tracing()
+        assert tracing()
+    assert not tracing()
+
+
+def test_inline_cache_tag_follows_tuning_and_switch(monkeypatch):
+    from replay_compile.kernels import mamba2_triton as kt
+    from replay_compile.ops.library import inline_cache_tag
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    base = inline_cache_tag()
+    assert inline_cache_tag() == base
+    with kt.tuned(kt.TUNING, "pre:BLOCK_P=32"):
+        assert inline_cache_tag() != base
+    assert inline_cache_tag() == base
+    monkeypatch.setenv("REPLAY_COMPILE_INLINE_KERNELS", "all")
+    assert inline_cache_tag() != base

@@ -35,6 +35,7 @@ import triton.language as tl
 
 from .delta_split_triton import _append_gate_key, _delta_window_kernel, _window_readout
 from .host_math import cdiv, memo_unless_tuned, next_pow2
+from .launch import launch
 from .mamba2_readcopy_reference import as_encoded
 from .mamba2_readcopy_triton import (FORMAT_IDS, _bf16_bits, _copy_args, _e2m1_value, _e4m3_byte,
                                      _format_name, _load_copy_rows, _nvfp4_encode_body, _nvfp4_flush_encode_kernel,
@@ -305,7 +306,7 @@ def delta_replay_step_readcopy_triton(state, copy, fmt, d_ring, k_ring, g_ring, 
     ke = torch.empty((b, HV, cfg["BLOCK_L"] * cfg["BLOCK_K"]), dtype=torch.float32, device=v.device)
     wrow = torch.empty((b,), dtype=cursor.dtype, device=v.device)
     common = dict(HAS_SLOT=has_slot, KDA=kda, BLOCK_K=cfg["BLOCK_K"], BLOCK_L=cfg["BLOCK_L"])
-    _delta_window_kernel[(b, HV)](
+    launch(_delta_window_kernel)[(b, HV)](
         cursor, k_ring, g_ring, q, k, g, slot_arg, win, vec, ke, wrow, K, L, v_per_k, v_per_q,
         *k_ring.stride(), *g_strides, *q.stride(), *k.stride(), *gi_strides, SCAN_DOT=cfg["scan_dot"],
         num_warps=cfg["window_warps"], **common)
@@ -313,7 +314,7 @@ def delta_replay_step_readcopy_triton(state, copy, fmt, d_ring, k_ring, g_ring, 
     n_vb = cdiv(V, cfg["BLOCK_V"])
     listed = cfg["flush_list"]                      # flush rows listed by the apply launch for the encode launches
     work = torch.zeros((b + 1,), dtype=torch.int32, device=v.device) if listed else None
-    _delta_rc_apply_kernel[(n_vb, b, HV)](
+    launch(_delta_rc_apply_kernel)[(n_vb, b, HV)](
         state, d_ring, k_ring, g_ring, v_ring, beta_ring, cursor, q, k, v, g, beta, slot_arg, o, win, vec, wrow,
         cv, cs, ct, HV, K, V, L, v_per_k, v_per_q,
         *state.stride(), *d_ring.stride(), *k_ring.stride(), *g_strides, *v_ring.stride(), *beta_ring.stride(),
@@ -328,19 +329,19 @@ def delta_replay_step_readcopy_triton(state, copy, fmt, d_ring, k_ring, g_ring, 
                   HW_E4M3=cfg["hw_e4m3"] and hw_fp8_cast(v.device), ROW_SCALE=name == "nvfp4_row")
     if listed:
         programs = cfg["flush_programs"] or min(b * HV * n_rb, 32 * _sm_count(v.device))
-        _flush_encode_rows_list_kernel[(programs,)](
+        launch(_flush_encode_rows_list_kernel)[(programs,)](
             state, slot_arg, amax, cv, cs, ct, work, HV, n_rb, K, V, *state.stride(), *cstrides, **enc_kw)
     else:
-        _flush_encode_rows_kernel[grid_r](
+        launch(_flush_encode_rows_kernel)[grid_r](
             state, cursor, slot_arg, amax, cv, cs, ct, K, V, L, *state.stride(), *cstrides, **enc_kw)
     if name == "nvfp4":
         nv_kw = dict(HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_R"], NB=cfg["BLOCK_VF"] // 16)
         if listed:
-            _nvfp4_flush_encode_list_kernel[(programs,)](
+            launch(_nvfp4_flush_encode_list_kernel)[(programs,)](
                 state, cursor, slot_arg, amax, cv, cs, ct, work, HV, n_rb, K, V, L, *state.stride(), *cstrides,
                 **nv_kw)
         else:
-            _nvfp4_flush_encode_kernel[grid_r](
+            launch(_nvfp4_flush_encode_kernel)[grid_r](
                 state, cursor, slot_arg, amax, cv, cs, ct, K, V, L, *state.stride(), *cstrides, **nv_kw)
-    _advance_cursor_kernel[(cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
+    launch(_advance_cursor_kernel)[(cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
     return o

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from .host_math import cdiv, next_pow2
+from .launch import launch
 from .mamba2_spec_triton import _spec_apply_row, _spec_row
 from .mamba2_triton import _store_checkpoint
 
@@ -262,11 +263,11 @@ def delta_spec_verify_triton(state, d_ring, k_ring, g_ring, w, origin, is_flush,
     cq = torch.empty_like(ck)
     dec = torch.empty((b, HV, block_t) + ((block_k,) if kda else ()), dtype=torch.float32, device=v.device)
     common = dict(HAS_SLOT=has_slot, KDA=kda, BUF=buf, BLOCK_W=block_w, BLOCK_T=block_t, BLOCK_K=block_k)
-    _delta_spec_window_kernel[(b, HV)](
+    launch(_delta_spec_window_kernel)[(b, HV)](
         k_ring, g_ring, w, origin, is_flush, q, k, g, slot_arg, ck, cq, dec, K, T, v_per_k, v_per_q,
         *k_ring.stride(), *g_strides, *q.stride(), *k.stride(), *gi_strides,
         num_warps=TUNING.get("window_warps") or (1 if big else 4), **common)
-    _delta_spec_apply_kernel[(cdiv(V, block_v), b, HV)](
+    launch(_delta_spec_apply_kernel)[(cdiv(V, block_v), b, HV)](
         state, d_ring, k_ring, g_ring, w, origin, is_flush, q, k, v, g, beta, slot_arg, o, ck, cq, dec,
         HV, K, V, T, v_per_k, v_per_q,
         *state.stride(), *d_ring.stride(), *k_ring.stride(), *g_strides,

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .host_math import cdiv
+from .launch import launch
 from .mamba2_triton import _row_slot, _step_row, _store_checkpoint
 
 
@@ -315,12 +316,12 @@ def launch_split(cfg: dict, state, d_ring, k_ring, g_ring, cursor, q, k, v, g, b
     win_args = (cursor, k_ring, g_ring, q, k, g, slot_arg, win, vec, ke, wrow, K, L, v_per_k, v_per_q,
                 *k_ring.stride(), *g_strides, *q.stride(), *k.stride(), *gi_strides)
     if cfg["window_rows"]:
-        _delta_window_rows_kernel[(b, HV)](*win_args, KDA=kda, num_warps=cfg["window_warps"], **common)
+        launch(_delta_window_rows_kernel)[(b, HV)](*win_args, KDA=kda, num_warps=cfg["window_warps"], **common)
     else:
-        _delta_window_kernel[(b, HV)](*win_args, KDA=kda, SCAN_DOT=cfg["scan_dot"], num_warps=cfg["window_warps"],
+        launch(_delta_window_kernel)[(b, HV)](*win_args, KDA=kda, SCAN_DOT=cfg["scan_dot"], num_warps=cfg["window_warps"],
                                       **common)
     n_vb = cdiv(V, cfg["BLOCK_V"])
-    _delta_apply_kernel[(n_vb, b, HV)](
+    launch(_delta_apply_kernel)[(n_vb, b, HV)](
         state, d_ring, k_ring, g_ring, cursor, k, v, g, beta, slot_arg, o, win, vec, ke, wrow,
         HV, K, V, L, v_per_k,
         *state.stride(), *d_ring.stride(), *k_ring.stride(), *g_strides,

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from .delta_split_triton import _kda_after, launch_split
 from .host_math import cdiv, memo_unless_tuned, next_pow2
+from .launch import launch
 from .mamba2_triton import _ARRIVAL, _arrive, _step_row, _store_checkpoint
 
 
@@ -211,7 +212,7 @@ def delta_replay_step_triton(state, d_ring, k_ring, g_ring, cursor, q, k, v, g, 
     v_per_k, v_per_q = HV // k_ring.shape[1], HV // q.shape[1]
     common = dict(HAS_SLOT=has_slot, KDA=kda, BLOCK_K=cfg["BLOCK_K"], BLOCK_L=cfg["BLOCK_L"])
     if cfg["variant"] == "fused":
-        _delta_replay_step_kernel[(n_vb, b, HV)](
+        launch(_delta_replay_step_kernel)[(n_vb, b, HV)](
             state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slot_arg, o,
             HV, K, V, L, v_per_k, v_per_q, n_vb * HV,
             *state.stride(), *d_ring.stride(), *k_ring.stride(), *g_strides,

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from . import mamba2_triton as base
 from .host_math import cdiv, next_pow2
+from .launch import launch
 from .mamba2_triton import (_advance_cursor_kernel, _fold_tile, _list_item, _list_row, _mamba2_replay_tiled_kernel,
                             _row_slot, _sm_count, _step_row, _step_window, _store_checkpoint)
 
@@ -158,7 +159,7 @@ def launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slo
     bpw = 16 if cb_only else max(16, next_pow2(P))        # no P axis without the x window
     hb = window_heads(H, G, Gc, bpw, block_l)
     warps = base.TUNING.get("window_warps") or (1 if cb_only else max(1, min(4, hb * block_l * bpw // 4096)))
-    _mamba2_prepass_window_kernel[(b, H // hb)](
+    launch(_mamba2_prepass_window_kernel)[(b, H // hb)](
         x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, win, dec,
         work if work is not None else cursor, H, P, N, x_ring.shape[2], H // G, H // Gc,
         *x_ring.stride(), *dt_ring.stride(), *la_ring.stride(), *B_ring.stride(),
@@ -299,7 +300,7 @@ def replay_step_pre(cfg: dict, args: tuple, common: dict, has_slot: bool, slot_a
     win_x = (2 if cfg["apply_early_x"] else 1) if cfg["window"] == "coef" and cfg["route"] == 1 else 0
     win, dec = launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, has_slot,
                              cfg["BLOCK_N"], cfg["BLOCK_L"], work, cb_only=win_x > 0)
-    k = _mamba2_prepass_apply_kernel[(n_pb, b, H)](
+    k = launch(_mamba2_prepass_apply_kernel)[(n_pb, b, H)](
         *args[:13], win, dec, *args[13:19], *args[20:],
         HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_P"], BLOCK_N=cfg["BLOCK_N"], BLOCK_L=cfg["BLOCK_L"],
         STOCHASTIC_FP16=common["STOCHASTIC_FP16"], ROUTE=cfg["route"], EARLY_TILE=cfg["early_tile"],
@@ -313,10 +314,10 @@ def replay_step_pre(cfg: dict, args: tuple, common: dict, has_slot: bool, slot_a
             per_sm = cfg["flush_programs_per_sm"] or max(1, 32 // cfg["flush_warps"])
             programs = min(b * H * n_fp, per_sm * _sm_count(x.device))
             advanced = cfg["fold_advance"]
-            _mamba2_flush_list_kernel[(programs,)](
+            launch(_mamba2_flush_list_kernel)[(programs,)](
                 *args[:13], work, *args[13:19], n_fp, *args[20:], **fl, ADVANCE=advanced, n_rows=b)
         else:
-            _mamba2_replay_tiled_kernel[(n_fp, b, H)](*args, STATE_EVICT="", ROUTE=2, **fl)
+            launch(_mamba2_replay_tiled_kernel)[(n_fp, b, H)](*args, STATE_EVICT="", ROUTE=2, **fl)
     if not advanced:
-        _advance_cursor_kernel[(cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
+        launch(_advance_cursor_kernel)[(cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
     return k

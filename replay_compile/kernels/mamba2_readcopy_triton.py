@@ -101,6 +101,7 @@ import triton.language as tl
 
 from ..quant.formats import Encoded, get_format
 from .host_math import cdiv, memo_unless_tuned, next_pow2
+from .launch import launch
 from .mamba2_pre_triton import launch_window
 from .mamba2_readcopy_reference import as_encoded
 from .mamba2_triton import (_advance_cursor_kernel, _list_item, _round_checkpoint, _row_slot, _sm_count, _step_row,
@@ -769,7 +770,7 @@ def replay_step_readcopy_triton(state, copy, fmt, x_ring, dt_ring, la_ring, B_ri
                                  cfg["BLOCK_N"], cfg["BLOCK_L"], work)
         words = _code_words(cv) if FORMAT_IDS[name] == 2 and cfg["nvfp4_words"] and N % 8 == 0 else None
         av, astrides = (cv, cstrides) if words is None else (words, (*words.stride(), *cstrides[4:]))
-        k = _readcopy_apply_kernel[(cdiv(P, cfg["APPLY_P"]), b, H)](
+        k = launch(_readcopy_apply_kernel)[(cdiv(P, cfg["APPLY_P"]), b, H)](
             cursor, C, slot_arg, y, win, dec, av, cs, ct, H, P, N, L, H // Gc, *C.stride(), *y.stride(), *astrides,
             FMT=FORMAT_IDS[name], HAS_SLOT=has_slot, BLOCK_P=cfg["APPLY_P"], BLOCK_N=cfg["BLOCK_N"],
             WORDS=words is not None, num_warps=cfg["apply_warps"])
@@ -787,9 +788,9 @@ def replay_step_readcopy_triton(state, copy, fmt, x_ring, dt_ring, la_ring, B_ri
                    HW_E4M3=cfg["hw_e4m3"] and hw_fp8_cast(x.device), ROW_SCALE=name == "nvfp4_row")
     if listed:
         programs = cfg["flush_programs"] or min(b * H * n_fp, max(1, 32 // flush_w) * _sm_count(x.device))
-        k2 = _readcopy_flush_list_kernel[(programs,)](*step_args, work, n_fp, *strides, **step_kw)
+        k2 = launch(_readcopy_flush_list_kernel)[(programs,)](*step_args, work, n_fp, *strides, **step_kw)
     else:
-        k2 = _readcopy_step_kernel[(n_fp, b, H)](*step_args, *strides, **step_kw)
+        k2 = launch(_readcopy_step_kernel)[(n_fp, b, H)](*step_args, *strides, **step_kw)
     LAST_LAUNCH["kernel"] = k if pre else k2
     if name == "nvfp4":
         enc_args = (state, cursor, slot_arg, amax, cv, cs, ct)
@@ -797,11 +798,11 @@ def replay_step_readcopy_triton(state, copy, fmt, x_ring, dt_ring, la_ring, B_ri
         if listed:
             enc_programs = cfg["flush_programs"] or min(b * H * n_pb,
                                                         max(1, 32 // cfg["enc_warps"]) * _sm_count(x.device))
-            _nvfp4_flush_encode_list_kernel[(enc_programs,)](*enc_args, work, H, n_pb, P, N, L, *state.stride(),
+            launch(_nvfp4_flush_encode_list_kernel)[(enc_programs,)](*enc_args, work, H, n_pb, P, N, L, *state.stride(),
                                                              *cstrides, **enc_kw)
         else:
-            _nvfp4_flush_encode_kernel[grid](*enc_args, P, N, L, *state.stride(), *cstrides, **enc_kw)
-    _advance_cursor_kernel[(cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
+            launch(_nvfp4_flush_encode_kernel)[grid](*enc_args, P, N, L, *state.stride(), *cstrides, **enc_kw)
+    launch(_advance_cursor_kernel)[(cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
     return y
 
 
@@ -819,7 +820,7 @@ def decode_read_copy_triton(copy, fmt, shape=None) -> torch.Tensor:
         return out
     cfg = launch_config(P, N, 1)
     (cv, cs, ct), cstrides = _copy_args(enc, name, out)
-    _decode_kernel[(cdiv(P, cfg["BLOCK_P"]), S, H)](
+    launch(_decode_kernel)[(cdiv(P, cfg["BLOCK_P"]), S, H)](
         cv, cs, ct, out, P, N, *cstrides, *out.stride(), FMT=FORMAT_IDS[name], BLOCK_P=cfg["BLOCK_P"],
         BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"])
     return out

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from .host_math import cdiv, next_pow2
+from .launch import launch
 from .mamba2_triton import _row_slot
 
 
@@ -242,13 +243,13 @@ def spec_verify_triton(state, x_ring, dt_ring, la_ring, B_ring, w, origin, is_fl
     heads = TUNING.get("window_heads") or (4 if b >= 64 else 1)
     if (H // G) % heads or (H // Gc) % heads:
         heads = 1
-    _mamba2_spec_window_kernel[(b, H // heads)](
+    launch(_mamba2_spec_window_kernel)[(b, H // heads)](
         dt_ring, la_ring, B_ring, w, origin, is_flush, dt, la, B, C, slot_arg, wgt, tot,
         H, N, T, H // G, H // Gc, *dt_ring.stride(), *la_ring.stride(), *B_ring.stride(), *dt.stride(),
         *la.stride(), *B.stride(), *C.stride(), HEADS=heads,
         # 1 warp from batch 64 up (H200 session 8, Super bs256: 784 -> 738 µs, 1.94x -> 2.05x; 2 warps 2.02x)
         num_warps=TUNING.get("window_warps") or (1 if b >= 64 else 4), **common)
-    _mamba2_spec_apply_kernel[(cdiv(P, block_p), b, H)](
+    launch(_mamba2_spec_apply_kernel)[(cdiv(P, block_p), b, H)](
         state, x_ring, dt_ring, la_ring, B_ring, w, origin, is_flush,
         x, dt, la, B, C, slot_arg, y, wgt, tot,
         H, P, N, T, H // G, H // Gc,
@@ -293,6 +294,6 @@ def spec_commit_triton(w, origin, is_flush, n_accepted, B: int, T: int, buf: int
         return
     block = 128
     has_slot = slot_idx is not None
-    _spec_commit_kernel[(cdiv(b, block),)](
+    launch(_spec_commit_kernel)[(cdiv(b, block),)](
         w, origin, is_flush, n_accepted, slot_idx if has_slot else n_accepted, b, B, T, POISONED,
         HAS_SLOT=has_slot, BUF=buf, BLOCK=block, num_warps=4)

@@ -54,6 +54,7 @@ import triton
 import triton.language as tl
 
 from .host_math import cdiv, memo_unless_tuned, next_pow2
+from .launch import launch
 
 _ARRIVAL = 1 << 16          # one arrival in the cursor word's high half; w lives in the low 16 bits
 _ARRIVAL_C = tl.constexpr(_ARRIVAL)
@@ -529,11 +530,11 @@ def replay_step_triton(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, l
     common = dict(HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_P"], BLOCK_N=cfg["BLOCK_N"], BLOCK_L=cfg["BLOCK_L"],
                   STOCHASTIC_FP16=state.dtype == torch.float16, num_warps=cfg["num_warps"])
     if cfg["variant"] == "whole":
-        k = _mamba2_replay_whole_kernel[(n_pb, b, H)](*args, **common)
+        k = launch(_mamba2_replay_whole_kernel)[(n_pb, b, H)](*args, **common)
     elif cfg["variant"] == "tiled":
-        k = _mamba2_replay_tiled_kernel[(n_pb, b, H)](*args, N_TILES=cdiv(N, cfg["BLOCK_N"]),
+        k = launch(_mamba2_replay_tiled_kernel)[(n_pb, b, H)](*args, N_TILES=cdiv(N, cfg["BLOCK_N"]),
                                                       STATE_EVICT=cfg["state_evict"], ROUTE=0, **common)
-        _advance_cursor_kernel[(cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
+        launch(_advance_cursor_kernel)[(cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
     else:                                          # pre: launches in mamba2_pre_triton
         from .mamba2_pre_triton import replay_step_pre
 

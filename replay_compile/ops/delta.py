@@ -84,7 +84,15 @@ def delta_step(
     return ref.delta_replay_step_reference(state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slot_idx)
 
 
-@delta_step.register_kernel("cuda")
+def _latency_launch(state, d_ring, k_ring, g_ring, cursor, q, k, v, *_, **__) -> bool:
+    """Whether the step launches its latency kernel (``fused``), where the op is inlined by default (library.py)."""
+    from ..kernels.delta_triton import launch_config
+
+    _, HV, K, V = state.shape
+    return launch_config(v.shape[0], HV, K, V, d_ring.shape[2], kda=g_ring.dim() == 4)["variant"] == "fused"
+
+
+@delta_step.register_kernel("cuda", inline=_latency_launch)
 def _(state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slot_idx=None):
     check_step_args(state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slot_idx)
     if not use_triton():

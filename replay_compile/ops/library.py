@@ -14,19 +14,79 @@ call (``custom_op`` bumps them in its ADInplaceOrView kernel; ours write through
 :mod:`replay_compile.state`'s external-write check would not see the write otherwise). What is dropped: the
 autograd kernel (these are decode-time ops; an input that requires grad gets PyTorch's "autograd not implemented"
 warning instead of custom_op's error) and the run-time aliasing check (our outputs are fresh tensors by construction).
+
+Inlined CUDA kernels (``register_kernel("cuda", inline=True)``): when AOTAutograd traces the op on CUDA tensors
+(``torch.compile``), the CUDA implementation itself is traced instead of the opaque op, with every Triton launch
+wrapped by ``torch.library.wrap_triton`` (:mod:`replay_compile.kernels.launch`), as ``torch.library.triton_op``
+does. Inductor then launches our kernels from its generated code: the per-step host cost of the dispatcher, the
+argument checks and Triton's Python launcher (~80 µs per op call at batch 1 on the H200's host; outside CUDA graphs
+the decode step waits for it) is paid once at compile time.
+
+Where: by default only where the op launches its latency kernels (``inline=`` a predicate on the arguments:
+Mamba-2's ``whole``, the delta rule's ``fused``; small batches, where the host cost is the step's cost). The
+bandwidth variants (several launches sharing scratch, flush lists) traced and compiled bit-identical to the eager op
+on the H200, but inside whole models at batch 256 the traced step raised the decode loop's peak memory by ~2 GiB
+(Nemotron-Nano dims, session 11): a copy of a state that the opaque op, re-inplaced, does not make; until that is
+understood they stay opaque. ``REPLAY_COMPILE_INLINE_KERNELS``: ``all`` inlines every variant, ``0`` none.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import inspect
+import os
+import sys
 from typing import Callable, Iterable
 
 import torch
+
+from ..kernels.launch import traced_launches
 
 NAMESPACE = "replay_compile"
 _LIB = torch.library.Library(NAMESPACE, "DEF")
 
 _DEVICE_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
+
+
+def inline_mode() -> str:
+    """``"latency"`` (default: ops inlined where their ``inline`` predicate holds), ``"all"`` or ``"off"`` (with
+    ``REPLAY_COMPILE_INLINE_KERNELS=0``, ``REPLAY_COMPILE_KERNELS=reference`` or ``TRITON_INTERPRET=1``: the
+    interpreter's kernels cannot be traced). See the module docstring."""
+    env = os.environ
+    val = env.get("REPLAY_COMPILE_INLINE_KERNELS", "1").strip().lower()
+    if val in ("0", "false", "off") or env.get("REPLAY_COMPILE_KERNELS", "triton").lower() == "reference" \
+            or env.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return "off"
+    return "all" if val == "all" else "latency"
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_sources_digest() -> str:
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(root)):
+        if name.endswith(".py"):
+            with open(os.path.join(root, name), "rb") as f:
+                h.update(name.encode() + f.read())
+    return h.hexdigest()
+
+
+def inline_cache_tag() -> str:
+    """What inlined graphs depend on beyond the graph Inductor's caches key on: whether ops are inlined, our
+    kernels' source (their code is traced from behind the op) and every kernel module's ``TUNING`` override.
+    The backend adds it to ``torch.compiler.config.cache_key_tag`` while it compiles, so a cached graph is never
+    reused across a kernel edit or a tuning / inlining change."""
+    parts = [inline_mode(), _kernel_sources_digest()]
+    for name, mod in sorted(sys.modules.items()):
+        if name.startswith("replay_compile.kernels.") and getattr(mod, "TUNING", None):
+            parts.append(f"{name}={sorted(mod.TUNING.items())!r}")
+    return "replay_compile-" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _all_cuda(args, kwargs) -> bool:
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    return bool(tensors) and all(t.device.type == "cuda" for t in tensors)
 
 
 class ReplayOp:
@@ -59,17 +119,43 @@ class ReplayOp:
 
         return impl
 
-    def register_kernel(self, device_type: str) -> Callable:
-        """Decorator: the implementation for one device type (``"cuda"`` or ``"cpu"``)."""
+    def register_kernel(self, device_type: str, inline: Callable[..., bool] | None = None) -> Callable:
+        """Decorator: the implementation for one device type (``"cuda"`` or ``"cpu"``). ``inline`` (CUDA only): a
+        predicate on the op's arguments saying where ``fn`` is traced in place of the op by default (see the module
+        docstring); ``fn`` must then be traceable: shapes, strides and dtypes only, no reads of tensor data, every
+        launch through :func:`~replay_compile.kernels.launch.launch`."""
         key = _DEVICE_KEYS.get(device_type)
         if key is None:
             raise ValueError(f"replay_op {self.name}: device type {device_type!r} not one of {sorted(_DEVICE_KEYS)}")
+        if inline and device_type != "cuda":
+            raise ValueError(f"replay_op {self.name}: only CUDA kernels are inlined, not {device_type!r}")
 
         def deco(fn: Callable) -> Callable:
             _LIB.impl(self.name, self._bumping(fn), key)
+            if inline:
+                self._register_inline(fn, inline)
             return fn
 
         return deco
+
+    def _register_inline(self, fn: Callable, where: Callable[..., bool]) -> None:
+        from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        def plain(t: type) -> bool:
+            return t in (torch.Tensor, FunctionalTensor) or issubclass(t, FakeTensor)
+
+        def rule(mode, op, types, args, kwargs):
+            # tensor subclasses other than functionalization's and fake tensors keep the opaque op, as triton_op does
+            how = inline_mode()
+            if how == "off" or not _all_cuda(args, kwargs) or not all(plain(t) for t in types) \
+                    or (how == "latency" and not where(*args, **kwargs)):
+                return mode.__torch_dispatch__(op, types, args, kwargs)
+            with mode, traced_launches():
+                return fn(*args, **kwargs)
+
+        torch.library.register_torch_dispatch(f"{NAMESPACE}::{self.name}", FunctionalTensorMode, rule, lib=_LIB)
 
     def register_fake(self, fn: Callable) -> Callable:
         """Decorator: the shape / dtype function used under FakeTensor (tracing, torch.compile)."""

@@ -103,7 +103,15 @@ def mamba2_step(
     return ref.replay_step_reference(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_idx)
 
 
-@mamba2_step.register_kernel("cuda")
+def _latency_launch(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, *_, **__) -> bool:
+    """Whether the step launches its latency kernel (``whole``), where the op is inlined by default (library.py)."""
+    from ..kernels.mamba2_triton import launch_config
+
+    _, H, P, N = state.shape
+    return launch_config(x.shape[0], H, P, N, x_ring.shape[2])["variant"] == "whole"
+
+
+@mamba2_step.register_kernel("cuda", inline=_latency_launch)
 def _(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_idx=None):
     check_step_args(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_idx)
     if not use_triton():

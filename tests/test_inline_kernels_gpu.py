@@ -1,0 +1,202 @@
+"""GPU-only: the step ops traced into compiled graphs (``register_kernel("cuda", inline=...)``).
+
+Under ``torch.compile`` the CUDA step ops can be traced instead of called: AOTAutograd traces their Triton launches
+and Inductor launches the kernels from its generated code (ops/library.py); by default only the latency variants,
+every variant with ``REPLAY_COMPILE_INLINE_KERNELS=all``. Checked here, per op and kernel variant, over 2L + 3 steps
+with rows flushing at different steps: the compiled function gives the eager op's outputs and leaves the checkpoint,
+rings and cursor exactly as the eager op does (same kernels, same arguments); the generated code launches our
+kernels, does not call the op and copies nothing; no copy of the checkpoint is made (peak memory); the default
+inlines the latency variants only; with ``REPLAY_COMPILE_INLINE_KERNELS=0``, and for the read-copy ops, the op stays
+opaque and gives the same results.
+"""
+
+import re
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+from torch._inductor.utils import run_and_get_code  # noqa: E402
+
+from replay_compile.kernels import delta_triton as kd  # noqa: E402
+from replay_compile.kernels import mamba2_triton as km  # noqa: E402
+from replay_compile.ops import delta, delta_readcopy, mamba2, mamba2_readcopy  # noqa: E402
+from replay_compile.state import DeltaRingSpec, Mamba2RingSpec  # noqa: E402
+from replay_compile.testing.strategies import (DeltaGeometry, Mamba2Geometry, delta_problem,  # noqa: E402
+                                               mamba2_problem)
+
+L = 8
+STEPS = 2 * L + 3
+
+
+@pytest.fixture(autouse=True)
+def _no_compile_caches():
+    """Cases share graphs (same op and shapes, another TUNING or REPLAY_COMPILE_INLINE_KERNELS): compile each afresh
+    (through our backend the cache key carries these, see backend._cache_tagged; here Inductor is called directly)."""
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+
+
+def _mamba2_case(geom, read_copy):
+    state0, seq = mamba2_problem(geom, STEPS, dtype=torch.float32, seed=3, decay=(0.8, 1.0))
+    spec = Mamba2RingSpec(geom.H, geom.P, geom.N, geom.G, L, torch.bfloat16, torch.bfloat16, read_copy=read_copy)
+    persist = (state0.cuda(),) + spec.allocate(geom.batch, "cuda")
+    if read_copy:
+        mamba2_readcopy.encode_copy(read_copy, persist[0], persist[5:8])
+    keys = ("x", "dt", "la", "B", "C")
+    seq = [tuple(d[k].cuda().to(torch.bfloat16 if k in ("x", "B", "C") else torch.float32) for k in keys)
+           for d in seq]
+
+    def step(p, inp, slots):
+        if read_copy:
+            return mamba2_readcopy.mamba2_step_rc(*p, *inp, slots, read_copy)
+        return mamba2.mamba2_step(*p, *inp, slots)
+    return persist, seq, step
+
+
+def _delta_case(geom, read_copy):
+    state0, seq = delta_problem(geom, STEPS, dtype=torch.float32, seed=5, decay=(0.8, 1.0))
+    spec = DeltaRingSpec(geom.HV, geom.Hk, geom.K, geom.V, L, torch.float32, torch.bfloat16, geom.kda,
+                         read_copy=read_copy)
+    persist = (state0.cuda(),) + spec.allocate(geom.batch, "cuda")
+    if read_copy:
+        mamba2_readcopy.encode_copy(read_copy, persist[0], persist[6:9])
+    keys = ("q", "k", "v", "g", "beta")
+    seq = [tuple(d[k].cuda().to(torch.bfloat16 if k in ("q", "k", "v") else torch.float32) for k in keys)
+           for d in seq]
+
+    def step(p, inp, slots):
+        if read_copy:
+            return delta_readcopy.delta_step_rc(*p, *inp, slots, read_copy)
+        return delta.delta_step(*p, *inp, slots)
+    return persist, seq, step
+
+
+CASES = [
+    ("mamba2", Mamba2Geometry(2, 8, 64, 128, 2, 2), None, km, "whole"),
+    ("mamba2", Mamba2Geometry(3, 16, 64, 128, 2, 2), None, km, "pre"),
+    ("mamba2", Mamba2Geometry(3, 16, 80, 128, 2, 2), None, km, "tiled"),
+    ("mamba2", Mamba2Geometry(3, 16, 64, 128, 2, 2), "fp8_e4m3", None, None),
+    ("mamba2", Mamba2Geometry(3, 16, 64, 128, 2, 2), "nvfp4", None, None),
+    ("gdn", DeltaGeometry(2, 8, 4, 128, 128, False), None, kd, "fused"),
+    ("gdn", DeltaGeometry(3, 8, 4, 128, 128, False), None, kd, "split"),
+    ("kda", DeltaGeometry(3, 8, 8, 128, 128, True), None, kd, "split"),
+    ("gdn", DeltaGeometry(3, 8, 4, 128, 128, False), "fp8_e4m3", None, None),
+]
+# The read-copy step ops stay opaque: their kernels take the fp8 / nvfp4 storage through dtype views
+# (mamba2_readcopy_triton._copy_args), and a mutation through a view of another dtype is not re-inplaced: traced,
+# the step copied the whole read copy out and back every step (measured on the H200, session 11).
+INLINED = [c for c in CASES if c[2] is None]
+OPAQUE = [c for c in CASES if c[2] is not None]
+
+
+def _calls(code: str) -> list[str]:
+    """The generated code's lines that are not comments (its graph-fragment comments name every traced node)."""
+    return [ln for ln in code.splitlines() if not ln.lstrip().startswith("#")]
+
+
+def _run(case, compiled: bool):
+    family, geom, read_copy, mod, variant = case
+    persist, seq, step = (_mamba2_case if family == "mamba2" else _delta_case)(geom, read_copy)
+    # row r sits out step r (padded): rows flush at different steps
+    b = geom.batch
+    slot_seq = [torch.tensor([r if t != r else -1 for r in range(b)], dtype=torch.int32, device="cuda")
+                for t in range(STEPS)]
+    fn = torch.compile(step, backend="inductor", fullgraph=True) if compiled else step
+    outs, code = [], []
+    ctx = km.tuned(mod.TUNING, variant) if mod is not None else _nullcontext()
+    with ctx:
+        for t in range(STEPS):
+            if compiled and t == 0:
+                y, src = run_and_get_code(fn, persist, seq[t], slot_seq[t])
+                code += src
+            else:
+                y = fn(persist, seq[t], slot_seq[t])
+            outs.append(y.clone())
+    torch.cuda.synchronize()
+    return outs, persist, "\n".join(code)
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def _close(a, e, what: str):
+    """Same values: fp32 / bf16 within 1e-5 (Inductor compiles the same kernel source), one-byte formats (fp8
+    copies, nvfp4 codes) and integers bit for bit."""
+    if a.element_size() == 1 or not a.is_floating_point():
+        assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                           e.view(torch.uint8) if e.element_size() == 1 else e), what
+    else:
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5, msg=lambda m: f"{what}: {m}")
+
+
+def _ids(case):
+    return f"{case[0]}-{case[2] or 'exact'}-{case[4] or 'default'}"
+
+
+@pytest.mark.parametrize("case", INLINED, ids=_ids)
+def test_inlined_step_equals_the_eager_op(case, monkeypatch):
+    monkeypatch.setenv("REPLAY_COMPILE_INLINE_KERNELS", "all")      # every variant, not only the latency ones
+    torch._dynamo.reset()
+    eager_outs, eager_persist, _ = _run(case, compiled=False)
+    outs, persist, code = _run(case, compiled=True)
+    calls = _calls(code)
+    assert not [ln for ln in calls if "triton_kernel_wrapper" in ln]     # lowered, not left as a higher-order op
+    assert not [ln for ln in calls if "torch.ops.replay_compile" in ln], "the op was not inlined"
+    copies = [ln.strip() for ln in calls if re.search(r"triton_\w*(copy|clone)\w*\.run\(", ln)]
+    assert not copies, f"the traced step copies tensors: {copies}"
+    for t, (a, e) in enumerate(zip(outs, eager_outs)):
+        _close(a, e, f"step {t}")
+    for i, (a, e) in enumerate(zip(persist, eager_persist)):
+        _close(a, e, f"persistent tensor {i}")
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[5], CASES[6]], ids=_ids)
+def test_default_inlines_the_latency_variants_only(case):
+    torch._dynamo.reset()
+    _, _, code = _run(case, compiled=True)
+    opaque = bool([ln for ln in _calls(code) if "torch.ops.replay_compile" in ln])
+    assert opaque == (case[4] not in ("whole", "fused"))
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[6]] + OPAQUE, ids=_ids)
+def test_opaque_op_when_inlining_is_off_and_for_read_copies(case, monkeypatch):
+    if case[2] is None:
+        monkeypatch.setenv("REPLAY_COMPILE_INLINE_KERNELS", "0")
+    torch._dynamo.reset()
+    eager_outs, eager_persist, _ = _run(case, compiled=False)
+    outs, persist, code = _run(case, compiled=True)
+    assert [ln for ln in _calls(code) if "torch.ops.replay_compile" in ln]
+    for i, (a, e) in enumerate(zip(outs + list(persist), eager_outs + list(eager_persist))):
+        _close(a, e, f"tensor {i}")
+
+
+@pytest.mark.parametrize("family", ["mamba2", "gdn"])
+def test_inlined_step_makes_no_copy_of_the_checkpoint(family, monkeypatch):
+    """A large checkpoint (bandwidth variants, inlined on request): the compiled step's peak memory stays far below
+    one more checkpoint."""
+    monkeypatch.setenv("REPLAY_COMPILE_INLINE_KERNELS", "all")
+    torch._dynamo.reset()
+    if family == "mamba2":
+        geom = Mamba2Geometry(64, 64, 64, 128, 8, 8)                      # 128 MiB fp32 checkpoint
+        persist, seq, step = _mamba2_case(geom, None)
+    else:
+        geom = DeltaGeometry(64, 32, 16, 128, 128, False)                 # 128 MiB
+        persist, seq, step = _delta_case(geom, None)
+    fn = torch.compile(step, backend="inductor", fullgraph=True)
+    fn(persist, seq[0], None)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    for t in range(1, L + 1):                                        # includes a flush step
+        fn(persist, seq[t], None)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra < persist[0].numel() * persist[0].element_size() // 4, f"{extra} bytes beyond the step's inputs"
