@@ -336,32 +336,61 @@ class _Progress:
             self.bar.close()
 
 
-def run(models, batches, modes, steps, L, device, dtype_name, layers, out_dir, progress=True, tp: int = 1) -> list[dict]:
+def round_orders(modes: list[str], rounds: int) -> list[list[str]]:
+    """The order modes run in, per round: as given, then reversed, and so on (A B, B A, A B, ...), so a drift of
+    the machine over the run (host clocks, other load: host-bound steps moved 2x between machines) weighs on every
+    mode alike instead of on whichever runs last."""
+    return [list(modes) if r % 2 == 0 else list(reversed(modes)) for r in range(rounds)]
+
+
+def merge_rounds(runs: list[dict]) -> dict:
+    """One row from ``bench_one`` rows of the same mode in several rounds: times and throughput averaged over the
+    rounds, compile time from the first (later rounds hit the compile caches), peaks the largest."""
+    if len(runs) == 1:
+        return dict(runs[0], rounds=1)
+    out = dict(runs[0])
+    for key in ("step_ms", "median_step_ms", "nonflush_ms", "flush_ms"):
+        out[key] = statistics.mean(r[key] for r in runs)
+    out["tokens_per_s"] = out["batch"] / (out["step_ms"] * 1e-3)
+    for key in ("peak_mem_gib", "steady_mem_gib"):
+        out[key] = max(r[key] for r in runs)
+    out["rounds"] = len(runs)
+    return out
+
+
+def run(models, batches, modes, steps, L, device, dtype_name, layers, out_dir, progress=True, tp: int = 1,
+        rounds: int = 1) -> list[dict]:
     """Every (model, batch, mode) point; rows written as they come. Under ``tp`` > 1 (torchrun), every rank runs
-    every point on its shard and rank 0 writes (its own timings: the ranks meet at every all-reduce anyway)."""
+    every point on its shard and rank 0 writes (its own timings: the ranks meet at every all-reduce anyway).
+    ``rounds`` > 1: each (model, batch) runs its modes that many times in alternating order (:func:`round_orders`)
+    and reports their mean (:func:`merge_rounds`)."""
     import torch
 
     mesh, rank, device, dtype = _setup(tp, device, dtype_name, out_dir)
     rows = []
-    total = len(models) * len(batches) * len(modes)
+    total = len(models) * len(batches) * len(modes) * rounds
     bar = _Progress(total, progress and rank == 0)
     for name in models:
         model = build_model(name, dtype, device, layers, mesh=mesh)
         n_layers = getattr(model.config, "num_hidden_layers", None)
         for bs in batches:
+            runs: dict[str, list[dict]] = {m: [] for m in modes}
+            for order in round_orders(modes, rounds):
+                for mode in order:
+                    bar.next(f"{name} bs={bs} {mode}")
+                    try:
+                        runs[mode].append(bench_one(model, bs, mode, steps, L))
+                    except torch.cuda.OutOfMemoryError:
+                        if tp > 1:      # the other ranks would wait for this one at the next all-reduce
+                            raise
+                        torch.cuda.empty_cache()
+                        print(f"  {name} bs={bs} {mode}: out of memory, skipped", file=sys.stderr)
             for mode in modes:
-                bar.next(f"{name} bs={bs} {mode}")
-                try:
-                    r = bench_one(model, bs, mode, steps, L)
-                except torch.cuda.OutOfMemoryError:
-                    if tp > 1:      # the other ranks would wait for this one at the next all-reduce
-                        raise
-                    torch.cuda.empty_cache()
-                    print(f"  {name} bs={bs} {mode}: out of memory, skipped", file=sys.stderr)
-                    continue
-                rows.append(dict(model=name, layers=n_layers, dtype=dtype_name, L=L, tp=tp, **r))
-                if rank == 0:
-                    _write(rows, out_dir, quiet=True)          # a run cut short still leaves its rows
+                if runs[mode]:
+                    rows.append(dict(model=name, layers=n_layers, dtype=dtype_name, L=L, tp=tp,
+                                     **merge_rounds(runs[mode])))
+            if rank == 0:
+                _write(rows, out_dir, quiet=True)          # a run cut short still leaves its rows
         del model
     bar.close()
     if rank == 0:

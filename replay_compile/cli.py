@@ -160,7 +160,8 @@ def _bench(args) -> int:
             raise SystemExit("replay-compile bench: --gpus / --time-limit spread independent points over worker "
                              "processes; they do not combine with --tp or --check")
         from .bench_parallel import run_parallel
-        forward = ["--steps", str(args.steps), "--buffer-len", str(args.buffer_len), "--dtype", args.dtype,
+        forward = ["--steps", str(args.steps), "--rounds", str(args.rounds), "--buffer-len", str(args.buffer_len),
+                   "--dtype", args.dtype,
                    "--device", args.device] + (["--layers", str(args.layers)] if args.layers else []) + \
                   (["--threads", str(args.threads)] if args.threads else [])
         rows, failures = run_parallel(args.gpus, models, batches, modes, forward, args.out,
@@ -169,8 +170,10 @@ def _bench(args) -> int:
             print(f"replay-compile bench: {line}", file=sys.stderr)
         print(f"wrote {os.path.join(args.out, 'bench.csv')} and bench.md ({len(rows)} rows from {args.gpus} workers)")
         return 0 if rows and not failures else 1
+    if args.rounds < 1:
+        raise SystemExit("replay-compile bench: --rounds must be >= 1")
     rows = bench.run(models, batches, modes, args.steps, args.buffer_len, args.device, args.dtype, args.layers,
-                     args.out, tp=args.tp)
+                     args.out, tp=args.tp, rounds=args.rounds)
     if lead:
         print(f"wrote {os.path.join(args.out, 'bench.csv')} and bench.md ({len(rows)} rows)")
     return 0 if rows else 1
@@ -254,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--modes", help="comma list of eager, inductor, inductor-ro, replayssm, replayssm-ro; replayssm "
                    "modes take an optional read copy, e.g. replayssm-ro:fp8_e4m3")
     b.add_argument("--steps", type=int, default=48, help="timed decode steps (default: %(default)s)")
+    b.add_argument("--rounds", type=int, default=1,
+                   help="run each (model, batch)'s modes this many times, in alternating order, and report the mean "
+                        "(steadier ratios where the step is host-bound; compile time from the first round)")
     b.add_argument("--buffer-len", type=int, default=16)
     b.add_argument("--layers", type=int, default=None, help="keep only the first N layers (say why in reports)")
     b.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])

@@ -68,6 +68,31 @@ def test_bench_smoke_on_cpu(tmp_path, capsys):
     assert "| tiny_mamba2" in capsys.readouterr().out and (tmp_path / "bench.md").exists()
 
 
+def test_bench_rounds_alternate_the_modes_and_average(tmp_path, monkeypatch):
+    """``--rounds 2``: each mode runs twice, the second round in reverse order; one row per mode with the mean."""
+    import csv
+
+    from replay_compile import bench
+
+    assert bench.round_orders(["a", "b", "c"], 3) == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
+    seen, real = [], bench.bench_one
+
+    def spy(model, bs, mode, steps, L, **kw):
+        seen.append(mode)
+        r = real(model, bs, mode, steps, L, **kw)
+        r["step_ms"] = 2.0 if len(seen) <= 2 else 4.0           # round 1: 2 ms, round 2: 4 ms
+        return r
+    monkeypatch.setattr(bench, "bench_one", spy)
+    assert main(["bench", "--models", "tiny_mamba2", "--batches", "2", "--modes", "eager,replayssm", "--rounds", "2",
+                 "--steps", "5", "--buffer-len", "4", "--dtype", "float32", "--device", "cpu",
+                 "--out", str(tmp_path)]) == 0
+    assert seen == ["eager", "replayssm", "replayssm", "eager"]
+    rows = list(csv.DictReader(open(tmp_path / "bench.csv")))
+    assert [r["mode"] for r in rows] == ["eager", "replayssm"]
+    assert all(float(r["step_ms"]) == 3.0 and r["rounds"] == "2" for r in rows)
+    assert float(rows[0]["tokens_per_s"]) == 2 / 3e-3
+
+
 def test_bench_parity_check_on_cpu(tmp_path, capsys):
     """``bench --check``: eager and compiled greedy decoding in lockstep over > 2L+1 steps (flushes included) agree
     on every token, the layers were rewritten, and the CSV records it."""
