@@ -84,6 +84,15 @@ def inline_cache_tag() -> str:
     return "replay_compile-" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
+def _exporting() -> bool:
+    """torch.export keeps custom ops whole (serializable programs), as it does for ``triton_op``s."""
+    try:
+        from torch.export._trace import custom_triton_ops_decomposition_disabled
+    except ImportError:
+        return False
+    return custom_triton_ops_decomposition_disabled()
+
+
 def _all_cuda(args, kwargs) -> bool:
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
     return bool(tensors) and all(t.device.type == "cuda" for t in tensors)
@@ -150,7 +159,7 @@ class ReplayOp:
             # tensor subclasses other than functionalization's and fake tensors keep the opaque op, as triton_op does
             how = inline_mode()
             if how == "off" or not _all_cuda(args, kwargs) or not all(plain(t) for t in types) \
-                    or (how == "latency" and not where(*args, **kwargs)):
+                    or _exporting() or (how == "latency" and not where(*args, **kwargs)):
                 return mode.__torch_dispatch__(op, types, args, kwargs)
             with mode, traced_launches():
                 return fn(*args, **kwargs)
