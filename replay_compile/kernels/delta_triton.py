@@ -206,7 +206,7 @@ def delta_replay_step_triton(state, d_ring, k_ring, g_ring, cursor, q, k, v, g, 
         raise ValueError(f"replay_compile.delta: {HV} heads x {n_vb} V-blocks (or L={L}) exceed the cursor word's "
                          "arrival counter")
     has_slot = slot_idx is not None
-    slot_arg = slot_idx if has_slot else cursor
+    slot_arg = slot_idx if has_slot else None     # never the cursor: see mamba2_triton.replay_step_triton
     g_strides = tuple(g_ring.stride()) + ((0,) if not kda else ())
     gi_strides = tuple(g.stride()) + ((0,) if not kda else ())
     v_per_k, v_per_q = HV // k_ring.shape[1], HV // q.shape[1]

@@ -522,7 +522,10 @@ def replay_step_triton(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, l
         raise ValueError(f"replay_compile.mamba2: {H} heads x {n_pb} P-blocks (or L={L}) exceed the cursor word's "
                          "arrival counter; use fewer heads per layer")
     has_slot = slot_idx is not None
-    slot_arg = slot_idx if has_slot else cursor          # any pointer; unused when HAS_SLOT is False
+    # None when absent (HAS_SLOT False: never dereferenced). Not the cursor as a stand-in: traced into a compiled
+    # graph (ops/library.py), torch's mutation analysis counts a pointer whose loaded values address a store as
+    # written, and one tensor passed as two written arguments is copied on every step
+    slot_arg = slot_idx if has_slot else None
     args = (state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, y,
             H, P, N, L, H // G, H // Gc, n_pb * H,
             *state.stride(), *x_ring.stride(), *dt_ring.stride(), *la_ring.stride(), *B_ring.stride(),
