@@ -15,7 +15,7 @@ call (``custom_op`` bumps them in its ADInplaceOrView kernel; ours write through
 autograd kernel (these are decode-time ops; an input that requires grad gets PyTorch's "autograd not implemented"
 warning instead of custom_op's error) and the run-time aliasing check (our outputs are fresh tensors by construction).
 
-Inlined CUDA kernels (``register_kernel("cuda", inline=True)``): when AOTAutograd traces the op on CUDA tensors
+Inlined CUDA kernels (``register_kernel("cuda", inline=predicate)``): when AOTAutograd traces the op on CUDA tensors
 (``torch.compile``), the CUDA implementation itself is traced instead of the opaque op, with every Triton launch
 wrapped by ``torch.library.wrap_triton`` (:mod:`replay_compile.kernels.launch`), as ``torch.library.triton_op``
 does. Inductor then launches our kernels from its generated code: the per-step host cost of the dispatcher, the
@@ -26,8 +26,10 @@ Where: by default only where the op launches its latency kernels (``inline=`` a 
 Mamba-2's ``whole``, the delta rule's ``fused``; small batches, where the host cost is the step's cost). The
 bandwidth variants (several launches sharing scratch, flush lists) traced and compiled bit-identical to the eager op
 on the H200, but inside whole models at batch 256 the traced step raised the decode loop's peak memory by ~2 GiB
-(Nemotron-Nano dims, session 11): a copy of a state that the opaque op, re-inplaced, does not make; until that is
-understood they stay opaque. ``REPLAY_COMPILE_INLINE_KERNELS``: ``all`` inlines every variant, ``0`` none.
+(Nemotron-Nano dims, session 11), a copy the opaque op, re-inplaced, does not make; Inductor's re-inplacing of the
+traced graph, inspected on CPU (benchmarks/diag_inline_cpu.py), copies nothing since the launches stopped passing the
+cursor as a stand-in slot pointer, but that is not yet confirmed on the GPU: until then they stay opaque.
+``REPLAY_COMPILE_INLINE_KERNELS``: ``all`` inlines every variant, ``0`` none.
 """
 
 from __future__ import annotations
@@ -148,9 +150,8 @@ class ReplayOp:
         return deco
 
     def _register_inline(self, fn: Callable, where: Callable[..., bool]) -> None:
-        from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
-
         from torch._subclasses.fake_tensor import FakeTensor
+        from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
         def plain(t: type) -> bool:
             return t in (torch.Tensor, FunctionalTensor) or issubclass(t, FakeTensor)
