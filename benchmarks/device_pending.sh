@@ -2,7 +2,7 @@
 # One device call for what was built without a GPU and has not compiled or been measured yet, most needed first.
 # Carry .baselines (mamba_ssm source) and .wheels (pytest-xdist, execnet, fla).
 # Usage on the GPU machine:  OUT=... bash benchmarks/device_pending.sh [steps...]
-#   steps (default, session 12's first call: inlinefinal inline256; NOTES "Session 11" lists the rest). The device
+#   steps (default, session 12's first call: tests inline256; NOTES "Session 11" lists the rest). The device
 #   returns at most 8 files, no more than 2 folders below $OUT: steps keep to that.
 #   tests      GPU tests of every Mamba-2 / delta kernel (pytest -n 6 when pytest-xdist is carried)
 #   dbreak     diag_stream_ceiling.py --delta: per-kernel time of the GDN / KDA split step for $DK configs, bs256
@@ -69,11 +69,12 @@ if ls .wheels/pytest_xdist-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-deps .wheels/pytest_xdist-*.whl .wheels/execnet-*.whl >> $INSTALL_LOG 2>&1 \
     && XDIST="-n 6"
 fi
-steps=${*:-inlinefinal inline256}
+steps=${*:-tests inline256}
 for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
   tests) timeout 300 python3 -m pytest -q $XDIST -p no:cacheprovider tests/test_mamba2_triton_gpu.py \
            tests/test_mamba2_triton.py tests/test_mamba2_readcopy.py tests/test_delta_readcopy_triton.py --tb=line \
-           tests/test_delta_triton.py tests/test_delta_triton_gpu.py tests/test_kernel_call_anchor.py 2>&1 \
+           tests/test_delta_triton.py tests/test_delta_triton_gpu.py tests/test_kernel_call_anchor.py \
+           tests/test_inline_kernels_gpu.py -p no:logging 2>&1 \
            | grep -v "warnings.warn" | tail -40 | tee "$OUT/pytest.txt" ;;
   dbreak) timeout 200 python3 benchmarks/diag_stream_ceiling.py --delta qwen35_4b,kimi_linear \
            --delta-configs "$DK" \
