@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call for what was built without a GPU and has not compiled or been measured yet, most needed first.
-# Carry .baselines (mamba_ssm source) and .wheels (pytest-xdist, execnet, fla).
+# Carry .baselines (mamba_ssm source) and .wheels (pytest-xdist, execnet, fla); benchmarks/fetch_device_wheels.sh
+# rebuilds both where a checkout lacks them (git does not hold them).
 # Usage on the GPU machine:  OUT=... bash benchmarks/device_pending.sh [steps...]
 #   steps (default, session 12's first call: tests inline256; NOTES "Session 11" lists the rest). The device
 #   returns at most 8 files, no more than 2 folders below $OUT: steps keep to that.
