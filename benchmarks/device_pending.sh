@@ -34,8 +34,6 @@
 #              (tensor scale per row, encoded inside the flush launch) beside nvfp4 in both
 #   prof1      issue 5's batch-1 question: kernels, launches and device time per whole decode step, plain
 #              torch.compile vs replayssm (reduce-overhead both), Nemotron-Nano and Qwen3.5 dims, 8 layers
-#   inline     GPU tests of the step ops inlined into compiled graphs (ops/library.py), then default-mode and
-#              reduce-overhead whole steps at bs1 / 256 with them, and bs1 with REPLAY_COMPILE_INLINE_KERNELS=0 (issue 5)
 #   inlinediag the inline tests with their failures in full, and diag_inline.py on $INLINE_CASES (per-step diffs,
 #              generated code)
 #   inlinefinal the inline tests, then default-mode whole steps (inlined) at bs 1 / 32 for the three models, and
@@ -146,16 +144,6 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
   rcdelta) timeout 120 python3 benchmarks/diag_stream_ceiling.py --delta qwen35_4b,kimi_linear --delta-configs "" \
            --delta-rc-configs "rc;rc:hw_e4m3=0" 2>&1 | grep -v Warn \
            | tee "$OUT/delta_rc_flush_stages.txt" ;;
-  inline) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_inline_kernels_gpu.py --tb=short 2>&1 \
-           | grep -v "warnings.warn" | tail -40 | tee "$OUT/pytest_inline.txt"
-         timeout 90 python3 benchmarks/diag_host_overhead.py 2>&1 | grep -v Warn | tee "$OUT/inline_e2e.txt"
-         timeout 200 replay-compile bench --models nemotron_h_nano4b,qwen35_4b --layers 8 --batches 1 --steps 32 \
-           --modes inductor,replayssm,inductor-ro,replayssm-ro --out /tmp/e2e_inline1 2>&1 | grep "^|" | tee -a "$OUT/inline_e2e.txt"
-         timeout 150 replay-compile bench --models nemotron_h_nano4b,qwen35_4b --layers 8 --batches 256 --steps 32 \
-           --modes inductor,replayssm --out /tmp/e2e_inline256 2>&1 | grep "^|" | tee -a "$OUT/inline_e2e.txt"
-         REPLAY_COMPILE_INLINE_KERNELS=0 timeout 100 replay-compile bench --models nemotron_h_nano4b,qwen35_4b \
-           --layers 8 --batches 1 --steps 32 --modes replayssm --out /tmp/e2e_opaque 2>&1 | grep "^|" \
-           | tee -a "$OUT/inline_e2e.txt" ;;
   inlinediag) timeout 240 python3 -m pytest -q -p no:cacheprovider -p no:logging tests/test_inline_kernels_gpu.py \
            --tb=short 2>&1 | grep -v "warnings.warn" | tail -150 > "$OUT/pytest_inline.txt"; tail -12 "$OUT/pytest_inline.txt"
          timeout 200 python3 benchmarks/diag_inline.py --out "$OUT/inline_code" --cases ${INLINE_CASES:-1,3,8} 2>&1 \

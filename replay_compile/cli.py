@@ -155,6 +155,8 @@ def _bench(args) -> int:
                                 ("replayssm-ro" if cuda else "replayssm"), tp=args.tp)
         ok = all(r["tokens_agree"] == 1.0 for r in rows)
         return 0 if ok or args.dtype != "float32" else 1
+    if args.rounds < 1:
+        raise SystemExit("replay-compile bench: --rounds must be >= 1")
     if args.gpus > 1 or args.time_limit:
         if args.tp > 1 or args.check:
             raise SystemExit("replay-compile bench: --gpus / --time-limit spread independent points over worker "
@@ -170,8 +172,6 @@ def _bench(args) -> int:
             print(f"replay-compile bench: {line}", file=sys.stderr)
         print(f"wrote {os.path.join(args.out, 'bench.csv')} and bench.md ({len(rows)} rows from {args.gpus} workers)")
         return 0 if rows and not failures else 1
-    if args.rounds < 1:
-        raise SystemExit("replay-compile bench: --rounds must be >= 1")
     rows = bench.run(models, batches, modes, args.steps, args.buffer_len, args.device, args.dtype, args.layers,
                      args.out, tp=args.tp, rounds=args.rounds)
     if lead:

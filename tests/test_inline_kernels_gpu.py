@@ -10,6 +10,7 @@ inlines the latency variants only; with ``REPLAY_COMPILE_INLINE_KERNELS=0``, and
 opaque and gives the same results.
 """
 
+import contextlib
 import logging
 import re
 
@@ -40,38 +41,31 @@ def _no_compile_caches():
         yield
 
 
-def _mamba2_case(geom, read_copy):
-    state0, seq = mamba2_problem(geom, STEPS, dtype=torch.float32, seed=3, decay=(0.8, 1.0))
-    spec = Mamba2RingSpec(geom.H, geom.P, geom.N, geom.G, L, torch.bfloat16, torch.bfloat16, read_copy=read_copy)
-    persist = (state0.cuda(),) + spec.allocate(geom.batch, "cuda")
+# per family: the problem, its seed, the input names (the low-precision ones cast to bf16), the ring spec, where
+# the read-copy storage sits among the persistent tensors, the exact and the read-copy step op
+_FAMILIES = {
+    "mamba2": (mamba2_problem, 3, ("x", "dt", "la", "B", "C"), ("x", "B", "C"),
+               lambda g, rc: Mamba2RingSpec(g.H, g.P, g.N, g.G, L, torch.bfloat16, torch.bfloat16, read_copy=rc),
+               slice(5, 8), mamba2.mamba2_step, mamba2_readcopy.mamba2_step_rc),
+    "delta": (delta_problem, 5, ("q", "k", "v", "g", "beta"), ("q", "k", "v"),
+              lambda g, rc: DeltaRingSpec(g.HV, g.Hk, g.K, g.V, L, torch.float32, torch.bfloat16, g.kda,
+                                          read_copy=rc),
+              slice(6, 9), delta.delta_step, delta_readcopy.delta_step_rc),
+}
+
+
+def _case(geom, read_copy):
+    """(persistent tensors on CUDA, per-step inputs, the step function) for a Mamba-2 or delta-rule geometry."""
+    problem, seed, keys, low, spec, copy_at, op, op_rc = _FAMILIES[
+        "mamba2" if isinstance(geom, Mamba2Geometry) else "delta"]
+    state0, seq = problem(geom, STEPS, dtype=torch.float32, seed=seed, decay=(0.8, 1.0))
+    persist = (state0.cuda(),) + spec(geom, read_copy).allocate(geom.batch, "cuda")
     if read_copy:
-        mamba2_readcopy.encode_copy(read_copy, persist[0], persist[5:8])
-    keys = ("x", "dt", "la", "B", "C")
-    seq = [tuple(d[k].cuda().to(torch.bfloat16 if k in ("x", "B", "C") else torch.float32) for k in keys)
-           for d in seq]
+        mamba2_readcopy.encode_copy(read_copy, persist[0], persist[copy_at])
+    seq = [tuple(d[k].cuda().to(torch.bfloat16 if k in low else torch.float32) for k in keys) for d in seq]
 
     def step(p, inp, slots):
-        if read_copy:
-            return mamba2_readcopy.mamba2_step_rc(*p, *inp, slots, read_copy)
-        return mamba2.mamba2_step(*p, *inp, slots)
-    return persist, seq, step
-
-
-def _delta_case(geom, read_copy):
-    state0, seq = delta_problem(geom, STEPS, dtype=torch.float32, seed=5, decay=(0.8, 1.0))
-    spec = DeltaRingSpec(geom.HV, geom.Hk, geom.K, geom.V, L, torch.float32, torch.bfloat16, geom.kda,
-                         read_copy=read_copy)
-    persist = (state0.cuda(),) + spec.allocate(geom.batch, "cuda")
-    if read_copy:
-        mamba2_readcopy.encode_copy(read_copy, persist[0], persist[6:9])
-    keys = ("q", "k", "v", "g", "beta")
-    seq = [tuple(d[k].cuda().to(torch.bfloat16 if k in ("q", "k", "v") else torch.float32) for k in keys)
-           for d in seq]
-
-    def step(p, inp, slots):
-        if read_copy:
-            return delta_readcopy.delta_step_rc(*p, *inp, slots, read_copy)
-        return delta.delta_step(*p, *inp, slots)
+        return op_rc(*p, *inp, slots, read_copy) if read_copy else op(*p, *inp, slots)
     return persist, seq, step
 
 
@@ -120,15 +114,15 @@ def _calls(code: str) -> list[str]:
 
 
 def _run(case, compiled: bool):
-    family, geom, read_copy, mod, variant = case
-    persist, seq, step = (_mamba2_case if family == "mamba2" else _delta_case)(geom, read_copy)
+    _, geom, read_copy, mod, variant = case
+    persist, seq, step = _case(geom, read_copy)
     # row r sits out step r (padded): rows flush at different steps
     b = geom.batch
     slot_seq = [torch.tensor([r if t != r else -1 for r in range(b)], dtype=torch.int32, device="cuda")
                 for t in range(STEPS)]
     fn = torch.compile(step, backend="inductor", fullgraph=True) if compiled else step
     outs, code = [], []
-    ctx = km.tuned(mod.TUNING, variant) if mod is not None else _nullcontext()
+    ctx = km.tuned(mod.TUNING, variant) if mod is not None else contextlib.nullcontext()
     with ctx:
         for t in range(STEPS):
             if compiled and t == 0:
@@ -139,14 +133,6 @@ def _run(case, compiled: bool):
             outs.append(y.clone())
     torch.cuda.synchronize()
     return outs, persist, "\n".join(code)
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def _close(a, e, what: str):
@@ -214,7 +200,7 @@ def test_inlined_step_makes_no_copy_of_the_checkpoint(geom, monkeypatch):
     re-inplace). Session 11 saw ~1.9 GiB more at Nemotron-Nano dims bs256 with every variant inlined."""
     monkeypatch.setenv("REPLAY_COMPILE_INLINE_KERNELS", "all")
     torch._dynamo.reset()
-    persist, seq, step = (_mamba2_case if isinstance(geom, Mamba2Geometry) else _delta_case)(geom, None)
+    persist, seq, step = _case(geom, None)
     fn = torch.compile(step, backend="inductor", fullgraph=True)
     with _AnalysisFallbacks() as fallbacks:
         fn(persist, seq[0], None)
