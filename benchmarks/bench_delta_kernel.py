@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_mamba2_kernel import (  # noqa: E402
-    compare_configs, copy_bandwidth, time_graph, warm_clocks, write_results)
+    compare_configs, copy_bandwidth, graph_calls, step_times, time_graph, warm_clocks, write_results)
 
 # name: (Hk, HV, K, V, kda)
 GEOMS = {"qwen35_4b": (16, 32, 128, 128, False), "qwen35_122b": (16, 64, 128, 128, False),
@@ -64,18 +64,8 @@ def bench_point(base_fn, Hk, HV, K, V, kda, bs, state_dtype, L, act=torch.bfloat
     g = -torch.rand((bs, HV, K) if kda else (bs, HV), device=dev) * 0.1
     beta = torch.rand(bs, HV, device=dev)
     i = [0]
-
-    def ours(w=None):
-        def f():
-            j = i[0] = (i[0] + 1) % copies
-            if w is not None:
-                rings[j][-1].fill_(w)
-            delta_replay_step_triton(states[j], *rings[j], q, k, v, g, beta, None)
-        return f
-
-    res = {"nonflush_us": time_graph(ours(w=L // 2), inner=copies),
-           "flush_us": time_graph(ours(w=L - 1), inner=copies),
-           "lavg_us": time_graph(ours(), reps=10, inner=L * copies)}
+    res = step_times(lambda j: delta_replay_step_triton(states[j], *rings[j], q, k, v, g, beta, None),
+                     [r[-1] for r in rings], L)
     if base_fn is not None:
         q4, k4, v4 = q[:, None], k[:, None], v[:, None]
         g4, b4 = g[:, None], beta[:, None]
@@ -83,10 +73,11 @@ def bench_point(base_fn, Hk, HV, K, V, kda, bs, state_dtype, L, act=torch.bfloat
         def base():
             j = i[0] = (i[0] + 1) % copies
             base_fn(q4, k4, v4, g=g4, beta=b4, initial_state=states[j], output_final_state=True)
-        res["baseline_us"] = time_graph(base, inner=copies)
+        res["baseline_us"] = time_graph(base, inner=graph_calls(copies))
     ea = torch.empty((), dtype=act).element_size()
     sb = bs * HV * K * V * es
-    ring_read = bs * (L // 2) * (HV * V * 4 + Hk * K * ea + HV * (K if kda else 1) * 4)
+    held = (L - 2) / 2                              # records held on average by a non-flush step (w = 0 .. L-2)
+    ring_read = int(bs * held * (HV * V * 4 + Hk * K * ea + HV * (K if kda else 1) * 4))
     res["bytes_baseline"] = sb + bs * HV * K * V * 4                # fla writes an fp32 final state
     res["bytes_nonflush"] = sb + ring_read
     res["bytes_flush"] = 2 * sb + 2 * ring_read

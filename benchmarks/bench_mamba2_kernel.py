@@ -4,9 +4,11 @@
     python benchmarks/bench_mamba2_kernel.py --batches 256 --geoms super # one point
     python benchmarks/bench_mamba2_kernel.py --batches 1,256 --configs 'tiled;tiled:BLOCK_P=32,num_warps=4'
 
-Per (geometry, batch, state dtype): the baseline step, our non-flush step, our flush step and the average over L
-consecutive steps (one flush), each replayed from a CUDA graph (median of repeats; the state of a large batch is far
-larger than L2, small batches rotate over several state buffers so L2 stays cold). Bytes are the fewest the step
+Per (geometry, batch, state dtype): the baseline step, our non-flush step (the mean over the L-1 non-flush ring
+positions), our flush step and the average over L consecutive steps (one flush), each replayed from a CUDA graph of
+at least 8 steps (median of repeats; the state of a large batch is far larger than L2, small batches rotate over
+several state buffers so L2 stays cold). Until session 12 a large batch's graph held one step, so its per-step
+figures included the graph's launch latency, and each non-flush step a cursor fill (``step_times``). Bytes are the fewest the step
 must move; "% bw" is bytes / time against the device-to-device copy bandwidth measured at the start of the run.
 The baseline is mamba_ssm's Triton ``selective_state_update``: installed, or its source under ``.baselines/``
 (carried to the GPU machine; mamba_ssm's compiled extensions are not needed for this function).
@@ -89,6 +91,50 @@ def time_graph(fn, reps=30, warmup=3, inner=1) -> float:
     return statistics.median(times)
 
 
+# Steps per captured graph, at least: a replay's own launch latency (a few µs) is no step's time. Until session 12
+# a large batch (one state buffer) had one step per graph, and its figures included that latency.
+MIN_GRAPH_STEPS = 8
+
+
+def graph_calls(copies: int) -> int:
+    """Calls per captured graph: a multiple of ``copies`` (the rotated buffers), at least ``MIN_GRAPH_STEPS``."""
+    return copies * -(-MIN_GRAPH_STEPS // copies)
+
+
+def step_times(step, cursors, L: int) -> dict:
+    """Per-step µs of ``step(k)``, one replay step on buffer set ``k`` whose cursor is ``cursors[k]``:
+
+    * ``nonflush_us``: the mean over a cycle of the ``L - 1`` non-flush ring positions, every cursor reset to 0 once
+      per cycle (until session 12: the cursor filled to ``L // 2`` before every step, the fill in the figure);
+    * ``flush_us``: the cursor filled to ``L - 1`` before each step (that ~2 µs fill is in the figure);
+    * ``lavg_us``: ``L`` consecutive steps per buffer, the cursor running free (one flush each)."""
+    copies = len(cursors)
+    i = [0]
+
+    def rotate():
+        k = i[0] = (i[0] + 1) % copies
+        step(k)
+
+    def flush():
+        k = i[0] = (i[0] + 1) % copies
+        cursors[k].fill_(L - 1)
+        step(k)
+
+    def nonflush_cycle():
+        for c in cursors:
+            c.zero_()
+        for _ in range(L - 1):
+            for k in range(copies):
+                step(k)
+
+    res = {"flush_us": time_graph(flush, inner=graph_calls(copies)),
+           "lavg_us": time_graph(rotate, reps=10, inner=L * copies), "nonflush_us": math.nan}
+    if L > 1:
+        cycles = -(-MIN_GRAPH_STEPS // ((L - 1) * copies))
+        res["nonflush_us"] = time_graph(nonflush_cycle, inner=cycles) / ((L - 1) * copies)
+    return res
+
+
 def random_step(bs, H, P, N, G, L, copies, act, dev="cuda"):
     """``copies`` ring sets (x, dt, la, B rings and cursor) with random records, and one token's random inputs
     ``(x, dt, la, B, C)``; shared by the Mamba-2 step benchmarks."""
@@ -117,19 +163,9 @@ def bench_point(ssu, H, P, N, G, bs, state_dtype, L, act=torch.bfloat16):
     rings, (x, dt, la, B, C) = random_step(bs, H, P, N, G, L, copies, act, dev)
     i = [0]
 
-    def ours(w=None):
-        def f():
-            k = i[0] = (i[0] + 1) % copies
-            if w is not None:
-                rings[k][-1].fill_(w)
-            replay_step_triton(states[k], *rings[k], x, dt, la, B, C, None)
-        return f
-
-    res = {}
     # each captured call uses the next buffer, so a replay walks all of them (cold L2 at small batch)
-    res["nonflush_us"] = time_graph(ours(w=L // 2), inner=copies)
-    res["flush_us"] = time_graph(ours(w=L - 1), inner=copies)
-    res["lavg_us"] = time_graph(ours(), reps=10, inner=L * copies)
+    res = step_times(lambda k: replay_step_triton(states[k], *rings[k], x, dt, la, B, C, None),
+                     [r[-1] for r in rings], L)
     if ssu is not None:
         A = -torch.rand(H, device=dev)[:, None, None].expand(H, P, N)
         Dp = torch.randn(H, device=dev)[:, None].expand(H, P)
@@ -140,11 +176,12 @@ def bench_point(ssu, H, P, N, G, bs, state_dtype, L, act=torch.bfloat16):
         def base():
             k = i[0] = (i[0] + 1) % copies
             ssu(base_states[k], x, dt_full, A, B, C, D=Dp, dt_bias=dtb, dt_softplus=True)
-        res["baseline_us"] = time_graph(base, inner=copies)
+        res["baseline_us"] = time_graph(base, inner=graph_calls(copies))
     es = torch.empty((), dtype=state_dtype).element_size()
     ea = torch.empty((), dtype=act).element_size()
     sb = bs * H * P * N * es
-    ring_read = bs * (H * (L // 2) * (P * ea + 8) + G * (L // 2) * N * ea)
+    held = (L - 2) / 2                              # records held on average by a non-flush step (w = 0 .. L-2)
+    ring_read = int(bs * (H * held * (P * ea + 8) + G * held * N * ea))
     res["bytes_baseline"] = 2 * sb
     res["bytes_nonflush"] = sb + ring_read
     res["bytes_flush"] = 2 * sb + 2 * ring_read

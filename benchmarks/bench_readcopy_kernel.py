@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_mamba2_kernel import (  # noqa: E402
-    bench_point, copy_bandwidth, load_baseline, random_step, reported, time_graph, warm_clocks, write_csv)
+    bench_point, copy_bandwidth, load_baseline, random_step, reported, step_times, warm_clocks, write_csv)
 
 H, P, N, G, L = 128, 64, 128, 8, 16
 
@@ -50,18 +50,9 @@ def readcopy_point(fmt: str, bs: int, act=torch.bfloat16) -> dict:
     err = float((y - y_ref).abs().max() / (y_ref.abs().max() + 1e-12))
     if not err < 1e-4:
         raise AssertionError(f"{fmt} bs{bs}: read-copy kernel differs from the reference by {err:.2e}")
-    i = [0]
-
-    def step(w=None):
-        def f():
-            k = i[0] = (i[0] + 1) % copies
-            if w is not None:
-                rings[k][-1].fill_(w)
-            replay_step_readcopy_triton(states[k], reads[k], fmt, *rings[k], x, dt, la, B, C)
-        return f
-
-    res = {"nonflush_us": time_graph(step(w=L // 2), inner=copies), "flush_us": time_graph(step(w=L - 1), inner=copies),
-           "lavg_us": time_graph(step(), reps=10, inner=L * copies), "check_err": err, "resources": resources}
+    res = step_times(lambda k: replay_step_readcopy_triton(states[k], reads[k], fmt, *rings[k], x, dt, la, B, C),
+                     [r[-1] for r in rings], L)
+    res.update(check_err=err, resources=resources)
     res["copy_bytes_nonflush"] = bs * H * P * FORMATS[fmt].row_nbytes(N)
     return res
 

@@ -41,6 +41,9 @@
 #   bs1rounds  issue 5's batch-1 targets, both modes, --rounds 2 (modes in alternating order, averaged), $E2E_MODELS
 #   inline256  Nemotron-Nano dims bs256, default mode and reduce-overhead, with REPLAY_COMPILE_INLINE_KERNELS=1 (the
 #              default: latency variants only), all and 0: step time and decode-loop peak (the ~2 GiB question)
+#   pdl        programmatic dependent launch (the window launch's checkpoint pass starts at once): GPU tests (PDL
+#              on / off bit-identical, the kernel tests, the inline tests), Mamba-2 pre and delta split with and
+#              without it (bs 32 / 128 / 256, fp32; issue 3's bs128 non-flush, issue 4's KDA)
 #   hostprof   diag_host_overhead.py under cProfile (where an op call's host time goes, dispatcher vs Triton entry)
 #   host       diag_host_overhead.py (host µs per op call, dispatcher vs Triton entry) and the default-mode (no CUDA
 #              graphs) whole step of Qwen3.5-4B / Nemotron-Nano-4B dims at bs 1 and 256 (issue 5)
@@ -161,6 +164,13 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
   inline256) for v in 1 all 0; do REPLAY_COMPILE_INLINE_KERNELS=$v timeout 200 replay-compile bench \
            --models nemotron_h_nano4b --layers 8 --batches 256 --steps 32 --modes replayssm,replayssm-ro \
            --out /tmp/e2e_i256_$v 2>&1 | grep "^| nem" | sed "s/^/inline=$v /" | tee -a "$OUT/inline_bs256.txt"; done ;;
+  pdl) timeout 240 python3 -m pytest -q $XDIST -p no:cacheprovider -p no:logging tests/test_pdl.py \
+           tests/test_mamba2_triton_gpu.py tests/test_delta_triton_gpu.py tests/test_inline_kernels_gpu.py --tb=short 2>&1 \
+           | grep -v "warnings.warn" | tail -40 | tee "$OUT/pytest_pdl.txt"
+         timeout 200 python3 benchmarks/bench_mamba2_kernel.py --out /tmp/pdl_m2 --batches 32,128,256 --dtypes float32 \
+           --configs "pre;pre:pdl=0" 2>&1 | grep -v Warn | tee "$OUT/pdl_mamba2.txt"
+         timeout 200 python3 benchmarks/bench_delta_kernel.py --out /tmp/pdl_delta --batches 32,256 --dtypes float32 \
+           --configs "split;split:pdl=0" 2>&1 | grep -v Warn | tee "$OUT/pdl_delta.txt" ;;
   hostprof) timeout 150 python3 -m cProfile -s tottime benchmarks/diag_host_overhead.py --calls 2000 2>&1 \
            | grep -v Warn | head -70 | tee "$OUT/host_cprofile.txt" ;;
   hostdiag) timeout 120 python3 benchmarks/diag_host_overhead.py 2>&1 | grep -v Warn | tee -a "$OUT/host_overhead.txt" ;;

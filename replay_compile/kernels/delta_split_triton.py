@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .host_math import cdiv
-from .launch import launch
+from .launch import launch, pdl_on, pdl_options
 from .mamba2_triton import _row_slot, _step_row, _store_checkpoint
 
 
@@ -64,14 +64,17 @@ def _delta_window_kernel(
     s_krb, s_krh, s_krl, s_krk, s_grb, s_grh, s_grl, s_grk,
     s_qb, s_qh, s_qk, s_kb, s_kh, s_kk, s_gb, s_gh, s_gk,
     HAS_SLOT: tl.constexpr, KDA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
-    SCAN_DOT: tl.constexpr,
+    SCAN_DOT: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Launch 1, grid ``(batch, HV)``: everything of the step that does not touch the checkpoint, once per (row,
     value head) instead of once per V-block. Writes ``w`` [b] (from head 0), the window scalars
     ``win[row, h] = (u_j = KE_j·k_t, v_j = KE_j·q_t, k_t·q_t)``, the decayed vectors
     ``vec[row, h] = (exp(E_tot) ⊙ k_t, exp(E_tot) ⊙ q_t, exp(E_tot))`` and, for flushing rows only, the scaled keys
     ``ke[row, h] = KE [BLOCK_L, BLOCK_K]`` (zero past the window). Reads the cursor, writes nothing of the cache.
-    ``SCAN_DOT``: see :func:`_kda_after`."""
+    ``SCAN_DOT``: see :func:`_kda_after`. ``PDL``: launch 2 is this launch's programmatic dependent and may start
+    at once (:func:`_delta_apply_kernel` waits for this grid before it reads anything written here)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     HV = tl.num_programs(1)
@@ -124,11 +127,15 @@ def _delta_window_rows_kernel(
     s_krb, s_krh, s_krl, s_krk, s_grb, s_grh, s_grl, s_grk,
     s_qb, s_qh, s_qk, s_kb, s_kh, s_kk, s_gb, s_gh, s_gk,
     HAS_SLOT: tl.constexpr, KDA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Launch 1 record by record (``window_rows=1``; same outputs as :func:`_delta_window_kernel`): the window's
     key (and KDA gate) rows are separate ``[K]`` vectors, walked from the newest back with ``E_j`` carried as one
     running sum, so the ``[L, K]`` suffix scan (or its dot) and the 2-D reductions become L vector steps, about a
-    third of the operations for KDA. Unrolled: every row load can be in flight at once."""
+    third of the operations for KDA. Unrolled: every row load can be in flight at once. ``PDL``: as for
+    :func:`_delta_window_kernel`."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     HV = tl.num_programs(1)
@@ -230,7 +237,7 @@ def _delta_apply_kernel(
     s_sb, s_sh, s_sk, s_sv, s_drb, s_drh, s_drl, s_drv, s_krb, s_krh, s_krl, s_krk, s_grb, s_grh, s_grl, s_grk,
     s_kb, s_kh, s_kk, s_vb, s_vh, s_vv, s_gb, s_gh, s_gk, s_bb, s_bh, s_ob, s_oh, s_ov,
     HAS_SLOT: tl.constexpr, KDA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, FLUSH_STAGES: tl.constexpr,
+    BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, FLUSH_STAGES: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Launch 2, grid ``(cdiv(V, BLOCK_V), batch, HV)``: reads its ``K x BLOCK_V`` checkpoint slice (issued first)
     and the window's corrected values, takes the rest from launch 1::
@@ -241,7 +248,12 @@ def _delta_apply_kernel(
     ``exp(E_tot) ⊙_K S_0 + KEᵀ D + k dᵀ`` once, as L outer products with launch 1's scaled keys (no ``tl.dot`` in
     this kernel: its operand layouts slowed the non-flush path by 20% on the H200, benchmarks/NOTES.md). Only what a
     branch needs is loaded in it. One program per row advances the cursor: launch 1 has already read it and this
-    launch reads ``w`` from launch 1's copy, so nobody reads it after the write."""
+    launch reads ``w`` from launch 1's copy, so nobody reads it after the write.
+
+    ``PDL`` (launched as launch 1's programmatic dependent): the checkpoint slice, ``v`` and ``β`` are read while
+    launch 1 may still run (it writes none of them and started after every earlier writer had finished);
+    ``gdc_wait`` comes before ``w`` and everything else of launch 1, and before every store but a padding row's
+    zero output (launch 1 reads the cursor and the rings this launch writes)."""
     pid_v = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
@@ -260,6 +272,8 @@ def _delta_apply_kernel(
     v = tl.load(v_ptr + row * s_vb + h * s_vh + offs_v * s_vv, mask=mask_v, other=0.0).to(tl.float32)
     beta = tl.load(beta_ptr + row * s_bb + h * s_bh).to(tl.float32)
     dr_base = dr_ptr + slot * s_drb + h * s_drh
+    if PDL:
+        tl.extra.cuda.gdc_wait()                   # launch 1 complete: its outputs are visible from here on
     w = tl.load(wrow_ptr + row)
     d, o = _window_readout(s0, v, beta, w, win_ptr, vec_ptr, row * HV + h, dr_base, offs_l, offs_k, offs_v, mask_v,
                            s_drl, s_drv, BLOCK_L, BLOCK_K)
@@ -299,7 +313,7 @@ def _delta_apply_kernel(
 
 def launch_split(cfg: dict, state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slot_arg, has_slot, o):
     """Launch the split step (launches 1-2 above) into ``o`` [b, HV, V]; ``cfg`` from
-    :func:`~.delta_triton.launch_config`."""
+    :func:`~.delta_triton.launch_config`. Returns launch 2's compiled kernel (``None`` under the interpreter)."""
     S, HV, K, V = state.shape
     b, L = v.shape[0], d_ring.shape[2]
     kda = g_ring.dim() == 4
@@ -307,7 +321,7 @@ def launch_split(cfg: dict, state, d_ring, k_ring, g_ring, cursor, q, k, v, g, b
     g_strides = tuple(g_ring.stride()) + ((0,) if not kda else ())
     gi_strides = tuple(g.stride()) + ((0,) if not kda else ())
     v_per_k, v_per_q = HV // k_ring.shape[1], HV // q.shape[1]
-    common = dict(HAS_SLOT=has_slot, BLOCK_K=bk, BLOCK_L=bl)
+    common = dict(HAS_SLOT=has_slot, BLOCK_K=bk, BLOCK_L=bl, PDL=pdl_on(v.device, cfg["pdl"]))
     stochastic = state.dtype == torch.float16
     win = torch.empty((b, HV, 3 * bl), dtype=torch.float32, device=v.device)
     vec = torch.empty((b, HV, 3 * bk), dtype=torch.float32, device=v.device)
@@ -321,10 +335,10 @@ def launch_split(cfg: dict, state, d_ring, k_ring, g_ring, cursor, q, k, v, g, b
         launch(_delta_window_kernel)[(b, HV)](*win_args, KDA=kda, SCAN_DOT=cfg["scan_dot"], num_warps=cfg["window_warps"],
                                       **common)
     n_vb = cdiv(V, cfg["BLOCK_V"])
-    launch(_delta_apply_kernel)[(n_vb, b, HV)](
+    return launch(_delta_apply_kernel)[(n_vb, b, HV)](
         state, d_ring, k_ring, g_ring, cursor, k, v, g, beta, slot_arg, o, win, vec, ke, wrow,
         HV, K, V, L, v_per_k,
         *state.stride(), *d_ring.stride(), *k_ring.stride(), *g_strides,
         *k.stride(), *v.stride(), *gi_strides, *beta.stride(), *o.stride(),
         KDA=kda, BLOCK_V=cfg["BLOCK_V"], STOCHASTIC_FP16=stochastic, FLUSH_STAGES=cfg["flush_stages"],
-        num_warps=cfg["num_warps"], **common)
+        num_warps=cfg["num_warps"], **common, **pdl_options(common["PDL"]))

@@ -146,9 +146,12 @@ def _delta_replay_step_kernel(
 
 # Launch configuration override for benchmarks and tests (``mamba2_triton.parse_tuning`` strings):
 # {"variant": "fused"|"split", "BLOCK_V", "num_warps", "scan_dot" (KDA); split only: "window_warps", "window_rows",
-# "flush_stages"}.
+# "flush_stages", "pdl"}.
 # Empty in use.
 TUNING: dict = {}
+
+# The split step's last compiled checkpoint-pass kernel (tests check its launch options; benchmarks its registers).
+LAST_LAUNCH: dict = {}
 
 # Rows x value heads above which the split variant runs (H200 session 8, HV = 32: fused wins at bs1 (GDN 3.9 vs 5.8
 # µs, KDA 5.3 vs 9.2), split at bs8 (GDN 12.0 vs 14.5, KDA 15.5 vs 24.8); per-row growth puts the crossover near bs2-4).
@@ -185,7 +188,11 @@ def launch_config(b: int, HV: int, K: int, V: int, L: int, kda: bool = False) ->
                      # H200 session 9, bs256 fp32: KDA's launch 1 record by record (window 46 -> 22 µs, L-avg 1.24 ->
                      # 1.38x of fla; GDN's window 16 -> 17 µs, so GDN keeps the tile form), and the flush's record
                      # loop pipelined 4 deep (flush apply 570 -> 445 µs, both; 2 stages: 563)
-                     window_rows=bool(TUNING.get("window_rows", kda)), flush_stages=TUNING.get("flush_stages", 4))
+                     window_rows=bool(TUNING.get("window_rows", kda)), flush_stages=TUNING.get("flush_stages", 4),
+                     # pdl=1: launch 2 as launch 1's programmatic dependent (launch.pdl_on). Off: H200 session 12,
+                     # fp32, non-flush bs256 GDN-4B 169.7 -> 173.2 µs, KDA 175.5 -> 183.3 (its waiting slices hold
+                     # SM slots launch 1's last programs need); Mamba-2's pre step gains 1% with it
+                     pdl=bool(TUNING.get("pdl", 0)))
     else:
         raise ValueError(f"replay_compile.delta: unknown kernel variant {variant!r} (fused, split)")
     return dict(variant=variant, BLOCK_K=block_k, BLOCK_V=block_v, BLOCK_L=block_l, num_warps=warps, **extra)
@@ -221,5 +228,6 @@ def delta_replay_step_triton(state, d_ring, k_ring, g_ring, cursor, q, k, v, g, 
             SCAN_DOT=cfg["scan_dot"], **common)
         return o
     # split: window once per (row, value head) into scratch, then the checkpoint pass
-    launch_split(cfg, state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slot_arg, has_slot, o)
+    LAST_LAUNCH["kernel"] = launch_split(cfg, state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slot_arg,
+                                         has_slot, o)
     return o

@@ -11,7 +11,11 @@ dispatcher) runs once at compile time instead of at every decode step. Same kern
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 import threading
+
+import torch
 
 _STATE = threading.local()
 
@@ -39,3 +43,28 @@ def launch(kernel):
     from torch.library import wrap_triton
 
     return wrap_triton(kernel)
+
+
+def pdl_on(device, wanted: bool = True) -> bool:
+    """Whether a launch on ``device`` may use programmatic dependent launch (PDL, Hopper and later): the kernel
+    after a PDL pair's first launch starts while the first one is still running, issues its loads that depend on
+    nothing the first one writes, and waits (``gdc_wait``) before reading what it writes. Off for the interpreter,
+    for launches traced by Inductor (kept to the plain launch there), before sm_90, and with
+    ``REPLAY_COMPILE_PDL=0``."""
+    if not wanted or tracing() or getattr(device, "type", None) != "cuda":
+        return False
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return False
+    if os.environ.get("REPLAY_COMPILE_PDL", "1").strip().lower() in ("0", "off", "false", "no"):
+        return False
+    return _major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def pdl_options(on: bool) -> dict:
+    """Launch keyword arguments for :func:`pdl_on`'s answer (none when off: older Triton has no ``launch_pdl``)."""
+    return {"launch_pdl": True} if on else {}

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from . import mamba2_triton as base
 from .host_math import cdiv, next_pow2
-from .launch import launch
+from .launch import launch, pdl_on, pdl_options
 from .mamba2_triton import (_advance_cursor_kernel, _fold_tile, _list_item, _list_row, _mamba2_replay_tiled_kernel,
                             _row_slot, _sm_count, _step_row, _step_window, _store_checkpoint)
 
@@ -50,7 +50,7 @@ def _mamba2_prepass_window_kernel(
     s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl, s_brb, s_brg, s_brl, s_brn,
     s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn, s_cb, s_cg, s_cn,
     HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    HB: tl.constexpr, WORKLIST: tl.constexpr, EARLY: tl.constexpr, CB_ONLY: tl.constexpr,
+    HB: tl.constexpr, WORKLIST: tl.constexpr, EARLY: tl.constexpr, CB_ONLY: tl.constexpr, PDL: tl.constexpr,
 ):
     """``pre`` variant, launch 1, grid ``(batch, H // HB)``: the window's contribution for ``HB`` heads of one
     group (they share ``B_j·C``, computed once), ``win[h, p] = Σ_j coef_hj (B_j·C) x_hj[p]`` and ``decay_h =
@@ -66,7 +66,12 @@ def _mamba2_prepass_window_kernel(
     registers): one memory round trip per program instead of two, twice the ring bytes on average. Otherwise the
     cursor comes first and only the held records are read. Flush rows return; with ``WORKLIST`` the row's first
     program appends the row to ``work = [count, rows...]`` (zeroed by the caller) for the flush launch.
+
+    ``PDL``: the checkpoint pass is launched as this launch's programmatic dependent; every program lets it start
+    at once (it streams its tiles, then waits for this grid before reading ``cb`` and ``decay``).
     """
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     slot = _row_slot(slot_ptr, row, HAS_SLOT)
@@ -147,10 +152,11 @@ def window_heads(H: int, G: int, Gc: int, P: int, block_l: int) -> int:
 
 
 def launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, has_slot, block_n, block_l,
-                  work=None, cb_only=False):
+                  work=None, cb_only=False, pdl=False):
     """Launch 1 of the ``pre`` variants (the fp32 step and the read-copy step): returns fp32 scratch ``win [b, H,
     P]`` (``cb_only``: the per-record weights ``cb [b, H, block_l]``, the fp32 step's default) and ``dec [b, H]``;
-    flush rows are appended to ``work`` when given."""
+    flush rows are appended to ``work`` when given. ``pdl``: the next launch is its programmatic dependent (the
+    ``cb_only`` form's checkpoint pass)."""
     b, H, P = x.shape
     N = B.shape[-1]
     G, Gc = B_ring.shape[1], C.shape[1]
@@ -165,7 +171,7 @@ def launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slo
         *x_ring.stride(), *dt_ring.stride(), *la_ring.stride(), *B_ring.stride(),
         *x.stride(), *dt.stride(), *la.stride(), *B.stride(), *C.stride(),
         HAS_SLOT=has_slot, BLOCK_P=bpw, BLOCK_N=block_n, BLOCK_L=block_l, HB=hb, WORKLIST=work is not None,
-        EARLY=cb_only or bool(base.TUNING.get("win_early", 1)), CB_ONLY=cb_only, num_warps=warps)
+        EARLY=cb_only or bool(base.TUNING.get("win_early", 1)), CB_ONLY=cb_only, PDL=pdl, num_warps=warps)
     return win, dec
 
 
@@ -179,11 +185,17 @@ def _mamba2_prepass_apply_kernel(
     s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
     HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
     STOCHASTIC_FP16: tl.constexpr, ROUTE: tl.constexpr, EARLY_TILE: tl.constexpr, WIN_X: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """``pre`` variant, launch 2 of 2, grid ``(cdiv(P, BLOCK_P), batch, H)``: a ``BLOCK_P x N`` checkpoint tile,
     loaded before the cursor (both branches need it, so the load overlaps the cursor's round trip).
     Non-flush rows: ``y = decay (S_0 C) + win``; flush rows fold the window into the tile (one ``tl.dot``), write
-    it, ``y = S_new C``."""
+    it, ``y = S_new C``.
+
+    ``PDL`` (launched as the window launch's programmatic dependent): everything up to the cursor is read while
+    launch 1 may still run (launch 1 writes none of it, and it started after every earlier writer had finished);
+    ``gdc_wait`` comes before launch 1's outputs (``cb``, ``decay``, a ``ROUTE=0`` fold's ring records) and before
+    every store but a padding row's zero output."""
     pid_p = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
@@ -203,7 +215,6 @@ def _mamba2_prepass_apply_kernel(
     c = tl.load(C_ptr + row * s_cb + gc * s_cg + offs_n * s_cn, mask=mask_n, other=0.0).to(tl.float32)
     if WIN_X == 2:                                  # the x window's loads before the cursor (stale slots too)
         offs_l = tl.arange(0, BLOCK_L)
-        cbv = tl.load(win_ptr + (row * H + h) * BLOCK_L + offs_l)
         xw = tl.load(xr_ptr + slot * s_xrb + h * s_xrh + offs_l[:, None] * s_xrl + offs_p[None, :] * s_xrp,
                      mask=(offs_l < L)[:, None] & mask_p[None, :], other=0.0)
         x_cur = tl.load(x_ptr + row * s_xb + h * s_xh + offs_p * s_xp, mask=mask_p, other=0.0)
@@ -213,6 +224,10 @@ def _mamba2_prepass_apply_kernel(
             return
     if not EARLY_TILE:
         s0 = tl.load(s_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()                    # launch 1 complete: its outputs are visible from here on
+    if WIN_X == 2:
+        cbv = tl.load(win_ptr + (row * H + h) * BLOCK_L + offs_l)                    # zero past w
     if (ROUTE == 0) and (w == L - 1):
         g = h // heads_per_g
         offs_l = tl.arange(0, BLOCK_L)
@@ -298,13 +313,14 @@ def replay_step_pre(cfg: dict, args: tuple, common: dict, has_slot: bool, slot_a
     work = torch.zeros((b + 1,), dtype=torch.int32, device=x.device) if listed else None
     # 0: win from launch 1's scratch; 1: from the x window read after the cursor; 2: read before it
     win_x = (2 if cfg["apply_early_x"] else 1) if cfg["window"] == "coef" and cfg["route"] == 1 else 0
+    pdl = pdl_on(x.device, cfg["pdl"] and win_x > 0)   # launch 2 as launch 1's programmatic dependent
     win, dec = launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, has_slot,
-                             cfg["BLOCK_N"], cfg["BLOCK_L"], work, cb_only=win_x > 0)
+                             cfg["BLOCK_N"], cfg["BLOCK_L"], work, cb_only=win_x > 0, pdl=pdl)
     k = launch(_mamba2_prepass_apply_kernel)[(n_pb, b, H)](
         *args[:13], win, dec, *args[13:19], *args[20:],
         HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_P"], BLOCK_N=cfg["BLOCK_N"], BLOCK_L=cfg["BLOCK_L"],
         STOCHASTIC_FP16=common["STOCHASTIC_FP16"], ROUTE=cfg["route"], EARLY_TILE=cfg["early_tile"],
-        WIN_X=win_x, num_warps=cfg["num_warps"])
+        WIN_X=win_x, PDL=pdl, num_warps=cfg["num_warps"], **pdl_options(pdl))
     if cfg["route"] == 1:
         fl = dict(common, BLOCK_P=cfg["FLUSH_P"], BLOCK_N=cfg["FLUSH_N"], num_warps=cfg["flush_warps"],
                   N_TILES=cdiv(N, cfg["FLUSH_N"]))

@@ -463,6 +463,8 @@ def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
       (``fold_advance=0``: a fourth launch does). Super fp32 bs256 2.11x, bs128 2.10x (both knobs on: 1-3% faster at
       bs128, 15 fewer registers; session 8).
       ``route=0`` folds flush rows inside launch 2 instead (``early_tile=1`` loads the tile before the cursor).
+      ``pdl=1`` (default; Hopper and later, :func:`~.launch.pdl_on`): launch 2 is launch 1's programmatic
+      dependent, so its tiles stream while launch 1 runs.
     * ``tiled`` (the session-2 body, kept for comparisons): one launch streams ``BLOCK_P x BLOCK_N`` tiles for both
       kinds of row, then the cursor advance.
     ``tl.dot`` needs every dim >= 16; the window sits on a power-of-two axis >= 16.
@@ -490,7 +492,7 @@ def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
                    flush_list=bool(TUNING.get("flush_list", 1)),
                    window="full" if TUNING.get("window_full", 0) else "coef",
                    apply_early_x=bool(TUNING.get("apply_early_x", 1)), fold_advance=bool(TUNING.get("fold_advance", 1)),
-                   flush_programs_per_sm=TUNING.get("flush_per_sm"))
+                   flush_programs_per_sm=TUNING.get("flush_per_sm"), pdl=bool(TUNING.get("pdl", 1)))
     else:
         raise ValueError(f"replay_compile.mamba2: unknown kernel variant {variant!r} (whole, pre, tiled)")
     return dict(cfg, variant=variant, BLOCK_L=block_l)
