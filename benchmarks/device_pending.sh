@@ -44,6 +44,8 @@
 #   pdl        programmatic dependent launch (the window launch's checkpoint pass starts at once): GPU tests (PDL
 #              on / off bit-identical, the kernel tests, the inline tests), Mamba-2 pre and delta split with and
 #              without it (bs 32 / 128 / 256, fp32; issue 3's bs128 non-flush, issue 4's KDA)
+#   m2cfg      issue 3's non-flush floor at bs128: the pre step's per-launch device times (fp32, both geometries) and
+#              taller apply tiles for the bf16 checkpoint ($M2C; its 16 x N tile is 4 KB, fp32's 8 KB)
 #   hostprof   diag_host_overhead.py under cProfile (where an op call's host time goes, dispatcher vs Triton entry)
 #   host       diag_host_overhead.py (host µs per op call, dispatcher vs Triton entry) and the default-mode (no CUDA
 #              graphs) whole step of Qwen3.5-4B / Nemotron-Nano-4B dims at bs 1 and 256 (issue 5)
@@ -171,6 +173,11 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
            --configs "pre;pre:pdl=0" 2>&1 | grep -v Warn | tee "$OUT/pdl_mamba2.txt"
          timeout 200 python3 benchmarks/bench_delta_kernel.py --out /tmp/pdl_delta --batches 32,256 --dtypes float32 \
            --configs "split;split:pdl=0" 2>&1 | grep -v Warn | tee "$OUT/pdl_delta.txt" ;;
+  m2cfg) timeout 150 python3 benchmarks/diag_stream_ceiling.py --breakdown-only --batch 128 2>&1 | grep -v Warn \
+           | tee "$OUT/mamba2_breakdown_bs128.txt"
+         timeout 300 python3 benchmarks/bench_mamba2_kernel.py --out /tmp/m2cfg --batches 128,256 \
+           --dtypes bfloat16,float32 --configs "${M2C:-pre;pre:BLOCK_P=32;pre:BLOCK_P=32,num_warps=2;pre:BLOCK_P=64,num_warps=2;pre:BLOCK_P=64,num_warps=4}" \
+           2>&1 | grep -v Warn | tee "$OUT/mamba2_configs.txt" ;;
   hostprof) timeout 150 python3 -m cProfile -s tottime benchmarks/diag_host_overhead.py --calls 2000 2>&1 \
            | grep -v Warn | head -70 | tee "$OUT/host_cprofile.txt" ;;
   hostdiag) timeout 120 python3 benchmarks/diag_host_overhead.py 2>&1 | grep -v Warn | tee -a "$OUT/host_overhead.txt" ;;
