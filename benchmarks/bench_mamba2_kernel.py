@@ -230,17 +230,21 @@ def compare_configs(tuning: dict, points, configs, bw, csv_path):
     write_csv(rows, csv_path)
 
 
-def sweep_configs(ssu, bw, L, out, configs, batches, geoms):
-    """:func:`compare_configs` for the Mamba-2 kernel, fp32 state, with selective_state_update's time of each
-    point measured once in the same run; used to pick the defaults of ``mamba2_triton.launch_config``."""
+def sweep_configs(ssu, bw, L, out, configs, batches, geoms, dtypes=("float32",)):
+    """:func:`compare_configs` for the Mamba-2 kernel per checkpoint dtype (``geom`` is labelled ``/bf16`` etc.
+    for other than fp32), with selective_state_update's time of each point measured once in the same run; used to
+    pick the defaults of ``mamba2_triton.launch_config``."""
     from replay_compile.kernels import mamba2_triton as kt
 
     def points():
         for gname in geoms:
             H, P, N, G = GEOMS[gname]
-            for bs in batches:
-                base = bench_point(ssu, H, P, N, G, bs, torch.float32, L).get("baseline_us", float("nan"))
-                yield gname, bs, base, lambda: bench_point(None, H, P, N, G, bs, torch.float32, L)
+            for dname in dtypes:
+                sdt = getattr(torch, dname)
+                label = gname if dname == "float32" else f"{gname}/{dname[:4]}"
+                for bs in batches:
+                    base = bench_point(ssu, H, P, N, G, bs, sdt, L).get("baseline_us", float("nan"))
+                    yield label, bs, base, lambda: bench_point(None, H, P, N, G, bs, sdt, L)
     compare_configs(kt.TUNING, points(), configs, bw, os.path.join(out, "mamba2_kernel_configs.csv"))
 
 
@@ -308,7 +312,7 @@ def main(argv=None):
           f"{'L-avg us':>9} {'speedup':>7} {'floor x':>7} {'chosen':>6} {'xwhole':>6} {'xpre':>6}"
     if args.configs:
         return sweep_configs(ssu, bw, args.L, args.out, args.configs.split(";"), list(map(int, args.batches.split(","))),
-                             args.geoms.split(","))
+                             args.geoms.split(","), args.dtypes.split(","))
     print(hdr)
     for gname in args.geoms.split(","):
         H, P, N, G = GEOMS[gname]

@@ -176,7 +176,7 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
   m2cfg) timeout 150 python3 benchmarks/diag_stream_ceiling.py --breakdown-only --batch 128 2>&1 | grep -v Warn \
            | tee "$OUT/mamba2_breakdown_bs128.txt"
          timeout 300 python3 benchmarks/bench_mamba2_kernel.py --out /tmp/m2cfg --batches 128,256 \
-           --dtypes bfloat16,float32 --configs "${M2C:-pre;pre:BLOCK_P=32;pre:BLOCK_P=32,num_warps=2;pre:BLOCK_P=64,num_warps=2;pre:BLOCK_P=64,num_warps=4}" \
+           --dtypes ${M2D:-bfloat16,float32} --configs "${M2C:-pre;pre:BLOCK_P=32;pre:BLOCK_P=32,num_warps=2;pre:BLOCK_P=64,num_warps=2;pre:BLOCK_P=64,num_warps=4}" \
            2>&1 | grep -v Warn | tee "$OUT/mamba2_configs.txt" ;;
   hostprof) timeout 150 python3 -m cProfile -s tottime benchmarks/diag_host_overhead.py --calls 2000 2>&1 \
            | grep -v Warn | head -70 | tee "$OUT/host_cprofile.txt" ;;

@@ -19,7 +19,8 @@ import time
 import torch
 
 
-def profile_mode(model, mode: str, batch: int, L: int, warm: int = 20, steps: int = 8, top: int = 12):
+def profile_mode(model, mode: str, batch: int, L: int, warm: int = 20, steps: int = 8, top: int = 12,
+                 cpu_rows: int = 8):
     from transformers import StaticCache
 
     from replay_compile.bench import _forward_for, cache_kwarg
@@ -70,7 +71,7 @@ def profile_mode(model, mode: str, batch: int, L: int, warm: int = 20, steps: in
     except Exception as e:  # noqa: BLE001 - a diagnostic: the totals below still print
         print(f"   timeline failed: {type(e).__name__}: {e}")
     cpu = prof.key_averages()
-    rows = sorted((e for e in cpu if e.self_cpu_time_total > 0), key=lambda e: -e.self_cpu_time_total)[:8]
+    rows = sorted((e for e in cpu if e.self_cpu_time_total > 0), key=lambda e: -e.self_cpu_time_total)[:cpu_rows]
     for e in rows:
         print(f"   cpu {e.self_cpu_time_total / steps:9.1f} us/step  x{e.count / steps:5.1f}  {e.key[:100]}")
 
@@ -116,11 +117,13 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--modes", default="inductor-ro,replayssm-ro")
     ap.add_argument("--L", type=int, default=16)
+    ap.add_argument("--cpu-rows", type=int, default=8, help="host ops listed by self time (default mode: the host "
+                    "is the question)")
     args = ap.parse_args(argv)
     from replay_compile.bench import build_model
     model = build_model(args.model, torch.bfloat16, "cuda", args.layers)
     for mode in args.modes.split(","):
-        profile_mode(model, mode, args.batch, args.L)
+        profile_mode(model, mode, args.batch, args.L, cpu_rows=args.cpu_rows)
 
 
 if __name__ == "__main__":
