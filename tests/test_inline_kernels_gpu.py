@@ -194,13 +194,25 @@ def test_opaque_op_when_inlining_is_off_and_for_read_copies(case, monkeypatch):
     DeltaGeometry(64, 32, 16, 128, 128, False),        # Qwen3.5-4B GDN, 128 MiB
     DeltaGeometry(64, 32, 32, 128, 128, True),         # Kimi-Linear KDA
 ], ids=str)
-def test_inlined_step_makes_no_copy_of_the_checkpoint(geom, monkeypatch):
+@pytest.mark.parametrize("strided_decay", [False, True], ids=["", "strided-decay"])
+def test_inlined_step_makes_no_copy_of_the_checkpoint(geom, strided_decay, monkeypatch):
     """A large checkpoint (bandwidth variants, inlined on request): the compiled step's peak memory stays far below
     one more checkpoint, and torch analysed every kernel's mutations (a failed analysis clones what it cannot
-    re-inplace). Session 11 saw ~1.9 GiB more at Nemotron-Nano dims bs256 with every variant inlined."""
+    re-inplace). Session 11 saw ~1.9 GiB more at Nemotron-Nano dims bs256 with every variant inlined: HF's log-decay
+    reaches the op as a strided view of a state-sized broadcast, and the launches' strides made Inductor allocate a
+    state-sized buffer for it per launch (``strided_decay`` builds the decay that way inside the compiled step)."""
     monkeypatch.setenv("REPLAY_COMPILE_INLINE_KERNELS", "all")
     torch._dynamo.reset()
-    persist, seq, step = _case(geom, None)
+    persist, seq, step0 = _case(geom, None)
+    at = 2 if isinstance(geom, Mamba2Geometry) else 3                # la (Mamba-2) or g (GDN / KDA)
+
+    def step(p, inp, slots):
+        if strided_decay:
+            d = inp[at]                                              # [b, H] or KDA's [b, HV, K]
+            n = 4 - d.dim()                                          # state dims it broadcasts over
+            big = d.reshape(*d.shape, *(1,) * n) * torch.ones(p[0].shape[-n:], device=d.device)
+            inp = (*inp[:at], big[(...,) + (0,) * n], *inp[at + 1:])
+        return step0(p, inp, slots)
     fn = torch.compile(step, backend="inductor", fullgraph=True)
     with _AnalysisFallbacks() as fallbacks:
         fn(persist, seq[0], None)

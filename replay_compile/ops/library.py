@@ -153,6 +153,9 @@ class ReplayOp:
         from torch._subclasses.fake_tensor import FakeTensor
         from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
+        mutated = set(self._mutated)
+        mutated_names = {self._params[i] for i in mutated}
+
         def plain(t: type) -> bool:
             return t in (torch.Tensor, FunctionalTensor) or issubclass(t, FakeTensor)
 
@@ -163,6 +166,14 @@ class ReplayOp:
                     or _exporting() or (how == "latency" and not where(*args, **kwargs)):
                 return mode.__torch_dispatch__(op, types, args, kwargs)
             with mode, traced_launches():
+                # the launches pass strides as plain ints, so Inductor must hand each kernel its inputs with exactly
+                # the traced strides: a read-only token input that is a strided view of a state-sized tensor (HF's
+                # log-decay, taken from an [b, H, P, N] broadcast) became a state-sized buffer per launch (H200,
+                # session 12: +1.9 GiB at bs256). Made contiguous here, they are written compactly.
+                args = tuple(a.contiguous() if isinstance(a, torch.Tensor) and i not in mutated else a
+                             for i, a in enumerate(args))
+                kwargs = {k: (v.contiguous() if isinstance(v, torch.Tensor) and k not in mutated_names else v)
+                          for k, v in kwargs.items()}
                 return fn(*args, **kwargs)
 
         torch.library.register_torch_dispatch(f"{NAMESPACE}::{self.name}", FunctionalTensorMode, rule, lib=_LIB)
