@@ -46,6 +46,8 @@
 #              without it (bs 32 / 128 / 256, fp32; issue 3's bs128 non-flush, issue 4's KDA)
 #   m2cfg      issue 3's non-flush floor at bs128: the pre step's per-launch device times (fp32, both geometries) and
 #              taller apply tiles for the bf16 checkpoint ($M2C; its 16 x N tile is 4 KB, fp32's 8 KB)
+#   inlinefix  the inline GPU tests (incl. the strided decay), then Nemotron bs256 (inline all / 0) and the Mamba-2
+#              model at bs32 (plain, inline default, all) in default mode: step time and decode-loop peak
 #   hostprof   diag_host_overhead.py under cProfile (where an op call's host time goes, dispatcher vs Triton entry)
 #   host       diag_host_overhead.py (host µs per op call, dispatcher vs Triton entry) and the default-mode (no CUDA
 #              graphs) whole step of Qwen3.5-4B / Nemotron-Nano-4B dims at bs 1 and 256 (issue 5)
@@ -178,6 +180,16 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
          timeout 300 python3 benchmarks/bench_mamba2_kernel.py --out /tmp/m2cfg --batches 128,256 \
            --dtypes ${M2D:-bfloat16,float32} --configs "${M2C:-pre;pre:BLOCK_P=32;pre:BLOCK_P=32,num_warps=2;pre:BLOCK_P=64,num_warps=2;pre:BLOCK_P=64,num_warps=4}" \
            2>&1 | grep -v Warn | tee "$OUT/mamba2_configs.txt" ;;
+  inlinefix) timeout 200 python3 -m pytest -q -p no:cacheprovider -p no:logging tests/test_inline_kernels_gpu.py \
+           --tb=short 2>&1 | grep -v "warnings.warn" | tail -30 | tee "$OUT/pytest_inline.txt"
+         for v in all 0; do REPLAY_COMPILE_INLINE_KERNELS=$v timeout 150 replay-compile bench --models nemotron_h_nano4b \
+           --layers 8 --batches 256 --steps 32 --modes replayssm --out /tmp/e2e_if256_$v 2>&1 | grep "^| nem" \
+           | sed "s/^/inline=$v /" | tee -a "$OUT/inline_fix.txt"; done
+         timeout 150 replay-compile bench --models mamba2_2p7b --layers 8 --batches 32 --steps 32 --modes inductor,replayssm \
+           --out /tmp/e2e_ifm1 2>&1 | grep "^| mam" | sed "s/^/inline=1 /" | tee -a "$OUT/inline_fix.txt"
+         REPLAY_COMPILE_INLINE_KERNELS=all timeout 150 replay-compile bench --models mamba2_2p7b --layers 8 --batches 32 \
+           --steps 32 --modes replayssm --out /tmp/e2e_ifma 2>&1 | grep "^| mam" | sed "s/^/inline=all /" \
+           | tee -a "$OUT/inline_fix.txt" ;;
   hostprof) timeout 150 python3 -m cProfile -s tottime benchmarks/diag_host_overhead.py --calls 2000 2>&1 \
            | grep -v Warn | head -70 | tee "$OUT/host_cprofile.txt" ;;
   hostdiag) timeout 120 python3 benchmarks/diag_host_overhead.py 2>&1 | grep -v Warn | tee -a "$OUT/host_overhead.txt" ;;
