@@ -1,12 +1,12 @@
 """GPU-only: the step ops traced into compiled graphs (``register_kernel("cuda", inline=...)``).
 
 Under ``torch.compile`` the CUDA step ops can be traced instead of called: AOTAutograd traces their Triton launches
-and Inductor launches the kernels from its generated code (ops/library.py); by default only the latency variants,
-every variant with ``REPLAY_COMPILE_INLINE_KERNELS=all``. Checked here, per op and kernel variant, over 2L + 3 steps
+and Inductor launches the kernels from its generated code (ops/library.py); every variant by default, only the
+latency variants with ``REPLAY_COMPILE_INLINE_KERNELS=latency``. Checked here, per op and kernel variant, over 2L + 3 steps
 with rows flushing at different steps: the compiled function gives the eager op's outputs and leaves the checkpoint,
 rings and cursor exactly as the eager op does (same kernels, same arguments); the generated code launches our
 kernels, does not call the op and copies nothing; no copy of the checkpoint is made (peak memory); the default
-inlines the latency variants only; with ``REPLAY_COMPILE_INLINE_KERNELS=0``, and for the read-copy ops, the op stays
+inlines every exact variant, ``latency`` the latency variants only; with ``REPLAY_COMPILE_INLINE_KERNELS=0``, and for the read-copy ops, the op stays
 opaque and gives the same results.
 """
 
@@ -168,12 +168,18 @@ def test_inlined_step_equals_the_eager_op(case, monkeypatch):
         _close(a, e, f"persistent tensor {i}")
 
 
+@pytest.mark.parametrize("mode", ["", "latency"], ids=["default", "latency"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[5], CASES[6]], ids=_ids)
-def test_default_inlines_the_latency_variants_only(case):
+def test_which_variants_are_inlined(case, mode, monkeypatch):
+    """By default every exact variant is inlined; ``latency`` inlines Mamba-2 ``whole`` and delta ``fused`` only."""
+    if mode:
+        monkeypatch.setenv("REPLAY_COMPILE_INLINE_KERNELS", mode)
+    else:
+        monkeypatch.delenv("REPLAY_COMPILE_INLINE_KERNELS", raising=False)
     torch._dynamo.reset()
     _, _, code = _run(case, compiled=True)
     opaque = bool([ln for ln in _calls(code) if "torch.ops.replay_compile" in ln])
-    assert opaque == (case[4] not in ("whole", "fused"))
+    assert opaque == (mode == "latency" and case[4] not in ("whole", "fused"))
 
 
 @pytest.mark.parametrize("case", [CASES[1], CASES[6]] + OPAQUE, ids=_ids)

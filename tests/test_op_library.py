@@ -82,9 +82,9 @@ def test_inline_switches(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("REPLAY_COMPILE_KERNELS", raising=False)
     monkeypatch.delenv("REPLAY_COMPILE_INLINE_KERNELS", raising=False)
-    assert inline_mode() == "latency"
-    monkeypatch.setenv("REPLAY_COMPILE_INLINE_KERNELS", "all")
     assert inline_mode() == "all"
+    monkeypatch.setenv("REPLAY_COMPILE_INLINE_KERNELS", "latency")
+    assert inline_mode() == "latency"
     for var, val in (("REPLAY_COMPILE_INLINE_KERNELS", "0"), ("REPLAY_COMPILE_KERNELS", "reference"),
                      ("TRITON_INTERPRET", "1")):
         with monkeypatch.context() as m:
@@ -139,5 +139,5 @@ def test_inline_cache_tag_follows_tuning_and_switch(monkeypatch):
     with kt.tuned(kt.TUNING, "pre:BLOCK_P=32"):
         assert inline_cache_tag() != base
     assert inline_cache_tag() == base
-    monkeypatch.setenv("REPLAY_COMPILE_INLINE_KERNELS", "all")
+    monkeypatch.setenv("REPLAY_COMPILE_INLINE_KERNELS", "latency")
     assert inline_cache_tag() != base

@@ -22,14 +22,15 @@ does. Inductor then launches our kernels from its generated code: the per-step h
 argument checks and Triton's Python launcher (~80 µs per op call at batch 1 on the H200's host; outside CUDA graphs
 the decode step waits for it) is paid once at compile time.
 
-Where: by default only where the op launches its latency kernels (``inline=`` a predicate on the arguments:
-Mamba-2's ``whole``, the delta rule's ``fused``; small batches, where the host cost is the step's cost). The
-bandwidth variants (several launches sharing scratch, flush lists) traced and compiled bit-identical to the eager op
-on the H200, but inside whole models at batch 256 the traced step raised the decode loop's peak memory by ~2 GiB
-(Nemotron-Nano dims, session 11), a copy the opaque op, re-inplaced, does not make; Inductor's re-inplacing of the
-traced graph, inspected on CPU (benchmarks/diag_inline_cpu.py), copies nothing since the launches stopped passing the
-cursor as a stand-in slot pointer, but that is not yet confirmed on the GPU: until then they stay opaque.
-``REPLAY_COMPILE_INLINE_KERNELS``: ``all`` inlines every variant, ``0`` none.
+Where: every kernel variant by default. ``REPLAY_COMPILE_INLINE_KERNELS=latency`` inlines only where the op
+launches its latency kernels (``inline=`` a predicate on the arguments: Mamba-2's ``whole``, the delta rule's
+``fused``; small batches), ``0`` none. Until session 12 the bandwidth variants stayed opaque: inside whole models
+they raised the decode loop's peak memory by ~2 GiB at batch 256 and made the Mamba-2 model's bs32 step 2.5x slower.
+The cause was a read-only input, not the checkpoint: HF's log-decay reaches the op as a strided view of a
+state-sized broadcast, and since the launches pass strides as integers, Inductor gave every launch its own
+state-sized buffer for it. Read-only tensor inputs are now made contiguous before the traced launches (H200, session
+12, default mode: Nemotron-Nano dims bs256 2.97 ms and a 6.04 GiB decode-loop peak inlined vs 3.10 ms / 6.86 GiB
+opaque; the Mamba-2 model bs32 2.31 ms vs 5.11 opaque, plain torch.compile 2.12).
 """
 
 from __future__ import annotations
@@ -52,15 +53,16 @@ _DEVICE_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
 
 
 def inline_mode() -> str:
-    """``"latency"`` (default: ops inlined where their ``inline`` predicate holds), ``"all"`` or ``"off"`` (with
-    ``REPLAY_COMPILE_INLINE_KERNELS=0``, ``REPLAY_COMPILE_KERNELS=reference`` or ``TRITON_INTERPRET=1``: the
-    interpreter's kernels cannot be traced). See the module docstring."""
+    """``"all"`` (default: every variant inlined), ``"latency"`` (``REPLAY_COMPILE_INLINE_KERNELS=latency``: ops
+    inlined where their ``inline`` predicate holds) or ``"off"`` (with ``REPLAY_COMPILE_INLINE_KERNELS=0``,
+    ``REPLAY_COMPILE_KERNELS=reference`` or ``TRITON_INTERPRET=1``: the interpreter's kernels cannot be traced). See
+    the module docstring."""
     env = os.environ
     val = env.get("REPLAY_COMPILE_INLINE_KERNELS", "1").strip().lower()
     if val in ("0", "false", "off") or env.get("REPLAY_COMPILE_KERNELS", "triton").lower() == "reference" \
             or env.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return "off"
-    return "all" if val == "all" else "latency"
+    return "latency" if val == "latency" else "all"
 
 
 @functools.lru_cache(maxsize=None)
