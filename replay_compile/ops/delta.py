@@ -85,7 +85,8 @@ def delta_step(
 
 
 def _latency_launch(state, d_ring, k_ring, g_ring, cursor, q, k, v, *_, **__) -> bool:
-    """Whether the step launches its latency kernel (``fused``), where the op is inlined by default (library.py)."""
+    """Whether the step launches its latency kernel (``fused``): where the op is inlined with
+    ``REPLAY_COMPILE_INLINE_KERNELS=latency`` (library.py; by default it is inlined everywhere)."""
     from ..kernels.delta_triton import launch_config
 
     _, HV, K, V = state.shape

@@ -133,10 +133,11 @@ class ReplayOp:
         return impl
 
     def register_kernel(self, device_type: str, inline: Callable[..., bool] | None = None) -> Callable:
-        """Decorator: the implementation for one device type (``"cuda"`` or ``"cpu"``). ``inline`` (CUDA only): a
-        predicate on the op's arguments saying where ``fn`` is traced in place of the op by default (see the module
-        docstring); ``fn`` must then be traceable: shapes, strides and dtypes only, no reads of tensor data, every
-        launch through :func:`~replay_compile.kernels.launch.launch`."""
+        """Decorator: the implementation for one device type (``"cuda"`` or ``"cpu"``). ``inline`` (CUDA only): ``fn``
+        is traced in place of the op under ``torch.compile`` (see the module docstring), everywhere by default, where
+        this predicate on the op's arguments holds with ``REPLAY_COMPILE_INLINE_KERNELS=latency``; ``fn`` must then
+        be traceable: shapes, strides and dtypes only, no reads of tensor data, every launch through
+        :func:`~replay_compile.kernels.launch.launch`."""
         key = _DEVICE_KEYS.get(device_type)
         if key is None:
             raise ValueError(f"replay_op {self.name}: device type {device_type!r} not one of {sorted(_DEVICE_KEYS)}")

@@ -104,7 +104,8 @@ def mamba2_step(
 
 
 def _latency_launch(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, *_, **__) -> bool:
-    """Whether the step launches its latency kernel (``whole``), where the op is inlined by default (library.py)."""
+    """Whether the step launches its latency kernel (``whole``): where the op is inlined with
+    ``REPLAY_COMPILE_INLINE_KERNELS=latency`` (library.py; by default it is inlined everywhere)."""
     from ..kernels.mamba2_triton import launch_config
 
     _, H, P, N = state.shape
