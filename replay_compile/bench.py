@@ -417,6 +417,23 @@ def _speedups(rows):
         r["speedup_vs_compile"] = ref / r["step_ms"] if ref and r["mode"].startswith("replayssm") else float("nan")
 
 
+def run_banner() -> str:
+    """What a results table depends on beyond its rows: versions, the GPU, and the switches that change which
+    kernels run (inlining into compiled graphs, programmatic dependent launch)."""
+    import torch
+
+    from .ops.library import inline_mode
+
+    try:
+        import triton
+        tv = triton.__version__
+    except ImportError:
+        tv = "none"
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return (f"torch {torch.__version__}, triton {tv}, {gpu}; inline kernels: {inline_mode()}; "
+            f"PDL: {os.environ.get('REPLAY_COMPILE_PDL', '1')}")
+
+
 def _write(rows, out_dir, quiet=False):
     if not rows:
         return
@@ -435,9 +452,10 @@ def _write(rows, out_dir, quiet=False):
                      f"{r['speedup_vs_compile']:.2f} |")
     table = "\n".join(lines)
     with open(os.path.join(out_dir, "bench.md"), "w") as f:
-        f.write(table + "\n")
+        f.write(f"<!-- {run_banner()} -->\n" + table + "\n")
     if quiet:
         return
+    print(f"# {run_banner()}")
     print(table)
     try:
         import matplotlib

@@ -66,6 +66,8 @@ def test_bench_smoke_on_cpu(tmp_path, capsys):
     assert rows[0]["rewrites"] == "0" and int(rows[1]["rewrites"]) >= 2
     assert float(rows[1]["flush_ms"]) > 0 and float(rows[1]["nonflush_ms"]) > 0
     assert "| tiny_mamba2" in capsys.readouterr().out and (tmp_path / "bench.md").exists()
+    banner = (tmp_path / "bench.md").read_text().splitlines()[0]      # what the numbers depend on besides the rows
+    assert banner.startswith("<!-- torch ") and "inline kernels: off" in banner   # the interpreter: nothing traced
 
 
 def test_bench_rounds_alternate_the_modes_and_average(tmp_path, monkeypatch):
