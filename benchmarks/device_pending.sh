@@ -45,7 +45,9 @@
 #              on / off bit-identical, the kernel tests, the inline tests), Mamba-2 pre and delta split with and
 #              without it (bs 32 / 128 / 256, fp32; issue 3's bs128 non-flush, issue 4's KDA)
 #   m2cfg      issue 3's non-flush floor at bs128: the pre step's per-launch device times (fp32, both geometries) and
-#              taller apply tiles for the bf16 checkpoint ($M2C; its 16 x N tile is 4 KB, fp32's 8 KB)
+#              $M2C at bs 128 / 256 for $M2D (default bf16 and fp32): the padded window head axis (win_pad=1: Nano's
+#              12 heads per group in one program, not three; its window launch is 6.5 µs vs Super's 5.0) and 32-row
+#              apply tiles
 #   inlinefix  the inline GPU tests (incl. the strided decay), then Nemotron bs256 (inline all / 0) and the Mamba-2
 #              model at bs32 (plain, inline default, all) in default mode: step time and decode-loop peak
 #   hostprof   diag_host_overhead.py under cProfile (where an op call's host time goes, dispatcher vs Triton entry)
@@ -178,7 +180,7 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
   m2cfg) timeout 150 python3 benchmarks/diag_stream_ceiling.py --breakdown-only --batch 128 2>&1 | grep -v Warn \
            | tee "$OUT/mamba2_breakdown_bs128.txt"
          timeout 300 python3 benchmarks/bench_mamba2_kernel.py --out /tmp/m2cfg --batches 128,256 \
-           --dtypes ${M2D:-bfloat16,float32} --configs "${M2C:-pre;pre:BLOCK_P=32;pre:BLOCK_P=32,num_warps=2;pre:BLOCK_P=64,num_warps=2;pre:BLOCK_P=64,num_warps=4}" \
+           --dtypes ${M2D:-bfloat16,float32} --configs "${M2C:-pre;pre:win_pad=1;pre:BLOCK_P=32,num_warps=2;pre:win_pad=1,BLOCK_P=32,num_warps=2}" \
            2>&1 | grep -v Warn | tee "$OUT/mamba2_configs.txt" ;;
   inlinefix) timeout 200 python3 -m pytest -q -p no:cacheprovider -p no:logging tests/test_inline_kernels_gpu.py \
            --tb=short 2>&1 | grep -v "warnings.warn" | tail -30 | tee "$OUT/pytest_inline.txt"

@@ -51,6 +51,7 @@ def _mamba2_prepass_window_kernel(
     s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn, s_cb, s_cg, s_cn,
     HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
     HB: tl.constexpr, WORKLIST: tl.constexpr, EARLY: tl.constexpr, CB_ONLY: tl.constexpr, PDL: tl.constexpr,
+    HPP: tl.constexpr,
 ):
     """``pre`` variant, launch 1, grid ``(batch, H // HB)``: the window's contribution for ``HB`` heads of one
     group (they share ``B_j·C``, computed once), ``win[h, p] = Σ_j coef_hj (B_j·C) x_hj[p]`` and ``decay_h =
@@ -69,6 +70,10 @@ def _mamba2_prepass_window_kernel(
 
     ``PDL``: the checkpoint pass is launched as this launch's programmatic dependent; every program lets it start
     at once (it streams its tiles, then waits for this grid before reading ``cb`` and ``decay``).
+
+    ``HPP`` heads per program on an ``HB``-long (power-of-two) head axis: ``HPP == HB`` but where the group size is
+    not a power of two and the window is padded (``win_pad=1``: Nano's 12 heads per group on a 16-long axis, one
+    program per group instead of three of 4 heads); padded lanes are masked everywhere.
     """
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -77,8 +82,10 @@ def _mamba2_prepass_window_kernel(
     slot = _row_slot(slot_ptr, row, HAS_SLOT)
     if slot < 0:
         return
-    h0 = hb.to(tl.int64) * HB
-    offs_h = h0 + tl.arange(0, HB)                      # HB divides the heads of a group: all < H, one g, one gc
+    h0 = hb.to(tl.int64) * HPP
+    mask_h = tl.arange(0, HB) < HPP
+    offs_h = h0 + tl.arange(0, HB)                  # HPP divides the heads of a group: one g, one gc; lanes >= HPP
+    lane_h = tl.where(mask_h, offs_h, h0)           # masked, their addresses kept in range
     g = h0 // heads_per_g
     gc = h0 // heads_per_gc
     offs_p = tl.arange(0, BLOCK_P)
@@ -94,21 +101,22 @@ def _mamba2_prepass_window_kernel(
             _list_flush_row(work_ptr, row, hb, WORKLIST)
             return
         in_l = offs_l < w
-    la_w = tl.load(lar_ptr + slot * s_lrb + offs_h[:, None] * s_lrh + offs_l[None, :] * s_lrl,
-                   mask=in_l[None, :], other=0.0).to(tl.float32)                      # [HB, BLOCK_L]
-    dt_w = tl.load(dtr_ptr + slot * s_drb + offs_h[:, None] * s_drh + offs_l[None, :] * s_drl,
-                   mask=in_l[None, :], other=0.0).to(tl.float32)
+    la_w = tl.load(lar_ptr + slot * s_lrb + lane_h[:, None] * s_lrh + offs_l[None, :] * s_lrl,
+                   mask=mask_h[:, None] & in_l[None, :], other=0.0).to(tl.float32)   # [HB, BLOCK_L]
+    dt_w = tl.load(dtr_ptr + slot * s_drb + lane_h[:, None] * s_drh + offs_l[None, :] * s_drl,
+                   mask=mask_h[:, None] & in_l[None, :], other=0.0).to(tl.float32)
     if not CB_ONLY:
-        xw = tl.load(xr_ptr + slot * s_xrb + offs_h[:, None, None] * s_xrh + offs_l[None, :, None] * s_xrl
-                     + offs_p[None, None, :] * s_xrp, mask=in_l[None, :, None] & mask_p[None, None, :], other=0.0)
+        xw = tl.load(xr_ptr + slot * s_xrb + lane_h[:, None, None] * s_xrh + offs_l[None, :, None] * s_xrl
+                     + offs_p[None, None, :] * s_xrp,
+                     mask=mask_h[:, None, None] & in_l[None, :, None] & mask_p[None, None, :], other=0.0)
     br_base = Br_ptr + slot * s_brb + g * s_brg
     bw = tl.load(br_base + offs_l[:, None] * s_brl + offs_n[None, :] * s_brn,
                  mask=in_l[:, None] & mask_n[None, :], other=0.0).to(tl.float32)      # [BLOCK_L, BLOCK_N]
-    la_cur = tl.load(la_ptr + row * s_lb + offs_h * s_lh)                             # [HB]
-    dt_cur = tl.load(dt_ptr + row * s_db + offs_h * s_dh)
+    la_cur = tl.load(la_ptr + row * s_lb + lane_h * s_lh, mask=mask_h, other=0.0)    # [HB]
+    dt_cur = tl.load(dt_ptr + row * s_db + lane_h * s_dh, mask=mask_h, other=0.0)
     if not CB_ONLY:
-        x_cur = tl.load(x_ptr + row * s_xb + offs_h[:, None] * s_xh + offs_p[None, :] * s_xp,
-                        mask=mask_p[None, :], other=0.0)                               # [HB, BLOCK_P]
+        x_cur = tl.load(x_ptr + row * s_xb + lane_h[:, None] * s_xh + offs_p[None, :] * s_xp,
+                        mask=mask_h[:, None] & mask_p[None, :], other=0.0)            # [HB, BLOCK_P]
     b_cur = tl.load(B_ptr + row * s_bb + g * s_bg + offs_n * s_bn, mask=mask_n, other=0.0)
     c = tl.load(C_ptr + row * s_cb + gc * s_cg + offs_n * s_cn, mask=mask_n, other=0.0).to(tl.float32)
     if EARLY:
@@ -126,29 +134,42 @@ def _mamba2_prepass_window_kernel(
     bw = tl.where(cur[:, None], b_cur.to(tl.float32)[None, :], tl.where(hist[:, None], bw, 0.0))
     bc = tl.sum(bw * c[None, :], axis=1)                                             # [BLOCK_L]
     if CB_ONLY:
-        tl.store(win_ptr + (row * H + offs_h[:, None]) * BLOCK_L + offs_l[None, :], coef * bc[None, :])
+        tl.store(win_ptr + (row * H + lane_h[:, None]) * BLOCK_L + offs_l[None, :], coef * bc[None, :],
+                 mask=mask_h[:, None])
     else:
         xw = tl.where(hist[None, :, None], xw.to(tl.float32), 0.0)
         xw = tl.where(cur[None, :, None], x_cur.to(tl.float32)[:, None, :], xw)
         win = tl.sum((coef * bc[None, :])[:, :, None] * xw, axis=1)                  # [HB, BLOCK_P]
-        tl.store(win_ptr + (row * H + offs_h[:, None]) * P + offs_p[None, :], win, mask=mask_p[None, :])
-        tl.store(xr_ptr + slot * s_xrb + offs_h[:, None] * s_xrh + w * s_xrl + offs_p[None, :] * s_xrp,
-                 x_cur.to(xr_ptr.dtype.element_ty), mask=mask_p[None, :])
-    tl.store(dec_ptr + row * H + offs_h, decay)
-    tl.store(dtr_ptr + slot * s_drb + offs_h * s_drh + w * s_drl, dt_cur)
-    tl.store(lar_ptr + slot * s_lrb + offs_h * s_lrh + w * s_lrl, la_cur)
+        tl.store(win_ptr + (row * H + lane_h[:, None]) * P + offs_p[None, :], win,
+                 mask=mask_h[:, None] & mask_p[None, :])
+        tl.store(xr_ptr + slot * s_xrb + lane_h[:, None] * s_xrh + w * s_xrl + offs_p[None, :] * s_xrp,
+                 x_cur.to(xr_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_p[None, :])
+    tl.store(dec_ptr + row * H + lane_h, decay, mask=mask_h)
+    tl.store(dtr_ptr + slot * s_drb + lane_h * s_drh + w * s_drl, dt_cur, mask=mask_h)
+    tl.store(lar_ptr + slot * s_lrb + lane_h * s_lrh + w * s_lrl, la_cur, mask=mask_h)
     if h0 % heads_per_g == 0:                         # one program per group appends B_t
         tl.store(br_base + w * s_brl + offs_n * s_brn, b_cur.to(Br_ptr.dtype.element_ty), mask=mask_n)
 
 
-def window_heads(H: int, G: int, Gc: int, P: int, block_l: int) -> int:
-    """Heads per program of the window launch: a power of two dividing the heads of a B group and of a C group
-    (so they share ``B_j·C``), at most 16, and at most 16K window elements (``HB x BLOCK_L x P``) per program."""
+def window_heads(H: int, G: int, Gc: int, P: int, block_l: int) -> tuple[int, int]:
+    """``(heads per program, head-axis length)`` of the window launch. The heads of a program divide both a B and a
+    C group (so they share ``B_j·C``); at most 16 of them and at most 16K window elements (``axis x BLOCK_L x P``).
+    By default a power of two (the axis has no padding); ``win_pad=1`` (TUNING): the largest such divisor, on an
+    axis padded to the next power of two (Nano's 12 heads per group: one program of 12 on 16 lanes, not three of 4).
+    ``win_heads`` forces a power-of-two count."""
     common = math.gcd(H // G, H // Gc)
+    per_elems = block_l * max(16, next_pow2(P))
+    forced = base.TUNING.get("win_heads")
+    if forced:
+        return forced, forced
+    if base.TUNING.get("win_pad", 0):
+        hpp = max(d for d in range(1, min(16, common) + 1)
+                  if common % d == 0 and (d == 1 or next_pow2(d) * per_elems <= 16384))
+        return hpp, next_pow2(hpp)
     hb = min(16, common & -common)                  # largest power of two dividing both group sizes
-    while hb > 1 and hb * block_l * max(16, next_pow2(P)) > 16384:
+    while hb > 1 and hb * per_elems > 16384:
         hb //= 2
-    return base.TUNING.get("win_heads") or hb
+    return hb, hb
 
 
 def launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, has_slot, block_n, block_l,
@@ -163,15 +184,15 @@ def launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slo
     win = torch.empty((b, H, block_l if cb_only else P), dtype=torch.float32, device=x.device)
     dec = torch.empty((b, H), dtype=torch.float32, device=x.device)
     bpw = 16 if cb_only else max(16, next_pow2(P))        # no P axis without the x window
-    hb = window_heads(H, G, Gc, bpw, block_l)
+    hpp, hb = window_heads(H, G, Gc, bpw, block_l)
     warps = base.TUNING.get("window_warps") or (1 if cb_only else max(1, min(4, hb * block_l * bpw // 4096)))
-    launch(_mamba2_prepass_window_kernel)[(b, H // hb)](
+    launch(_mamba2_prepass_window_kernel)[(b, H // hpp)](
         x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, win, dec,
         work, H, P, N, x_ring.shape[2], H // G, H // Gc,
         *x_ring.stride(), *dt_ring.stride(), *la_ring.stride(), *B_ring.stride(),
         *x.stride(), *dt.stride(), *la.stride(), *B.stride(), *C.stride(),
         HAS_SLOT=has_slot, BLOCK_P=bpw, BLOCK_N=block_n, BLOCK_L=block_l, HB=hb, WORKLIST=work is not None,
-        EARLY=cb_only or bool(base.TUNING.get("win_early", 1)), CB_ONLY=cb_only, PDL=pdl, num_warps=warps)
+        EARLY=cb_only or bool(base.TUNING.get("win_early", 1)), CB_ONLY=cb_only, PDL=pdl, HPP=hpp, num_warps=warps)
     return win, dec
 
 

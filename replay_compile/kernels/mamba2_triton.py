@@ -464,7 +464,8 @@ def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
       bs128, 15 fewer registers; session 8).
       ``route=0`` folds flush rows inside launch 2 instead (``early_tile=1`` loads the tile before the cursor).
       ``pdl=1`` (default; Hopper and later, :func:`~.launch.pdl_on`): launch 2 is launch 1's programmatic
-      dependent, so its tiles stream while launch 1 runs.
+      dependent, so its tiles stream while launch 1 runs. ``win_pad=1`` (not measured yet): launch 1 covers a
+      whole group of heads whose count is not a power of two on a padded axis (``mamba2_pre_triton.window_heads``).
     * ``tiled`` (the session-2 body, kept for comparisons): one launch streams ``BLOCK_P x BLOCK_N`` tiles for both
       kinds of row, then the cursor advance.
     ``tl.dot`` needs every dim >= 16; the window sits on a power-of-two axis >= 16.
