@@ -141,3 +141,20 @@ def test_inline_cache_tag_follows_tuning_and_switch(monkeypatch):
     assert inline_cache_tag() == base
     monkeypatch.setenv("REPLAY_COMPILE_INLINE_KERNELS", "latency")
     assert inline_cache_tag() != base
+
+
+def test_traced_inputs_are_compacted_but_mutated_ones_untouched():
+    """The inline rule's argument pass (``compact_inputs``): a read-only input that is a strided view of a big
+    broadcast (HF's log-decay) is made contiguous, so Inductor does not allocate the big layout for it; tensors the
+    op mutates are the caller's own objects, strided or not."""
+    from replay_compile.ops.library import compact_inputs
+
+    big = torch.randn(4, 3, 5, 7)
+    decay = big[..., 0, 0]                                   # [4, 3], strides (105, 35)
+    state = torch.randn(7, 4, 3).transpose(0, 1)             # non-contiguous, mutated in place by the op
+    out = compact_inputs((state, decay, 2, None), {0})
+    assert out[0] is state
+    assert out[1].is_contiguous() and out[1].stride() == (3, 1) and torch.equal(out[1], decay)
+    assert out[2:] == (2, None)
+    kw = compact_inputs({"state": state, "la": decay}, {"state"})
+    assert kw["state"] is state and kw["la"].is_contiguous() and torch.equal(kw["la"], decay)

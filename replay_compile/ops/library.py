@@ -102,6 +102,19 @@ def _all_cuda(args, kwargs) -> bool:
     return bool(tensors) and all(t.device.type == "cuda" for t in tensors)
 
 
+def compact_inputs(args, mutated):
+    """``args`` (a tuple, or a dict of keyword arguments) with every tensor not in ``mutated`` (positions, or
+    names) made contiguous; mutated tensors are passed through untouched (the op writes them in place).
+
+    Why, for the traced launches: they pass strides as plain integers, so Inductor must hand each kernel its inputs
+    with exactly the traced strides. A read-only input that is a strided view of a state-sized tensor (HF's Mamba-2
+    log-decay, taken from an ``[b, H, P, N]`` broadcast) thus became a state-sized buffer per launch (H200, session
+    12: +1.9 GiB at bs256, and the Mamba-2 model at bs32 2.5x slower). Contiguous, it is written compactly, once."""
+    if isinstance(args, dict):
+        return {k: (v.contiguous() if isinstance(v, torch.Tensor) and k not in mutated else v) for k, v in args.items()}
+    return tuple(a.contiguous() if isinstance(a, torch.Tensor) and i not in mutated else a for i, a in enumerate(args))
+
+
 class ReplayOp:
     """One op: call it like the function it was defined from; ``.default`` is the ``torch.ops`` overload."""
 
@@ -169,15 +182,7 @@ class ReplayOp:
                     or _exporting() or (how == "latency" and not where(*args, **kwargs)):
                 return mode.__torch_dispatch__(op, types, args, kwargs)
             with mode, traced_launches():
-                # the launches pass strides as plain ints, so Inductor must hand each kernel its inputs with exactly
-                # the traced strides: a read-only token input that is a strided view of a state-sized tensor (HF's
-                # log-decay, taken from an [b, H, P, N] broadcast) became a state-sized buffer per launch (H200,
-                # session 12: +1.9 GiB at bs256). Made contiguous here, they are written compactly.
-                args = tuple(a.contiguous() if isinstance(a, torch.Tensor) and i not in mutated else a
-                             for i, a in enumerate(args))
-                kwargs = {k: (v.contiguous() if isinstance(v, torch.Tensor) and k not in mutated_names else v)
-                          for k, v in kwargs.items()}
-                return fn(*args, **kwargs)
+                return fn(*compact_inputs(args, mutated), **compact_inputs(kwargs, mutated_names))
 
         torch.library.register_torch_dispatch(f"{NAMESPACE}::{self.name}", FunctionalTensorMode, rule, lib=_LIB)
 
