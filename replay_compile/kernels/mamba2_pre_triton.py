@@ -6,7 +6,7 @@ configuration (:func:`~replay_compile.kernels.mamba2_triton.launch_config`, ``TU
 
 Launches, all routed on the device from the cursor (one captured CUDA graph serves every step):
 
-1. :func:`_mamba2_prepass_window_kernel` (``CB_ONLY``), grid ``(b, H / HB)``: per row and group of ``HB`` heads, the
+1. :func:`_mamba2_prepass_window_kernel` (``CB_ONLY``), grid ``(b, H / HPP)``: per row and group of ``HPP`` heads, the
    window's per-record weights ``cb_j = coef_j (B_j·C)`` and the decay into fp32 scratch; appends the ``dt``, ``log
    a``, ``B`` records; lists flushing rows in ``work = [count, rows...]``. (``window_full=1``: it also reads the x
    window and writes ``win`` instead; the read-copy step uses that form.)
@@ -53,7 +53,7 @@ def _mamba2_prepass_window_kernel(
     HB: tl.constexpr, WORKLIST: tl.constexpr, EARLY: tl.constexpr, CB_ONLY: tl.constexpr, PDL: tl.constexpr,
     HPP: tl.constexpr,
 ):
-    """``pre`` variant, launch 1, grid ``(batch, H // HB)``: the window's contribution for ``HB`` heads of one
+    """``pre`` variant, launch 1, grid ``(batch, H // HPP)``: the window's contribution for ``HPP`` heads of one
     group (they share ``B_j·C``, computed once), ``win[h, p] = Σ_j coef_hj (B_j·C) x_hj[p]`` and ``decay_h =
     exp(Σ la_h)`` into fp32 scratch ``[b, H, P]`` / ``[b, H]``, and the non-flush rows' records appended (the
     checkpoint pass then reads neither ring nor B).
