@@ -190,8 +190,8 @@ def launch_config(b: int, HV: int, K: int, V: int, L: int, kda: bool = False) ->
                      # loop pipelined 4 deep (flush apply 570 -> 445 µs, both; 2 stages: 563)
                      window_rows=bool(TUNING.get("window_rows", kda)), flush_stages=TUNING.get("flush_stages", 4),
                      # pdl=1: launch 2 as launch 1's programmatic dependent (launch.pdl_on). Off: H200 session 12,
-                     # fp32, non-flush bs256 GDN-4B 169.7 -> 173.2 µs, KDA 175.5 -> 183.3 (its waiting slices hold
-                     # SM slots launch 1's last programs need); Mamba-2's pre step gains 1% with it
+                     # fp32, non-flush bs256 GDN-4B 169.7 -> 173.2 µs, KDA 175.5 -> 183.3 (presumably its waiting
+                     # slices hold SM slots launch 1's last programs need); Mamba-2's pre step gains 1% with it
                      pdl=bool(TUNING.get("pdl", 0)))
     else:
         raise ValueError(f"replay_compile.delta: unknown kernel variant {variant!r} (fused, split)")
