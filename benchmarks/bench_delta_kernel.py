@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_mamba2_kernel import (  # noqa: E402
-    compare_configs, copy_bandwidth, graph_calls, step_times, time_graph, warm_clocks, write_results)
+    compare_configs, copy_bandwidth, graph_calls, held_records, step_times, time_graph, warm_clocks, write_results)
 
 # name: (Hk, HV, K, V, kda)
 GEOMS = {"qwen35_4b": (16, 32, 128, 128, False), "qwen35_122b": (16, 64, 128, 128, False),
@@ -76,8 +76,7 @@ def bench_point(base_fn, Hk, HV, K, V, kda, bs, state_dtype, L, act=torch.bfloat
         res["baseline_us"] = time_graph(base, inner=graph_calls(copies))
     ea = torch.empty((), dtype=act).element_size()
     sb = bs * HV * K * V * es
-    held = (L - 2) / 2                              # records held on average by a non-flush step (w = 0 .. L-2)
-    ring_read = int(bs * held * (HV * V * 4 + Hk * K * ea + HV * (K if kda else 1) * 4))
+    ring_read = int(bs * held_records(L) * (HV * V * 4 + Hk * K * ea + HV * (K if kda else 1) * 4))
     res["bytes_baseline"] = sb + bs * HV * K * V * 4                # fla writes an fp32 final state
     res["bytes_nonflush"] = sb + ring_read
     res["bytes_flush"] = 2 * sb + 2 * ring_read

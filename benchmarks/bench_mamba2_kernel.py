@@ -8,8 +8,8 @@ Per (geometry, batch, state dtype): the baseline step, our non-flush step (the m
 positions), our flush step and the average over L consecutive steps (one flush), each replayed from a CUDA graph of
 at least 8 steps (median of repeats; the state of a large batch is far larger than L2, small batches rotate over
 several state buffers so L2 stays cold). Until session 12 a large batch's graph held one step, so its per-step
-figures included the graph's launch latency, and each non-flush step a cursor fill (``step_times``). Bytes are the fewest the step
-must move; "% bw" is bytes / time against the device-to-device copy bandwidth measured at the start of the run.
+figures included the graph's launch latency, and each non-flush step a cursor fill (``step_times``). Bytes are the
+fewest the step must move; "% bw" is bytes / time against the device-to-device copy bandwidth measured at the start of the run.
 The baseline is mamba_ssm's Triton ``selective_state_update``: installed, or its source under ``.baselines/``
 (carried to the GPU machine; mamba_ssm's compiled extensions are not needed for this function).
 """
@@ -135,6 +135,12 @@ def step_times(step, cursors, L: int) -> dict:
     return res
 
 
+def held_records(L: int) -> float:
+    """Records a non-flush step holds on average in :func:`step_times`' cycle (``w = 0 .. L-2``): what its ring
+    bytes are counted at."""
+    return (L - 2) / 2
+
+
 def random_step(bs, H, P, N, G, L, copies, act, dev="cuda"):
     """``copies`` ring sets (x, dt, la, B rings and cursor) with random records, and one token's random inputs
     ``(x, dt, la, B, C)``; shared by the Mamba-2 step benchmarks."""
@@ -180,7 +186,7 @@ def bench_point(ssu, H, P, N, G, bs, state_dtype, L, act=torch.bfloat16):
     es = torch.empty((), dtype=state_dtype).element_size()
     ea = torch.empty((), dtype=act).element_size()
     sb = bs * H * P * N * es
-    held = (L - 2) / 2                              # records held on average by a non-flush step (w = 0 .. L-2)
+    held = held_records(L)
     ring_read = int(bs * (H * held * (P * ea + 8) + G * held * N * ea))
     res["bytes_baseline"] = 2 * sb
     res["bytes_nonflush"] = sb + ring_read

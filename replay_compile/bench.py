@@ -451,11 +451,12 @@ def _write(rows, out_dir, quiet=False):
                      f"{r['rewrites']} | "
                      f"{r['speedup_vs_compile']:.2f} |")
     table = "\n".join(lines)
+    banner = run_banner()
     with open(os.path.join(out_dir, "bench.md"), "w") as f:
-        f.write(f"<!-- {run_banner()} -->\n" + table + "\n")
+        f.write(f"<!-- {banner} -->\n" + table + "\n")
     if quiet:
         return
-    print(f"# {run_banner()}")
+    print(f"# {banner}")
     print(table)
     try:
         import matplotlib
