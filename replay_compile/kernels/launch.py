@@ -45,15 +45,19 @@ def launch(kernel):
     return wrap_triton(kernel)
 
 
+def interpreting() -> bool:
+    """Whether Triton runs kernels through its interpreter (``TRITON_INTERPRET`` set to anything but ``0``): its
+    kernels cannot be traced into graphs nor take hardware-only launch options."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def pdl_on(device, wanted: bool = True) -> bool:
     """Whether a launch on ``device`` may use programmatic dependent launch (PDL, Hopper and later): the kernel
     after a PDL pair's first launch starts while the first one is still running, issues its loads that depend on
     nothing the first one writes, and waits (``gdc_wait``) before reading what it writes. Off for the interpreter,
     for launches traced by Inductor (kept to the plain launch there), before sm_90, and with
     ``REPLAY_COMPILE_PDL=0``."""
-    if not wanted or tracing() or getattr(device, "type", None) != "cuda":
-        return False
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if not wanted or tracing() or getattr(device, "type", None) != "cuda" or interpreting():
         return False
     if os.environ.get("REPLAY_COMPILE_PDL", "1").strip().lower() in ("0", "off", "false", "no"):
         return False

@@ -44,7 +44,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from ..kernels.launch import traced_launches
+from ..kernels.launch import interpreting, traced_launches
 
 NAMESPACE = "replay_compile"
 _LIB = torch.library.Library(NAMESPACE, "DEF")
@@ -60,7 +60,7 @@ def inline_mode() -> str:
     env = os.environ
     val = env.get("REPLAY_COMPILE_INLINE_KERNELS", "1").strip().lower()
     if val in ("0", "false", "off") or env.get("REPLAY_COMPILE_KERNELS", "triton").lower() == "reference" \
-            or env.get("TRITON_INTERPRET", "0") not in ("", "0"):
+            or interpreting():
         return "off"
     return "latency" if val == "latency" else "all"
 
