@@ -124,6 +124,18 @@ def launch_breakdown(bs, H, P, N, G, L=16):
     profile_steps(lambda: replay_step_triton(state, *ring, x, dt, la, B, C, None), ring[-1], L)
 
 
+def readcopy_breakdown(bs, H, P, N, G, fmt, L=16):
+    """Device time per kernel of one Mamba-2 read-copy step (``fmt``), non-flush and flush (issue 7)."""
+    from replay_compile.kernels.mamba2_readcopy_reference import init_read_copy
+    from replay_compile.kernels.mamba2_readcopy_triton import replay_step_readcopy_triton
+
+    state = torch.randn(bs, H, P, N, device="cuda")
+    copy = init_read_copy(state, fmt)
+    rings, (x, dt, la, B, C) = random_step(bs, H, P, N, G, L, 1, torch.bfloat16)
+    ring = rings[0]
+    profile_steps(lambda: replay_step_readcopy_triton(state, copy, fmt, *ring, x, dt, la, B, C, None), ring[-1], L)
+
+
 def delta_breakdown(Hk, HV, K, V, kda, bs, L=16, read_copy=None):
     """Device time per kernel of one delta-rule step (exact split kernels, or the read-copy step with ``read_copy``),
     non-flush and flush: where GDN / KDA (issue 4) and the delta read copy (issue 7) lose to the state bytes."""
@@ -169,6 +181,9 @@ def main():
     ap.add_argument("--delta-read-copy", default="fp8_e4m3", help="also break down this read copy ('' for none)")
     ap.add_argument("--delta-rc-configs", default="rc", help="';'-separated delta_readcopy_triton TUNING strings "
                     "(parse_tuning; the name before ':' is ignored) of the read-copy step, one breakdown each")
+    ap.add_argument("--read-copy", default="", help="Mamba-2 read-copy breakdowns of this format instead (issue 7)")
+    ap.add_argument("--rc-configs", default="", help="';'-separated mamba2_readcopy_triton.tuned strings, one "
+                    "read-copy breakdown each ('' = the defaults)")
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name(0)} torch {torch.__version__} triton {triton.__version__}")
     bw = copy_bandwidth()
@@ -187,6 +202,15 @@ def main():
             with tuned(drt.TUNING, spec):
                 reported(spec, delta_breakdown, Hk, HV, K, V, kda, args.batch, read_copy=args.delta_read_copy)
     if args.delta:
+        return
+    if args.read_copy:
+        from replay_compile.kernels import mamba2_readcopy_triton as rct
+        for gname in args.geoms.split(","):
+            H, P, N, G = GEOMS[gname]
+            for spec in args.rc_configs.split(";"):
+                print(f"{gname} bs{args.batch} fp32 state, read copy {args.read_copy}, {spec or 'defaults'}")
+                with rct.tuned(spec):
+                    reported(spec, readcopy_breakdown, args.batch, H, P, N, G, args.read_copy)
         return
     for gname in args.geoms.split(","):
         H, P, N, G = GEOMS[gname]

@@ -239,6 +239,35 @@ def test_kernel_matches_reference_step_by_step(fmt, gi, variant):
     assert n_flush >= 2 and n_read >= 4, (n_flush, n_read)
 
 
+# the tensor-core nvfp4 readout (nvfp4_mma): N = 128 (16 words per row, the MMA's K) and N = 120 (a masked last
+# word); C in bf16 and fp32 (its fp16 residual as a second operand), at magnitudes that need the power-of-two scale
+# (1e6 would overflow fp16, 1e-9 would be subnormal there) and zeros; one P tile and two
+@pytest.mark.parametrize("c_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("c_scale", [1.0, 1e6, 1e-9, 0.0])
+@pytest.mark.parametrize("N,P", [(128, 16), (120, 20)])
+def test_nvfp4_mma_readout_matches_the_reference(c_dtype, c_scale, N, P):
+    b, S, H, G, Gc, L = 3, 4, 2, 1, 1, 4
+    g = torch.Generator().manual_seed(int(N + P + 7 * c_scale % 97))
+    state = random_state(S, H, P, N, g, DEV)
+    copy = init_read_copy(state * 0.5 + 0.1, "nvfp4")
+    rings = random_rings(S, H, P, N, G, L, g, DEV)
+    rings[-1].fill_(1)                                               # non-flush rows only: the copy is read
+    idx = random_slots(b, S, g).to(DEV)
+    tok = random_token(b, H, P, N, G, Gc, g, DEV)
+    tok["C"] = (tok["C"] * c_scale).to(c_dtype)
+    st_r, cp_r, rg_r = _clone_all(state, copy, rings)
+    with kt.tuned("pre:nvfp4_mma=1,APPLY_P=16"):
+        y = replay_step_readcopy_triton(state, copy, "nvfp4", *rings, **tok, slot_idx=idx)
+    y_r = replay_step_readcopy_reference(st_r, cp_r, "nvfp4", *rg_r, **tok, slot_idx=idx)
+    if c_scale == 0.0:
+        assert rel(y, y_r) < 1e-6
+    else:
+        assert rel(y, y_r) < 1e-5
+    assert torch.count_nonzero(y[idx.cpu() < 0]) == 0
+    for k in range(5):
+        assert torch.equal(rings[k], rg_r[k])
+
+
 @pytest.mark.parametrize("fmt", FMTS)
 def test_non_flush_rows_never_read_the_checkpoint(fmt):
     """A NaN checkpoint: non-flush steps (no flush within the run) give finite outputs, those of

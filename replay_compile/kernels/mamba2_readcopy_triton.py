@@ -262,6 +262,82 @@ def _nvfp4_words_dot(cw_ptr, cs_ptr, ct_ptr, c_base, s_cn, slot, h, offs_p, P, N
     return tl.sum(tl.sum(acc, axis=2) * bs, axis=1) * (sg * 16384.0)
 
 
+@triton.jit
+def _half_pair(t):
+    """fp16 bit patterns ``(low half, high half)`` of the int32 ``t``'s nibbles 3 and 7 (bits 12-15 and 28-31):
+    each ``s ee m`` placed at fp16 bits 15 and 9-11 is ``e2m1 / 2^14`` exactly (subnormal for ``ee = 0``). Two codes
+    per ``(t & M1) | ((t >> 3) & M2)`` (one ``lop3`` after the shift)."""
+    u = t.to(tl.uint32, bitcast=True)
+    h2 = (u & 0x80008000) | ((u >> 3) & 0x0E000E00)
+    lo = (h2 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+    hi = (h2 >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _block_rows(c_base, s_cn, pos, scale, offs_w, offs_j, N, SPLIT: tl.constexpr):
+    """The ``[NW, NBP]`` right-hand operands of nibble position ``pos`` (column ``8 i + pos`` of word ``i``):
+    ``C[8 i + pos] * scale`` in row ``i``, column ``i // 2`` (its block of 16), zero elsewhere, as fp16
+    ``(hi, lo)``; ``lo`` (``SPLIT``: fp32 ``C``) is the rounding residual of ``hi``, else zeros."""
+    col = offs_w * 8 + pos
+    cv = tl.load(c_base + col * s_cn, mask=col < N, other=0.0).to(tl.float32) * scale           # [NW]
+    sel = (offs_w[:, None] // 2) == offs_j[None, :]
+    full = tl.where(sel, cv[:, None], 0.0)
+    hi = full.to(tl.float16)
+    if SPLIT:
+        lo = (full - hi.to(tl.float32)).to(tl.float16)
+    else:
+        lo = hi
+    return hi, lo
+
+
+@triton.jit
+def _nvfp4_mma_dot(cw_ptr, cs_ptr, ct_ptr, c_base, s_cn, slot, h, offs_p, P, N,
+                   s_wb, s_wh, s_wp, s_wn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp,
+                   BLOCK_P: tl.constexpr, NW: tl.constexpr, NBP: tl.constexpr, SPLIT: tl.constexpr):
+    """``Σ_n S[p, n] c[n]`` for the nvfp4 copy of rows ``offs_p`` on tensor cores (``nvfp4_mma``; N = 8 NW with NW
+    a power of two >= 16, so each MMA's K is a whole number of words).
+
+    The codes are read as int32 words (8 codes, code ``j`` in bits ``4j..4j+3``). Per word and nibble position
+    ``j``, :func:`_half_pair` turns codes into fp16 ``e2m1 / 2^14`` two at a time: 8 ``[BLOCK_P, NW]`` fp16 operands
+    (position ``j`` of every word). Each multiplies an ``[NW, NBP]`` operand that holds ``C`` of its columns on a
+    block diagonal (word ``i`` belongs to block ``i // 2``), so one fp32-accumulated MMA per position gives the
+    per-block sums ``D [BLOCK_P, NBP]``; the block scales, ``2^14`` and the tensor scale follow in fp32, as in
+    :func:`_nvfp4_words_dot`. Exact products: ``C`` is scaled by a power of two so that its largest magnitude
+    lies in ``[2^14, 2^15)`` (the fp16 normal range holds every value down to ``2^-24`` of the largest) and
+    rounded to fp16; fp32 ``C`` (``SPLIT``) adds its residual as a second fp16 operand (error ``<= 2^-22``
+    relative). Same value as decoding first, summed in another order: fp32 rounding only."""
+    offs_w = tl.arange(0, NW)
+    offs_j = tl.arange(0, NBP)
+    words = tl.load(cw_ptr + slot * s_wb + h * s_wh + offs_p[:, None] * s_wp + offs_w[None, :] * s_wn,
+                    mask=(offs_p < P)[:, None] & (offs_w < N // 8)[None, :], other=0)           # [BLOCK_P, NW]
+    cfull = tl.load(c_base + tl.arange(0, NW * 8) * s_cn, mask=tl.arange(0, NW * 8) < N, other=0.0)
+    cmax = tl.max(tl.abs(cfull.to(tl.float32)), axis=0)
+    # scale = 2^(14 - floor(log2 cmax)) = 2^(141 - e) from cmax's biased exponent e, taken >= 14 so that the
+    # scale stays a normal fp32 (a cmax below 2^-113, or zero, gets 2^127); inf / NaN (e = 255) propagate
+    # as in the reference
+    e = tl.maximum(((cmax.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32), 14)
+    scale = ((268 - e) << 23).to(tl.float32, bitcast=True)
+    unscale = (e << 23).to(tl.float32, bitcast=True)                # 2^14 / scale
+    acc = tl.zeros([BLOCK_P, NBP], dtype=tl.float32)
+    for sh in tl.static_range(4):
+        t = words << (4 * sh)                       # nibbles 3 - sh and 7 - sh at bits 12-15 and 28-31
+        a_lo, a_hi = _half_pair(t)
+        b_hi, b_lo = _block_rows(c_base, s_cn, 3 - sh, scale, offs_w, offs_j, N, SPLIT)
+        acc = tl.dot(a_lo, b_hi, acc)
+        if SPLIT:
+            acc = tl.dot(a_lo, b_lo, acc)
+        b_hi, b_lo = _block_rows(c_base, s_cn, 7 - sh, scale, offs_w, offs_j, N, SPLIT)
+        acc = tl.dot(a_hi, b_hi, acc)
+        if SPLIT:
+            acc = tl.dot(a_hi, b_lo, acc)
+    bs = tl.load(cs_ptr + slot * s_qb + h * s_qh + offs_p[:, None] * s_qp + offs_j[None, :] * s_qn,
+                 mask=(offs_p[:, None] < P) & (offs_j[None, :] * 16 < N),
+                 other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)             # [BLOCK_P, NBP]
+    sg = tl.load(ct_ptr + slot * s_tb + h * s_th + offs_p * s_tp, mask=offs_p < P, other=1.0)
+    return tl.sum(acc * bs, axis=1) * (sg * unscale)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------------------------
@@ -464,12 +540,17 @@ def _readcopy_flush_list_kernel(
 @triton.jit
 def _copy_dot(cv_ptr, cs_ptr, ct_ptr, c_base, c, s_cn, slot, h, offs_p, mask_p, P, N,
               s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp,
-              FMT: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
-    """``S_copy C`` [BLOCK_P] for rows ``offs_p`` of the copy of (slot, head ``h``): nvfp4 as int32 words
-    (``WORDS``, :func:`_nvfp4_words_dot`) or byte by byte (:func:`_load_nvfp4`), both reading ``C`` in their own
-    layouts from ``c_base``; bf16 / fp8 as decoded rows against ``c`` [BLOCK_N] (the caller's load; unused, and so
-    dropped by the compiler, on the nvfp4 paths)."""
-    if WORDS:
+              FMT: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr, BLOCK_P: tl.constexpr = 16,
+              NBP: tl.constexpr = 16, SPLIT: tl.constexpr = False):
+    """``S_copy C`` [BLOCK_P] for rows ``offs_p`` of the copy of (slot, head ``h``): nvfp4 as int32 words on tensor
+    cores (``WORDS == 2``, :func:`_nvfp4_mma_dot`; ``SPLIT``: fp32 ``C``), as int32 words (``WORDS == 1``,
+    :func:`_nvfp4_words_dot`) or byte by byte (:func:`_load_nvfp4`), each reading ``C`` in its own layout from
+    ``c_base``; bf16 / fp8 as decoded rows against ``c`` [BLOCK_N] (the caller's load; unused, and so dropped by
+    the compiler, on the nvfp4 paths)."""
+    if WORDS == 2:
+        sc = _nvfp4_mma_dot(cv_ptr, cs_ptr, ct_ptr, c_base, s_cn, slot, h, offs_p, P, N, s_vb, s_vh, s_vp, s_vn,
+                            s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, BLOCK_P, BLOCK_N // 8, NBP, SPLIT)
+    elif WORDS == 1:
         sc = _nvfp4_words_dot(cv_ptr, cs_ptr, ct_ptr, c_base, s_cn, slot, h, offs_p, P, N, s_vb, s_vh, s_vp, s_vn,
                               s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, BLOCK_N // 16)
     elif FMT == 2:
@@ -495,12 +576,13 @@ def _readcopy_apply_kernel(
     s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
     s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp,
     FMT: tl.constexpr, HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    WORDS: tl.constexpr,
+    WORDS: tl.constexpr, SPLIT: tl.constexpr = False, NBP: tl.constexpr = 16,
 ):
     """``pre`` variant's copy pass, grid ``(cdiv(P, BLOCK_P), batch, H)``: for non-flush rows
     ``y = decay (S_copy C) + win`` from the decoded copy and the window launch's scratch
     (:func:`~replay_compile.kernels.mamba2_pre_triton._mamba2_prepass_window_kernel`); flush rows return at once.
-    ``WORDS`` (nvfp4): ``cv_ptr`` is the codes viewed as int32 (strides in words), :func:`_nvfp4_words_dot`."""
+    ``WORDS`` (nvfp4): ``cv_ptr`` is the codes viewed as int32 (strides in words), decoded by
+    :func:`_nvfp4_words_dot` (1) or :func:`_nvfp4_mma_dot` (2; ``SPLIT``: ``C`` is fp32)."""
     pid_p = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
@@ -517,7 +599,8 @@ def _readcopy_apply_kernel(
     if w == L - 1:
         return
     sc = _copy_dot(cv_ptr, cs_ptr, ct_ptr, c_base, c, s_cn, slot, h, offs_p, mask_p, P, N,
-                   s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, FMT, BLOCK_N, WORDS)
+                   s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, FMT, BLOCK_N, WORDS,
+                   BLOCK_P, NBP, SPLIT)
     decay = tl.load(dec_ptr + row * H + h)
     win = tl.load(win_ptr + (row * H + h) * P + offs_p, mask=mask_p, other=0.0)
     tl.store(y_ptrs, decay * sc + win, mask=mask_p)
@@ -682,6 +765,9 @@ def launch_config(P: int, N: int, L: int, fmt: str = "") -> dict:
                 # nvfp4 non-flush reads as int32 words, fp16-bit decode (_nvfp4_words_dot; N % 8 == 0). H200
                 # session 9, Super bs256: the non-flush step 357 -> 203 µs, L-avg 1.41 -> 2.01x
                 nvfp4_words=bool(TUNING.get("nvfp4_words", 1)),
+                # nvfp4 non-flush per-block sums on tensor cores (_nvfp4_mma_dot; needs the words path and
+                # next_pow2(N) >= 128): not measured on a GPU yet, off
+                nvfp4_mma=bool(TUNING.get("nvfp4_mma", 0)),
                 # fp8 flush encode by the hardware conversion (compiled sm_89+ only: the interpreter keeps the software
                 # rounding). H200 session 10, Super bs256: the fp8 flush step 1837 -> 1724 µs (L-avg 3.02 -> 3.12x)
                 hw_e4m3=bool(TUNING.get("hw_e4m3", 1)),
@@ -770,10 +856,12 @@ def replay_step_readcopy_triton(state, copy, fmt, x_ring, dt_ring, la_ring, B_ri
                                  cfg["BLOCK_N"], cfg["BLOCK_L"], work)
         words = _code_words(cv) if FORMAT_IDS[name] == 2 and cfg["nvfp4_words"] and N % 8 == 0 else None
         av, astrides = (cv, cstrides) if words is None else (words, (*words.stride(), *cstrides[4:]))
+        mode = 0 if words is None else 2 if cfg["nvfp4_mma"] and cfg["BLOCK_N"] >= 128 and cfg["APPLY_P"] >= 16 else 1
         k = launch(_readcopy_apply_kernel)[(cdiv(P, cfg["APPLY_P"]), b, H)](
             cursor, C, slot_arg, y, win, dec, av, cs, ct, H, P, N, L, H // Gc, *C.stride(), *y.stride(), *astrides,
             FMT=FORMAT_IDS[name], HAS_SLOT=has_slot, BLOCK_P=cfg["APPLY_P"], BLOCK_N=cfg["BLOCK_N"],
-            WORDS=words is not None, num_warps=cfg["apply_warps"])
+            WORDS=mode, SPLIT=C.dtype == torch.float32, NBP=max(16, cfg["BLOCK_N"] // 16),
+            num_warps=cfg["apply_warps"])
     listed = pre and cfg["flush_list"]
     step_args = (state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, y, cv, cs, ct, amax)
     strides = (H, P, N, L, H // G, H // Gc,
