@@ -44,8 +44,9 @@
 #   pdl        programmatic dependent launch (the window launch's checkpoint pass starts at once): GPU tests (PDL
 #              on / off bit-identical, the kernel tests, the inline tests), Mamba-2 pre and delta split with and
 #              without it (bs 32 / 128 / 256, fp32; issue 3's bs128 non-flush, issue 4's KDA)
-#   nvmma      issue 7's NVFP4 non-flush readout on tensor cores (nvfp4_mma): its tests, per-kernel times of the
-#              nvfp4 step (Super bs256) and whole steps vs selective_state_update at bs 128 / 256, for $NVC configs
+#   nvmma      issue 7's NVFP4 non-flush readout on tensor cores (nvfp4_mma), the copy pass forming the window
+#              (win_cb) and the cheaper nvfp4 encode: their tests, per-kernel times of the nvfp4 step (Super bs256)
+#              and whole steps vs selective_state_update at bs 128 / 256 for $NVC configs; bf16 / fp8 with win_cb
 #   m2cfg      issue 3's non-flush floor at bs128: the pre step's per-launch device times (fp32, both geometries) and
 #              $M2C at bs 128 / 256 for $M2D (default bf16 and fp32): the padded window head axis (win_pad=1: Nano's
 #              12 heads per group in one program, not three; its window launch is 6.5 µs vs Super's 5.0) and 32-row
@@ -180,14 +181,17 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
          timeout 200 python3 benchmarks/bench_delta_kernel.py --out /tmp/pdl_delta --batches 32,256 --dtypes float32 \
            --configs "split;split:pdl=0" 2>&1 | grep -v Warn | tee "$OUT/pdl_delta.txt" ;;
   nvmma) timeout 200 python3 -m pytest -q $XDIST -p no:cacheprovider -p no:logging tests/test_mamba2_readcopy.py \
-           -k "mma or (step_by_step and nvfp4)" --tb=short 2>&1 | grep -v "warnings.warn" | tail -30 \
+           -k "mma or win_cb or e2m1 or encode or (step_by_step and nvfp4)" --tb=short 2>&1 \
+           | grep -v "warnings.warn" | tail -30 \
            | tee "$OUT/pytest_nvmma.txt"
          timeout 150 python3 benchmarks/diag_stream_ceiling.py --read-copy nvfp4 --geoms super --batch 256 \
            --rc-configs "${NVC:-;nvfp4_mma=1;nvfp4_mma=1,APPLY_P=32;nvfp4_mma=1,APPLY_P=64,apply_warps=4}" 2>&1 \
            | grep -v Warn | tee "$OUT/nvfp4_breakdown.txt"
          timeout 240 python3 benchmarks/bench_readcopy_kernel.py --out /tmp/nvmma --batches 128,256 --formats nvfp4 \
            --configs "${NVC:-;nvfp4_mma=1;nvfp4_mma=1,APPLY_P=32;nvfp4_mma=1,APPLY_P=64,apply_warps=4}" 2>&1 \
-           | grep -v Warn | tee "$OUT/nvfp4_configs.txt" ;;
+           | grep -v Warn | tee "$OUT/nvfp4_configs.txt"
+         timeout 200 python3 benchmarks/bench_readcopy_kernel.py --out /tmp/rcwin --batches 128,256 \
+           --formats bf16,fp8_e4m3 --configs ";win_cb=1" 2>&1 | grep -v Warn | tee -a "$OUT/nvfp4_configs.txt" ;;
   m2cfg) timeout 150 python3 benchmarks/diag_stream_ceiling.py --breakdown-only --batch 128 2>&1 | grep -v Warn \
            | tee "$OUT/mamba2_breakdown_bs128.txt"
          timeout 300 python3 benchmarks/bench_mamba2_kernel.py --out /tmp/m2cfg --batches 128,256 \

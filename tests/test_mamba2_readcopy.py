@@ -23,6 +23,7 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
 
 from replay_compile.kernels import mamba2_readcopy_triton as kt  # noqa: E402
 from replay_compile.kernels.mamba2_readcopy_reference import (  # noqa: E402
@@ -139,6 +140,30 @@ def _tie_state(dev):
     return st.to(dev)
 
 
+@triton.jit
+def _e2m1_code_kernel(y_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    y = tl.load(y_ptr + offs, mask=offs < n, other=0.0)
+    tl.store(out_ptr + offs, kt._e2m1_code(y).to(tl.int32), mask=offs < n)
+
+
+def test_kernel_e2m1_rounding_is_the_format_rounding():
+    """The kernels' e2m1 rounding (one rounding on the grid's spacing) gives ``e2m1_encode``'s code on every
+    midpoint, the fp32 neighbours of every midpoint and grid value, both signs, zeros, saturation and a dense
+    sweep of [0, 8)."""
+    from replay_compile.quant.formats import e2m1_encode
+    pts = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 6.5, 100.0,
+                        3e38])
+    near = torch.cat([pts, torch.nextafter(pts, torch.tensor(float("inf"))),
+                      torch.nextafter(pts, torch.tensor(0.0))])
+    y = torch.cat([near, -near, torch.linspace(0, 8, 4097), -torch.linspace(0, 8, 4097), torch.tensor([-0.0])])
+    out = torch.empty(y.shape, dtype=torch.int32, device=DEV)
+    _e2m1_code_kernel[(triton.cdiv(y.numel(), 1024),)](y.to(DEV), out, y.numel(), BLOCK=1024)
+    want = e2m1_encode(y).to(torch.int32)
+    bad = (out.cpu() != want).nonzero().flatten()
+    assert bad.numel() == 0, [(float(y[i]), int(out[i]), int(want[i])) for i in bad[:8]]
+
+
 @pytest.mark.parametrize("hw", [0, 1])
 @pytest.mark.parametrize("fmt", FMTS)
 def test_flush_encode_is_exact_on_rounding_ties(fmt, hw):
@@ -185,12 +210,13 @@ def _clone_all(state, copy, rings):
 # flush grid, pre with its flush launch on other tiles / warps (defaults: one tl.dot fold, nvfp4 codes read as int32
 # words where N % 8 == 0), pre with the record-by-record flush and byte-wise nvfp4 decode, pre with the hardware
 # fp32 -> e4m3 rounding (compiled only: the same as pre under the interpreter) and a 4-warp nvfp4 encode launch,
-# the copy pass on 32-row tiles (with either nvfp4 decode), and the fused kernel
+# the copy pass on 32-row tiles (with either nvfp4 decode), the copy pass forming the window from the window launch's
+# per-record weights (win_cb), and the fused kernel
 @pytest.mark.parametrize("variant", ["pre", "pre:flush_programs=1,", "pre:flush_list=0,",
                                      "pre:FLUSH_P=32,flush_warps=4,flush_dot=1,",
                                      "pre:flush_list=0,FLUSH_P=32,flush_warps=2,flush_dot=1,",
                                      "pre:nvfp4_words=0,flush_dot=0,", "pre:hw_e4m3=1,enc_warps=4,APPLY_P=32,",
-                                     "pre:APPLY_P=32,nvfp4_words=0,", "fused"])
+                                     "pre:APPLY_P=32,nvfp4_words=0,", "pre:win_cb=1,", "fused"])
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("gi", range(len(GEOMS)))
 def test_kernel_matches_reference_step_by_step(fmt, gi, variant):
@@ -256,7 +282,7 @@ def test_nvfp4_mma_readout_matches_the_reference(c_dtype, c_scale, N, P):
     tok = random_token(b, H, P, N, G, Gc, g, DEV)
     tok["C"] = (tok["C"] * c_scale).to(c_dtype)
     st_r, cp_r, rg_r = _clone_all(state, copy, rings)
-    with kt.tuned("pre:nvfp4_mma=1,APPLY_P=16"):
+    with kt.tuned(f"pre:nvfp4_mma=1,APPLY_P=16,win_cb={int(P == 20)}"):
         y = replay_step_readcopy_triton(state, copy, "nvfp4", *rings, **tok, slot_idx=idx)
     y_r = replay_step_readcopy_reference(st_r, cp_r, "nvfp4", *rg_r, **tok, slot_idx=idx)
     if c_scale == 0.0:

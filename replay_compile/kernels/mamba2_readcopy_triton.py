@@ -64,7 +64,8 @@ aligned to them. Everything is computed in fp32.
   All encoders round in software (integer ops on the fp32 bits), the same code compiled and interpreted, and
   reproduce ``FORMATS[fmt].encode`` bit for bit: fp32 -> bf16 and fp32 -> e4m3 by round-to-nearest-even on the bit
   pattern (e4m3 subnormals, multiples of 2^-9, by the ``+ 2^23 - 2^23`` trick), e2m1 by comparisons against the
-  midpoints with ties to the even code, quotients with ``tl.div_rn`` (IEEE division, as torch). Software, not
+  one half-even rounding on the grid's spacing, quotients with ``tl.div_rn`` (IEEE division, as torch; nvfp4 values
+  are multiplied by the block's reciprocal, as the format defines). Software, not
   ``.to(tl.float8e4nv)``: triton 3.6's interpreter rounds fp32 -> fp8 half-up and mishandles mantissa carries and
   subnormals (351 of 4096 random values differ from torch), and the flush is rare enough that a few integer ops
   cost nothing.
@@ -169,10 +170,18 @@ def _e4m3_byte(v, HW: tl.constexpr):
 
 @triton.jit
 def _e2m1_code(y):
-    """fp32 -> e2m1 code 0..15 (uint32): nearest, ties to the even code, saturating at 6; bit 3 = signbit(y)."""
-    a = tl.abs(y)
-    mag = (a > 0.25).to(tl.uint32) + (a >= 0.75).to(tl.uint32) + (a > 1.25).to(tl.uint32) + \
-        (a >= 1.75).to(tl.uint32) + (a > 2.5).to(tl.uint32) + (a >= 3.5).to(tl.uint32) + (a > 5.0).to(tl.uint32)
+    """fp32 -> e2m1 code 0..15 (uint32): nearest, ties to the even code, saturating at 6; bit 3 = signbit(y).
+
+    One rounding on the grid's spacing instead of seven comparisons: ``a = min(|y|, 6)`` times ``2`` on ``[0, 2)``,
+    ``1`` on ``[2, 4)``, ``1/2`` on ``[4, 6]`` (exact), rounded half-even to an integer ``q`` by ``+ 2^23`` (its low
+    bits), plus the code of the segment's start: ``q`` (0..4), ``q + 2`` (2..4 -> 4..6), ``q + 4`` (2..3 -> 6..7).
+    A tie of the grid is a tie of the scaled value, so ties go to the even code as before."""
+    a = tl.minimum(tl.abs(y), 6.0)
+    low = a < 2.0
+    mid = a < 4.0
+    t = a * tl.where(low, 2.0, tl.where(mid, 1.0, 0.5))
+    q = (t + 8388608.0).to(tl.uint32, bitcast=True) & 7
+    mag = q + tl.where(low, 0, tl.where(mid, 2, 4)).to(tl.uint32)
     return mag | ((y.to(tl.uint32, bitcast=True) >> 31) << 3)
 
 
@@ -571,18 +580,25 @@ def _copy_dot(cv_ptr, cs_ptr, ct_ptr, c_base, c, s_cn, slot, h, offs_p, mask_p, 
 
 @triton.jit
 def _readcopy_apply_kernel(
-    cursor_ptr, C_ptr, slot_ptr, y_ptr, win_ptr, dec_ptr, cv_ptr, cs_ptr, ct_ptr,
+    cursor_ptr, C_ptr, slot_ptr, y_ptr, win_ptr, dec_ptr, cv_ptr, cs_ptr, ct_ptr, xr_ptr, x_ptr,
     H, P, N, L, heads_per_gc,
     s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
     s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp,
+    s_xrb, s_xrh, s_xrl, s_xrp, s_xb, s_xh, s_xp,
     FMT: tl.constexpr, HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    WORDS: tl.constexpr, SPLIT: tl.constexpr = False, NBP: tl.constexpr = 16,
+    WORDS: tl.constexpr, SPLIT: tl.constexpr = False, NBP: tl.constexpr = 16, WIN_CB: tl.constexpr = False,
+    BLOCK_L: tl.constexpr = 16,
 ):
     """``pre`` variant's copy pass, grid ``(cdiv(P, BLOCK_P), batch, H)``: for non-flush rows
     ``y = decay (S_copy C) + win`` from the decoded copy and the window launch's scratch
     (:func:`~replay_compile.kernels.mamba2_pre_triton._mamba2_prepass_window_kernel`); flush rows return at once.
     ``WORDS`` (nvfp4): ``cv_ptr`` is the codes viewed as int32 (strides in words), decoded by
-    :func:`_nvfp4_words_dot` (1) or :func:`_nvfp4_mma_dot` (2; ``SPLIT``: ``C`` is fp32)."""
+    :func:`_nvfp4_words_dot` (1) or :func:`_nvfp4_mma_dot` (2; ``SPLIT``: ``C`` is fp32).
+
+    ``WIN_CB`` (the window launch's ``cb_only`` form, as the fp32 step's pass): ``win_ptr`` holds the per-record
+    weights ``cb [b, H, BLOCK_L]`` (zero past ``w``), and this program reads its own ``BLOCK_P`` slice of the x
+    window, forms ``win = Σ_j cb_j x_j`` and appends ``x`` (the window launch then reads no x window: at Super
+    bs256 it took 29 µs of a ~200 µs nvfp4 step reading all of it). Otherwise ``win [b, H, P]`` comes ready."""
     pid_p = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
@@ -602,7 +618,18 @@ def _readcopy_apply_kernel(
                    s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, FMT, BLOCK_N, WORDS,
                    BLOCK_P, NBP, SPLIT)
     decay = tl.load(dec_ptr + row * H + h)
-    win = tl.load(win_ptr + (row * H + h) * P + offs_p, mask=mask_p, other=0.0)
+    if WIN_CB:
+        offs_l = tl.arange(0, BLOCK_L)
+        cbv = tl.load(win_ptr + (row * H + h) * BLOCK_L + offs_l)                    # zero past w
+        xw = tl.load(xr_ptr + slot * s_xrb + h * s_xrh + offs_l[:, None] * s_xrl + offs_p[None, :] * s_xrp,
+                     mask=(offs_l < w)[:, None] & mask_p[None, :], other=0.0)
+        x_cur = tl.load(x_ptr + row * s_xb + h * s_xh + offs_p * s_xp, mask=mask_p, other=0.0)
+        xw = tl.where((offs_l == w)[:, None], x_cur.to(tl.float32)[None, :], xw.to(tl.float32))
+        win = tl.sum(cbv[:, None] * xw, axis=0)
+        tl.store(xr_ptr + slot * s_xrb + h * s_xrh + w * s_xrl + offs_p * s_xrp,
+                 x_cur.to(xr_ptr.dtype.element_ty), mask=mask_p)
+    else:
+        win = tl.load(win_ptr + (row * H + h) * P + offs_p, mask=mask_p, other=0.0)
     tl.store(y_ptrs, decay * sc + win, mask=mask_p)
 
 
@@ -633,9 +660,9 @@ def _nvfp4_encode_body(
     s_g = tl.where(s_g > 0.0, s_g, 1.0)                              # zero groups: scale 1
     sb_code = _e4m3_code(tl.minimum(tl.div_rn(amax_b, 6.0 * s_g), 448.0))
     eff = (_e4m3_value(sb_code) * s_g)[:, :, None]
-    safe = tl.where(eff > 0.0, eff, 1.0)
-    ye = tl.where(eff > 0.0, tl.div_rn(xe, safe), 0.0)
-    yo = tl.where(eff > 0.0, tl.div_rn(xo, safe), 0.0)
+    inv = tl.div_rn(1.0, tl.where(eff > 0.0, eff, 1.0))             # one IEEE division per block, not per value
+    ye = tl.where(eff > 0.0, xe * inv, 0.0)
+    yo = tl.where(eff > 0.0, xo * inv, 0.0)
     byte = _e2m1_code(ye) | (_e2m1_code(yo) << 4)                 # padding columns: +0 -> code 0
     tl.store(cv_ptr + slot * s_vb + h * s_vh + p3 * s_vp + (blk * 8 + k) * s_vn, byte.to(tl.uint8), mask=m_e)
     offs_b = tl.arange(0, NB)
@@ -768,6 +795,9 @@ def launch_config(P: int, N: int, L: int, fmt: str = "") -> dict:
                 # nvfp4 non-flush per-block sums on tensor cores (_nvfp4_mma_dot; needs the words path and
                 # next_pow2(N) >= 128): not measured on a GPU yet, off
                 nvfp4_mma=bool(TUNING.get("nvfp4_mma", 0)),
+                # the window launch's cb_only form: the copy pass reads its slice of the x window and appends x
+                # (not measured on a GPU yet, off)
+                win_cb=bool(TUNING.get("win_cb", 0)),
                 # fp8 flush encode by the hardware conversion (compiled sm_89+ only: the interpreter keeps the software
                 # rounding). H200 session 10, Super bs256: the fp8 flush step 1837 -> 1724 µs (L-avg 3.02 -> 3.12x)
                 hw_e4m3=bool(TUNING.get("hw_e4m3", 1)),
@@ -853,15 +883,16 @@ def replay_step_readcopy_triton(state, copy, fmt, x_ring, dt_ring, la_ring, B_ri
         # flush rows listed by the window launch, walked by fixed grids (no full grid of returning programs)
         work = torch.zeros((b + 1,), dtype=torch.int32, device=x.device) if cfg["flush_list"] else None
         win, dec = launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, has_slot,
-                                 cfg["BLOCK_N"], cfg["BLOCK_L"], work)
+                                 cfg["BLOCK_N"], cfg["BLOCK_L"], work, cb_only=cfg["win_cb"])
         words = _code_words(cv) if FORMAT_IDS[name] == 2 and cfg["nvfp4_words"] and N % 8 == 0 else None
         av, astrides = (cv, cstrides) if words is None else (words, (*words.stride(), *cstrides[4:]))
         mode = 0 if words is None else 2 if cfg["nvfp4_mma"] and cfg["BLOCK_N"] >= 128 and cfg["APPLY_P"] >= 16 else 1
         k = launch(_readcopy_apply_kernel)[(cdiv(P, cfg["APPLY_P"]), b, H)](
-            cursor, C, slot_arg, y, win, dec, av, cs, ct, H, P, N, L, H // Gc, *C.stride(), *y.stride(), *astrides,
+            cursor, C, slot_arg, y, win, dec, av, cs, ct, x_ring, x, H, P, N, L, H // Gc, *C.stride(), *y.stride(),
+            *astrides, *x_ring.stride(), *x.stride(),
             FMT=FORMAT_IDS[name], HAS_SLOT=has_slot, BLOCK_P=cfg["APPLY_P"], BLOCK_N=cfg["BLOCK_N"],
-            WORDS=mode, SPLIT=C.dtype == torch.float32, NBP=max(16, cfg["BLOCK_N"] // 16),
-            num_warps=cfg["apply_warps"])
+            WORDS=mode, SPLIT=C.dtype == torch.float32, NBP=max(16, cfg["BLOCK_N"] // 16), WIN_CB=cfg["win_cb"],
+            BLOCK_L=cfg["BLOCK_L"], num_warps=cfg["apply_warps"])
     listed = pre and cfg["flush_list"]
     step_args = (state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, y, cv, cs, ct, amax)
     strides = (H, P, N, L, H // G, H // Gc,

@@ -42,8 +42,10 @@ Formats (``FORMATS`` registry; every encoding is an :class:`Encoded`, a dict of 
     * block scale ``s_b = amax(|block|) / (6 * s_g)``, clamped to 448, stored as ``float8_e4m3fn`` (round to
       nearest even). Blocks are 16 consecutive values of a row; the last block of a row is zero-padded when
       ``C % 16 != 0`` (padding never changes an amax).
-    * values ``q = round_e2m1(x / (s_b * s_g))`` with ``s_b`` the *stored* e4m3 value (product and quotient in
-      fp32). ``round_e2m1`` rounds to nearest, ties to the even code (= IEEE round-half-even, as
+    * values ``q = round_e2m1(x * (1 / (s_b * s_g)))`` with ``s_b`` the *stored* e4m3 value (product, reciprocal
+      and product in fp32: one division per block, as NVIDIA's quantizers multiply by the block's reciprocal
+      scale; it can differ from ``x / (s_b s_g)`` by an ulp, so a value next to a rounding midpoint may take the
+      other code). ``round_e2m1`` rounds to nearest, ties to the even code (= IEEE round-half-even, as
       ``cvt.rn.satfinite.e2m1x2.f32``), and saturates at 6 (the rounded ``s_b`` can be up to ``2^-4`` below the
       exact one, so ``|x / (s_b s_g)|`` can reach ``6 * 17/16``).
     * ``decode = (e2m1_value(q) * s_b) * s_g`` in fp32: the first product is exact, the second rounds once (a
@@ -419,7 +421,8 @@ class NVFP4Format(ReadCopyFormat):
         s_g_b = self._tensor_scale_view(s_g, xb.dim() - 1)  # broadcasts over [..., R, nb]
         s_b = (xb.abs().amax(dim=-1) / (E2M1_MAX * s_g_b)).clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)
         eff = s_b.float() * s_g_b
-        y = torch.where(eff.unsqueeze(-1) > 0, xb / eff.unsqueeze(-1), torch.zeros_like(xb))
+        inv = 1.0 / torch.where(eff > 0, eff, torch.ones_like(eff))
+        y = torch.where(eff.unsqueeze(-1) > 0, xb * inv.unsqueeze(-1), torch.zeros_like(xb))
         codes = e2m1_encode(y).reshape(*x.shape[:-1], nb * NVFP4_BLOCK)[..., :c]
         return {"codes": pack_nibbles(codes), "block_scale": s_b, "tensor_scale": s_g}
 
