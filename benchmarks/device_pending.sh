@@ -181,7 +181,7 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
          timeout 200 python3 benchmarks/bench_delta_kernel.py --out /tmp/pdl_delta --batches 32,256 --dtypes float32 \
            --configs "split;split:pdl=0" 2>&1 | grep -v Warn | tee "$OUT/pdl_delta.txt" ;;
   nvmma) timeout 200 python3 -m pytest -q $XDIST -p no:cacheprovider -p no:logging tests/test_mamba2_readcopy.py \
-           -k "mma or win_cb or e2m1 or encode or (step_by_step and nvfp4)" --tb=short 2>&1 \
+           -k "mma or win_cb or e2m1 or encode or nvfp4_fold or (step_by_step and nvfp4)" --tb=short 2>&1 \
            | grep -v "warnings.warn" | tail -30 \
            | tee "$OUT/pytest_nvmma.txt"
          timeout 150 python3 benchmarks/diag_stream_ceiling.py --read-copy nvfp4 --geoms super --batch 256 \
@@ -190,8 +190,9 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
          timeout 240 python3 benchmarks/bench_readcopy_kernel.py --out /tmp/nvmma --batches 128,256 --formats nvfp4 \
            --configs "${NVC:-;nvfp4_mma=1;nvfp4_mma=1,APPLY_P=32;nvfp4_mma=1,APPLY_P=64,apply_warps=4}" 2>&1 \
            | grep -v Warn | tee "$OUT/nvfp4_configs.txt"
-         timeout 200 python3 benchmarks/bench_readcopy_kernel.py --out /tmp/rcwin --batches 128,256 \
-           --formats bf16,fp8_e4m3 --configs ";win_cb=1" 2>&1 | grep -v Warn | tee -a "$OUT/nvfp4_configs.txt" ;;
+         [ -n "${NVF2-bf16,fp8_e4m3}" ] && timeout 200 python3 benchmarks/bench_readcopy_kernel.py --out /tmp/rcwin \
+           --batches 128,256 --formats ${NVF2-bf16,fp8_e4m3} --configs ";win_cb=1" 2>&1 | grep -v Warn \
+           | tee -a "$OUT/nvfp4_configs.txt" ;;
   m2cfg) timeout 150 python3 benchmarks/diag_stream_ceiling.py --breakdown-only --batch 128 2>&1 | grep -v Warn \
            | tee "$OUT/mamba2_breakdown_bs128.txt"
          timeout 300 python3 benchmarks/bench_mamba2_kernel.py --out /tmp/m2cfg --batches 128,256 \

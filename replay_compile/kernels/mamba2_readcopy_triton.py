@@ -103,7 +103,7 @@ import triton.language as tl
 from ..quant.formats import Encoded, get_format
 from .host_math import cdiv, memo_unless_tuned, next_pow2
 from .launch import launch
-from .mamba2_pre_triton import launch_window
+from .mamba2_pre_triton import _mamba2_flush_list_kernel, launch_window
 from .mamba2_readcopy_reference import as_encoded
 from .mamba2_triton import (_advance_cursor_kernel, _list_item, _round_checkpoint, _row_slot, _sm_count, _step_row,
                             _step_window, parse_tuning)
@@ -166,6 +166,16 @@ def _e4m3_byte(v, HW: tl.constexpr):
         return v.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
     else:
         return _e4m3_encode(v).to(tl.uint8)
+
+
+@triton.jit
+def _e2m1_code_cmp(y):
+    """:func:`_e2m1_code` by seven comparisons against the midpoints (the session-10 form; ``e2m1_cmp=1`` selects it
+    in the words encode, to compare the two on a GPU)."""
+    a = tl.abs(y)
+    mag = (a > 0.25).to(tl.uint32) + (a >= 0.75).to(tl.uint32) + (a > 1.25).to(tl.uint32) + \
+        (a >= 1.75).to(tl.uint32) + (a > 2.5).to(tl.uint32) + (a >= 3.5).to(tl.uint32) + (a > 5.0).to(tl.uint32)
+    return mag | ((y.to(tl.uint32, bitcast=True) >> 31) << 3)
 
 
 @triton.jit
@@ -675,6 +685,49 @@ def _nvfp4_encode_body(
 
 
 @triton.jit
+def _nvfp4_encode_words_body(
+    pid_p, row, h, slot,
+    state_ptr, amax_ptr, cw_ptr, cs_ptr, ct_ptr,
+    P, N,
+    s_sb, s_sh, s_sp, s_sn, s_wb, s_wh, s_wp, s_wn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp,
+    BLOCK_P: tl.constexpr, NB: tl.constexpr, E2M1_CMP: tl.constexpr,
+):
+    """:func:`_nvfp4_encode_body` (per-slot tensor scale) with the codes written as int32 words (``cw_ptr``, word
+    strides; N % 8 == 0): the tile is read in its natural order as ``[BLOCK_P, NB, 2, 8]`` (row, block, word of the
+    block, code of the word: contiguous, vectorised loads instead of even / odd column gathers), each word's 8 codes
+    shifted into place and summed (disjoint bits), one 4-byte store per 8 codes instead of one per 2. Same bytes."""
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    p4 = offs_p[:, None, None, None]
+    blk = tl.arange(0, NB)[None, :, None, None]
+    half = tl.arange(0, 2)[None, None, :, None]
+    j = tl.arange(0, 8)[None, None, None, :]
+    col = blk * 16 + half * 8 + j
+    m = (p4 < P) & (col < N)
+    x = tl.load(state_ptr + slot * s_sb + h * s_sh + p4 * s_sp + col * s_sn, mask=m, other=0.0).to(tl.float32)
+    amax_b = tl.max(tl.max(tl.abs(x), axis=3), axis=2)                               # [BLOCK_P, NB]
+    s_g = tl.div_rn(tl.load(amax_ptr + row).to(tl.float32, bitcast=True), 2688.0)
+    s_g = tl.where(s_g > 0.0, s_g, 1.0)                              # zero groups: scale 1
+    sb_code = _e4m3_code(tl.minimum(tl.div_rn(amax_b, 6.0 * s_g), 448.0))
+    eff = _e4m3_value(sb_code) * s_g
+    inv = tl.div_rn(1.0, tl.where(eff > 0.0, eff, 1.0))[:, :, None, None]
+    y = tl.where(eff[:, :, None, None] > 0.0, x * inv, 0.0)
+    if E2M1_CMP:
+        code = _e2m1_code_cmp(y)
+    else:
+        code = _e2m1_code(y)                                         # padding columns: +0 -> code 0
+    word = tl.sum(code << (4 * j).to(tl.uint32), axis=3)                                # [BLOCK_P, NB, 2]
+    p3 = offs_p[:, None, None]
+    wi = tl.arange(0, NB)[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]
+    tl.store(cw_ptr + slot * s_wb + h * s_wh + p3 * s_wp + wi * s_wn, word.to(tl.int32, bitcast=True),
+             mask=(p3 < P) & (wi * 8 < N))
+    offs_b = tl.arange(0, NB)
+    tl.store(cs_ptr + slot * s_qb + h * s_qh + offs_p[:, None] * s_qp + offs_b[None, :] * s_qn,
+             sb_code.to(tl.uint8), mask=(offs_p[:, None] < P) & (offs_b[None, :] * 16 < N))
+    if (pid_p == 0) & (h == 0):
+        tl.store(ct_ptr + slot * s_tb, s_g)
+
+
+@triton.jit
 def _nvfp4_flush_encode_kernel(
     state_ptr, cursor_ptr, slot_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr,
     P, N, L,
@@ -703,17 +756,25 @@ def _nvfp4_flush_encode_list_kernel(
     state_ptr, cursor_ptr, slot_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr, work_ptr, H, n_pb,
     P, N, L,
     s_sb, s_sh, s_sp, s_sn, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp,
-    HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, NB: tl.constexpr,
+    HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, NB: tl.constexpr, ENC_WORDS: tl.constexpr = False,
+    E2M1_CMP: tl.constexpr = False,
 ):
-    """:func:`_nvfp4_flush_encode_kernel` over the listed flush rows only, on a fixed grid."""
+    """:func:`_nvfp4_flush_encode_kernel` over the listed flush rows only, on a fixed grid. ``ENC_WORDS``:
+    ``cv_ptr`` is the codes as int32 words (word strides), :func:`_nvfp4_encode_words_body`."""
     n_items = tl.load(work_ptr) * (H * n_pb)
     t = tl.program_id(0)
     while t < n_items:
         row, h, tile = _list_item(work_ptr, t, H, n_pb)
-        _nvfp4_encode_body(tile, row, h, _row_slot(slot_ptr, row, HAS_SLOT),
-                           state_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr, P, N, s_sb, s_sh,
-                           s_sp, s_sn, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp,
-                           BLOCK_P, NB, False)
+        if ENC_WORDS:
+            _nvfp4_encode_words_body(tile, row, h, _row_slot(slot_ptr, row, HAS_SLOT),
+                                     state_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr, P, N, s_sb, s_sh,
+                                     s_sp, s_sn, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp,
+                                     BLOCK_P, NB, E2M1_CMP)
+        else:
+            _nvfp4_encode_body(tile, row, h, _row_slot(slot_ptr, row, HAS_SLOT),
+                               state_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr, P, N, s_sb, s_sh,
+                               s_sp, s_sn, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp,
+                               BLOCK_P, NB, False)
         t += tl.num_programs(0)
 
 
@@ -798,6 +859,12 @@ def launch_config(P: int, N: int, L: int, fmt: str = "") -> dict:
                 # the window launch's cb_only form: the copy pass reads its slice of the x window and appends x
                 # (not measured on a GPU yet, off)
                 win_cb=bool(TUNING.get("win_cb", 0)),
+                # nvfp4's flush by the fp32 step's listed fold on its own tiles, gathering the slot amax (the flush
+                # itself needs no whole rows for a per-slot scale; not measured on a GPU yet, off)
+                nvfp4_fold=bool(TUNING.get("nvfp4_fold", 0)),
+                # the listed nvfp4 encode reading the tile in order and writing int32 words of 8 codes
+                # (_nvfp4_encode_words_body; N % 8 == 0; not measured on a GPU yet, off)
+                enc_words=bool(TUNING.get("enc_words", 0)), e2m1_cmp=bool(TUNING.get("e2m1_cmp", 0)),
                 # fp8 flush encode by the hardware conversion (compiled sm_89+ only: the interpreter keeps the software
                 # rounding). H200 session 10, Super bs256: the fp8 flush step 1837 -> 1724 µs (L-avg 3.02 -> 3.12x)
                 hw_e4m3=bool(TUNING.get("hw_e4m3", 1)),
@@ -905,7 +972,22 @@ def replay_step_readcopy_triton(state, copy, fmt, x_ring, dt_ring, la_ring, B_ri
                    BLOCK_L=cfg["BLOCK_L"], STOCHASTIC_FP16=state.dtype == torch.float16,
                    FOLD_DOT=cfg["flush_dot"] if pre else cfg["fold_dot"], ROUTE=2 if pre else 0, num_warps=flush_w,
                    HW_E4M3=cfg["hw_e4m3"] and hw_fp8_cast(x.device), ROW_SCALE=name == "nvfp4_row")
-    if listed:
+    advanced = False
+    if listed and name == "nvfp4" and cfg["nvfp4_fold"]:
+        # nvfp4 (one tensor scale per slot) needs no whole rows in its flush: the fp32 step's listed fold (its
+        # tiles and warps) gathering the slot amax; it also advances the cursors (the encode below walks the list)
+        bp = 64 if P % 64 == 0 else 32
+        fp, fn = max(16, min(bp, next_pow2(P))), max(16, min(bp, next_pow2(N)))
+        fw = 4 if bp == 64 or cfg["BLOCK_L"] > 16 else 2
+        n_fp = cdiv(P, fp)
+        programs = cfg["flush_programs"] or min(b * H * n_fp, max(1, 32 // fw) * _sm_count(x.device))
+        k2 = launch(_mamba2_flush_list_kernel)[(programs,)](
+            *step_args[:13], work, *strides[:6], n_fp, *strides[6:-11],
+            HAS_SLOT=has_slot, BLOCK_P=fp, BLOCK_N=fn, BLOCK_L=cfg["BLOCK_L"], N_TILES=cdiv(N, fn),
+            STOCHASTIC_FP16=state.dtype == torch.float16, ADVANCE=True, n_rows=b, amax_ptr=amax, AMAX=True,
+            num_warps=fw)
+        advanced = True
+    elif listed:
         programs = cfg["flush_programs"] or min(b * H * n_fp, max(1, 32 // flush_w) * _sm_count(x.device))
         k2 = launch(_readcopy_flush_list_kernel)[(programs,)](*step_args, work, n_fp, *strides, **step_kw)
     else:
@@ -917,11 +999,19 @@ def replay_step_readcopy_triton(state, copy, fmt, x_ring, dt_ring, la_ring, B_ri
         if listed:
             enc_programs = cfg["flush_programs"] or min(b * H * n_pb,
                                                         max(1, 32 // cfg["enc_warps"]) * _sm_count(x.device))
+            ew = _code_words(cv) if cfg["enc_words"] and N % 8 == 0 else None
+            if ew is not None:
+                enc_args = (state, cursor, slot_arg, amax, ew, cs, ct)
+                estrides = (*ew.stride(), *cstrides[4:])
+            else:
+                estrides = cstrides
             launch(_nvfp4_flush_encode_list_kernel)[(enc_programs,)](*enc_args, work, H, n_pb, P, N, L, *state.stride(),
-                                                             *cstrides, **enc_kw)
+                                                             *estrides, ENC_WORDS=ew is not None,
+                                                             E2M1_CMP=cfg["e2m1_cmp"], **enc_kw)
         else:
             launch(_nvfp4_flush_encode_kernel)[grid](*enc_args, P, N, L, *state.stride(), *cstrides, **enc_kw)
-    launch(_advance_cursor_kernel)[(cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
+    if not advanced:
+        launch(_advance_cursor_kernel)[(cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
     return y
 
 
