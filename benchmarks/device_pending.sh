@@ -190,7 +190,7 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
          timeout 240 python3 benchmarks/bench_readcopy_kernel.py --out /tmp/nvmma --batches 128,256 --formats nvfp4 \
            --configs "${NVC:-;nvfp4_mma=1;nvfp4_mma=1,APPLY_P=32;nvfp4_mma=1,APPLY_P=64,apply_warps=4}" 2>&1 \
            | grep -v Warn | tee "$OUT/nvfp4_configs.txt"
-         [ -n "${NVF2-bf16,fp8_e4m3}" ] && timeout 200 python3 benchmarks/bench_readcopy_kernel.py --out /tmp/rcwin \
+         [ -z "${NVF2-bf16,fp8_e4m3}" ] || timeout 200 python3 benchmarks/bench_readcopy_kernel.py --out /tmp/rcwin \
            --batches 128,256 --formats ${NVF2-bf16,fp8_e4m3} --configs ";win_cb=1" 2>&1 | grep -v Warn \
            | tee -a "$OUT/nvfp4_configs.txt" ;;
   m2cfg) timeout 150 python3 benchmarks/diag_stream_ceiling.py --breakdown-only --batch 128 2>&1 | grep -v Warn \

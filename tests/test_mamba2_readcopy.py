@@ -212,13 +212,14 @@ def _clone_all(state, copy, rings):
 # fp32 -> e4m3 rounding (compiled only: the same as pre under the interpreter) and a 4-warp nvfp4 encode launch,
 # the copy pass on 32-row tiles (with either nvfp4 decode), the copy pass forming the window from the window launch's
 # per-record weights (win_cb), nvfp4's flush by the fp32 step's listed fold gathering the slot amax (nvfp4_fold) and
-# its encode writing words of 8 codes (enc_words), and the fused kernel
+# its encode writing words of 8 codes (enc_words; with the comparison rounding, and the non-flush decode two codes
+# at a time: nvfp4_pairs), and the fused kernel
 @pytest.mark.parametrize("variant", ["pre", "pre:flush_programs=1,", "pre:flush_list=0,",
                                      "pre:FLUSH_P=32,flush_warps=4,flush_dot=1,",
                                      "pre:flush_list=0,FLUSH_P=32,flush_warps=2,flush_dot=1,",
                                      "pre:nvfp4_words=0,flush_dot=0,", "pre:hw_e4m3=1,enc_warps=4,APPLY_P=32,",
                                      "pre:APPLY_P=32,nvfp4_words=0,", "pre:win_cb=1,", "pre:nvfp4_fold=1,win_cb=1,enc_words=1,",
-                                     "pre:enc_words=1,e2m1_cmp=1,",
+                                     "pre:enc_words=1,e2m1_cmp=1,nvfp4_pairs=1,",
                                      "fused"])
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("gi", range(len(GEOMS)))

@@ -294,6 +294,29 @@ def _half_pair(t):
 
 
 @triton.jit
+def _nvfp4_pairs_dot(cw_ptr, cs_ptr, ct_ptr, c_base, s_cn, slot, h, offs_p, P, N,
+                     s_wb, s_wh, s_wp, s_wn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, NW: tl.constexpr):
+    """:func:`_nvfp4_words_dot` with the codes decoded two at a time (``nvfp4_pairs``): per word and shift,
+    :func:`_half_pair` gives the fp16 ``e2m1 / 2^14`` of two codes for one ``lop3`` and a shift, each converted
+    and multiplied by its ``C`` column in fp32 (no tensor-core operand layouts). Per-word sums times the word's block
+    scale (word ``i`` is in block ``i // 2``), then ``2^14`` and the tensor scale. fp32 rounding only."""
+    offs_w = tl.arange(0, NW)
+    words = tl.load(cw_ptr + slot * s_wb + h * s_wh + offs_p[:, None] * s_wp + offs_w[None, :] * s_wn,
+                    mask=(offs_p < P)[:, None] & (offs_w < N // 8)[None, :], other=0)           # [BLOCK_P, NW]
+    acc = tl.zeros(words.shape, dtype=tl.float32)
+    for sh in tl.static_range(4):
+        a_lo, a_hi = _half_pair(words << (4 * sh))  # codes 3 - sh and 7 - sh of every word
+        c_lo = tl.load(c_base + (offs_w * 8 + 3 - sh) * s_cn, mask=offs_w * 8 < N, other=0.0).to(tl.float32)
+        c_hi = tl.load(c_base + (offs_w * 8 + 7 - sh) * s_cn, mask=offs_w * 8 < N, other=0.0).to(tl.float32)
+        acc += a_lo.to(tl.float32) * c_lo[None, :] + a_hi.to(tl.float32) * c_hi[None, :]
+    bsw = tl.load(cs_ptr + slot * s_qb + h * s_qh + offs_p[:, None] * s_qp + (offs_w // 2)[None, :] * s_qn,
+                  mask=(offs_p[:, None] < P) & (offs_w[None, :] * 8 < N),
+                  other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)            # [BLOCK_P, NW]
+    sg = tl.load(ct_ptr + slot * s_tb + h * s_th + offs_p * s_tp, mask=offs_p < P, other=1.0)
+    return tl.sum(acc * bsw, axis=1) * (sg * 16384.0)
+
+
+@triton.jit
 def _block_rows(c_base, s_cn, pos, scale, offs_w, offs_j, N, SPLIT: tl.constexpr):
     """The ``[NW, NBP]`` right-hand operands of nibble position ``pos`` (column ``8 i + pos`` of word ``i``):
     ``C[8 i + pos] * scale`` in row ``i``, column ``i // 2`` (its block of 16), zero elsewhere, as fp16
@@ -562,13 +585,17 @@ def _copy_dot(cv_ptr, cs_ptr, ct_ptr, c_base, c, s_cn, slot, h, offs_p, mask_p, 
               FMT: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr, BLOCK_P: tl.constexpr = 16,
               NBP: tl.constexpr = 16, SPLIT: tl.constexpr = False):
     """``S_copy C`` [BLOCK_P] for rows ``offs_p`` of the copy of (slot, head ``h``): nvfp4 as int32 words on tensor
-    cores (``WORDS == 2``, :func:`_nvfp4_mma_dot`; ``SPLIT``: fp32 ``C``), as int32 words (``WORDS == 1``,
+    cores (``WORDS == 2``, :func:`_nvfp4_mma_dot`; ``SPLIT``: fp32 ``C``), two codes at a time (``WORDS == 3``,
+    :func:`_nvfp4_pairs_dot`), as int32 words (``WORDS == 1``,
     :func:`_nvfp4_words_dot`) or byte by byte (:func:`_load_nvfp4`), each reading ``C`` in its own layout from
     ``c_base``; bf16 / fp8 as decoded rows against ``c`` [BLOCK_N] (the caller's load; unused, and so dropped by
     the compiler, on the nvfp4 paths)."""
     if WORDS == 2:
         sc = _nvfp4_mma_dot(cv_ptr, cs_ptr, ct_ptr, c_base, s_cn, slot, h, offs_p, P, N, s_vb, s_vh, s_vp, s_vn,
                             s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, BLOCK_P, BLOCK_N // 8, NBP, SPLIT)
+    elif WORDS == 3:
+        sc = _nvfp4_pairs_dot(cv_ptr, cs_ptr, ct_ptr, c_base, s_cn, slot, h, offs_p, P, N, s_vb, s_vh, s_vp, s_vn,
+                              s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, BLOCK_N // 8)
     elif WORDS == 1:
         sc = _nvfp4_words_dot(cv_ptr, cs_ptr, ct_ptr, c_base, s_cn, slot, h, offs_p, P, N, s_vb, s_vh, s_vp, s_vn,
                               s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, BLOCK_N // 16)
@@ -856,6 +883,8 @@ def launch_config(P: int, N: int, L: int, fmt: str = "") -> dict:
                 # nvfp4 non-flush per-block sums on tensor cores (_nvfp4_mma_dot; needs the words path and
                 # next_pow2(N) >= 128): not measured on a GPU yet, off
                 nvfp4_mma=bool(TUNING.get("nvfp4_mma", 0)),
+                # ... or two codes per lop3 into fp16, converted and multiplied in fp32 (_nvfp4_pairs_dot)
+                nvfp4_pairs=bool(TUNING.get("nvfp4_pairs", 0)),
                 # the window launch's cb_only form: the copy pass reads its slice of the x window and appends x
                 # (not measured on a GPU yet, off)
                 win_cb=bool(TUNING.get("win_cb", 0)),
@@ -953,7 +982,8 @@ def replay_step_readcopy_triton(state, copy, fmt, x_ring, dt_ring, la_ring, B_ri
                                  cfg["BLOCK_N"], cfg["BLOCK_L"], work, cb_only=cfg["win_cb"])
         words = _code_words(cv) if FORMAT_IDS[name] == 2 and cfg["nvfp4_words"] and N % 8 == 0 else None
         av, astrides = (cv, cstrides) if words is None else (words, (*words.stride(), *cstrides[4:]))
-        mode = 0 if words is None else 2 if cfg["nvfp4_mma"] and cfg["BLOCK_N"] >= 128 and cfg["APPLY_P"] >= 16 else 1
+        mode = 0 if words is None else 2 if cfg["nvfp4_mma"] and cfg["BLOCK_N"] >= 128 and cfg["APPLY_P"] >= 16 \
+            else 3 if cfg["nvfp4_pairs"] else 1
         k = launch(_readcopy_apply_kernel)[(cdiv(P, cfg["APPLY_P"]), b, H)](
             cursor, C, slot_arg, y, win, dec, av, cs, ct, x_ring, x, H, P, N, L, H // Gc, *C.stride(), *y.stride(),
             *astrides, *x_ring.stride(), *x.stride(),
