@@ -894,6 +894,10 @@ def launch_config(P: int, N: int, L: int, fmt: str = "") -> dict:
                 # the listed nvfp4 encode reading the tile in order and writing int32 words of 8 codes
                 # (_nvfp4_encode_words_body; N % 8 == 0; not measured on a GPU yet, off)
                 enc_words=bool(TUNING.get("enc_words", 0)), e2m1_cmp=bool(TUNING.get("e2m1_cmp", 0)),
+                # nvfp4_fold's slot amax: 1 one atomic per folded slice, 2 one per row of it (_fold_tile)
+                amax_mode=TUNING.get("amax_mode", 1),
+                # programs per SM of the listed nvfp4 encode (default: 32 warps per SM)
+                enc_per_sm=TUNING.get("enc_per_sm"),
                 # fp8 flush encode by the hardware conversion (compiled sm_89+ only: the interpreter keeps the software
                 # rounding). H200 session 10, Super bs256: the fp8 flush step 1837 -> 1724 µs (L-avg 3.02 -> 3.12x)
                 hw_e4m3=bool(TUNING.get("hw_e4m3", 1)),
@@ -1014,8 +1018,8 @@ def replay_step_readcopy_triton(state, copy, fmt, x_ring, dt_ring, la_ring, B_ri
         k2 = launch(_mamba2_flush_list_kernel)[(programs,)](
             *step_args[:13], work, *strides[:6], n_fp, *strides[6:-11],
             HAS_SLOT=has_slot, BLOCK_P=fp, BLOCK_N=fn, BLOCK_L=cfg["BLOCK_L"], N_TILES=cdiv(N, fn),
-            STOCHASTIC_FP16=state.dtype == torch.float16, ADVANCE=True, n_rows=b, amax_ptr=amax, AMAX=True,
-            num_warps=fw)
+            STOCHASTIC_FP16=state.dtype == torch.float16, ADVANCE=True, n_rows=b, amax_ptr=amax,
+            AMAX=cfg["amax_mode"], num_warps=fw)
         advanced = True
     elif listed:
         programs = cfg["flush_programs"] or min(b * H * n_fp, max(1, 32 // flush_w) * _sm_count(x.device))
@@ -1027,8 +1031,8 @@ def replay_step_readcopy_triton(state, copy, fmt, x_ring, dt_ring, la_ring, B_ri
         enc_args = (state, cursor, slot_arg, amax, cv, cs, ct)
         enc_kw = dict(HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_P"], NB=cfg["BLOCK_N"] // 16, num_warps=cfg["enc_warps"])
         if listed:
-            enc_programs = cfg["flush_programs"] or min(b * H * n_pb,
-                                                        max(1, 32 // cfg["enc_warps"]) * _sm_count(x.device))
+            per_sm = cfg["enc_per_sm"] or max(1, 32 // cfg["enc_warps"])
+            enc_programs = cfg["flush_programs"] or min(b * H * n_pb, per_sm * _sm_count(x.device))
             ew = _code_words(cv) if cfg["enc_words"] and N % 8 == 0 else None
             if ew is not None:
                 enc_args = (state, cursor, slot_arg, amax, ew, cs, ct)

@@ -283,7 +283,8 @@ def _fold_tile(state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, x_ptr, dt_ptr, la_pt
     checkpoint over N in ``BLOCK_P x BLOCK_N`` tiles, each written once; ``y = S_new C``. The tiled kernel's flush
     branch and the ``pre`` variant's flush launch. ``AMAX`` (the nvfp4 read copy's flush): also ``atomic_max`` the
     slice's largest stored magnitude into ``amax_ptr[row]`` (int32 bits of a non-negative fp32: the same order),
-    for the copy's per-slot tensor scale."""
+    for the copy's per-slot tensor scale: 1 reduces the slice to one value first, 2 issues one atomic per row of
+    the slice."""
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     mask_p = offs_p < P
     offs_l = tl.arange(0, BLOCK_L)
@@ -318,13 +319,15 @@ def _fold_tile(state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, x_ptr, dt_ptr, la_pt
         s_st = _round_checkpoint(s_new, s_ptrs, la_cur, slot * H + h, offs_p[:, None] * N + offs_n[None, :],
                                  STOCHASTIC_FP16)
         tl.store(s_ptrs, s_st, mask=tile_mask)
-        if AMAX:
-            amax = tl.maximum(amax, tl.max(tl.where(tile_mask, tl.abs(s_st.to(tl.float32)), 0.0), axis=1))
+        if AMAX != 0:                                   # masked lanes hold zeros (zero loads and operands)
+            amax = tl.maximum(amax, tl.max(tl.abs(s_st.to(tl.float32)), axis=1))
         c = tl.load(c_base + offs_n * s_cn, mask=mask_n, other=0.0).to(tl.float32)
         acc_y += tl.sum(s_new * c[None, :], axis=1)
     tl.store(y_ptrs, acc_y, mask=mask_p)
-    if AMAX:
+    if AMAX == 1:
         tl.atomic_max(amax_ptr + row, tl.max(amax, axis=0).to(tl.int32, bitcast=True), sem="relaxed")
+    elif AMAX == 2:                                  # one atomic per row of the slice: no cross-warp reduction
+        tl.atomic_max(amax_ptr + row + offs_p * 0, amax.to(tl.int32, bitcast=True), mask=mask_p, sem="relaxed")
 
 
 @triton.jit
@@ -371,7 +374,7 @@ def _mamba2_replay_tiled_kernel(
                    s_sb, s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl,
                    s_brb, s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn,
                    s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
-                   BLOCK_P, BLOCK_N, BLOCK_L, N_TILES, STOCHASTIC_FP16, STATE_EVICT, y_ptr, False)
+                   BLOCK_P, BLOCK_N, BLOCK_L, N_TILES, STOCHASTIC_FP16, STATE_EVICT, y_ptr, 0)
     else:
         # y = exp(Σ la) (S_0 C) + Σ_j coef_j (B_j·C) x_j ; the checkpoint is only read
         la_cur, dt_cur, x_cur, coef, decay, xw = _step_window(
