@@ -220,7 +220,7 @@ def _clone_all(state, copy, rings):
                                      "pre:nvfp4_words=0,flush_dot=0,", "pre:hw_e4m3=1,enc_warps=4,APPLY_P=32,",
                                      "pre:APPLY_P=32,nvfp4_words=0,", "pre:win_cb=1,", "pre:nvfp4_fold=1,win_cb=1,enc_words=1,",
                                      "pre:enc_words=1,e2m1_cmp=1,nvfp4_pairs=1,",
-                                     "pre:nvfp4_fold=1,amax_mode=2,enc_words=1,enc_per_sm=1,",
+                                     "pre:nvfp4_fold=1,amax_mode=2,enc_words=1,enc_per_sm=1,fold_warps=1,",
                                      "fused"])
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("gi", range(len(GEOMS)))

@@ -898,6 +898,8 @@ def launch_config(P: int, N: int, L: int, fmt: str = "") -> dict:
                 amax_mode=TUNING.get("amax_mode", 1),
                 # programs per SM of the listed nvfp4 encode (default: 32 warps per SM)
                 enc_per_sm=TUNING.get("enc_per_sm"),
+                # warps of the nvfp4_fold programs (default: the fp32 step's flush warps)
+                fold_warps=TUNING.get("fold_warps"),
                 # fp8 flush encode by the hardware conversion (compiled sm_89+ only: the interpreter keeps the software
                 # rounding). H200 session 10, Super bs256: the fp8 flush step 1837 -> 1724 µs (L-avg 3.02 -> 3.12x)
                 hw_e4m3=bool(TUNING.get("hw_e4m3", 1)),
@@ -973,15 +975,20 @@ def replay_step_readcopy_triton(state, copy, fmt, x_ring, dt_ring, la_ring, B_ri
     n_pb = cdiv(P, cfg["BLOCK_P"])
     has_slot = slot_idx is not None
     slot_arg = slot_idx if has_slot else cursor          # any pointer; unused when HAS_SLOT is False
-    amax = torch.zeros(b, dtype=torch.int32, device=x.device) if name == "nvfp4" else cursor
+    pre = cfg["variant"] == "pre"
+    # int32 scratch zeroed by one fill: the listed flush rows ``work = [count, rows...]`` (pre) and the nvfp4 slot
+    # amax (one memset kernel per step fewer than two separate buffers: ~1 µs)
+    n_work = b + 1 if pre and cfg["flush_list"] else 0
+    n_scratch = n_work + (b if name == "nvfp4" else 0)
+    scratch = torch.zeros((n_scratch,), dtype=torch.int32, device=x.device) if n_scratch else None
+    amax = scratch[n_work:] if name == "nvfp4" else cursor
     (cv, cs, ct), cstrides = _copy_args(enc, name, cursor)
     grid = (n_pb, b, H)
-    pre = cfg["variant"] == "pre"
     if pre:
         # launch 1: the window's contribution per (row, head) and the records (shared with the fp32 step);
         # launch 2: the copy pass of the non-flush rows; launch 3 (below): the flush rows
         # flush rows listed by the window launch, walked by fixed grids (no full grid of returning programs)
-        work = torch.zeros((b + 1,), dtype=torch.int32, device=x.device) if cfg["flush_list"] else None
+        work = scratch[:n_work] if n_work else None
         win, dec = launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, has_slot,
                                  cfg["BLOCK_N"], cfg["BLOCK_L"], work, cb_only=cfg["win_cb"])
         words = _code_words(cv) if FORMAT_IDS[name] == 2 and cfg["nvfp4_words"] and N % 8 == 0 else None
@@ -1012,7 +1019,7 @@ def replay_step_readcopy_triton(state, copy, fmt, x_ring, dt_ring, la_ring, B_ri
         # tiles and warps) gathering the slot amax; it also advances the cursors (the encode below walks the list)
         bp = 64 if P % 64 == 0 else 32
         fp, fn = max(16, min(bp, next_pow2(P))), max(16, min(bp, next_pow2(N)))
-        fw = 4 if bp == 64 or cfg["BLOCK_L"] > 16 else 2
+        fw = cfg["fold_warps"] or (4 if bp == 64 or cfg["BLOCK_L"] > 16 else 2)
         n_fp = cdiv(P, fp)
         programs = cfg["flush_programs"] or min(b * H * n_fp, max(1, 32 // fw) * _sm_count(x.device))
         k2 = launch(_mamba2_flush_list_kernel)[(programs,)](
