@@ -47,6 +47,8 @@
 #   nvmma      issue 7's NVFP4 non-flush readout on tensor cores (nvfp4_mma), the copy pass forming the window
 #              (win_cb) and the cheaper nvfp4 encode: their tests, per-kernel times of the nvfp4 step (Super bs256)
 #              and whole steps vs selective_state_update at bs 128 / 256 for $NVC configs; bf16 / fp8 with win_cb
+#   rcfinal    the read-copy GPU tests (both families) and the exact Mamba-2 kernel tests, then the Mamba-2 read-copy
+#              sweep with the session-13 defaults (bf16 / fp8 / nvfp4 vs selective_state_update, bs 1..512)
 #   m2cfg      issue 3's non-flush floor at bs128: the pre step's per-launch device times (fp32, both geometries) and
 #              $M2C at bs 128 / 256 for $M2D (default bf16 and fp32): the padded window head axis (win_pad=1: Nano's
 #              12 heads per group in one program, not three; its window launch is 6.5 µs vs Super's 5.0) and 32-row
@@ -193,6 +195,11 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
          [ -z "${NVF2-bf16,fp8_e4m3}" ] || timeout 200 python3 benchmarks/bench_readcopy_kernel.py --out /tmp/rcwin \
            --batches 128,256 --formats ${NVF2-bf16,fp8_e4m3} --configs ";win_cb=1" 2>&1 | grep -v Warn \
            | tee -a "$OUT/nvfp4_configs.txt" ;;
+  rcfinal) timeout 280 python3 -m pytest -q $XDIST -p no:cacheprovider -p no:logging tests/test_mamba2_readcopy.py \
+           tests/test_delta_readcopy_triton.py tests/test_mamba2_triton_gpu.py tests/test_mamba2_triton.py --tb=short \
+           2>&1 | grep -v "warnings.warn" | tail -30 | tee "$OUT/pytest_rcfinal.txt"
+         timeout 280 python3 benchmarks/bench_readcopy_kernel.py --out "$OUT" --batches 1,8,32,128,256,512 2>&1 \
+           | grep -v Warn | tee "$OUT/readcopy_sweep.txt" ;;
   m2cfg) timeout 150 python3 benchmarks/diag_stream_ceiling.py --breakdown-only --batch 128 2>&1 | grep -v Warn \
            | tee "$OUT/mamba2_breakdown_bs128.txt"
          timeout 300 python3 benchmarks/bench_mamba2_kernel.py --out /tmp/m2cfg --batches 128,256 \

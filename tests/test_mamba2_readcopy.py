@@ -206,21 +206,22 @@ def _clone_all(state, copy, rings):
     return state.clone(), copy.clone(), [r.clone() for r in rings]
 
 
-# pre (flush rows listed and walked by fixed grids), the same with one program walking them all, pre with the full
-# flush grid, pre with its flush launch on other tiles / warps (defaults: one tl.dot fold, nvfp4 codes read as int32
-# words where N % 8 == 0), pre with the record-by-record flush and byte-wise nvfp4 decode, pre with the hardware
-# fp32 -> e4m3 rounding (compiled only: the same as pre under the interpreter) and a 4-warp nvfp4 encode launch,
-# the copy pass on 32-row tiles (with either nvfp4 decode), the copy pass forming the window from the window launch's
-# per-record weights (win_cb), nvfp4's flush by the fp32 step's listed fold gathering the slot amax (nvfp4_fold) and
-# its encode writing words of 8 codes (enc_words; with the comparison rounding, and the non-flush decode two codes
-# at a time: nvfp4_pairs), and the fused kernel
+# pre (flush rows listed and walked by fixed grids; defaults: one tl.dot fold, the copy pass forming the window from
+# the window launch's per-record weights, nvfp4 codes read as int32 words and decoded two at a time where N % 8 == 0,
+# nvfp4's flush by the fp32 step's fold gathering the slot amax row by row and its encode writing words), the same
+# with one program walking them all, pre with the full flush grid, pre with its flush launch on other tiles / warps,
+# pre with the record-by-record flush and byte-wise nvfp4 decode, pre with the hardware fp32 -> e4m3 rounding
+# (compiled only: the same as pre under the interpreter) and a 4-warp nvfp4 encode launch, the copy pass on 32-row
+# tiles with the byte decode, the window from the window launch (win_cb=0), nvfp4's flush by the read-copy body
+# with the word encode, the session-12 defaults, the amax reduced per slice with one encode program per SM and
+# 1-warp folds, and the fused kernel
 @pytest.mark.parametrize("variant", ["pre", "pre:flush_programs=1,", "pre:flush_list=0,",
                                      "pre:FLUSH_P=32,flush_warps=4,flush_dot=1,",
                                      "pre:flush_list=0,FLUSH_P=32,flush_warps=2,flush_dot=1,",
                                      "pre:nvfp4_words=0,flush_dot=0,", "pre:hw_e4m3=1,enc_warps=4,APPLY_P=32,",
-                                     "pre:APPLY_P=32,nvfp4_words=0,", "pre:win_cb=1,", "pre:nvfp4_fold=1,win_cb=1,enc_words=1,",
-                                     "pre:enc_words=1,e2m1_cmp=1,nvfp4_pairs=1,",
-                                     "pre:nvfp4_fold=1,amax_mode=2,enc_words=1,enc_per_sm=1,fold_warps=1,",
+                                     "pre:APPLY_P=32,nvfp4_words=0,", "pre:win_cb=0,", "pre:nvfp4_fold=0,enc_words=1,",
+                                     "pre:nvfp4_pairs=0,nvfp4_fold=0,enc_words=0,win_cb=0,",
+                                     "pre:amax_mode=1,enc_per_sm=1,fold_warps=1,",
                                      "fused"])
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("gi", range(len(GEOMS)))

@@ -169,16 +169,6 @@ def _e4m3_byte(v, HW: tl.constexpr):
 
 
 @triton.jit
-def _e2m1_code_cmp(y):
-    """:func:`_e2m1_code` by seven comparisons against the midpoints (the session-10 form; ``e2m1_cmp=1`` selects it
-    in the words encode, to compare the two on a GPU)."""
-    a = tl.abs(y)
-    mag = (a > 0.25).to(tl.uint32) + (a >= 0.75).to(tl.uint32) + (a > 1.25).to(tl.uint32) + \
-        (a >= 1.75).to(tl.uint32) + (a > 2.5).to(tl.uint32) + (a >= 3.5).to(tl.uint32) + (a > 5.0).to(tl.uint32)
-    return mag | ((y.to(tl.uint32, bitcast=True) >> 31) << 3)
-
-
-@triton.jit
 def _e2m1_code(y):
     """fp32 -> e2m1 code 0..15 (uint32): nearest, ties to the even code, saturating at 6; bit 3 = signbit(y).
 
@@ -717,7 +707,7 @@ def _nvfp4_encode_words_body(
     state_ptr, amax_ptr, cw_ptr, cs_ptr, ct_ptr,
     P, N,
     s_sb, s_sh, s_sp, s_sn, s_wb, s_wh, s_wp, s_wn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp,
-    BLOCK_P: tl.constexpr, NB: tl.constexpr, E2M1_CMP: tl.constexpr,
+    BLOCK_P: tl.constexpr, NB: tl.constexpr,
 ):
     """:func:`_nvfp4_encode_body` (per-slot tensor scale) with the codes written as int32 words (``cw_ptr``, word
     strides; N % 8 == 0): the tile is read in its natural order as ``[BLOCK_P, NB, 2, 8]`` (row, block, word of the
@@ -738,10 +728,7 @@ def _nvfp4_encode_words_body(
     eff = _e4m3_value(sb_code) * s_g
     inv = tl.div_rn(1.0, tl.where(eff > 0.0, eff, 1.0))[:, :, None, None]
     y = tl.where(eff[:, :, None, None] > 0.0, x * inv, 0.0)
-    if E2M1_CMP:
-        code = _e2m1_code_cmp(y)
-    else:
-        code = _e2m1_code(y)                                         # padding columns: +0 -> code 0
+    code = _e2m1_code(y)                                             # padding columns: +0 -> code 0
     word = tl.sum(code << (4 * j).to(tl.uint32), axis=3)                                # [BLOCK_P, NB, 2]
     p3 = offs_p[:, None, None]
     wi = tl.arange(0, NB)[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]
@@ -784,7 +771,6 @@ def _nvfp4_flush_encode_list_kernel(
     P, N, L,
     s_sb, s_sh, s_sp, s_sn, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp,
     HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, NB: tl.constexpr, ENC_WORDS: tl.constexpr = False,
-    E2M1_CMP: tl.constexpr = False,
 ):
     """:func:`_nvfp4_flush_encode_kernel` over the listed flush rows only, on a fixed grid. ``ENC_WORDS``:
     ``cv_ptr`` is the codes as int32 words (word strides), :func:`_nvfp4_encode_words_body`."""
@@ -796,7 +782,7 @@ def _nvfp4_flush_encode_list_kernel(
             _nvfp4_encode_words_body(tile, row, h, _row_slot(slot_ptr, row, HAS_SLOT),
                                      state_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr, P, N, s_sb, s_sh,
                                      s_sp, s_sn, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp,
-                                     BLOCK_P, NB, E2M1_CMP)
+                                     BLOCK_P, NB)
         else:
             _nvfp4_encode_body(tile, row, h, _row_slot(slot_ptr, row, HAS_SLOT),
                                state_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr, P, N, s_sb, s_sh,
@@ -847,6 +833,11 @@ def tuned(spec: str):
         TUNING.clear()
 
 
+def _nvfp4_apply_rows(P: int) -> int:
+    """Rows per program of the nvfp4 copy pass: the largest of 64 / 32 / 16 that divides P (no masked rows)."""
+    return next((r for r in (64, 32) if P % r == 0), 16)
+
+
 @memo_unless_tuned(TUNING)
 def launch_config(P: int, N: int, L: int, fmt: str = "") -> dict:
     """``BLOCK_N = next_pow2(N)`` (>= 16: whole rows per program), ``BLOCK_P`` 32 where ``P % 32 == 0`` and P > 64,
@@ -854,6 +845,7 @@ def launch_config(P: int, N: int, L: int, fmt: str = "") -> dict:
     (the format's name) picks the ``pre`` flush launch's tile and warps."""
     block_n = max(16, next_pow2(N))
     block_l = max(16, next_pow2(L))
+    nvfp4 = fmt in ("nvfp4", "nvfp4_row")
     block_p = TUNING.get("BLOCK_P") or (32 if P % 32 == 0 and P > 64 else 16)
     warps = TUNING.get("num_warps") or max(1, min(8, max(block_p, block_l) * block_n // (32 * 64)))
     variant = TUNING.get("variant") or "pre"
@@ -861,9 +853,10 @@ def launch_config(P: int, N: int, L: int, fmt: str = "") -> dict:
         raise ValueError(f"replay_compile.mamba2 read copy: unknown kernel variant {variant!r} (pre, fused)")
     return dict(BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_L=block_l, num_warps=warps,
                 fold_dot=bool(TUNING.get("fold_dot", 0)), variant=variant,
-                # the non-flush copy pass's tile: 32 rows for fp8 (H200 session 10, Super bs256: non-flush 131.1 ->
-                # 119.9 µs, 1 warp, 64 registers); nvfp4_row 201 -> 199 at 168 registers, kept at 16 for the 4-bit ones
-                APPLY_P=TUNING.get("APPLY_P") or (32 if fmt == "fp8_e4m3" else 16),
+                # the non-flush copy pass's tile, 1 warp: 32 rows for fp8 (H200 session 10, Super bs256: non-flush
+                # 131.1 -> 119.9 µs, 64 registers); the nvfp4 pair decode (session 13, Super bs256, apply launch):
+                # 152.5 µs on 16 rows, 100.6 on 32, 93.6 on 64 (128 registers)
+                APPLY_P=TUNING.get("APPLY_P") or (32 if fmt == "fp8_e4m3" else _nvfp4_apply_rows(P) if nvfp4 else 16),
                 apply_warps=TUNING.get("apply_warps") or 1,
                 # listed flush rows (session 8, H200 Super bs256: non-flush fp8 213 -> 135 us, bf16 264 -> 187,
                 # NVFP4 516 -> 362; the flush step 10-25% slower; L-avg 1.2-1.3x better). 0: full grid
@@ -877,37 +870,36 @@ def launch_config(P: int, N: int, L: int, fmt: str = "") -> dict:
                 FLUSH_P=TUNING.get("FLUSH_P") or (32 if fmt == "fp8_e4m3" else 16),
                 flush_warps=TUNING.get("flush_warps") or (4 if fmt == "fp8_e4m3" else 1),
                 flush_dot=bool(TUNING.get("flush_dot", TUNING.get("fold_dot", 1))),
-                # nvfp4 non-flush reads as int32 words, fp16-bit decode (_nvfp4_words_dot; N % 8 == 0). H200
-                # session 9, Super bs256: the non-flush step 357 -> 203 µs, L-avg 1.41 -> 2.01x
+                # nvfp4 non-flush reads as int32 words (N % 8 == 0; session 9, Super bs256: the non-flush step 357
+                # -> 203 µs), decoded two codes per lop3 into fp16 and multiplied in fp32 (nvfp4_pairs, session 13:
+                # the copy pass 163 -> 101 µs on 32-row tiles; 0: one code at a time, _nvfp4_words_dot) or with
+                # per-block sums on tensor cores (nvfp4_mma, next_pow2(N) >= 128: 141-157 µs, slower on the H200:
+                # its operands go through shared memory)
                 nvfp4_words=bool(TUNING.get("nvfp4_words", 1)),
-                # nvfp4 non-flush per-block sums on tensor cores (_nvfp4_mma_dot; needs the words path and
-                # next_pow2(N) >= 128): not measured on a GPU yet, off
+                nvfp4_pairs=bool(TUNING.get("nvfp4_pairs", 1)),
                 nvfp4_mma=bool(TUNING.get("nvfp4_mma", 0)),
-                # ... or two codes per lop3 into fp16, converted and multiplied in fp32 (_nvfp4_pairs_dot)
-                nvfp4_pairs=bool(TUNING.get("nvfp4_pairs", 0)),
                 # the window launch's cb_only form: the copy pass reads its slice of the x window and appends x
-                # (not measured on a GPU yet, off)
-                win_cb=bool(TUNING.get("win_cb", 0)),
-                # nvfp4's flush by the fp32 step's listed fold on its own tiles, gathering the slot amax (the flush
-                # itself needs no whole rows for a per-slot scale; not measured on a GPU yet, off)
-                nvfp4_fold=bool(TUNING.get("nvfp4_fold", 0)),
-                # the listed nvfp4 encode reading the tile in order and writing int32 words of 8 codes
-                # (_nvfp4_encode_words_body; N % 8 == 0; not measured on a GPU yet, off)
-                enc_words=bool(TUNING.get("enc_words", 0)), e2m1_cmp=bool(TUNING.get("e2m1_cmp", 0)),
-                # nvfp4_fold's slot amax: 1 one atomic per folded slice, 2 one per row of it (_fold_tile)
-                amax_mode=TUNING.get("amax_mode", 1),
-                # programs per SM of the listed nvfp4 encode (default: 32 warps per SM)
-                enc_per_sm=TUNING.get("enc_per_sm"),
-                # warps of the nvfp4_fold programs (default: the fp32 step's flush warps)
-                fold_warps=TUNING.get("fold_warps"),
+                # (session 13, Super bs256: the window launch 29 -> 7 µs; non-flush bf16 168.8 -> 157.8 µs, fp8
+                # 108.2 -> 101.5)
+                win_cb=bool(TUNING.get("win_cb", 1)),
+                # nvfp4 (per-slot scale): the flush by the fp32 step's listed fold on its own tiles, gathering the
+                # slot amax with one atomic per folded row (amax_mode 2; 1: one per slice after a cross-warp
+                # reduction) and the cursor advance (session 13, Super bs256: the fold 969 -> 711 µs; amax_mode 1:
+                # 912); 0: the read-copy flush body on 16 x N tiles
+                nvfp4_fold=bool(TUNING.get("nvfp4_fold", 1)), amax_mode=TUNING.get("amax_mode", 2),
+                fold_warps=TUNING.get("fold_warps"),                 # default: the fp32 step's flush warps
+                # the listed nvfp4 encode reading tiles in order and writing int32 words of 8 codes (N % 8 == 0;
+                # session 13: 784 -> 420 µs at Super bs256 on 1 warp, 443 on 2, 533 on 4), else the byte encode
+                enc_words=bool(TUNING.get("enc_words", 1)),
+                enc_per_sm=TUNING.get("enc_per_sm"),                 # default: 32 warps per SM
                 # fp8 flush encode by the hardware conversion (compiled sm_89+ only: the interpreter keeps the software
                 # rounding). H200 session 10, Super bs256: the fp8 flush step 1837 -> 1724 µs (L-avg 3.02 -> 3.12x)
                 hw_e4m3=bool(TUNING.get("hw_e4m3", 1)),
-                # warps of the nvfp4 encode launch (two IEEE divisions and 14 comparisons per value): 2 (H200 session
-                # 10, Super bs256: the nvfp4 flush step 2147 -> 1814 µs, L-avg 2.13 -> 2.29x; 4 warps 1829)
-                # (issuing the non-flush copy pass's loads before the cursor's was tried and removed: H200 session
-                # 10, fp8 131.1 -> 129.8 µs, nvfp4_row 200.9 -> 208.2)
-                enc_warps=TUNING.get("enc_warps") or 2)
+                # warps of the nvfp4 encode launch: 1 for the word encode, 2 for the byte one (session 10, Super
+                # bs256: the nvfp4 flush step 2147 -> 1814 µs, 4 warps 1829). (Issuing the non-flush copy pass's
+                # loads before the cursor's was tried and removed: session 10, fp8 131.1 -> 129.8 µs, nvfp4_row
+                # 200.9 -> 208.2)
+                enc_warps=TUNING.get("enc_warps") or (1 if TUNING.get("enc_words", 1) else 2))
 
 
 def _format_name(fmt) -> str:
@@ -1047,8 +1039,7 @@ def replay_step_readcopy_triton(state, copy, fmt, x_ring, dt_ring, la_ring, B_ri
             else:
                 estrides = cstrides
             launch(_nvfp4_flush_encode_list_kernel)[(enc_programs,)](*enc_args, work, H, n_pb, P, N, L, *state.stride(),
-                                                             *estrides, ENC_WORDS=ew is not None,
-                                                             E2M1_CMP=cfg["e2m1_cmp"], **enc_kw)
+                                                             *estrides, ENC_WORDS=ew is not None, **enc_kw)
         else:
             launch(_nvfp4_flush_encode_kernel)[grid](*enc_args, P, N, L, *state.stride(), *cstrides, **enc_kw)
     if not advanced:
