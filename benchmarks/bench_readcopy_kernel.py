@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_mamba2_kernel import (  # noqa: E402
-    bench_point, copy_bandwidth, load_baseline, random_step, reported, step_times, warm_clocks, write_csv)
+    bench_point, copy_bandwidth, load_baseline, random_step, reported, step_times, warm_clocks, write_results)
 
 H, P, N, G, L = 128, 64, 128, 8, 16
 
@@ -85,14 +85,15 @@ def main(argv=None):
                 if r is None:
                     continue
                 base = plain.get("baseline_us", float("nan"))
-                row = dict(fmt=fmt, bs=bs, config=spec, baseline_us=base, fp32_lavg_us=plain["lavg_us"], **r,
+                row = dict(fmt=fmt, geom="super", dtype=fmt if not spec else f"{fmt} {spec}", bs=bs, config=spec, baseline_us=base, fp32_lavg_us=plain["lavg_us"], **r,
                            speedup=base / r["lavg_us"], vs_fp32=plain["lavg_us"] / r["lavg_us"])
                 rows.append(row)
                 print(f"{fmt:9} {bs:4d} {base:8.1f} {plain['lavg_us']:10.1f} {r['nonflush_us']:9.1f} "
                       f"{r['flush_us']:9.1f} {r['lavg_us']:9.1f} {row['speedup']:6.2f}x {row['vs_fp32']:6.2f}x "
                       f"{r['check_err']:8.1e}  {spec or 'default'}  {r['resources']}", flush=True)
                 torch.cuda.empty_cache()
-    write_csv(rows, os.path.join(args.out, "readcopy_kernel.csv"))
+    write_results(rows, args.out, "readcopy_kernel", ["super"], args.formats.split(","),
+                  "L-avg speedup vs selective_state_update")
 
 
 if __name__ == "__main__":
