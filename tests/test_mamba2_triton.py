@@ -98,10 +98,11 @@ def test_folded_cursor_advance_walks_more_rows_than_programs():
 
 
 @pytest.mark.parametrize("geom", [Mamba2Geometry(3, 6, 5, 8, 2, 2), Mamba2Geometry(2, 12, 4, 8, 1, 1)], ids=str)
-@pytest.mark.parametrize("kind", ["pre:win_pad=1", "pre:win_pad=1,window_full=1"])
+@pytest.mark.parametrize("kind", ["pre", "pre:window_full=1", "pre:win_pad=0"])
 def test_padded_window_head_axis(geom, kind):
-    """``win_pad=1``: 3 (or 12) heads per group on a 4- (16-) long head axis, the padded lanes masked; with the
-    per-record weights (the default) and the x window read by the window launch (``window_full``)."""
+    """``win_pad=1`` (the default): 3 (or 12) heads per group on a 4- (16-) long head axis, the padded lanes masked;
+    with the per-record weights (the default) and the x window read by the window launch (``window_full``); and
+    ``win_pad=0`` (power-of-two head counts only)."""
     with variant(kind):
         _match_reference(geom, 3, torch.float32, torch.float32)
 
@@ -109,17 +110,19 @@ def test_padded_window_head_axis(geom, kind):
 def test_window_heads_share_one_group_and_bound_the_window():
     from replay_compile.kernels.mamba2_pre_triton import window_heads
 
-    assert window_heads(128, 8, 8, 64, 16) == (16, 16)          # Nemotron-Super: 16 heads per group
-    assert window_heads(96, 8, 8, 80, 16) == (4, 4)            # Nano: 12 heads per group -> 4
-    assert window_heads(8, 2, 4, 8, 16) == (2, 2)              # B groups of 4 heads, C groups of 2
-    assert window_heads(6, 2, 2, 8, 16) == (1, 1)              # 3 heads per group
-    assert window_heads(128, 1, 1, 64, 64) == (4, 4)           # L = 64: 4 x 64 x 64 = 16K elements
-    with variant("pre:win_pad=1"):                                # padded head axis: any divisor of the group
-        assert window_heads(96, 8, 8, 16, 16) == (12, 16)       # Nano, cb form (no P axis): a program per group
-        assert window_heads(96, 8, 8, 80, 16) == (6, 8)         # with the x window: 8 x 16 x 128 lanes at most
-        assert window_heads(6, 2, 2, 8, 16) == (3, 4)
-        assert window_heads(128, 8, 8, 64, 16) == (16, 16)
-        assert window_heads(96, 8, 8, 80, 64) == (2, 2)         # L = 64, P = 80: 2 x 64 x 128 lanes at most
+    with variant("pre:win_pad=0"):                                # power-of-two head counts
+        assert window_heads(128, 8, 8, 64, 16) == (16, 16)      # Nemotron-Super: 16 heads per group
+        assert window_heads(96, 8, 8, 80, 16) == (4, 4)        # Nano: 12 heads per group -> 4
+        assert window_heads(8, 2, 4, 8, 16) == (2, 2)          # B groups of 4 heads, C groups of 2
+        assert window_heads(6, 2, 2, 8, 16) == (1, 1)          # 3 heads per group
+        assert window_heads(128, 1, 1, 64, 64) == (4, 4)       # L = 64: 4 x 64 x 64 = 16K elements
+    # the default: a padded head axis, any divisor of the group
+    assert window_heads(8, 2, 4, 8, 16) == (2, 2)
+    assert window_heads(96, 8, 8, 16, 16) == (12, 16)           # Nano, cb form (no P axis): a program per group
+    assert window_heads(96, 8, 8, 80, 16) == (6, 8)             # with the x window: 8 x 16 x 128 lanes at most
+    assert window_heads(6, 2, 2, 8, 16) == (3, 4)
+    assert window_heads(128, 8, 8, 64, 16) == (16, 16)
+    assert window_heads(96, 8, 8, 80, 64) == (2, 2)             # L = 64, P = 80: 2 x 64 x 128 lanes at most
 
 
 def test_launch_config_picks_whole_for_small_batches_and_pre_above():

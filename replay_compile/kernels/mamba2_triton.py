@@ -476,8 +476,9 @@ def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
       bs128, 15 fewer registers; session 8).
       ``route=0`` folds flush rows inside launch 2 instead (``early_tile=1`` loads the tile before the cursor).
       ``pdl=1`` (default; Hopper and later, :func:`~.launch.pdl_on`): launch 2 is launch 1's programmatic
-      dependent, so its tiles stream while launch 1 runs. ``win_pad=1`` (not measured yet): launch 1 covers a
-      whole group of heads whose count is not a power of two on a padded axis (``mamba2_pre_triton.window_heads``).
+      dependent, so its tiles stream while launch 1 runs. ``win_pad=1`` (default): launch 1 covers a whole
+      group of heads whose count is not a power of two on a padded axis (``mamba2_pre_triton.window_heads``).
+      Launch 2's tiles are 64 x N on 2 warps where 64 divides P (Super), else 16 x N on 1 warp.
     * ``tiled`` (the session-2 body, kept for comparisons): one launch streams ``BLOCK_P x BLOCK_N`` tiles for both
       kinds of row, then the cursor advance.
     ``tl.dot`` needs every dim >= 16; the window sits on a power-of-two axis >= 16.
@@ -497,7 +498,12 @@ def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
                    num_warps=TUNING.get("num_warps") or (2 if block_l <= 16 else 4),
                    state_evict="evict_first" if TUNING.get("evict_first", 0) else "")
     elif variant == "pre":
-        cfg = dict(BLOCK_P=TUNING.get("BLOCK_P") or 16, BLOCK_N=block_n_whole, num_warps=TUNING.get("num_warps") or 1,
+        # the checkpoint pass's tile: 64 x N on 2 warps where 64 divides P (H200 session 13, Super bs256: fp32
+        # L-avg 319.0 -> 311.6 µs, mostly fewer programs that return at the flush; bf16 194.0 -> 187.8), else
+        # 16 x N on 1 warp (Nano's P = 80: 64-row tiles leave 48 rows masked, 3-6% slower)
+        p64 = P % 64 == 0
+        cfg = dict(BLOCK_P=TUNING.get("BLOCK_P") or (64 if p64 else 16), BLOCK_N=block_n_whole,
+                   num_warps=TUNING.get("num_warps") or (2 if p64 else 1),
                    window_warps=TUNING.get("window_warps") or 1, route=TUNING.get("route", 1),
                    early_tile=bool(TUNING.get("early_tile", 0)),
                    FLUSH_P=TUNING.get("FLUSH_P") or tiled_p, FLUSH_N=TUNING.get("FLUSH_N") or tiled_n,
