@@ -296,14 +296,13 @@ def _mamba2_flush_list_kernel(
     s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
     HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
     N_TILES: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, ADVANCE: tl.constexpr, n_rows,
-    amax_ptr=None, AMAX: tl.constexpr = 0,
 ):
     """``pre`` variant, flush launch: a fixed grid (a few programs per SM) walks the ``count x H x n_pb`` flush
     tiles of the rows the window launch listed in ``work = [count, rows...]``, each folded by :func:`_fold_tile`.
     On the 15 of 16 steps where no row flushes, every program reads ``count = 0`` and exits: a ``(n_pb, b, H)`` grid
-    of programs that each read a cursor and return cost 21-45 µs per step at bs256 (H200, session 7). ``AMAX``: the
-    nvfp4 read copy's flush (the folds also gather each listed row's amax into ``amax_ptr``, see
-    :func:`~replay_compile.kernels.mamba2_triton._fold_tile`)."""
+    of programs that each read a cursor and return cost 21-45 µs per step at bs256 (H200, session 7). (No
+    defaulted parameters here or in any kernel launched inside a compiled graph: ``wrap_triton`` needs every
+    argument passed.)"""
     if ADVANCE:             # the cursor advance, folded in (one launch fewer): every earlier launch has read w, and
         r = tl.program_id(0)  # the folds below take w = L - 1 from the list, not from the cursor
         while r < n_rows:
@@ -322,7 +321,7 @@ def _mamba2_flush_list_kernel(
                    s_sb, s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl,
                    s_brb, s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn,
                    s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
-                   BLOCK_P, BLOCK_N, BLOCK_L, N_TILES, STOCHASTIC_FP16, "", amax_ptr, AMAX)
+                   BLOCK_P, BLOCK_N, BLOCK_L, N_TILES, STOCHASTIC_FP16, "", y_ptr, 0)
         t += tl.num_programs(0)
 
 

@@ -103,10 +103,10 @@ import triton.language as tl
 from ..quant.formats import Encoded, get_format
 from .host_math import cdiv, memo_unless_tuned, next_pow2
 from .launch import launch
-from .mamba2_pre_triton import _mamba2_flush_list_kernel, launch_window
+from .mamba2_pre_triton import launch_window
 from .mamba2_readcopy_reference import as_encoded
-from .mamba2_triton import (_advance_cursor_kernel, _list_item, _round_checkpoint, _row_slot, _sm_count, _step_row,
-                            _step_window, parse_tuning)
+from .mamba2_triton import (_advance_cursor_kernel, _fold_tile, _list_item, _round_checkpoint, _row_slot, _sm_count,
+                            _step_row, _step_window, parse_tuning)
 
 __all__ = ["FORMAT_IDS", "TUNING", "decode_read_copy_triton", "launch_config", "replay_step_readcopy_triton",
            "tuned"]
@@ -570,6 +570,44 @@ def _readcopy_flush_list_kernel(
 
 
 @triton.jit
+def _nvfp4_fold_list_kernel(
+    state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, cursor_ptr,
+    x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr, y_ptr, work_ptr, amax_ptr,
+    H, P, N, L, heads_per_g, heads_per_gc, n_pb,
+    s_sb, s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl,
+    s_brb, s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn,
+    s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
+    HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+    N_TILES: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, AMAX: tl.constexpr, n_rows,
+):
+    """nvfp4's flush (``nvfp4_fold``): the fp32 step's listed fold
+    (:func:`~replay_compile.kernels.mamba2_pre_triton._mamba2_flush_list_kernel`, a fixed grid walking the
+    ``count x H x n_pb`` tiles of the listed rows) whose folds also gather each row's amax into ``amax_ptr``
+    (``AMAX``, :func:`~replay_compile.kernels.mamba2_triton._fold_tile`), and the cursor advance. A per-slot tensor
+    scale needs no whole rows in a flush program, so the fp32 step's tiles and warps serve; the copy is encoded by
+    the next launch from the stored checkpoint."""
+    r = tl.program_id(0)                            # the cursor advance: every earlier launch has read w, and the
+    while r < n_rows:                               # folds below take w = L - 1 from the list
+        s = _row_slot(slot_ptr, r.to(tl.int64), HAS_SLOT)
+        if s >= 0:
+            wr = tl.load(cursor_ptr + s)
+            tl.store(cursor_ptr + s, tl.where(wr == L - 1, 0, wr + 1))
+        r += tl.num_programs(0)
+    n_items = tl.load(work_ptr) * (H * n_pb)
+    t = tl.program_id(0)
+    while t < n_items:
+        row, h, tile = _list_item(work_ptr, t, H, n_pb)
+        slot = _row_slot(slot_ptr, row, HAS_SLOT)
+        _fold_tile(state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, y_ptr,
+                   row, slot, h, tile, L - 1, H, P, N, heads_per_g, heads_per_gc,
+                   s_sb, s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl,
+                   s_brb, s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn,
+                   s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
+                   BLOCK_P, BLOCK_N, BLOCK_L, N_TILES, STOCHASTIC_FP16, "", amax_ptr, AMAX)
+        t += tl.num_programs(0)
+
+
+@triton.jit
 def _copy_dot(cv_ptr, cs_ptr, ct_ptr, c_base, c, s_cn, slot, h, offs_p, mask_p, P, N,
               s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp,
               FMT: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr, BLOCK_P: tl.constexpr = 16,
@@ -1014,11 +1052,10 @@ def replay_step_readcopy_triton(state, copy, fmt, x_ring, dt_ring, la_ring, B_ri
         fw = cfg["fold_warps"] or (4 if bp == 64 or cfg["BLOCK_L"] > 16 else 2)
         n_fp = cdiv(P, fp)
         programs = cfg["flush_programs"] or min(b * H * n_fp, max(1, 32 // fw) * _sm_count(x.device))
-        k2 = launch(_mamba2_flush_list_kernel)[(programs,)](
-            *step_args[:13], work, *strides[:6], n_fp, *strides[6:-11],
+        k2 = launch(_nvfp4_fold_list_kernel)[(programs,)](
+            *step_args[:13], work, amax, *strides[:6], n_fp, *strides[6:-11],
             HAS_SLOT=has_slot, BLOCK_P=fp, BLOCK_N=fn, BLOCK_L=cfg["BLOCK_L"], N_TILES=cdiv(N, fn),
-            STOCHASTIC_FP16=state.dtype == torch.float16, ADVANCE=True, n_rows=b, amax_ptr=amax,
-            AMAX=cfg["amax_mode"], num_warps=fw)
+            STOCHASTIC_FP16=state.dtype == torch.float16, AMAX=cfg["amax_mode"], n_rows=b, num_warps=fw)
         advanced = True
     elif listed:
         programs = cfg["flush_programs"] or min(b * H * n_fp, max(1, 32 // flush_w) * _sm_count(x.device))
