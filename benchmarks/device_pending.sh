@@ -3,7 +3,7 @@
 # Carry .baselines (mamba_ssm source) and .wheels (pytest-xdist, execnet, fla); benchmarks/fetch_device_wheels.sh
 # rebuilds both where a checkout lacks them (git does not hold them).
 # Usage on the GPU machine:  OUT=... bash benchmarks/device_pending.sh [steps...]
-#   steps (default, session 13's first call: tests inlinefinal; NOTES "Session 12" lists the rest). The device
+#   steps (default, session 14's first call: tests sweep; NOTES "Session 13" lists the rest). The device
 #   returns at most 8 files, no more than 2 folders below $OUT: steps keep to that.
 #   tests      GPU tests of every Mamba-2 / delta kernel (pytest -n 6 when pytest-xdist is carried)
 #   dbreak     diag_stream_ceiling.py --delta: per-kernel time of the GDN / KDA split step for $DK configs, bs256
@@ -82,7 +82,7 @@ if ls .wheels/pytest_xdist-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-deps .wheels/pytest_xdist-*.whl .wheels/execnet-*.whl >> $INSTALL_LOG 2>&1 \
     && XDIST="-n 6"
 fi
-steps=${*:-tests inlinefinal}
+steps=${*:-tests sweep}
 for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
   tests) timeout 300 python3 -m pytest -q $XDIST -p no:cacheprovider tests/test_mamba2_triton_gpu.py \
            tests/test_mamba2_triton.py tests/test_mamba2_readcopy.py tests/test_delta_readcopy_triton.py --tb=line \

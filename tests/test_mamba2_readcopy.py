@@ -17,8 +17,6 @@ Runs under ``TRITON_INTERPRET=1`` on CPU (conftest), on CUDA tensors where a GPU
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -395,12 +393,13 @@ def test_low_precision_checkpoint_copy_encodes_the_stored_value(state_dtype):
         assert copy_equal(copy, FORMATS["fp8_e4m3"].encode(state.cpu())), f"step {t}"
 
 
-def test_hardware_fp8_rounding_only_where_compiled():
+@pytest.mark.parametrize("interp", ["1", "true"])
+def test_hardware_fp8_rounding_only_where_compiled(interp, monkeypatch):
     """The hardware e4m3 conversion is used only in compiled kernels on sm_89+: never on CPU tensors, never under
-    ``TRITON_INTERPRET=1`` (whose cast rounds half-up)."""
+    the interpreter (whose cast rounds half-up), whatever non-zero value ``TRITON_INTERPRET`` has."""
     assert not kt.hw_fp8_cast(torch.device("cpu"))
-    if os.environ.get("TRITON_INTERPRET") == "1" and torch.cuda.is_available():
-        assert not kt.hw_fp8_cast(torch.device("cuda"))
+    monkeypatch.setenv("TRITON_INTERPRET", interp)
+    assert not kt.hw_fp8_cast(torch.device("cuda"))          # decided before any device query
 
 
 def test_argument_checks():

@@ -117,16 +117,36 @@ def test_latency_predicates_follow_the_launch_configuration():
         assert not d(1)
 
 
-def test_launch_wraps_only_while_tracing():
+def test_launch_wraps_only_while_tracing(monkeypatch):
     from replay_compile.kernels.launch import launch, traced_launches, tracing
 
-    kernel = object()                     # never wrapped outside tracing, whatever it is
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    kernel = object()                     # never wrapped outside tracing (compiled), whatever it is
     assert launch(kernel) is kernel and not tracing()
     with traced_launches():
         with traced_launches():
             assert tracing()
         assert tracing()
     assert not tracing()
+
+
+def test_interpreted_launches_pass_every_parameter(monkeypatch):
+    """Under the interpreter a launch that leaves a kernel parameter to its default fails, naming it: inside a
+    compiled graph ``wrap_triton`` applies no defaults (session 13: the inlined step broke on the GPU only)."""
+    from replay_compile.kernels.launch import launch
+
+    class Kernel:
+        __name__ = "k"
+        arg_names = ["a", "b", "FLAG"]
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: ("ran", grid, args, kwargs)
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert launch(Kernel())[(2,)](1, 2, FLAG=3, num_warps=1) == ("ran", (2,), (1, 2), {"FLAG": 3, "num_warps": 1})
+    assert launch(Kernel())[(2,)](1, b=2, FLAG=3)[0] == "ran"
+    with pytest.raises(TypeError, match=r"k launched without \['FLAG'\]"):
+        launch(Kernel())[(2,)](1, 2)
 
 
 def test_inline_cache_tag_follows_tuning_and_switch(monkeypatch):

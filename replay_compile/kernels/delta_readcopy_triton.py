@@ -308,7 +308,7 @@ def delta_replay_step_readcopy_triton(state, copy, fmt, d_ring, k_ring, g_ring, 
     common = dict(HAS_SLOT=has_slot, KDA=kda, BLOCK_K=cfg["BLOCK_K"], BLOCK_L=cfg["BLOCK_L"])
     launch(_delta_window_kernel)[(b, HV)](
         cursor, k_ring, g_ring, q, k, g, slot_arg, win, vec, ke, wrow, K, L, v_per_k, v_per_q,
-        *k_ring.stride(), *g_strides, *q.stride(), *k.stride(), *gi_strides, SCAN_DOT=cfg["scan_dot"],
+        *k_ring.stride(), *g_strides, *q.stride(), *k.stride(), *gi_strides, SCAN_DOT=cfg["scan_dot"], PDL=False,
         num_warps=cfg["window_warps"], **common)
     (cv, cs, ct), cstrides = _copy_args(enc, name, cursor)
     n_vb = cdiv(V, cfg["BLOCK_V"])
@@ -339,7 +339,7 @@ def delta_replay_step_readcopy_triton(state, copy, fmt, d_ring, k_ring, g_ring, 
         if listed:
             launch(_nvfp4_flush_encode_list_kernel)[(programs,)](
                 state, cursor, slot_arg, amax, cv, cs, ct, work, HV, n_rb, K, V, L, *state.stride(), *cstrides,
-                **nv_kw)
+                ENC_WORDS=False, **nv_kw)
         else:
             launch(_nvfp4_flush_encode_kernel)[grid_r](
                 state, cursor, slot_arg, amax, cv, cs, ct, K, V, L, *state.stride(), *cstrides, **nv_kw)

@@ -64,7 +64,7 @@ def _delta_window_kernel(
     s_krb, s_krh, s_krl, s_krk, s_grb, s_grh, s_grl, s_grk,
     s_qb, s_qh, s_qk, s_kb, s_kh, s_kk, s_gb, s_gh, s_gk,
     HAS_SLOT: tl.constexpr, KDA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
-    SCAN_DOT: tl.constexpr, PDL: tl.constexpr = False,
+    SCAN_DOT: tl.constexpr, PDL: tl.constexpr,
 ):
     """Launch 1, grid ``(batch, HV)``: everything of the step that does not touch the checkpoint, once per (row,
     value head) instead of once per V-block. Writes ``w`` [b] (from head 0), the window scalars
@@ -127,7 +127,7 @@ def _delta_window_rows_kernel(
     s_krb, s_krh, s_krl, s_krk, s_grb, s_grh, s_grl, s_grk,
     s_qb, s_qh, s_qk, s_kb, s_kh, s_kk, s_gb, s_gh, s_gk,
     HAS_SLOT: tl.constexpr, KDA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr,
 ):
     """Launch 1 record by record (``window_rows=1``; same outputs as :func:`_delta_window_kernel`): the window's
     key (and KDA gate) rows are separate ``[K]`` vectors, walked from the newest back with ``E_j`` carried as one
@@ -237,7 +237,7 @@ def _delta_apply_kernel(
     s_sb, s_sh, s_sk, s_sv, s_drb, s_drh, s_drl, s_drv, s_krb, s_krh, s_krl, s_krk, s_grb, s_grh, s_grl, s_grk,
     s_kb, s_kh, s_kk, s_vb, s_vh, s_vv, s_gb, s_gh, s_gk, s_bb, s_bh, s_ob, s_oh, s_ov,
     HAS_SLOT: tl.constexpr, KDA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, FLUSH_STAGES: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, FLUSH_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
     """Launch 2, grid ``(cdiv(V, BLOCK_V), batch, HV)``: reads its ``K x BLOCK_V`` checkpoint slice (issued first)
     and the window's corrected values, takes the rest from launch 1::

@@ -287,22 +287,19 @@ def _mamba2_prepass_apply_kernel(
 
 
 @triton.jit
-def _mamba2_flush_list_kernel(
+def _walk_listed_folds(
     state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, cursor_ptr,
-    x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr, y_ptr, work_ptr,
+    x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr, y_ptr, work_ptr, amax_ptr,
     H, P, N, L, heads_per_g, heads_per_gc, n_pb,
     s_sb, s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl,
     s_brb, s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn,
     s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
     HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    N_TILES: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, ADVANCE: tl.constexpr, n_rows,
+    N_TILES: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, ADVANCE: tl.constexpr, n_rows, AMAX: tl.constexpr,
 ):
-    """``pre`` variant, flush launch: a fixed grid (a few programs per SM) walks the ``count x H x n_pb`` flush
-    tiles of the rows the window launch listed in ``work = [count, rows...]``, each folded by :func:`_fold_tile`.
-    On the 15 of 16 steps where no row flushes, every program reads ``count = 0`` and exits: a ``(n_pb, b, H)`` grid
-    of programs that each read a cursor and return cost 21-45 µs per step at bs256 (H200, session 7). (No
-    defaulted parameters here or in any kernel launched inside a compiled graph: ``wrap_triton`` needs every
-    argument passed.)"""
+    """The body of the listed flush launches: this program's share of the cursor advance (``ADVANCE``) and of the
+    ``count x H x n_pb`` fold tiles of the rows in ``work = [count, rows...]`` (:func:`_fold_tile`; ``AMAX``: the
+    nvfp4 read copy's slot amax into ``amax_ptr``)."""
     if ADVANCE:             # the cursor advance, folded in (one launch fewer): every earlier launch has read w, and
         r = tl.program_id(0)  # the folds below take w = L - 1 from the list, not from the cursor
         while r < n_rows:
@@ -321,8 +318,33 @@ def _mamba2_flush_list_kernel(
                    s_sb, s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl,
                    s_brb, s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn,
                    s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
-                   BLOCK_P, BLOCK_N, BLOCK_L, N_TILES, STOCHASTIC_FP16, "", y_ptr, 0)
+                   BLOCK_P, BLOCK_N, BLOCK_L, N_TILES, STOCHASTIC_FP16, "", amax_ptr, AMAX)
         t += tl.num_programs(0)
+
+
+@triton.jit
+def _mamba2_flush_list_kernel(
+    state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, cursor_ptr,
+    x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr, y_ptr, work_ptr,
+    H, P, N, L, heads_per_g, heads_per_gc, n_pb,
+    s_sb, s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl,
+    s_brb, s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn,
+    s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
+    HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+    N_TILES: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, ADVANCE: tl.constexpr, n_rows,
+):
+    """``pre`` variant, flush launch: a fixed grid (a few programs per SM) walks the ``count x H x n_pb`` flush
+    tiles of the rows the window launch listed in ``work = [count, rows...]``, each folded by :func:`_fold_tile`.
+    On the 15 of 16 steps where no row flushes, every program reads ``count = 0`` and exits: a ``(n_pb, b, H)`` grid
+    of programs that each read a cursor and return cost 21-45 µs per step at bs256 (H200, session 7). (No
+    defaulted parameters here or in any kernel launched inside a compiled graph: ``wrap_triton`` needs every
+    argument passed.)"""
+    _walk_listed_folds(state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, cursor_ptr, x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr,
+                       slot_ptr, y_ptr, work_ptr, y_ptr, H, P, N, L, heads_per_g, heads_per_gc, n_pb,
+                       s_sb, s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl,
+                       s_brb, s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn,
+                       s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
+                       HAS_SLOT, BLOCK_P, BLOCK_N, BLOCK_L, N_TILES, STOCHASTIC_FP16, ADVANCE, n_rows, 0)
 
 
 

@@ -45,8 +45,10 @@ aligned to them. Everything is computed in fp32.
     magnitude ``m`` (3 bits) decodes arithmetically: ``m / 2`` for ``m < 4``, else ``(2 if m < 6 else 4) *
     (1 + (m & 1) / 2)`` (= 0, .5, 1, 1.5, 2, 3, 4, 6); bit 3 is the sign; then ``(e2m1 * block_scale) *
     tensor_scale`` in fp32, the formats' order (the first product is exact). The ``pre`` variant's non-flush pass
-    (where N % 8 == 0) instead reads int32 words of 8 codes and turns each code into fp16 bits equal to
-    ``e2m1 / 2^14`` (:func:`_nvfp4_words_dot`): 357 -> 203 µs per step at Super bs256 (H200, session 9).
+    (where N % 8 == 0) instead reads int32 words of 8 codes whose codes become fp16 bits equal to ``e2m1 / 2^14``,
+    two per ``lop3`` (:func:`_nvfp4_pairs_dot`, the default; one at a time: :func:`_nvfp4_words_dot`; per-block
+    sums on tensor cores: :func:`_nvfp4_mma_dot`): 357 -> 203 (session 9) -> 94 µs (session 13) per copy pass at
+    Super bs256 on the H200.
 
 * Flush programs fold the fp32 state tile (``tl.dot``, IEEE fp32), write it, read ``y`` out of the folded tile, and
   encode the copy of the value *as stored*:
@@ -59,12 +61,16 @@ aligned to them. Everything is computed in fp32.
     (:func:`_nvfp4_flush_encode_kernel`, same grid; programs of non-flush and padded rows return at once) then
     reads the slot amax, reloads the just-written fp32 tile (``P*N*4`` extra bytes per flushing slot and head,
     once per ``L`` steps) and writes codes, block scales and (one program per slot) the tensor scale. It runs
-    before the cursor launch, so it still sees ``w == L-1`` for the rows that flushed.
+    before the cursor launch, so it still sees ``w == L-1`` for the rows that flushed. The ``pre`` variant's
+    default (``nvfp4_fold``): the flush needs no whole rows for a per-slot scale, so the listed rows are folded by
+    the fp32 step's fold on its own tiles (:func:`_nvfp4_fold_list_kernel`, one amax atomic per folded row, the
+    cursor advance folded in) and encoded by the listed encode writing int32 words
+    (:func:`_nvfp4_encode_words_body`): the flush step 1817 -> 1162 µs at Super bs256 (H200, session 13).
 
   All encoders round in software (integer ops on the fp32 bits), the same code compiled and interpreted, and
   reproduce ``FORMATS[fmt].encode`` bit for bit: fp32 -> bf16 and fp32 -> e4m3 by round-to-nearest-even on the bit
-  pattern (e4m3 subnormals, multiples of 2^-9, by the ``+ 2^23 - 2^23`` trick), e2m1 by comparisons against the
-  one half-even rounding on the grid's spacing, quotients with ``tl.div_rn`` (IEEE division, as torch; nvfp4 values
+  pattern (e4m3 subnormals, multiples of 2^-9, by the ``+ 2^23 - 2^23`` trick), e2m1 by one half-even rounding on
+  the grid's spacing (ties to the even code), quotients with ``tl.div_rn`` (IEEE division, as torch; nvfp4 values
   are multiplied by the block's reciprocal, as the format defines). Software, not
   ``.to(tl.float8e4nv)``: triton 3.6's interpreter rounds fp32 -> fp8 half-up and mishandles mantissa carries and
   subnormals (351 of 4096 random values differ from torch), and the flush is rare enough that a few integer ops
@@ -94,7 +100,6 @@ notes (all held on the H200):
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import triton
@@ -102,11 +107,11 @@ import triton.language as tl
 
 from ..quant.formats import Encoded, get_format
 from .host_math import cdiv, memo_unless_tuned, next_pow2
-from .launch import launch
-from .mamba2_pre_triton import launch_window
+from .launch import interpreting, launch
+from .mamba2_pre_triton import _walk_listed_folds, launch_window
 from .mamba2_readcopy_reference import as_encoded
-from .mamba2_triton import (_advance_cursor_kernel, _fold_tile, _list_item, _round_checkpoint, _row_slot, _sm_count,
-                            _step_row, _step_window, parse_tuning)
+from .mamba2_triton import (_advance_cursor_kernel, _list_item, _round_checkpoint, _row_slot, _sm_count, _step_row,
+                            _step_window, parse_tuning)
 
 __all__ = ["FORMAT_IDS", "TUNING", "decode_read_copy_triton", "launch_config", "replay_step_readcopy_triton",
            "tuned"]
@@ -586,25 +591,12 @@ def _nvfp4_fold_list_kernel(
     (``AMAX``, :func:`~replay_compile.kernels.mamba2_triton._fold_tile`), and the cursor advance. A per-slot tensor
     scale needs no whole rows in a flush program, so the fp32 step's tiles and warps serve; the copy is encoded by
     the next launch from the stored checkpoint."""
-    r = tl.program_id(0)                            # the cursor advance: every earlier launch has read w, and the
-    while r < n_rows:                               # folds below take w = L - 1 from the list
-        s = _row_slot(slot_ptr, r.to(tl.int64), HAS_SLOT)
-        if s >= 0:
-            wr = tl.load(cursor_ptr + s)
-            tl.store(cursor_ptr + s, tl.where(wr == L - 1, 0, wr + 1))
-        r += tl.num_programs(0)
-    n_items = tl.load(work_ptr) * (H * n_pb)
-    t = tl.program_id(0)
-    while t < n_items:
-        row, h, tile = _list_item(work_ptr, t, H, n_pb)
-        slot = _row_slot(slot_ptr, row, HAS_SLOT)
-        _fold_tile(state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, y_ptr,
-                   row, slot, h, tile, L - 1, H, P, N, heads_per_g, heads_per_gc,
-                   s_sb, s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl,
-                   s_brb, s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn,
-                   s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
-                   BLOCK_P, BLOCK_N, BLOCK_L, N_TILES, STOCHASTIC_FP16, "", amax_ptr, AMAX)
-        t += tl.num_programs(0)
+    _walk_listed_folds(state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, cursor_ptr, x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr,
+                       slot_ptr, y_ptr, work_ptr, amax_ptr, H, P, N, L, heads_per_g, heads_per_gc, n_pb,
+                       s_sb, s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl,
+                       s_brb, s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn,
+                       s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
+                       HAS_SLOT, BLOCK_P, BLOCK_N, BLOCK_L, N_TILES, STOCHASTIC_FP16, True, n_rows, AMAX)
 
 
 @triton.jit
@@ -651,8 +643,7 @@ def _readcopy_apply_kernel(
     s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp,
     s_xrb, s_xrh, s_xrl, s_xrp, s_xb, s_xh, s_xp,
     FMT: tl.constexpr, HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    WORDS: tl.constexpr, SPLIT: tl.constexpr = False, NBP: tl.constexpr = 16, WIN_CB: tl.constexpr = False,
-    BLOCK_L: tl.constexpr = 16,
+    WORDS: tl.constexpr, SPLIT: tl.constexpr, NBP: tl.constexpr, WIN_CB: tl.constexpr, BLOCK_L: tl.constexpr,
 ):
     """``pre`` variant's copy pass, grid ``(cdiv(P, BLOCK_P), batch, H)``: for non-flush rows
     ``y = decay (S_copy C) + win`` from the decoded copy and the window launch's scratch
@@ -699,6 +690,18 @@ def _readcopy_apply_kernel(
 
 
 @triton.jit
+def _nvfp4_block_scales(amax_b, s_g):
+    """Block scales of nvfp4 blocks with maxima ``amax_b`` under the tensor scale ``s_g`` (0 -> 1): ``(s_g, the e4m3
+    codes, the fp32 reciprocal of the effective scale (0 where the block scale rounds to 0))``, as
+    ``NVFP4Format.encode``: one IEEE division per block, the values are then multiplied."""
+    s_g = tl.where(s_g > 0.0, s_g, 1.0)                              # zero groups: scale 1
+    sb_code = _e4m3_code(tl.minimum(tl.div_rn(amax_b, 6.0 * s_g), 448.0))
+    eff = _e4m3_value(sb_code) * s_g
+    inv = tl.where(eff > 0.0, tl.div_rn(1.0, tl.where(eff > 0.0, eff, 1.0)), 0.0)   # 1 / eff > 0 where eff > 0
+    return s_g, sb_code, inv
+
+
+@triton.jit
 def _nvfp4_encode_body(
     pid_p, row, h, slot,
     state_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr,
@@ -722,12 +725,10 @@ def _nvfp4_encode_body(
         s_g = tl.div_rn(tl.max(amax_b, axis=1), 2688.0)[:, None]     # [BLOCK_P, 1]: amax / (448 * 6) per row
     else:
         s_g = tl.div_rn(tl.load(amax_ptr + row).to(tl.float32, bitcast=True), 2688.0)
-    s_g = tl.where(s_g > 0.0, s_g, 1.0)                              # zero groups: scale 1
-    sb_code = _e4m3_code(tl.minimum(tl.div_rn(amax_b, 6.0 * s_g), 448.0))
-    eff = (_e4m3_value(sb_code) * s_g)[:, :, None]
-    inv = tl.div_rn(1.0, tl.where(eff > 0.0, eff, 1.0))             # one IEEE division per block, not per value
-    ye = tl.where(eff > 0.0, xe * inv, 0.0)
-    yo = tl.where(eff > 0.0, xo * inv, 0.0)
+    s_g, sb_code, inv = _nvfp4_block_scales(amax_b, s_g)
+    inv = inv[:, :, None]
+    ye = tl.where(inv > 0.0, xe * inv, 0.0)                         # a zero block scale: codes +0 (not -0)
+    yo = tl.where(inv > 0.0, xo * inv, 0.0)
     byte = _e2m1_code(ye) | (_e2m1_code(yo) << 4)                 # padding columns: +0 -> code 0
     tl.store(cv_ptr + slot * s_vb + h * s_vh + p3 * s_vp + (blk * 8 + k) * s_vn, byte.to(tl.uint8), mask=m_e)
     offs_b = tl.arange(0, NB)
@@ -760,12 +761,10 @@ def _nvfp4_encode_words_body(
     m = (p4 < P) & (col < N)
     x = tl.load(state_ptr + slot * s_sb + h * s_sh + p4 * s_sp + col * s_sn, mask=m, other=0.0).to(tl.float32)
     amax_b = tl.max(tl.max(tl.abs(x), axis=3), axis=2)                               # [BLOCK_P, NB]
-    s_g = tl.div_rn(tl.load(amax_ptr + row).to(tl.float32, bitcast=True), 2688.0)
-    s_g = tl.where(s_g > 0.0, s_g, 1.0)                              # zero groups: scale 1
-    sb_code = _e4m3_code(tl.minimum(tl.div_rn(amax_b, 6.0 * s_g), 448.0))
-    eff = _e4m3_value(sb_code) * s_g
-    inv = tl.div_rn(1.0, tl.where(eff > 0.0, eff, 1.0))[:, :, None, None]
-    y = tl.where(eff[:, :, None, None] > 0.0, x * inv, 0.0)
+    s_g, sb_code, inv = _nvfp4_block_scales(amax_b, tl.div_rn(tl.load(amax_ptr + row).to(tl.float32, bitcast=True),
+                                                               2688.0))
+    inv = inv[:, :, None, None]
+    y = tl.where(inv > 0.0, x * inv, 0.0)                           # a zero block scale: codes +0 (not -0)
     code = _e2m1_code(y)                                             # padding columns: +0 -> code 0
     word = tl.sum(code << (4 * j).to(tl.uint32), axis=3)                                # [BLOCK_P, NB, 2]
     p3 = offs_p[:, None, None]
@@ -808,7 +807,7 @@ def _nvfp4_flush_encode_list_kernel(
     state_ptr, cursor_ptr, slot_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr, work_ptr, H, n_pb,
     P, N, L,
     s_sb, s_sh, s_sp, s_sn, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp,
-    HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, NB: tl.constexpr, ENC_WORDS: tl.constexpr = False,
+    HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, NB: tl.constexpr, ENC_WORDS: tl.constexpr,
 ):
     """:func:`_nvfp4_flush_encode_kernel` over the listed flush rows only, on a fixed grid. ``ENC_WORDS``:
     ``cv_ptr`` is the codes as int32 words (word strides), :func:`_nvfp4_encode_words_body`."""
@@ -969,9 +968,10 @@ def _copy_args(enc: Encoded, name: str, dummy: torch.Tensor):
 
 
 def hw_fp8_cast(device: torch.device) -> bool:
-    """Whether kernels on ``device`` may round fp32 -> e4m3 with the hardware conversion: compiled (not under
-    ``TRITON_INTERPRET=1``, whose cast rounds half-up) on a CUDA device of compute capability 8.9 or newer."""
-    if os.environ.get("TRITON_INTERPRET") == "1" or device.type != "cuda":
+    """Whether kernels on ``device`` may round fp32 -> e4m3 with the hardware conversion: compiled (not under the
+    interpreter, :func:`~.launch.interpreting`, whose cast rounds half-up) on a CUDA device of compute capability 8.9
+    or newer."""
+    if interpreting() or device.type != "cuda":
         return False
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
