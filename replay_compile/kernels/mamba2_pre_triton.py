@@ -9,10 +9,11 @@ Launches, all routed on the device from the cursor (one captured CUDA graph serv
 1. :func:`_mamba2_prepass_window_kernel` (``CB_ONLY``), grid ``(b, H / HPP)``: per row and group of ``HPP`` heads, the
    window's per-record weights ``cb_j = coef_j (B_j·C)`` and the decay into fp32 scratch; appends the ``dt``, ``log
    a``, ``B`` records; lists flushing rows in ``work = [count, rows...]``. (``window_full=1``: it also reads the x
-   window and writes ``win`` instead; the read-copy step uses that form.)
-2. :func:`_mamba2_prepass_apply_kernel`, grid ``(cdiv(P, 16), b, H)``, 1 warp: streams the ``16 x N`` checkpoint tile
-   of non-flush rows, ``y = decay (S_0 C) + Σ_j cb_j x_j``, appends ``x``. A read-only stream of the checkpoint on the
-   H200 reaches 97-100% of copy bandwidth; this pass alone runs there (benchmarks/NOTES.md, session 7).
+   window and writes ``win`` instead; the read-copy step's ``win_cb=0`` form.)
+2. :func:`_mamba2_prepass_apply_kernel`, grid ``(cdiv(P, BLOCK_P), b, H)``: streams the ``BLOCK_P x N`` checkpoint
+   tile of non-flush rows (64 rows on 2 warps where 64 divides P, else 16 on 1 warp), ``y = decay (S_0 C) + Σ_j cb_j
+   x_j``, appends ``x``. A read-only stream of the checkpoint on the H200 reaches 97-100% of copy bandwidth; this
+   pass alone runs there (benchmarks/NOTES.md, session 7).
 3. :func:`_mamba2_flush_list_kernel`: a fixed grid (32 warps per SM) walks the listed rows' tiles with the tiled
    fold (:func:`~replay_compile.kernels.mamba2_triton._fold_tile`); a non-flush step pays ~2 µs for it.
 4. The cursor advance (``fold_advance=1``: inside launch 3).
@@ -72,8 +73,8 @@ def _mamba2_prepass_window_kernel(
     at once (it streams its tiles, then waits for this grid before reading ``cb`` and ``decay``).
 
     ``HPP`` heads per program on an ``HB``-long (power-of-two) head axis: ``HPP == HB`` but where the group size is
-    not a power of two and the window is padded (``win_pad=1``, the default: Nano's 12 heads per group on a 16-long axis, one
-    program per group instead of three of 4 heads); padded lanes are masked everywhere.
+    not a power of two and the window is padded (``win_pad=1``, the default: Nano's 12 heads per group on a 16-long
+    axis, one program per group instead of three of 4 heads); padded lanes are masked everywhere.
     """
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
