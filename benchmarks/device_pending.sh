@@ -49,6 +49,8 @@
 #              and whole steps vs selective_state_update at bs 128 / 256 for $NVC configs; bf16 / fp8 with win_cb
 #   rcfinal    the read-copy GPU tests (both families) and the exact Mamba-2 kernel tests, then the Mamba-2 read-copy
 #              sweep with the session-13 defaults (bf16 / fp8 / nvfp4 vs selective_state_update, bs 1..512)
+#   rcsmall    the read copies at bs 1 / 8 / 32, the pre step against the one-launch fused kernel (0.42-0.52x of
+#              selective_state_update at bs1 with pre, session 13): for a batch threshold
 #   m2cfg      issue 3's non-flush floor at bs128: the pre step's per-launch device times (fp32, both geometries) and
 #              $M2C at bs 128 / 256 for $M2D (default bf16 and fp32): the padded window head axis (win_pad=1: Nano's
 #              12 heads per group in one program, not three; its window launch is 6.5 µs vs Super's 5.0) and 32-row
@@ -200,6 +202,8 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
            2>&1 | grep -v "warnings.warn" | tail -30 | tee "$OUT/pytest_rcfinal.txt"
          timeout 280 python3 benchmarks/bench_readcopy_kernel.py --out "$OUT" --batches 1,8,32,128,256,512 2>&1 \
            | grep -v Warn | tee "$OUT/readcopy_sweep.txt" ;;
+  rcsmall) timeout 240 python3 benchmarks/bench_readcopy_kernel.py --out /tmp/rcsmall --batches 1,8,32 \
+           --configs ";fused;fused:num_warps=2" 2>&1 | grep -v Warn | tee "$OUT/readcopy_small.txt" ;;
   m2cfg) timeout 150 python3 benchmarks/diag_stream_ceiling.py --breakdown-only --batch 128 2>&1 | grep -v Warn \
            | tee "$OUT/mamba2_breakdown_bs128.txt"
          timeout 300 python3 benchmarks/bench_mamba2_kernel.py --out /tmp/m2cfg --batches 128,256 \
