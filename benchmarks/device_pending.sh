@@ -203,7 +203,7 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
          timeout 280 python3 benchmarks/bench_readcopy_kernel.py --out "$OUT" --batches 1,8,32,128,256,512 2>&1 \
            | grep -v Warn | tee "$OUT/readcopy_sweep.txt" ;;
   rcsmall) timeout 240 python3 benchmarks/bench_readcopy_kernel.py --out /tmp/rcsmall --batches 1,8,32 \
-           --configs ";fused;fused:num_warps=2" 2>&1 | grep -v Warn | tee "$OUT/readcopy_small.txt" ;;
+           --configs ";fused:;fused:num_warps=2" 2>&1 | grep -v Warn | tee "$OUT/readcopy_small.txt" ;;
   m2cfg) timeout 150 python3 benchmarks/diag_stream_ceiling.py --breakdown-only --batch 128 2>&1 | grep -v Warn \
            | tee "$OUT/mamba2_breakdown_bs128.txt"
          timeout 300 python3 benchmarks/bench_mamba2_kernel.py --out /tmp/m2cfg --batches 128,256 \
