@@ -377,22 +377,24 @@ def test_reference_with_an_exact_copy_is_replay_step_reference():
     assert flushes >= 3
 
 
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "nvfp4"])
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_checkpoint_copy_encodes_the_stored_value(state_dtype):
-    """bf16 / fp16 (stochastically rounded) checkpoints: the copy encodes the checkpoint as stored."""
+def test_low_precision_checkpoint_copy_encodes_the_stored_value(state_dtype, fmt):
+    """bf16 / fp16 (stochastically rounded) checkpoints: the copy encodes the checkpoint as stored (nvfp4: its slot
+    amax gathered by the fp32 step's fold from the stored values, then the word encode)."""
     g = torch.Generator().manual_seed(11)
     S, H, P, N, L = 2, 2, 5, 16, 2
     state = random_state(S, H, P, N, g, DEV).to(state_dtype)
-    copy = init_read_copy(state, "fp8_e4m3")
+    copy = init_read_copy(state, fmt)
     rings = random_rings(S, H, P, N, 1, L, g, DEV)
     for t in range(3):
         tok = random_token(S, H, P, N, 1, 1, g, DEV)
         st_r, cp_r, rg_r = _clone_all(state, copy, rings)
-        y = replay_step_readcopy_triton(state, copy, "fp8_e4m3", *rings, **tok)
-        y_r = replay_step_readcopy_reference(st_r, cp_r, "fp8_e4m3", *rg_r, **tok)
+        y = replay_step_readcopy_triton(state, copy, fmt, *rings, **tok)
+        y_r = replay_step_readcopy_reference(st_r, cp_r, fmt, *rg_r, **tok)
         assert rel(y, y_r) < 1e-5
         assert rel(state.float(), st_r.float()) < 1e-2
-        assert copy_equal(copy, FORMATS["fp8_e4m3"].encode(state.cpu())), f"step {t}"
+        assert copy_equal(copy, FORMATS[fmt].encode(state.cpu())), f"step {t}"
 
 
 @pytest.mark.parametrize("interp", ["1", "true"])
