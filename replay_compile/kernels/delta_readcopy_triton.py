@@ -40,8 +40,8 @@ from .mamba2_readcopy_reference import as_encoded
 from .mamba2_readcopy_triton import (FORMAT_IDS, _bf16_bits, _copy_args, _e2m1_value, _e4m3_byte,
                                      _format_name, _load_copy_rows, _nvfp4_encode_body, _nvfp4_flush_encode_kernel,
                                      _nvfp4_flush_encode_list_kernel, hw_fp8_cast)
-from .mamba2_triton import (_advance_cursor_kernel, _list_item, _list_row, _row_slot, _sm_count, _step_row,
-                            _store_checkpoint)
+from .mamba2_triton import (_advance_cursor_kernel, _list_item, _list_row, _row_slot, _step_row, _store_checkpoint,
+                            fixed_grid)
 
 __all__ = ["delta_replay_step_readcopy_triton"]
 
@@ -328,7 +328,7 @@ def delta_replay_step_readcopy_triton(state, copy, fmt, d_ring, k_ring, g_ring, 
     enc_kw = dict(FMT=FORMAT_IDS[name], HAS_SLOT=has_slot, BLOCK_R=cfg["BLOCK_R"], BLOCK_V=cfg["BLOCK_VF"],
                   HW_E4M3=cfg["hw_e4m3"] and hw_fp8_cast(v.device), ROW_SCALE=name == "nvfp4_row")
     if listed:
-        programs = cfg["flush_programs"] or min(b * HV * n_rb, 32 * _sm_count(v.device))
+        programs = cfg["flush_programs"] or fixed_grid(b * HV * n_rb, 1, v.device, 32)
         launch(_flush_encode_rows_list_kernel)[(programs,)](
             state, slot_arg, amax, cv, cs, ct, work, HV, n_rb, K, V, *state.stride(), *cstrides, **enc_kw)
     else:

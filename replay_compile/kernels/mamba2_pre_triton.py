@@ -31,7 +31,7 @@ from . import mamba2_triton as base
 from .host_math import cdiv, next_pow2
 from .launch import launch, pdl_on, pdl_options
 from .mamba2_triton import (_advance_cursor_kernel, _fold_tile, _list_item, _list_row, _mamba2_replay_tiled_kernel,
-                            _row_slot, _sm_count, _step_row, _step_window, _store_checkpoint)
+                            _row_slot, _step_row, _step_window, _store_checkpoint, fixed_grid)
 
 __all__ = ["launch_window", "replay_step_pre", "window_heads"]
 
@@ -199,6 +199,18 @@ def launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slo
 
 
 @triton.jit
+def _cb_window(cbv, xw, x_cur, w, offs_l, x_append_ptrs, mask_p):
+    """A pass program's window term from the window launch's per-record weights ``cbv`` [BLOCK_L] (zero past
+    ``w``): ``Σ_j cb_j x_j`` over its ``[BLOCK_L, BLOCK_P]`` slice ``xw`` of the x window, the current ``x_cur``
+    [BLOCK_P] in slot ``w`` (slots past ``w`` dropped: stale ones may be NaN); appends ``x_cur`` at
+    ``x_append_ptrs`` (the ring's slot ``w``). Shared by the fp32 step's pass and the read copies' copy pass."""
+    xw = tl.where((offs_l == w)[:, None], x_cur.to(tl.float32)[None, :],
+                  tl.where((offs_l < w)[:, None], xw.to(tl.float32), 0.0))
+    tl.store(x_append_ptrs, x_cur.to(x_append_ptrs.dtype.element_ty), mask=mask_p)
+    return tl.sum(cbv[:, None] * xw, axis=0)
+
+
+@triton.jit
 def _mamba2_prepass_apply_kernel(
     state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, cursor_ptr,
     x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr, y_ptr, win_ptr, dec_ptr,
@@ -277,11 +289,8 @@ def _mamba2_prepass_apply_kernel(
                 xw = tl.load(xr_ptr + slot * s_xrb + h * s_xrh + offs_l[:, None] * s_xrl + offs_p[None, :] * s_xrp,
                              mask=(offs_l < L)[:, None] & mask_p[None, :], other=0.0)
                 x_cur = tl.load(x_ptr + row * s_xb + h * s_xh + offs_p * s_xp, mask=mask_p, other=0.0)
-            xw = tl.where((offs_l == w)[:, None], x_cur.to(tl.float32)[None, :],
-                          tl.where((offs_l < w)[:, None], xw.to(tl.float32), 0.0))   # stale slots may be NaN
-            win = tl.sum(cbv[:, None] * xw, axis=0)
-            tl.store(xr_ptr + slot * s_xrb + h * s_xrh + w * s_xrl + offs_p * s_xrp,
-                     x_cur.to(xr_ptr.dtype.element_ty), mask=mask_p)
+            win = _cb_window(cbv, xw, x_cur, w, offs_l, xr_ptr + slot * s_xrb + h * s_xrh + w * s_xrl + offs_p * s_xrp,
+                             mask_p)
         else:
             win = tl.load(win_ptr + (row * H + h) * P + offs_p, mask=mask_p, other=0.0)
         tl.store(y_ptrs, decay * tl.sum(s0 * c[None, :], axis=1) + win, mask=mask_p)
@@ -374,8 +383,7 @@ def replay_step_pre(cfg: dict, args: tuple, common: dict, has_slot: bool, slot_a
         n_fp = cdiv(P, cfg["FLUSH_P"])
         if listed:
             # 32 warps per SM (H200 session 7: 4 programs of 2 warps per SM made Nano's flush 1.6x slower)
-            per_sm = cfg["flush_programs_per_sm"] or max(1, 32 // cfg["flush_warps"])
-            programs = min(b * H * n_fp, per_sm * _sm_count(x.device))
+            programs = fixed_grid(b * H * n_fp, cfg["flush_warps"], x.device, cfg["flush_programs_per_sm"])
             advanced = cfg["fold_advance"]
             launch(_mamba2_flush_list_kernel)[(programs,)](
                 *args[:13], work, *args[13:19], n_fp, *args[20:], **fl, ADVANCE=advanced, n_rows=b)

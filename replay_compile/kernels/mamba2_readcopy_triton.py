@@ -108,10 +108,10 @@ import triton.language as tl
 from ..quant.formats import Encoded, get_format
 from .host_math import cdiv, memo_unless_tuned, next_pow2
 from .launch import interpreting, launch
-from .mamba2_pre_triton import _walk_listed_folds, launch_window
+from .mamba2_pre_triton import _cb_window, _walk_listed_folds, launch_window
 from .mamba2_readcopy_reference import as_encoded
-from .mamba2_triton import (_advance_cursor_kernel, _list_item, _round_checkpoint, _row_slot, _sm_count, _step_row,
-                            _step_window, parse_tuning)
+from .mamba2_triton import (_advance_cursor_kernel, _list_item, _round_checkpoint, _row_slot, _step_row, _step_window,
+                            fixed_grid, fold_tile_shape, parse_tuning)
 
 __all__ = ["FORMAT_IDS", "TUNING", "decode_read_copy_triton", "launch_config", "replay_step_readcopy_triton",
            "tuned"]
@@ -315,7 +315,8 @@ def _nvfp4_pairs_dot(cw_ptr, cs_ptr, ct_ptr, c_base, s_cn, slot, h, offs_p, P, N
 def _block_rows(c_base, s_cn, pos, scale, offs_w, offs_j, N, SPLIT: tl.constexpr):
     """The ``[NW, NBP]`` right-hand operands of nibble position ``pos`` (column ``8 i + pos`` of word ``i``):
     ``C[8 i + pos] * scale`` in row ``i``, column ``i // 2`` (its block of 16), zero elsewhere, as fp16
-    ``(hi, lo)``; ``lo`` (``SPLIT``: fp32 ``C``) is the rounding residual of ``hi``, else zeros."""
+    ``(hi, lo)``; ``lo`` (``SPLIT``: fp32 ``C``) is the rounding residual of ``hi`` (without ``SPLIT``: ``hi``
+    again, unused)."""
     col = offs_w * 8 + pos
     cv = tl.load(c_base + col * s_cn, mask=col < N, other=0.0).to(tl.float32) * scale           # [NW]
     sel = (offs_w[:, None] // 2) == offs_j[None, :]
@@ -649,7 +650,8 @@ def _readcopy_apply_kernel(
     ``y = decay (S_copy C) + win`` from the decoded copy and the window launch's scratch
     (:func:`~replay_compile.kernels.mamba2_pre_triton._mamba2_prepass_window_kernel`); flush rows return at once.
     ``WORDS`` (nvfp4): ``cv_ptr`` is the codes viewed as int32 (strides in words), decoded by
-    :func:`_nvfp4_words_dot` (1) or :func:`_nvfp4_mma_dot` (2; ``SPLIT``: ``C`` is fp32).
+    :func:`_nvfp4_words_dot` (1), :func:`_nvfp4_mma_dot` (2; ``SPLIT``: ``C`` is fp32) or :func:`_nvfp4_pairs_dot`
+    (3).
 
     ``WIN_CB`` (the window launch's ``cb_only`` form, as the fp32 step's pass): ``win_ptr`` holds the per-record
     weights ``cb [b, H, BLOCK_L]`` (zero past ``w``), and this program reads its own ``BLOCK_P`` slice of the x
@@ -680,10 +682,8 @@ def _readcopy_apply_kernel(
         xw = tl.load(xr_ptr + slot * s_xrb + h * s_xrh + offs_l[:, None] * s_xrl + offs_p[None, :] * s_xrp,
                      mask=(offs_l < w)[:, None] & mask_p[None, :], other=0.0)
         x_cur = tl.load(x_ptr + row * s_xb + h * s_xh + offs_p * s_xp, mask=mask_p, other=0.0)
-        xw = tl.where((offs_l == w)[:, None], x_cur.to(tl.float32)[None, :], xw.to(tl.float32))
-        win = tl.sum(cbv[:, None] * xw, axis=0)
-        tl.store(xr_ptr + slot * s_xrb + h * s_xrh + w * s_xrl + offs_p * s_xrp,
-                 x_cur.to(xr_ptr.dtype.element_ty), mask=mask_p)
+        win = _cb_window(cbv, xw, x_cur, w, offs_l, xr_ptr + slot * s_xrb + h * s_xrh + w * s_xrl + offs_p * s_xrp,
+                         mask_p)
     else:
         win = tl.load(win_ptr + (row * H + h) * P + offs_p, mask=mask_p, other=0.0)
     tl.store(y_ptrs, decay * sc + win, mask=mask_p)
@@ -883,6 +883,7 @@ def launch_config(P: int, N: int, L: int, fmt: str = "") -> dict:
     block_n = max(16, next_pow2(N))
     block_l = max(16, next_pow2(L))
     nvfp4 = fmt in ("nvfp4", "nvfp4_row")
+    enc_words = bool(TUNING.get("enc_words", 1))
     block_p = TUNING.get("BLOCK_P") or (32 if P % 32 == 0 and P > 64 else 16)
     warps = TUNING.get("num_warps") or max(1, min(8, max(block_p, block_l) * block_n // (32 * 64)))
     variant = TUNING.get("variant") or "pre"
@@ -927,7 +928,7 @@ def launch_config(P: int, N: int, L: int, fmt: str = "") -> dict:
                 fold_warps=TUNING.get("fold_warps"),                 # default: the fp32 step's flush warps
                 # the listed nvfp4 encode reading tiles in order and writing int32 words of 8 codes (N % 8 == 0;
                 # session 13: 784 -> 420 µs at Super bs256 on 1 warp, 443 on 2, 533 on 4), else the byte encode
-                enc_words=bool(TUNING.get("enc_words", 1)),
+                enc_words=enc_words,
                 enc_per_sm=TUNING.get("enc_per_sm"),                 # default: 32 warps per SM
                 # fp8 flush encode by the hardware conversion (compiled sm_89+ only: the interpreter keeps the software
                 # rounding). H200 session 10, Super bs256: the fp8 flush step 1837 -> 1724 µs (L-avg 3.02 -> 3.12x)
@@ -936,7 +937,7 @@ def launch_config(P: int, N: int, L: int, fmt: str = "") -> dict:
                 # bs256: the nvfp4 flush step 2147 -> 1814 µs, 4 warps 1829). (Issuing the non-flush copy pass's
                 # loads before the cursor's was tried and removed: session 10, fp8 131.1 -> 129.8 µs, nvfp4_row
                 # 200.9 -> 208.2)
-                enc_warps=TUNING.get("enc_warps") or (1 if TUNING.get("enc_words", 1) else 2))
+                enc_warps=TUNING.get("enc_warps") or (1 if enc_words else 2))
 
 
 def _format_name(fmt) -> str:
@@ -1047,18 +1048,17 @@ def replay_step_readcopy_triton(state, copy, fmt, x_ring, dt_ring, la_ring, B_ri
     if listed and name == "nvfp4" and cfg["nvfp4_fold"]:
         # nvfp4 (one tensor scale per slot) needs no whole rows in its flush: the fp32 step's listed fold (its
         # tiles and warps) gathering the slot amax; it also advances the cursors (the encode below walks the list)
-        bp = 64 if P % 64 == 0 else 32
-        fp, fn = max(16, min(bp, next_pow2(P))), max(16, min(bp, next_pow2(N)))
-        fw = cfg["fold_warps"] or (4 if bp == 64 or cfg["BLOCK_L"] > 16 else 2)
+        fp, fn, fw = fold_tile_shape(P, N, cfg["BLOCK_L"])
+        fw = cfg["fold_warps"] or fw
         n_fp = cdiv(P, fp)
-        programs = cfg["flush_programs"] or min(b * H * n_fp, max(1, 32 // fw) * _sm_count(x.device))
+        programs = cfg["flush_programs"] or fixed_grid(b * H * n_fp, fw, x.device)
         k2 = launch(_nvfp4_fold_list_kernel)[(programs,)](
             *step_args[:13], work, amax, *strides[:6], n_fp, *strides[6:-11],
             HAS_SLOT=has_slot, BLOCK_P=fp, BLOCK_N=fn, BLOCK_L=cfg["BLOCK_L"], N_TILES=cdiv(N, fn),
             STOCHASTIC_FP16=state.dtype == torch.float16, AMAX=cfg["amax_mode"], n_rows=b, num_warps=fw)
         advanced = True
     elif listed:
-        programs = cfg["flush_programs"] or min(b * H * n_fp, max(1, 32 // flush_w) * _sm_count(x.device))
+        programs = cfg["flush_programs"] or fixed_grid(b * H * n_fp, flush_w, x.device)
         k2 = launch(_readcopy_flush_list_kernel)[(programs,)](*step_args, work, n_fp, *strides, **step_kw)
     else:
         k2 = launch(_readcopy_step_kernel)[(n_fp, b, H)](*step_args, *strides, **step_kw)
@@ -1067,8 +1067,8 @@ def replay_step_readcopy_triton(state, copy, fmt, x_ring, dt_ring, la_ring, B_ri
         enc_args = (state, cursor, slot_arg, amax, cv, cs, ct)
         enc_kw = dict(HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_P"], NB=cfg["BLOCK_N"] // 16, num_warps=cfg["enc_warps"])
         if listed:
-            per_sm = cfg["enc_per_sm"] or max(1, 32 // cfg["enc_warps"])
-            enc_programs = cfg["flush_programs"] or min(b * H * n_pb, per_sm * _sm_count(x.device))
+            enc_programs = cfg["flush_programs"] or fixed_grid(b * H * n_pb, cfg["enc_warps"], x.device,
+                                                               cfg["enc_per_sm"])
             ew = _code_words(cv) if cfg["enc_words"] and N % 8 == 0 else None
             if ew is not None:
                 enc_args = (state, cursor, slot_arg, amax, ew, cs, ct)

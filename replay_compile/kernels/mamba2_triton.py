@@ -460,6 +460,21 @@ def tuned(tuning: dict, spec: str):
         tuning.clear()
 
 
+def fold_tile_shape(P: int, N: int, block_l: int) -> tuple[int, int, int]:
+    """``(rows, columns, warps)`` of the tiled fold (:func:`_fold_tile`: the ``tiled`` body and the listed flush
+    launches, the nvfp4 read copy's too): 64 x 64 tiles on 4 warps where 64 divides P (Super's P = 64), else 32 x 32
+    on 2 (4 for a window longer than 16); never below 16 (``tl.dot``)."""
+    bp = 64 if P % 64 == 0 else 32
+    return (max(16, min(bp, next_pow2(P))), max(16, min(bp, next_pow2(N))),
+            4 if bp == 64 or block_l > 16 else 2)
+
+
+def fixed_grid(items: int, warps: int, device: torch.device, per_sm: int | None = None) -> int:
+    """Programs of a launch that walks ``items`` on a fixed grid (the listed flush and encode launches): ``per_sm``
+    per SM (default 32 warps per SM), never more than there are items."""
+    return min(items, (per_sm or max(1, 32 // warps)) * _sm_count(device))
+
+
 @memo_unless_tuned(TUNING)
 def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
     """Kernel variant and launch configuration for a step of ``b`` rows (H200 sweeps: benchmarks/NOTES.md).
@@ -486,9 +501,7 @@ def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
     block_l = max(16, next_pow2(L))
     block_n_whole = max(16, next_pow2(N))
     variant = TUNING.get("variant") or ("whole" if b * H <= WHOLE_MAX_ROW_HEADS else "pre")
-    bp = 64 if P % 64 == 0 else 32                  # the tiled body's tile edge (64 divides Super's P = 64)
-    tiled_p = max(16, min(bp, next_pow2(P)))
-    tiled_n = max(16, min(bp, next_pow2(N)))
+    tiled_p, tiled_n, fold_warps = fold_tile_shape(P, N, block_l)
     if variant == "whole":
         block_p = TUNING.get("BLOCK_P") or (32 if P % 32 == 0 and P > 64 else 16)
         cfg = dict(BLOCK_P=block_p, BLOCK_N=block_n_whole,
@@ -507,7 +520,7 @@ def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
                    window_warps=TUNING.get("window_warps") or 1, route=TUNING.get("route", 1),
                    early_tile=bool(TUNING.get("early_tile", 0)),
                    FLUSH_P=TUNING.get("FLUSH_P") or tiled_p, FLUSH_N=TUNING.get("FLUSH_N") or tiled_n,
-                   flush_warps=TUNING.get("flush_warps") or (4 if bp == 64 or block_l > 16 else 2),
+                   flush_warps=TUNING.get("flush_warps") or fold_warps,
                    flush_list=bool(TUNING.get("flush_list", 1)),
                    window="full" if TUNING.get("window_full", 0) else "coef",
                    apply_early_x=bool(TUNING.get("apply_early_x", 1)), fold_advance=bool(TUNING.get("fold_advance", 1)),
