@@ -240,6 +240,13 @@ class ReplayState:
 
 
 _BY_ID: dict[int, ReplayState] = {}
+# Bumped whenever a tensor's replay state is created or replaced: a runner's cached bindings (backend.ReplayRunner)
+# are valid only while it is unchanged.
+_GENERATION = [0]
+
+
+def generation() -> int:
+    return _GENERATION[0]
 
 
 def lookup(t: torch.Tensor) -> ReplayState | None:
@@ -258,10 +265,12 @@ def bind(t: torch.Tensor, spec, layer: str) -> ReplayState:
     rs = ReplayState(t, spec, layer)
     key = id(t)
     _BY_ID[key] = rs
+    _GENERATION[0] += 1
 
-    def _drop(_ref, key=key, rs=rs):
-        if _BY_ID.get(key) is rs:
-            del _BY_ID[key]
+    def _drop(_ref, key=key, rs=rs, by_id=_BY_ID):     # by_id bound here: module globals are gone at exit
+        if by_id.get(key) is rs:
+            del by_id[key]
+        rs.rings = ()       # the cache tensor is gone: free its rings even where a runner still holds this state
 
     rs._finalizer = weakref.ref(t, _drop)
     return rs

@@ -97,6 +97,41 @@ def test_external_write_resets_the_replay_state():
     step_both(cmod, mod, sc, se, 2 * L)
 
 
+def test_decode_loop_reuses_its_bindings_until_the_cache_is_written(monkeypatch):
+    """The runner's fast path: same cache tensors, unwritten, no new replay state: no lookups; an external write
+    (or another cache) goes the slow way again, and results stay exact throughout."""
+    mod, cmod = eager_and_compiled(options={"lower": "eager"})
+    se = torch.randn(b, H, P, N)
+    sc = se.clone()
+    step_both(cmod, mod, sc, se, 1)
+    lookups = []
+    real = replay_state.lookup
+    monkeypatch.setattr(replay_state, "lookup", lambda t: (t is sc and lookups.append(t)) or real(t))
+    step_both(cmod, mod, sc, se, L + 2)
+    assert lookups == []      # (the graph's other inputs are looked up as possible readers of a stepped state)
+    fresh = torch.randn(b, H, P, N)
+    se.copy_(fresh)
+    sc.copy_(fresh)
+    step_both(cmod, mod, sc, se, 1)
+    assert len(lookups) == 1
+    step_both(cmod, mod, sc, se, 2 * L)
+    assert len(lookups) == 1
+
+
+def test_rings_die_with_their_cache_tensor_though_a_runner_holds_the_state():
+    import gc
+    import weakref
+
+    mod, cmod = eager_and_compiled(options={"lower": "eager"})
+    sc = torch.randn(b, H, P, N)
+    step_both(cmod, mod, sc, sc.clone(), 2, check=False)
+    rs = replay_state.lookup(sc)
+    ring = weakref.ref(rs.rings[0])
+    del sc
+    gc.collect()
+    assert rs.rings == () and ring() is None
+
+
 def test_graphs_that_read_a_stepped_state_see_the_true_state():
     mod, cmod = eager_and_compiled(options={"lower": "eager"})
     reader = torch.compile(lambda s: s.sum(dim=(2, 3)) * 2, backend="replayssm")
