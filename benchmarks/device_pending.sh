@@ -38,6 +38,7 @@
 #              generated code)
 #   inlinefinal the inline tests, then default-mode whole steps (inlined) at bs 1 / 32 for the three models, and
 #              Nemotron bs32 with REPLAY_COMPILE_INLINE_KERNELS=0 (the pre kernels opaque)
+#   cold       issue 5's compile time: every mode compiled cold in its own process (bench --cold-compile), bs1
 #   bs1rounds  issue 5's batch-1 targets, both modes, --rounds 2 (modes in alternating order, averaged), $E2E_MODELS
 #   inline256  Nemotron-Nano dims bs256, default mode and reduce-overhead, with REPLAY_COMPILE_INLINE_KERNELS=1 (the
 #              default: latency variants only), all and 0: step time and decode-loop peak (the ~2 GiB question)
@@ -174,6 +175,11 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
   bs1rounds) timeout 560 replay-compile bench --models ${E2E_MODELS:-nemotron_h_nano4b,qwen35_4b,mamba2_2p7b} \
            --layers 8 --batches 1 --steps 32 --rounds 2 --modes inductor,replayssm,inductor-ro,replayssm-ro \
            --out /tmp/e2e_bs1r 2>&1 | grep "^|" | tee "$OUT/bs1_rounds.txt" ;;
+  cold)    # issue 5's compile-time target: every mode compiled cold in a process of its own (bench --cold-compile)
+           timeout 580 replay-compile bench --models ${E2E_MODELS:-nemotron_h_nano4b,qwen35_4b,mamba2_2p7b} \
+           --layers 8 --batches ${COLD_BATCHES:-1} --steps 8 --cold-compile --time-limit 540 \
+           --modes ${COLD_MODES:-inductor-ro,replayssm-ro,inductor,replayssm} --out /tmp/cold 2>&1 | grep -v Warn \
+           | tail -30 | tee "$OUT/cold_compile.txt" ;;
   inline256) for v in 1 all 0; do REPLAY_COMPILE_INLINE_KERNELS=$v timeout 200 replay-compile bench \
            --models nemotron_h_nano4b --layers 8 --batches 256 --steps 32 --modes replayssm,replayssm-ro \
            --out /tmp/e2e_i256_$v 2>&1 | grep "^| nem" | sed "s/^/inline=$v /" | tee -a "$OUT/inline_bs256.txt"; done ;;

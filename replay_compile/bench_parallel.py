@@ -5,14 +5,20 @@ is independent: N worker processes, each pinned to one GPU with ``CUDA_VISIBLE_D
 points one after another through the ordinary ``bench`` command (a model is built once per worker and model), and
 the parent merges their rows into one CSV, table and set of plots. Timings stay per GPU: no two points ever share a
 device. Each worker's output and log stay under ``OUT/worker<k>/``.
+
+``--cold-compile``: every (model, batch, mode) runs in a process of its own with empty Inductor / Triton cache
+directories, so each mode's first step is a cold compile (in one process the modes share caches and warm-up, and
+whichever compiles first pays for both: compile-time ratios then depend on the run order).
 """
 
 from __future__ import annotations
 
 import csv
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -48,29 +54,43 @@ def read_rows(path: str) -> list[dict]:
         return [{k: _value(v) for k, v in r.items()} for r in csv.DictReader(f)]
 
 
+def _units(shard: list[tuple[str, list[int]]], modes: list[str], cold: bool) -> list[tuple[str, list[int], list[str],
+                                                                                     str]]:
+    """A worker's runs: ``(model, batches, modes, output folder name)``; one per model group, or with ``cold`` one
+    per (model, batch, mode)."""
+    if not cold:
+        return [(m, bs, modes, m) for m, bs in shard]
+    return [(m, [b], [mode], f"{m}_b{b}_{mode.replace(':', '_')}") for m, bs in shard for b in bs for mode in modes]
+
+
 def run_parallel(n: int, models: list[str], batches: list[int], modes: list[str], forward: list[str],
-                 out_dir: str, time_limit: float | None = None) -> tuple[list[dict], list[str]]:
+                 out_dir: str, time_limit: float | None = None, cold: bool = False) -> tuple[list[dict], list[str]]:
     """Run the sweep on ``n`` GPUs (workers ``0 .. n-1``); ``forward`` holds the other ``bench`` options (steps,
     dtype, layers, ...). ``time_limit`` (seconds): a worker still running then is stopped and its later groups are
     skipped, and the rows finished so far are merged all the same (a sweep cut by an outer timeout merges nothing).
+    ``cold``: one process per (model, batch, mode), each with fresh Inductor and Triton cache directories.
     Returns the merged rows (also written to ``out_dir``) and one line per failed, cut or skipped group."""
     os.makedirs(out_dir, exist_ok=True)
-    shards = shard_points(models, batches, n)
+    shards = [_units(shard, modes, cold) for shard in shard_points(models, batches, n)]
     failures: list[str] = []
     lock = threading.Lock()
     deadline = None if time_limit is None else time.monotonic() + time_limit
 
     def worker(k: int) -> None:
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(k))
-        for model, bs in shards[k]:
-            out = os.path.join(out_dir, f"worker{k}", model)
+        for model, bs, unit_modes, name in shards[k]:
+            env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(k))
+            caches = tempfile.mkdtemp(prefix="replay-compile-cold-") if cold else None
+            if caches:
+                env.update(TORCHINDUCTOR_CACHE_DIR=os.path.join(caches, "inductor"),
+                           TRITON_CACHE_DIR=os.path.join(caches, "triton"))
+            out = os.path.join(out_dir, f"worker{k}", name)
             os.makedirs(out, exist_ok=True)
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 status = "skipped (time limit)"
             else:
                 cmd = [sys.executable, "-m", "replay_compile.cli", "bench", "--models", model,
-                       "--batches", ",".join(map(str, bs)), "--modes", ",".join(modes), "--out", out, *forward]
+                       "--batches", ",".join(map(str, bs)), "--modes", ",".join(unit_modes), "--out", out, *forward]
                 with open(os.path.join(out, "log.txt"), "w") as log:
                     try:
                         rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -78,8 +98,11 @@ def run_parallel(n: int, models: list[str], batches: list[int], modes: list[str]
                         status = "done" if rc == 0 else f"exit {rc}"
                     except subprocess.TimeoutExpired:          # the child is killed; its finished rows stay
                         status = "cut at the time limit"
+            if caches:
+                shutil.rmtree(caches, ignore_errors=True)
             with lock:
-                line = f"worker {k} (GPU {k}): {model} batches {bs}: {status}"
+                what = f"{model} batches {bs}" + (f" {unit_modes[0]}" if cold else "")
+                line = f"worker {k} (GPU {k}): {what}: {status}"
                 print(line, file=sys.stderr, flush=True)
                 if status != "done":
                     failures.append(f"{line}, see {os.path.join(out, 'log.txt')}")
@@ -91,8 +114,8 @@ def run_parallel(n: int, models: list[str], batches: list[int], modes: list[str]
         t.join()
     rows = []
     for k in range(n):
-        for model, _ in shards[k]:
-            path = os.path.join(out_dir, f"worker{k}", model, "bench.csv")
+        for *_, name in shards[k]:
+            path = os.path.join(out_dir, f"worker{k}", name, "bench.csv")
             if os.path.exists(path):                     # a worker cut short still leaves the rows it finished
                 rows += read_rows(path)
     order = {m: i for i, m in enumerate(modes)}

@@ -157,17 +157,17 @@ def _bench(args) -> int:
         return 0 if ok or args.dtype != "float32" else 1
     if args.rounds < 1:
         raise SystemExit("replay-compile bench: --rounds must be >= 1")
-    if args.gpus > 1 or args.time_limit:
+    if args.gpus > 1 or args.time_limit or args.cold_compile:
         if args.tp > 1 or args.check:
-            raise SystemExit("replay-compile bench: --gpus / --time-limit spread independent points over worker "
-                             "processes; they do not combine with --tp or --check")
+            raise SystemExit("replay-compile bench: --gpus / --time-limit / --cold-compile spread independent points "
+                             "over worker processes; they do not combine with --tp or --check")
         from .bench_parallel import run_parallel
         forward = ["--steps", str(args.steps), "--rounds", str(args.rounds), "--buffer-len", str(args.buffer_len),
                    "--dtype", args.dtype,
                    "--device", args.device] + (["--layers", str(args.layers)] if args.layers else []) + \
                   (["--threads", str(args.threads)] if args.threads else [])
         rows, failures = run_parallel(args.gpus, models, batches, modes, forward, args.out,
-                                      time_limit=args.time_limit)
+                                      time_limit=args.time_limit, cold=args.cold_compile)
         for line in failures:
             print(f"replay-compile bench: {line}", file=sys.stderr)
         print(f"wrote {os.path.join(args.out, 'bench.csv')} and bench.md ({len(rows)} rows from {args.gpus} workers)")
@@ -277,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--time-limit", type=float, default=None, metavar="S",
                    help="stop the sweep after S seconds and still merge what finished (runs through the --gpus "
                         "workers, also for one GPU): the (model, batch) groups cut or skipped are listed")
+    b.add_argument("--cold-compile", action="store_true",
+                   help="run every (model, batch, mode) in a process of its own with empty Inductor and Triton "
+                        "caches, so that 'first step s' is a cold compile for every mode (compile-time ratios)")
     b.add_argument("--tp", type=int, default=1, metavar="N",
                    help="shard every model over N ranks (tensor parallel); launch with torchrun --nproc-per-node N "
                         "-m replay_compile.cli bench --tp N ...")

@@ -181,6 +181,41 @@ def test_bench_time_limit_merges_what_finished(tmp_path, monkeypatch, capsys):
     assert "b batches [1]: skipped (time limit)" in failures[1]
 
 
+def test_bench_cold_compile_runs_each_mode_in_its_own_process_with_empty_caches(tmp_path, monkeypatch):
+    """``bench --cold-compile``: one process per (model, batch, mode), each with Inductor and Triton cache folders
+    of its own that are empty when it starts; the rows are merged with both ratios against plain torch.compile."""
+    import os
+    import subprocess
+
+    import replay_compile.bench_parallel as bp
+
+    seen = []
+
+    def fake_run(cmd, env, stdout, stderr, timeout):
+        out, mode = cmd[cmd.index("--out") + 1], cmd[cmd.index("--modes") + 1]
+        caches = (env["TORCHINDUCTOR_CACHE_DIR"], env["TRITON_CACHE_DIR"])
+        seen.append((cmd[cmd.index("--batches") + 1], mode, caches, [os.path.exists(c) for c in caches]))
+        os.makedirs(caches[0])                                   # what a compile leaves behind
+        first = {"inductor": 10.0, "replayssm": 10.5}[mode]
+        row = dict(model="m", layers=2, tp=1, batch=int(cmd[cmd.index("--batches") + 1]), mode=mode,
+                   step_ms=2.0 if mode == "inductor" else 1.0, nonflush_ms=1.0, flush_ms=1.0, tokens_per_s=1.0,
+                   first_step_s=first, peak_mem_gib=0.1, steady_mem_gib=0.1, rewrites=0)
+        with open(f"{out}/bench.csv", "w") as f:
+            f.write(",".join(row) + "\n" + ",".join(map(str, row.values())) + "\n")
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(bp.subprocess, "run", fake_run)
+    rows, failures = bp.run_parallel(1, ["m"], [1, 8], ["inductor", "replayssm"], [], str(tmp_path), cold=True)
+    assert not failures
+    assert sorted((b, m) for b, m, *_ in seen) == [("1", "inductor"), ("1", "replayssm"), ("8", "inductor"),
+                                                   ("8", "replayssm")]
+    assert len({c for *_, c, _ in seen}) == 4 and all(e == [False, False] for *_, e in seen)
+    assert not any(os.path.exists(c[0]) for *_, c, _ in seen)   # removed afterwards
+    ours = [r for r in rows if r["mode"] == "replayssm"]
+    assert [(r["batch"], r["speedup_vs_compile"], r["first_step_vs_compile"]) for r in ours] == [(1, 2.0, 1.05),
+                                                                                               (8, 2.0, 1.05)]
+
+
 def test_bench_gpus_rejects_tp_and_check(tmp_path):
     with pytest.raises(SystemExit, match="--gpus"):
         main(["bench", "--device", "cpu", "--gpus", "2", "--tp", "2", "--out", str(tmp_path)])
