@@ -180,6 +180,14 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
            --layers 8 --batches ${COLD_BATCHES:-1} --steps 8 --cold-compile --time-limit 540 \
            --modes ${COLD_MODES:-inductor-ro,replayssm-ro,inductor,replayssm} --out /tmp/cold 2>&1 | grep -v Warn \
            | tail -30 | tee "$OUT/cold_compile.txt" ;;
+  coldq)   # where Qwen3.5's extra cold-compile time goes (1.18-1.27x of plain, session 14): plain vs ours with the
+           # kernels inlined (default) vs opaque, reduce-overhead, dynamo's per-phase compile times from each log
+           for v in all 0; do mkdir -p /tmp/coldq$v; REPLAY_COMPILE_INLINE_KERNELS=$v \
+             REPLAY_COMPILE_BENCH_COMPILE_TIMES=1 timeout 250 replay-compile bench --models qwen35_4b --layers 8 \
+             --batches 1 --steps 8 --cold-compile --modes ${COLDQ_MODES:-inductor-ro,replayssm-ro} --out /tmp/coldq$v \
+             2>&1 | grep "^|" | tee -a "$OUT/coldq.txt"
+             for f in /tmp/coldq$v/worker0/*/log.txt; do echo "== inline $v $f"; grep -A40 "compile times" $f \
+               | grep -v Warn | head -60; done >> "$OUT/coldq_phases.txt"; done ;;
   inline256) for v in 1 all 0; do REPLAY_COMPILE_INLINE_KERNELS=$v timeout 200 replay-compile bench \
            --models nemotron_h_nano4b --layers 8 --batches 256 --steps 32 --modes replayssm,replayssm-ro \
            --out /tmp/e2e_i256_$v 2>&1 | grep "^| nem" | sed "s/^/inline=$v /" | tee -a "$OUT/inline_bs256.txt"; done ;;

@@ -380,6 +380,9 @@ def run(models, batches, modes, steps, L, device, dtype_name, layers, out_dir, p
                     bar.next(f"{name} bs={bs} {mode}")
                     try:
                         runs[mode].append(bench_one(model, bs, mode, steps, L))
+                        if os.environ.get("REPLAY_COMPILE_BENCH_COMPILE_TIMES"):   # where compile time went
+                            print(f"compile times, {name} bs={bs} {mode}:\n{torch._dynamo.utils.compile_times()}",
+                                  file=sys.stderr)
                     except torch.cuda.OutOfMemoryError:
                         if tp > 1:      # the other ranks would wait for this one at the next all-reduce
                             raise

@@ -45,6 +45,7 @@ from typing import Callable, Iterable
 import torch
 
 from ..kernels.launch import interpreting, traced_launches
+from . import mutation_cache
 
 NAMESPACE = "replay_compile"
 _LIB = torch.library.Library(NAMESPACE, "DEF")
@@ -181,6 +182,7 @@ class ReplayOp:
             if how == "off" or not _all_cuda(args, kwargs) or not all(plain(t) for t in types) \
                     or _exporting() or (how == "latency" and not where(*args, **kwargs)):
                 return mode.__torch_dispatch__(op, types, args, kwargs)
+            mutation_cache.install()         # torch analyses each traced launch: once per kernel and arguments
             with mode, traced_launches():
                 return fn(*compact_inputs(args, mutated), **compact_inputs(kwargs, mutated_names))
 
