@@ -25,6 +25,7 @@ import copy
 import functools
 import importlib
 import logging
+import os
 
 import torch
 
@@ -113,7 +114,9 @@ def memoised(analyse):
 @functools.lru_cache(maxsize=None)
 def install() -> list[str]:
     """Wrap torch's analysis entry points (once per process); returns the names wrapped (none where this torch has
-    neither: then nothing changes)."""
+    neither, or with ``REPLAY_COMPILE_MUTATION_CACHE=0``: then nothing changes)."""
+    if os.environ.get("REPLAY_COMPILE_MUTATION_CACHE", "1") == "0":
+        return []
     try:
         mod = importlib.import_module("torch._higher_order_ops.triton_kernel_wrap")
     except ImportError:
