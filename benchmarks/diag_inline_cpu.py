@@ -22,23 +22,6 @@ import sys
 import torch
 
 
-class _StandInDriver:
-    """Enough of a Triton driver for TTIR: a CUDA sm_90 target, no device."""
-
-    def get_current_target(self):
-        from triton.backends.compiler import GPUTarget
-        return GPUTarget("cuda", 90, 32)
-
-    def get_active_torch_device(self):
-        return torch.device("cpu")
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, *_):
-        return 0
-
-
 def _kernel_name(node) -> str:
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
     return kernel_side_table.get_kernel(node.kwargs["kernel_idx"]).fn.__name__
@@ -78,7 +61,8 @@ def main():
     os.environ["REPLAY_COMPILE_VALIDATE"] = "0"            # the kernels cannot run here
 
     from triton.runtime import driver
-    driver.set_active(_StandInDriver())
+    from replay_compile.testing.standin_driver import StandInDriver
+    driver.set_active(StandInDriver())
 
     import torch._inductor.compile_fx as compile_fx
     from torch._functorch.aot_autograd import aot_module_simplified

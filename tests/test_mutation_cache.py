@@ -83,23 +83,13 @@ _REAL_ANALYSIS = r"""
 import json, sys
 import torch
 import torch._higher_order_ops.triton_kernel_wrap as tkw
-from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 sys.path.insert(0, sys.argv[1])
 import test_mutation_cache as t
 from replay_compile.ops import mutation_cache as mc
+from replay_compile.testing.standin_driver import StandInDriver
 
-class StandIn:                      # enough of a driver for TTIR: a CUDA sm_90 target, no device
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-    def get_active_torch_device(self):
-        return torch.device("cpu")
-    def get_current_device(self):
-        return 0
-    def get_current_stream(self, *_):
-        return 0
-
-driver.set_active(StandIn())
+driver.set_active(StandInDriver())
 names = mc.install()
 assert mc.install() is names
 wrapped = getattr(tkw, names[0])
