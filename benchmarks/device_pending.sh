@@ -3,7 +3,8 @@
 # Carry .baselines (mamba_ssm source) and .wheels (pytest-xdist, execnet, fla); benchmarks/fetch_device_wheels.sh
 # rebuilds both where a checkout lacks them (git does not hold them).
 # Usage on the GPU machine:  OUT=... bash benchmarks/device_pending.sh [steps...]
-#   steps (default, session 14's first call: tests sweep; NOTES "Session 13" lists the rest). The device
+#   steps (default, session 15's first call: tests prof1 dconfigs, with PROF_MODELS / PROF_MODES / DK as set below;
+#   then coldq in a call of its own (~5 min); NOTES "Session 14" says why). The device
 #   returns at most 8 files, no more than 2 folders below $OUT: steps keep to that.
 #   tests      GPU tests of every Mamba-2 / delta kernel (pytest -n 6 when pytest-xdist is carried)
 #   dbreak     diag_stream_ceiling.py --delta: per-kernel time of the GDN / KDA split step for $DK configs, bs256
@@ -39,6 +40,7 @@
 #   inlinefinal the inline tests, then default-mode whole steps (inlined) at bs 1 / 32 for the three models, and
 #              Nemotron bs32 with REPLAY_COMPILE_INLINE_KERNELS=0 (the pre kernels opaque)
 #   cold       issue 5's compile time: every mode compiled cold in its own process (bench --cold-compile), bs1
+#   coldq      Qwen3.5's cold compile: plain, ours, ours without the memoised mutation analysis; compile phases
 #   bs1rounds  issue 5's batch-1 targets, both modes, --rounds 2 (modes in alternating order, averaged), $E2E_MODELS
 #   inline256  Nemotron-Nano dims bs256, default mode and reduce-overhead, with REPLAY_COMPILE_INLINE_KERNELS=1 (the
 #              default: latency variants only), all and 0: step time and decode-loop peak (the ~2 GiB question)
@@ -74,8 +76,12 @@ if ls .wheels/fla_core-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-deps .wheels/fla_core-*.whl .wheels/flash_linear_attention-*.whl >> $INSTALL_LOG 2>&1 \
     || cp $INSTALL_LOG "$OUT/"
 fi
-# delta split configurations to compare (kernels/delta_triton.py TUNING; the default first)
-DK=${DK:-"split;split:window_rows=1;split:window_rows=1,window_warps=2;split:flush_stages=2;split:flush_stages=4;split:scan_dot=0"}
+# delta configurations to compare at bs256 (kernels/delta_triton.py TUNING; the default first): KDA's flush with a
+# deeper record pipeline, and the one-launch kernel with whole 128-wide rows (the window once per (row, head) in it)
+DK=${DK:-"split;split:flush_stages=8;split:flush_stages=16;fused:BLOCK_V=128,num_warps=4;fused:BLOCK_V=128,num_warps=8"}
+# the default-mode batch-1 profile: where Qwen3.5's step loses ~60 µs per GDN layer (session 14)
+PROF_MODELS=${PROF_MODELS:-qwen35_4b}
+PROF_MODES=${PROF_MODES:-inductor,replayssm}
 # small-batch delta configurations (the default fused kernel first: 32-wide slices, 4 warps, KDA's scan as a dot)
 KS=${KS:-"fused;fused:BLOCK_V=64,num_warps=4;fused:BLOCK_V=64,num_warps=8;fused:BLOCK_V=128,num_warps=8;fused:num_warps=2"}
 SG=";window_warps=1;window_warps=1,BLOCK_V=32,num_warps=2;window_warps=2,BLOCK_V=32,num_warps=2"
@@ -85,7 +91,7 @@ if ls .wheels/pytest_xdist-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-deps .wheels/pytest_xdist-*.whl .wheels/execnet-*.whl >> $INSTALL_LOG 2>&1 \
     && XDIST="-n 6"
 fi
-steps=${*:-tests sweep}
+steps=${*:-tests prof1 dconfigs}
 for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
   tests) timeout 300 python3 -m pytest -q $XDIST -p no:cacheprovider tests/test_mamba2_triton_gpu.py \
            tests/test_mamba2_triton.py tests/test_mamba2_readcopy.py tests/test_delta_readcopy_triton.py --tb=line \
@@ -180,14 +186,15 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
            --layers 8 --batches ${COLD_BATCHES:-1} --steps 8 --cold-compile --time-limit 540 \
            --modes ${COLD_MODES:-inductor-ro,replayssm-ro,inductor,replayssm} --out /tmp/cold 2>&1 | grep -v Warn \
            | tail -30 | tee "$OUT/cold_compile.txt" ;;
-  coldq)   # where Qwen3.5's extra cold-compile time goes (1.18-1.27x of plain, session 14): plain vs ours with the
-           # kernels inlined (default) vs opaque, reduce-overhead, dynamo's per-phase compile times from each log
-           for v in all 0; do mkdir -p /tmp/coldq$v; REPLAY_COMPILE_INLINE_KERNELS=$v \
-             REPLAY_COMPILE_BENCH_COMPILE_TIMES=1 timeout 250 replay-compile bench --models qwen35_4b --layers 8 \
-             --batches 1 --steps 8 --cold-compile --modes ${COLDQ_MODES:-inductor-ro,replayssm-ro} --out /tmp/coldq$v \
-             2>&1 | grep "^|" | tee -a "$OUT/coldq.txt"
-             for f in /tmp/coldq$v/worker0/*/log.txt; do echo "== inline $v $f"; grep -A40 "compile times" $f \
-               | grep -v Warn | head -60; done >> "$OUT/coldq_phases.txt"; done ;;
+  coldq)   # Qwen3.5's cold compile (1.08-1.27x of plain in session 14): plain, ours (the mutation analysis memoised,
+           # ops/mutation_cache.py) and ours with REPLAY_COMPILE_MUTATION_CACHE=0; dynamo's compile phases per run
+           for arm in "1 ${COLDQ_MODES:-inductor-ro,replayssm-ro}" "0 replayssm-ro"; do set -- $arm
+             mkdir -p /tmp/coldq$1; REPLAY_COMPILE_MUTATION_CACHE=$1 REPLAY_COMPILE_BENCH_COMPILE_TIMES=1 \
+             timeout 280 replay-compile bench --models qwen35_4b --layers 8 --batches 1 --steps 8 --cold-compile \
+             --modes $2 --out /tmp/coldq$1 2>&1 | grep "^|" | tee -a "$OUT/coldq.txt"
+             for f in /tmp/coldq$1/worker0/*/log.txt; do echo "== mutation cache $1 $f"; grep -A90 "compile times" $f \
+               | grep -v Warn | grep -i "compile_inner\|call_user\|aot_collect\|fw_compiler\|async_compile\|codegen"; \
+               done >> "$OUT/coldq_phases.txt"; done ;;
   inline256) for v in 1 all 0; do REPLAY_COMPILE_INLINE_KERNELS=$v timeout 200 replay-compile bench \
            --models nemotron_h_nano4b --layers 8 --batches 256 --steps 32 --modes replayssm,replayssm-ro \
            --out /tmp/e2e_i256_$v 2>&1 | grep "^| nem" | sed "s/^/inline=$v /" | tee -a "$OUT/inline_bs256.txt"; done ;;

@@ -43,6 +43,11 @@ def _inspect(gm, example_inputs):
             continue
         clones = list(node.kwargs.get("tensors_to_clone", []))
         print(f"{_kernel_name(node):36s} cloned per step: {clones or 'nothing'}")
+        # read-only inputs made contiguous for the launch (ops/library.compact_inputs): a copy kernel each, unless
+        # Inductor fuses it into the producer
+        copied = [f"{k} <- {v.args[0].name if v.args else '?'}" for k, v in node.kwargs["kwargs"].items()
+                  if isinstance(v, torch.fx.Node) and "clone" in str(v.target)]
+        print(f"{'':36s} inputs copied contiguous: {copied or 'none'}")
         for name in clones:
             arg = node.kwargs["kwargs"][name]
             later = [u.format_node()[:140] for u in arg.users if order[u] > order[node]]
