@@ -76,9 +76,10 @@ if ls .wheels/fla_core-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-deps .wheels/fla_core-*.whl .wheels/flash_linear_attention-*.whl >> $INSTALL_LOG 2>&1 \
     || cp $INSTALL_LOG "$OUT/"
 fi
-# delta configurations to compare at bs256 (kernels/delta_triton.py TUNING; the default first): KDA's flush with a
-# deeper record pipeline, and the one-launch kernel with whole 128-wide rows (the window once per (row, head) in it)
-DK=${DK:-"split;split:flush_stages=8;split:flush_stages=16;fused:BLOCK_V=128,num_warps=4;fused:BLOCK_V=128,num_warps=8"}
+# delta configurations to compare at bs256 (kernels/delta_triton.py TUNING; the default first): launch 1 with 2 / 4
+# value heads per program (one wave), KDA's flush with a deeper record pipeline, and the one-launch kernel with whole
+# 128-wide rows (the window once per (row, head) in it)
+DK=${DK:-"split;split:window_heads=2;split:window_heads=4;split:flush_stages=8;split:flush_stages=16;fused:BLOCK_V=128,num_warps=4;fused:BLOCK_V=128,num_warps=8"}
 # the default-mode batch-1 profile: where Qwen3.5's step loses ~60 µs per GDN layer (session 14)
 PROF_MODELS=${PROF_MODELS:-qwen35_4b}
 PROF_MODES=${PROF_MODES:-inductor,replayssm}
