@@ -252,8 +252,8 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
   dquick) timeout 150 python3 benchmarks/bench_delta_kernel.py --out /tmp/dquick --batches 1,256 --dtypes float32 \
            2>&1 | grep -v Warn | tee "$OUT/delta_defaults.txt" ;;
   prof1) for m in ${PROF_MODELS:-nemotron_h_nano4b qwen35_4b}; do timeout 200 python3 benchmarks/diag_step_profile.py \
-           --model $m --batch ${PROF_BATCH:-1} --layers 8 ${PROF_MODES:+--modes $PROF_MODES} 2>&1 | grep -v "^\[transformers\]\|Warn\|USDT" \
-           | tail -60; done | tee "$OUT/profile_bs1.txt" ;;
+           --model $m --batch ${PROF_BATCH:-1} --layers 8 ${PROF_MODES:+--modes $PROF_MODES} --cpu-rows 16 --py-rows 25 2>&1 | grep -v "^\[transformers\]\|Warn\|USDT" \
+           | tail -150; done | tee "$OUT/profile_bs1.txt" ;;
   m2bs128) timeout 200 python3 benchmarks/bench_mamba2_kernel.py --out /tmp/m2bs128 --batches 128 \
            --configs "pre;pre:BLOCK_P=32,num_warps=2;pre:BLOCK_P=32,num_warps=1;pre:BLOCK_P=8;pre:win_heads=8" 2>&1 \
            | grep -v Warn | tee "$OUT/mamba2_bs128.txt" ;;

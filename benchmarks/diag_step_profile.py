@@ -20,7 +20,7 @@ import torch
 
 
 def profile_mode(model, mode: str, batch: int, L: int, warm: int = 20, steps: int = 8, top: int = 12,
-                 cpu_rows: int = 8):
+                 cpu_rows: int = 8, py_rows: int = 0):
     from transformers import StaticCache
 
     from replay_compile.bench import _forward_for, cache_kwarg
@@ -50,6 +50,17 @@ def profile_mode(model, mode: str, batch: int, L: int, warm: int = 20, steps: in
             step()
             torch.cuda.synchronize()
             walls.append(time.perf_counter() - t0)
+        if py_rows:               # the host's Python side per step (default mode: where the time goes)
+            import cProfile
+            import pstats
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+            pr.disable()
+            print(f"== {mode}: Python functions by own time over {steps} steps (cProfile)")
+            pstats.Stats(pr).sort_stats("tottime").print_stats(py_rows)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
@@ -119,11 +130,13 @@ def main(argv=None):
     ap.add_argument("--L", type=int, default=16)
     ap.add_argument("--cpu-rows", type=int, default=8, help="host ops listed by self time (default mode: the host "
                     "is the question)")
+    ap.add_argument("--py-rows", type=int, default=0, help="also run the steps under cProfile and list this many "
+                    "Python functions by own time")
     args = ap.parse_args(argv)
     from replay_compile.bench import build_model
     model = build_model(args.model, torch.bfloat16, "cuda", args.layers)
     for mode in args.modes.split(","):
-        profile_mode(model, mode, args.batch, args.L, cpu_rows=args.cpu_rows)
+        profile_mode(model, mode, args.batch, args.L, cpu_rows=args.cpu_rows, py_rows=args.py_rows)
 
 
 if __name__ == "__main__":
