@@ -251,6 +251,18 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
            --formats bf16,fp8_e4m3,nvfp4 2>&1 | grep -v Warn | tee "$OUT/readcopy_defaults.txt" ;;
   dquick) timeout 150 python3 benchmarks/bench_delta_kernel.py --out /tmp/dquick --batches 1,256 --dtypes float32 \
            2>&1 | grep -v Warn | tee "$OUT/delta_defaults.txt" ;;
+  prof2)  # default mode's bs1 host cost (session 15: Qwen3.5 4.68 vs 4.13 ms per step under the profiler, device
+           # 1.23 vs 1.36 ms): every Triton launch with its launcher, then our kernels statically launched
+           # (TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS=1, read by the compile workers too); bench rounds
+           for sl in 0 1; do echo "== static launch of user kernels: $sl"
+             TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS=$sl timeout 150 python3 \
+             benchmarks/diag_step_profile.py --model qwen35_4b --batch 1 --layers 8 --modes inductor,replayssm \
+             --census --cpu-rows 0 2>&1 | grep -v "^\[transformers\]\|Warn\|USDT\|Assertion" | tail -90; done \
+             | tee "$OUT/census_bs1.txt"
+           for sl in 0 1; do TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS=$sl timeout 200 replay-compile \
+             bench --models ${E2E_MODELS:-qwen35_4b} --layers 8 --batches 1 --steps 32 --rounds 2 \
+             --modes inductor,replayssm --out /tmp/e2e_sl$sl 2>&1 | grep "^|" | sed "s/^/sl=$sl /"; done \
+             | tee "$OUT/static_launch_bs1.txt" ;;
   prof1) for m in ${PROF_MODELS:-nemotron_h_nano4b qwen35_4b}; do timeout 200 python3 benchmarks/diag_step_profile.py \
            --model $m --batch ${PROF_BATCH:-1} --layers 8 ${PROF_MODES:+--modes $PROF_MODES} --cpu-rows 16 --py-rows 25 2>&1 | grep -v "^\[transformers\]\|Warn\|USDT" \
            | tail -150; done | tee "$OUT/profile_bs1.txt" ;;

@@ -19,8 +19,40 @@ import time
 import torch
 
 
+def launcher_census(step, steps: int) -> None:
+    """Per Triton kernel that Inductor's wrapper launches in ``steps`` steps: its name, how many launches and which
+    launcher runs it: Inductor's static launcher (``StaticallyLaunched*``: one C call) or Triton's own
+    (``CompiledKernel``: Python ``launch_metadata`` + launcher object per call; user-defined kernels take it unless
+    ``static_launch_user_defined_triton_kernels`` is on). Default mode's batch-1 step is host-bound, so the path
+    matters."""
+    from torch._inductor.runtime import triton_heuristics as th
+
+    seen = collections.Counter()
+    orig = th.CachingAutotuner.run
+
+    def run(self, *args, **kwargs):
+        launchers = getattr(self, "launchers", None) or []
+        kind = type(getattr(launchers[0], "bin", None)).__name__ if launchers else "unbuilt"
+        seen[(getattr(self.fn, "__name__", "?"), kind)] += 1
+        return orig(self, *args, **kwargs)
+
+    th.CachingAutotuner.run = run
+    try:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    finally:
+        th.CachingAutotuner.run = orig
+    by_kind = collections.Counter()
+    for (_, kind), n in seen.items():
+        by_kind[kind] += n
+    print("   launchers per step: " + ", ".join(f"{k} {n / steps:.0f}" for k, n in by_kind.most_common()))
+    for (name, kind), n in sorted(seen.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        print(f"     {n / steps:5.1f}/step  {kind:34s} {name[:100]}")
+
+
 def profile_mode(model, mode: str, batch: int, L: int, warm: int = 20, steps: int = 8, top: int = 12,
-                 cpu_rows: int = 8, py_rows: int = 0):
+                 cpu_rows: int = 8, py_rows: int = 0, census: bool = False):
     from transformers import StaticCache
 
     from replay_compile.bench import _forward_for, cache_kwarg
@@ -28,9 +60,9 @@ def profile_mode(model, mode: str, batch: int, L: int, warm: int = 20, steps: in
     dev = next(model.parameters()).device
     torch._dynamo.reset()
     ids = torch.randint(3, model.config.vocab_size, (batch, 16), device=dev)
-    # prompt + warm-up + timed + cProfiled (py_rows) + profiled steps: a cache one step short overflows on the device
+    # prompt + warm-up + timed + census + cProfiled (py_rows) + profiled steps: a cache one step short overflows on the device
     # (session 15: an index assert in the KV write, which also stopped the run)
-    cache = StaticCache(config=model.config, max_cache_len=16 + warm + 3 * steps + 4)
+    cache = StaticCache(config=model.config, max_cache_len=16 + warm + 4 * steps + 4)
     ck = cache_kwarg(model)
     fwd = _forward_for(model, mode, L)
     with torch.no_grad():
@@ -52,6 +84,9 @@ def profile_mode(model, mode: str, batch: int, L: int, warm: int = 20, steps: in
             step()
             torch.cuda.synchronize()
             walls.append(time.perf_counter() - t0)
+        if census:
+            print(f"== {mode}: Triton launches by launcher over {steps} steps")
+            launcher_census(step, steps)
         if py_rows:               # the host's Python side per step (default mode: where the time goes)
             import cProfile
             import pstats
@@ -134,11 +169,14 @@ def main(argv=None):
                     "is the question)")
     ap.add_argument("--py-rows", type=int, default=0, help="also run the steps under cProfile and list this many "
                     "Python functions by own time")
+    ap.add_argument("--census", action="store_true", help="list every Triton launch per step with its launcher "
+                    "(static or Triton's own)")
     args = ap.parse_args(argv)
     from replay_compile.bench import build_model
     model = build_model(args.model, torch.bfloat16, "cuda", args.layers)
     for mode in args.modes.split(","):
-        profile_mode(model, mode, args.batch, args.L, cpu_rows=args.cpu_rows, py_rows=args.py_rows)
+        profile_mode(model, mode, args.batch, args.L, cpu_rows=args.cpu_rows, py_rows=args.py_rows,
+                     census=args.census)
 
 
 if __name__ == "__main__":
