@@ -139,11 +139,16 @@ def _bench(args) -> int:
     models = (args.models or ("nemotron_h_nano4b,qwen35_4b,mamba2_2p7b" if cuda else "tiny_nemotron_h")).split(",")
     batches = [int(b) for b in (args.batches or ("1,8,32,64,128,256,512" if cuda else "1,2")).split(",")]
     modes = (args.modes or (",".join(bench.MODES) if cuda else "eager,replayssm")).split(",")
-    unknown = {m for m in modes if m.partition(":")[0] not in bench.MODES
-               or (":" in m and (not m.startswith("replayssm") or m.partition(":")[2] not in SUPPORTED_READ_COPIES))}
+    try:
+        parts = {m: bench.split_mode(m) for m in modes}
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    unknown = {m for m, (base, rc, _) in parts.items() if base not in bench.MODES
+               or (rc and (not base.startswith("replayssm") or rc not in SUPPORTED_READ_COPIES))}
     if unknown:
         raise SystemExit(f"replay-compile bench: unknown modes {sorted(unknown)}; choose from {bench.MODES}, "
-                         f"replayssm modes optionally with ':<read copy>' ({', '.join(SUPPORTED_READ_COPIES)})")
+                         f"replayssm modes optionally with ':<read copy>' ({', '.join(SUPPORTED_READ_COPIES)}); "
+                         "any mode optionally with '@<inductor option>=<value>,...'")
     lead = int(os.environ.get("RANK", "0")) == 0       # under torchrun (--tp) only rank 0 prints
     if lead:
         print(f"bench: {models} batches {batches} modes {modes}, {args.steps} decode steps, L={args.buffer_len}, "
@@ -255,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
                                     "(default: the three real-size models on CUDA, tiny_nemotron_h on CPU)")
     b.add_argument("--batches", help="comma list (default 1..512 on CUDA, 1,2 on CPU)")
     b.add_argument("--modes", help="comma list of eager, inductor, inductor-ro, replayssm, replayssm-ro; replayssm "
-                   "modes take an optional read copy, e.g. replayssm-ro:fp8_e4m3")
+                   "modes take an optional read copy, e.g. replayssm-ro:fp8_e4m3; any mode takes Inductor config patches for its "
+                   "compile, e.g. replayssm@combo_kernels=1")
     b.add_argument("--steps", type=int, default=48, help="timed decode steps (default: %(default)s)")
     b.add_argument("--rounds", type=int, default=1,
                    help="run each (model, batch)'s modes this many times, in alternating order, and report the mean "

@@ -122,6 +122,42 @@ def test_bench_modes_take_a_read_copy_and_reject_unknown_ones(tmp_path, capsys):
     assert rows[1]["speedup_vs_compile"] == 2.0
 
 
+def test_bench_modes_take_inductor_patches(monkeypatch):
+    """``mode@key=value,...``: Inductor config patches for that mode's compile only; reduce-overhead spelled out as
+    its options (torch.compile takes mode or options, not both); a patched inductor row is never the baseline."""
+    import pytest
+    import torch
+
+    from replay_compile import bench
+
+    assert bench.split_mode("replayssm-ro:fp8_e4m3@combo_kernels=1,max_autotune=false,x=3") == (
+        "replayssm-ro", "fp8_e4m3", {"combo_kernels": True, "max_autotune": False, "x": 3})
+    assert bench.split_mode("inductor") == ("inductor", "", {})
+    with pytest.raises(SystemExit, match="combo_kernels.*not key=value"):
+        main(["bench", "--device", "cpu", "--modes", "replayssm@combo_kernels"])
+    seen = {}
+
+    def fake_compile(fn, backend=None, options=None, **kw):
+        seen.update(backend=backend, options=options, kw=kw)
+        return fn
+    monkeypatch.setattr(torch, "compile", fake_compile)
+
+    class M:
+        forward = staticmethod(lambda *a, **k: None)
+    bench._forward_for(M(), "replayssm-ro@combo_kernels=1", 8)
+    assert seen["kw"] == {} and seen["backend"] == "replayssm"
+    assert seen["options"] == {"buffer_len": 8, "mode": "reduce-overhead", "combo_kernels": True}
+    bench._forward_for(M(), "inductor-ro@combo_kernels=1", 8)
+    assert seen["options"] == {"triton.cudagraphs": True, "combo_kernels": True} and seen["kw"] == {}
+    bench._forward_for(M(), "inductor@combo_kernels=1", 8)
+    assert seen["options"] == {"combo_kernels": True} and seen["backend"] == "inductor"
+    rows = [dict(model="m", batch=1, mode="inductor", step_ms=2.0),
+            dict(model="m", batch=1, mode="inductor@combo_kernels=1", step_ms=4.0),
+            dict(model="m", batch=1, mode="replayssm@combo_kernels=1", step_ms=1.0)]
+    bench._speedups(rows)
+    assert rows[2]["speedup_vs_compile"] == 2.0
+
+
 def test_bench_points_are_dealt_to_workers_by_cost():
     """Every (model, batch) point lands on exactly one worker; the big batches are spread first, so no worker gets
     all of them; a worker's points are grouped per model."""
