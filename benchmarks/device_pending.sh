@@ -251,6 +251,21 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
            --formats bf16,fp8_e4m3,nvfp4 2>&1 | grep -v Warn | tee "$OUT/readcopy_defaults.txt" ;;
   dquick) timeout 150 python3 benchmarks/bench_delta_kernel.py --out /tmp/dquick --batches 1,256 --dtypes float32 \
            2>&1 | grep -v Warn | tee "$OUT/delta_defaults.txt" ;;
+  m2persist) # issue 3: the persistent, pipelined checkpoint pass (persist=1): its GPU tests (and the other Mamba-2
+           # kernel tests), then against the default at bs 128 / 256, both geometries, fp32 and bf16 checkpoints
+           timeout 200 python3 -m pytest -q $XDIST -p no:cacheprovider tests/test_mamba2_triton_gpu.py \
+             tests/test_mamba2_triton.py --tb=line -p no:logging 2>&1 | grep -v "warnings.warn\|Benchmark" | tail -15 \
+             | tee "$OUT/pytest_persist.txt"
+           timeout 330 python3 benchmarks/bench_mamba2_kernel.py --out /tmp/m2persist --batches ${M2B:-128,256} \
+             --dtypes float32,bfloat16 --configs "${M2C:-pre;pre:persist=1;pre:persist=1,persist_stages=2;pre:persist=1,persist_stages=4;pre:persist=1,BLOCK_P=32,num_warps=1;pre:persist=1,persist_per_sm=8}" \
+             2>&1 | grep -v Warn | tee "$OUT/mamba2_persist.txt" ;;
+  combo)   # default mode at bs1 (issue 5): our graph has 5 small prologue kernels per GDN layer where plain Inductor
+           # fuses them into its recurrence kernel; Inductor's combo kernels (horizontal fusion) for our compile, and
+           # our kernels statically launched (the env var reaches the compile workers)
+           TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS=${COMBO_SL:-1} timeout 330 replay-compile bench \
+             --models ${E2E_MODELS:-qwen35_4b,mamba2_2p7b} --layers 8 --batches 1 --steps 32 --rounds 2 \
+             --modes inductor,replayssm,replayssm@combo_kernels=1,inductor@combo_kernels=1 --out /tmp/e2e_combo 2>&1 \
+             | grep "^|" | tee "$OUT/combo_bs1.txt" ;;
   prof2)  # default mode's bs1 host cost (session 15: Qwen3.5 4.68 vs 4.13 ms per step under the profiler, device
            # 1.23 vs 1.36 ms): every Triton launch with its launcher, then our kernels statically launched
            # (TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS=1, read by the compile workers too); bench rounds

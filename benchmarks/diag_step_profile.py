@@ -31,8 +31,10 @@ def launcher_census(step, steps: int) -> None:
     orig = th.CachingAutotuner.run
 
     def run(self, *args, **kwargs):
+        results = getattr(self, "compile_results", None) or []      # StaticTritonCompileResult / TritonCompileResult
         launchers = getattr(self, "launchers", None) or []
-        kind = type(getattr(launchers[0], "bin", None)).__name__ if launchers else "unbuilt"
+        kind = (type(results[0]).__name__ if results else
+                type(getattr(launchers[0], "bin", None)).__name__ if launchers else "unbuilt")
         seen[(getattr(self.fn, "__name__", "?"), kind)] += 1
         return orig(self, *args, **kwargs)
 
