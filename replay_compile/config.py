@@ -37,6 +37,8 @@ OTHER_ENV_VARS = {
     "REPLAY_COMPILE_INLINE_KERNELS": "0: keep the step ops opaque in compiled graphs; all: trace every kernel variant "
                                      "into them (default: the small-batch latency kernels only; ops/library.py)",
     "REPLAY_COMPILE_LOG": "info / debug: log rewrites and skips (and graphs at debug) to stderr",
+    "REPLAY_COMPILE_COMBO_KERNELS": "0: do not turn on Inductor's combo kernels for graphs with rewrites (default on; "
+                                    "backend.py says why; options={'combo_kernels': False} does the same per compile)",
 }
 
 SUPPORTED_FAMILIES = ("mamba2", "gdn", "kda")

@@ -189,6 +189,30 @@ def test_modes_are_honoured(mode, via_options, monkeypatch):
     assert expect and all(seen.get(k) == v for k, v in expect.items())
 
 
+@pytest.mark.parametrize("options, env, expect", [({}, None, True), ({"combo_kernels": False}, None, False),
+                                                  ({}, "0", None), ({"enabled": False}, None, None)])
+def test_combo_kernels_for_graphs_with_rewrites(options, env, expect, monkeypatch):
+    """Graphs with rewrites compile with Inductor's combo kernels (our op's prologue kernels launched as one);
+    a user's ``combo_kernels`` option or ``REPLAY_COMPILE_COMBO_KERNELS=0`` wins; a graph with nothing rewritten
+    gets plain Inductor's settings."""
+    seen = {}
+    import torch._inductor.compile_fx as cfx
+    real = cfx.compile_fx
+
+    def spy(gm, inputs, **kw):
+        seen.update(kw.get("config_patches") or {})
+        return real(gm, inputs, **kw)
+
+    monkeypatch.setattr(cfx, "compile_fx", spy)
+    if env is not None:
+        monkeypatch.setenv("REPLAY_COMPILE_COMBO_KERNELS", env)
+    mod, cmod = eager_and_compiled(options=options)
+    sc, se = torch.randn(b, H, P, N), None
+    se = sc.clone()
+    step_both(cmod, mod, sc, se, 2)
+    assert seen.get("combo_kernels") is expect
+
+
 def test_unknown_lowering_options_reach_inductor():
     mod, cmod = eager_and_compiled(options={"no_such_inductor_option": 1})
     with pytest.raises(Exception, match="no_such_inductor_option"):

@@ -91,49 +91,6 @@ def test_pre_variant_launch_options(geom, L, state_dtype, kind):
         _match_reference(geom, L, torch.float32, state_dtype)
 
 
-PERSIST = ("pre:persist=1,FLUSH_P=16,FLUSH_N=32", "pre:persist=1,persist_per_sm=1,BLOCK_P=8,apply_early_x=0",
-           "pre:persist=1,early_tile=1,persist_stages=2,pdl=0")
-
-
-@pytest.mark.parametrize("geom, L", [(Mamba2Geometry(2, 4, 5, 6, 2, 4), 4), (Mamba2Geometry(3, 6, 20, 17, 3, 1), 3),
-                                     (Mamba2Geometry(2, 2, 8, 8, 2, 2), 20)])
-@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kind", PERSIST)
-def test_persistent_checkpoint_pass(geom, L, state_dtype, kind):
-    """``persist=1``: the checkpoint pass as a fixed grid looping over the tiles (1 program per SM: each walks many
-    tiles of several rows and heads; P not a multiple of the tile; a padding row; the tile loaded before the
-    cursor) matches the reference step for step: outputs, checkpoint, rings, cursors."""
-    with variant(kind):
-        _match_reference(geom, L, torch.float32, state_dtype)
-
-
-@settings(max_examples=6)
-@given(geom=mamba2_geometries(max_batch=4, max_heads=4, max_p=20, max_n=20), L=st.integers(1, 6), data=st.data())
-def test_persistent_pass_tracks_the_exact_recurrence(geom, L, data):
-    """Desynchronised cursors (rows stepped on different schedules, padding rows): the persistent pass must skip
-    exactly the rows that flush and zero exactly the padding rows."""
-    with variant(data.draw(st.sampled_from(PERSIST), label="variant")):
-        _track_exact(geom, L, data)
-
-
-@pytest.mark.parametrize("kind", PERSIST)
-def test_persistent_pass_padded_rows_are_untouched_and_zero(kind):
-    with variant(kind):
-        _padded_rows()
-
-
-def test_persistent_programs_bounded_by_shared_memory_and_tiles():
-    from replay_compile.kernels.mamba2_pre_persist_triton import persistent_programs
-
-    # Super fp32: 3 x 64 x 128 x 4 B = 96 KB of buffers -> 2 per SM; bf16 -> 4; Nano 16-row tiles on 1 warp -> 12
-    assert persistent_programs(10 ** 6, 64, 128, 4, 3, 2, 132, None) == 2 * 132
-    assert persistent_programs(10 ** 6, 64, 128, 2, 3, 2, 132, None) == 4 * 132
-    assert persistent_programs(10 ** 6, 16, 128, 4, 3, 1, 132, None) == 8 * 132
-    assert persistent_programs(10 ** 6, 16, 128, 2, 3, 1, 132, None) == 16 * 132
-    assert persistent_programs(10, 16, 128, 4, 3, 1, 132, None) == 10            # never more than the tiles
-    assert persistent_programs(10 ** 6, 16, 128, 4, 3, 1, 132, 3) == 3 * 132     # persist_per_sm
-
-
 def test_folded_cursor_advance_walks_more_rows_than_programs():
     """6 rows, 4 flush programs (interpreter): each program advances more than one row's cursor."""
     with variant("pre:fold_advance=1,apply_early_x=1,flush_per_sm=1"):

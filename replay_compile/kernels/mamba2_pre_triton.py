@@ -13,8 +13,8 @@ Launches, all routed on the device from the cursor (one captured CUDA graph serv
 2. :func:`_mamba2_prepass_apply_kernel`, grid ``(cdiv(P, BLOCK_P), b, H)``: streams the ``BLOCK_P x N`` checkpoint
    tile of non-flush rows (64 rows on 2 warps where 64 divides P, else 16 on 1 warp), ``y = decay (S_0 C) + Σ_j cb_j
    x_j``, appends ``x``. A read-only stream of the checkpoint on the H200 reaches 97-100% of copy bandwidth; this
-   pass alone runs there (benchmarks/NOTES.md, session 7). ``persist=1``: a fixed grid looping over the tiles with
-   pipelined loads instead (:mod:`~replay_compile.kernels.mamba2_pre_persist_triton`).
+   pass alone runs there (benchmarks/NOTES.md, session 7). (A persistent form of this pass, a fixed grid looping
+   over the tiles with loads pipelined through shared memory, lost at every point measured: NOTES "Session 15".)
 3. :func:`_mamba2_flush_list_kernel`: a fixed grid (32 warps per SM) walks the listed rows' tiles with the tiled
    fold (:func:`~replay_compile.kernels.mamba2_triton._fold_tile`); a non-flush step pays ~2 µs for it.
 4. The cursor advance (``fold_advance=1``: inside launch 3).
@@ -31,7 +31,6 @@ import triton.language as tl
 from . import mamba2_triton as base
 from .host_math import cdiv, next_pow2
 from .launch import launch, pdl_on, pdl_options
-from .mamba2_pre_persist_triton import launch_persistent_pass
 from .mamba2_triton import (_advance_cursor_kernel, _fold_tile, _list_item, _list_row, _mamba2_replay_tiled_kernel,
                             _row_slot, _step_row, _step_window, _store_checkpoint, fixed_grid)
 
@@ -374,15 +373,11 @@ def replay_step_pre(cfg: dict, args: tuple, common: dict, has_slot: bool, slot_a
     pdl = pdl_on(x.device, cfg["pdl"] and win_x > 0)   # launch 2 as launch 1's programmatic dependent
     win, dec = launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, has_slot,
                              cfg["BLOCK_N"], cfg["BLOCK_L"], work, cb_only=win_x > 0, pdl=pdl)
-    if cfg["persist"] and win_x > 0:             # a fixed grid looping over the tiles (its module says why)
-        k = launch_persistent_pass(cfg, args, win, dec, has_slot, n_pb, cfg["early_tile"], pdl,
-                                   base._sm_count(x.device))
-    else:
-        k = launch(_mamba2_prepass_apply_kernel)[(n_pb, b, H)](
-            *args[:13], win, dec, *args[13:19], *args[20:],
-            HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_P"], BLOCK_N=cfg["BLOCK_N"], BLOCK_L=cfg["BLOCK_L"],
-            STOCHASTIC_FP16=common["STOCHASTIC_FP16"], ROUTE=cfg["route"], EARLY_TILE=cfg["early_tile"],
-            WIN_X=win_x, PDL=pdl, num_warps=cfg["num_warps"], **pdl_options(pdl))
+    k = launch(_mamba2_prepass_apply_kernel)[(n_pb, b, H)](
+        *args[:13], win, dec, *args[13:19], *args[20:],
+        HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_P"], BLOCK_N=cfg["BLOCK_N"], BLOCK_L=cfg["BLOCK_L"],
+        STOCHASTIC_FP16=common["STOCHASTIC_FP16"], ROUTE=cfg["route"], EARLY_TILE=cfg["early_tile"],
+        WIN_X=win_x, PDL=pdl, num_warps=cfg["num_warps"], **pdl_options(pdl))
     if cfg["route"] == 1:
         fl = dict(common, BLOCK_P=cfg["FLUSH_P"], BLOCK_N=cfg["FLUSH_N"], num_warps=cfg["flush_warps"],
                   N_TILES=cdiv(N, cfg["FLUSH_N"]))

@@ -493,10 +493,7 @@ def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
       ``pdl=1`` (default; Hopper and later, :func:`~.launch.pdl_on`): launch 2 is launch 1's programmatic
       dependent, so its tiles stream while launch 1 runs. ``win_pad=1`` (default): launch 1 covers a whole
       group of heads whose count is not a power of two on a padded axis (``mamba2_pre_triton.window_heads``).
-      Launch 2's tiles are 64 x N on 2 warps where 64 divides P (Super), else 16 x N on 1 warp. ``persist=1``
-      (off by default, not yet measured): launch 2 as a fixed grid looping over the tiles with pipelined loads
-      (``persist_stages``, default 3; ``persist_per_sm``: programs per SM, default by shared memory;
-      :mod:`~replay_compile.kernels.mamba2_pre_persist_triton`).
+      Launch 2's tiles are 64 x N on 2 warps where 64 divides P (Super), else 16 x N on 1 warp.
     * ``tiled`` (the session-2 body, kept for comparisons): one launch streams ``BLOCK_P x BLOCK_N`` tiles for both
       kinds of row, then the cursor advance.
     ``tl.dot`` needs every dim >= 16; the window sits on a power-of-two axis >= 16.
@@ -527,9 +524,7 @@ def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
                    flush_list=bool(TUNING.get("flush_list", 1)),
                    window="full" if TUNING.get("window_full", 0) else "coef",
                    apply_early_x=bool(TUNING.get("apply_early_x", 1)), fold_advance=bool(TUNING.get("fold_advance", 1)),
-                   flush_programs_per_sm=TUNING.get("flush_per_sm"), pdl=bool(TUNING.get("pdl", 1)),
-                   persist=bool(TUNING.get("persist", 0)), persist_stages=TUNING.get("persist_stages") or 3,
-                   persist_per_sm=TUNING.get("persist_per_sm"))
+                   flush_programs_per_sm=TUNING.get("flush_per_sm"), pdl=bool(TUNING.get("pdl", 1)))
     else:
         raise ValueError(f"replay_compile.mamba2: unknown kernel variant {variant!r} (whole, pre, tiled)")
     return dict(cfg, variant=variant, BLOCK_L=block_l)
