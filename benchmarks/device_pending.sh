@@ -259,6 +259,15 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
            timeout 330 python3 benchmarks/bench_mamba2_kernel.py --out /tmp/m2persist --batches ${M2B:-128,256} \
              --dtypes float32,bfloat16 --configs "${M2C:-pre;pre:persist=1;pre:persist=1,persist_stages=2;pre:persist=1,persist_stages=4;pre:persist=1,BLOCK_P=32,num_warps=1;pre:persist=1,persist_per_sm=8}" \
              2>&1 | grep -v Warn | tee "$OUT/mamba2_persist.txt" ;;
+  final15) # the shipped combo kernels (backend.py): 256-token fp32 parity of Qwen3.5 in default mode (the combo
+           # kernels live), bs1 default mode and bs256 reduce-overhead vs plain torch.compile (our kernels launched
+           # by Triton's launcher, as shipped)
+           timeout 100 replay-compile bench --models qwen35_4b --layers 8 --check 256 --dtype float32 \
+             --modes replayssm --out /tmp/check_q 2>&1 | tail -3 | tee "$OUT/final15.txt"
+           timeout 150 replay-compile bench --models qwen35_4b,nemotron_h_nano4b --layers 8 --batches 1 --steps 32 \
+             --rounds 2 --modes inductor,replayssm --out /tmp/f15a 2>&1 | grep "^|" | tee -a "$OUT/final15.txt"
+           timeout 110 replay-compile bench --models qwen35_4b,nemotron_h_nano4b --layers 8 --batches 256 --steps 32 \
+             --modes inductor-ro,replayssm-ro --out /tmp/f15b 2>&1 | grep "^|" | tee -a "$OUT/final15.txt" ;;
   combo)   # default mode at bs1 (issue 5): our graph has 5 small prologue kernels per GDN layer where plain Inductor
            # fuses them into its recurrence kernel; Inductor's combo kernels (horizontal fusion) for our compile, and
            # our kernels statically launched (the env var reaches the compile workers)
