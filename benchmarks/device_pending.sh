@@ -3,10 +3,14 @@
 # Carry .baselines (mamba_ssm source) and .wheels (pytest-xdist, execnet, fla); benchmarks/fetch_device_wheels.sh
 # rebuilds both where a checkout lacks them (git does not hold them).
 # Usage on the GPU machine:  OUT=... bash benchmarks/device_pending.sh [steps...]
-#   steps (default, session 15's first call: tests prof1 dconfigs, with PROF_MODELS / PROF_MODES / DK as set below;
-#   then coldq in a call of its own (~5 min); NOTES "Session 14" says why). The device
+#   steps (default, session 16's first call: tests bs1default; then cold in a call of its own, ~9 min; NOTES
+#   "Session 15" says why). The device
 #   returns at most 8 files, no more than 2 folders below $OUT: steps keep to that.
 #   tests      GPU tests of every Mamba-2 / delta kernel (pytest -n 6 when pytest-xdist is carried)
+#   bs1default issue 5's batch 1 in default mode (combo kernels on for our graphs since session 15), 3 models
+#   final15    session 15's last call: Qwen3.5 fp32 parity in default mode, bs1 default, bs256 reduce-overhead
+#   combo      combo kernels and static launch of our kernels at bs1, default mode
+#   prof2      default-mode bs1 launcher census (diag_step_profile --census) and static launch of our kernels
 #   dbreak     diag_stream_ceiling.py --delta: per-kernel time of the GDN / KDA split step for $DK configs, bs256
 #   dconfigs   bench_delta_kernel.py --configs $DK: the same configs as whole steps vs fla, bs256, fp32
 #   sweep      the Mamba-2 kernel sweep (bench_mamba2_kernel.py) with the session-8 defaults
@@ -76,10 +80,9 @@ if ls .wheels/fla_core-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-deps .wheels/fla_core-*.whl .wheels/flash_linear_attention-*.whl >> $INSTALL_LOG 2>&1 \
     || cp $INSTALL_LOG "$OUT/"
 fi
-# delta configurations to compare at bs256 (kernels/delta_triton.py TUNING; the default first): launch 1 with 2 / 4
-# value heads per program (one wave), KDA's flush with a deeper record pipeline, and the one-launch kernel with whole
-# 128-wide rows (the window once per (row, head) in it)
-DK=${DK:-"split;split:window_heads=2;split:window_heads=4;split:flush_stages=8;split:flush_stages=16;fused:BLOCK_V=128,num_warps=4;fused:BLOCK_V=128,num_warps=8"}
+# delta configurations to compare at bs256 (kernels/delta_triton.py TUNING; the default first). Session 15 measured
+# (and dropped) 2 / 4 value heads per window program, flush_stages=8|16 and the fused kernel on 128-wide rows
+DK=${DK:-"split;split:flush_stages=2;split:BLOCK_V=64,num_warps=4"}
 # the default-mode batch-1 profile: where Qwen3.5's step loses ~60 µs per GDN layer (session 14)
 PROF_MODELS=${PROF_MODELS:-qwen35_4b}
 PROF_MODES=${PROF_MODES:-inductor,replayssm}
@@ -92,7 +95,7 @@ if ls .wheels/pytest_xdist-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-deps .wheels/pytest_xdist-*.whl .wheels/execnet-*.whl >> $INSTALL_LOG 2>&1 \
     && XDIST="-n 6"
 fi
-steps=${*:-tests prof1 dconfigs}
+steps=${*:-tests bs1default}
 for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
   tests) timeout 300 python3 -m pytest -q $XDIST -p no:cacheprovider tests/test_mamba2_triton_gpu.py \
            tests/test_mamba2_triton.py tests/test_mamba2_readcopy.py tests/test_delta_readcopy_triton.py --tb=line \
@@ -251,23 +254,6 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
            --formats bf16,fp8_e4m3,nvfp4 2>&1 | grep -v Warn | tee "$OUT/readcopy_defaults.txt" ;;
   dquick) timeout 150 python3 benchmarks/bench_delta_kernel.py --out /tmp/dquick --batches 1,256 --dtypes float32 \
            2>&1 | grep -v Warn | tee "$OUT/delta_defaults.txt" ;;
-  m2persist) # issue 3: the persistent, pipelined checkpoint pass (persist=1): its GPU tests (and the other Mamba-2
-           # kernel tests), then against the default at bs 128 / 256, both geometries, fp32 and bf16 checkpoints
-           timeout 200 python3 -m pytest -q $XDIST -p no:cacheprovider tests/test_mamba2_triton_gpu.py \
-             tests/test_mamba2_triton.py --tb=line -p no:logging 2>&1 | grep -v "warnings.warn\|Benchmark" | tail -15 \
-             | tee "$OUT/pytest_persist.txt"
-           timeout 330 python3 benchmarks/bench_mamba2_kernel.py --out /tmp/m2persist --batches ${M2B:-128,256} \
-             --dtypes float32,bfloat16 --configs "${M2C:-pre;pre:persist=1;pre:persist=1,persist_stages=2;pre:persist=1,persist_stages=4;pre:persist=1,BLOCK_P=32,num_warps=1;pre:persist=1,persist_per_sm=8}" \
-             2>&1 | grep -v Warn | tee "$OUT/mamba2_persist.txt" ;;
-  final15) # the shipped combo kernels (backend.py): 256-token fp32 parity of Qwen3.5 in default mode (the combo
-           # kernels live), bs1 default mode and bs256 reduce-overhead vs plain torch.compile (our kernels launched
-           # by Triton's launcher, as shipped)
-           timeout 100 replay-compile bench --models qwen35_4b --layers 8 --check 256 --dtype float32 \
-             --modes replayssm --out /tmp/check_q 2>&1 | tail -3 | tee "$OUT/final15.txt"
-           timeout 150 replay-compile bench --models qwen35_4b,nemotron_h_nano4b --layers 8 --batches 1 --steps 32 \
-             --rounds 2 --modes inductor,replayssm --out /tmp/f15a 2>&1 | grep "^|" | tee -a "$OUT/final15.txt"
-           timeout 110 replay-compile bench --models qwen35_4b,nemotron_h_nano4b --layers 8 --batches 256 --steps 32 \
-             --modes inductor-ro,replayssm-ro --out /tmp/f15b 2>&1 | grep "^|" | tee -a "$OUT/final15.txt" ;;
   combo)   # default mode at bs1 (issue 5): our graph has 5 small prologue kernels per GDN layer where plain Inductor
            # fuses them into its recurrence kernel; Inductor's combo kernels (horizontal fusion) for our compile, and
            # our kernels statically launched (the env var reaches the compile workers)

@@ -30,7 +30,7 @@ def rel(a, b):
     (DeltaGeometry(2, 4, 2, 72, 40, True), 5),          # KDA, odd L
 ])
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kind", ["fused", "split", "split:BLOCK_V=32,num_warps=4", "split:window_heads=2"])
+@pytest.mark.parametrize("kind", ["fused", "split", "split:BLOCK_V=32,num_warps=4"])
 def test_real_geometry_vs_fp64_over_4L_steps(geom, L, act, kind):
     with tuned(kd.TUNING, kind):
         _vs_fp64(geom, L, act)

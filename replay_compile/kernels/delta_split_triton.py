@@ -17,8 +17,9 @@ defaults: KDA's launch 1 record by record (``window_rows``, :func:`_delta_window
 the tile form, 16 vs 17 µs) and the flush's record loop software-pipelined 4 deep (``flush_stages``,
 ``tl.range(num_stages=4)``: the flush apply 570 -> 445 µs for both; 0 is a plain loop). Session 14: the flush's
 ``KEᵀ D`` as one ``tl.dot`` lost (IEEE: spills, 8 ms per flush step; tf32x3: flush 468 -> 534 µs and non-flush +10%,
-the dot's layout reaching the slice); ``window_heads=2|4`` (:func:`_delta_window_heads_kernel`, launch 1 in one wave)
-is built and interpreter-tested, not yet measured.
+the dot's layout reaching the slice). Session 15: launch 1 with 2 or 4 value heads per program (one wave at bs256
+instead of two) lost too (KDA non-flush 171.2 -> 173.8-175.1 µs, GDN 162.6 -> 164.3-164.4), removed; so did a
+deeper flush record pipeline (``flush_stages=8|16``: flush 468 -> 483 µs GDN, 485 -> 501 KDA).
 """
 
 from __future__ import annotations
@@ -183,78 +184,6 @@ def _delta_window_rows_kernel(
 
 
 @triton.jit
-def _delta_window_heads_kernel(
-    cursor_ptr, kr_ptr, gr_ptr, q_ptr, k_ptr, g_ptr, slot_ptr, win_ptr, vec_ptr, ke_ptr, wrow_ptr,
-    K, L, v_per_k, v_per_q,
-    s_krb, s_krh, s_krl, s_krk, s_grb, s_grh, s_grl, s_grk,
-    s_qb, s_qh, s_qk, s_kb, s_kh, s_kk, s_gb, s_gh, s_gk,
-    HAS_SLOT: tl.constexpr, KDA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
-    PDL: tl.constexpr, HPP: tl.constexpr,
-):
-    """:func:`_delta_window_rows_kernel` for ``HPP`` value heads per program (``window_heads=HPP``; grid ``(batch,
-    HV / HPP)``, one warp per head: ``[HPP, BLOCK_K]`` tiles whose reductions along K stay inside a warp). Same
-    outputs. Why: at bs256 the one-head launch has 8192 one-warp programs, 62 per SM against Hopper's 32 resident
-    blocks, so it runs in two waves of latency-bound programs (KDA's launch 22 µs vs a ~14.5 µs floor, H200 session
-    14); HPP = 2 fits one wave."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    row = tl.program_id(0).to(tl.int64)
-    hp = tl.program_id(1)
-    HV = tl.num_programs(1) * HPP
-    slot = _row_slot(slot_ptr, row, HAS_SLOT)
-    if slot < 0:
-        return
-    h = hp.to(tl.int64) * HPP + tl.arange(0, HPP)                                  # [HPP]
-    hk = h // v_per_k
-    hq = h // v_per_q
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_l = tl.arange(0, BLOCK_L)
-    mask_k = (offs_k < K)[None, :]
-    q = tl.load(q_ptr + row * s_qb + hq[:, None] * s_qh + offs_k[None, :] * s_qk, mask=mask_k, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + row * s_kb + hk[:, None] * s_kh + offs_k[None, :] * s_kk, mask=mask_k, other=0.0).to(tl.float32)
-    w = tl.load(cursor_ptr + slot)
-    if hp == 0:
-        tl.store(wrow_ptr + row, w)
-    kr_base = kr_ptr + slot * s_krb + hk[:, None] * s_krh                           # [HPP, 1]
-    gr_base = gr_ptr + slot * s_grb + h[:, None] * s_grh
-    if KDA:
-        acc = tl.load(g_ptr + row * s_gb + h[:, None] * s_gh + offs_k[None, :] * s_gk, mask=mask_k,
-                      other=0.0).to(tl.float32)                                     # [HPP, BLOCK_K]
-    else:
-        gw = tl.load(gr_base + offs_l[None, :] * s_grl, mask=(offs_l < w)[None, :], other=0.0).to(tl.float32)
-        acc = tl.load(g_ptr + row * s_gb + h * s_gh).to(tl.float32)                 # [HPP]
-    u = tl.zeros([HPP, BLOCK_L], dtype=tl.float32)
-    uq = tl.zeros([HPP, BLOCK_L], dtype=tl.float32)
-    flushing = ((offs_k * 0 + w) == L - 1)[None, :]
-    ke_base = ke_ptr + (row * HV + h[:, None]) * (BLOCK_L * BLOCK_K)
-    for jj in tl.static_range(BLOCK_L):
-        j = BLOCK_L - 1 - jj                       # newest first, as _delta_window_rows_kernel
-        live = ((offs_k * 0 + j) < w)[None, :]
-        k_j = tl.load(kr_base + j * s_krl + offs_k[None, :] * s_krk, mask=live & mask_k, other=0.0).to(tl.float32)
-        if KDA:
-            ke_j = tl.where(live, k_j * tl.exp(tl.minimum(acc, 0.0)), 0.0)
-            acc += tl.load(gr_base + j * s_grl + offs_k[None, :] * s_grk, mask=live & mask_k, other=0.0).to(tl.float32)
-        else:
-            ke_j = tl.where(live, k_j * tl.exp(tl.minimum(acc, 0.0))[:, None], 0.0)
-            acc += tl.sum(tl.where(offs_l[None, :] == j, gw, 0.0), axis=1)
-        u = tl.where(offs_l[None, :] == j, tl.sum(ke_j * k, axis=1)[:, None], u)
-        uq = tl.where(offs_l[None, :] == j, tl.sum(ke_j * q, axis=1)[:, None], uq)
-        tl.store(ke_base + j * BLOCK_K + offs_k[None, :], ke_j, mask=flushing)
-    dec = tl.exp(tl.minimum(acc, 0.0))                                     # KDA [HPP, BLOCK_K], GDN [HPP]
-    if not KDA:
-        dec = dec[:, None] + tl.zeros([HPP, BLOCK_K], dtype=tl.float32)
-    rh = (row * HV + h)[:, None]                                            # launch 1's outputs, as _store_window
-    wb = win_ptr + rh * (3 * BLOCK_L) + offs_l[None, :]
-    tl.store(wb, u)
-    tl.store(wb + BLOCK_L, uq)
-    tl.store(wb + 2 * BLOCK_L, tl.where(offs_l[None, :] == 0, tl.sum(k * q, axis=1)[:, None], 0.0))
-    vb = vec_ptr + rh * (3 * BLOCK_K) + offs_k[None, :]
-    tl.store(vb, dec * k)
-    tl.store(vb + BLOCK_K, dec * q)
-    tl.store(vb + 2 * BLOCK_K, dec, mask=flushing)
-
-
-@triton.jit
 def _fold_record(s_new, ke_base, dr_base, j, w, offs_k, offs_v, mask_v, s_drl, s_drv, BLOCK_K: tl.constexpr):
     """``s_new + KE_j ⊗ d_j`` for record ``j`` (zero past ``w``). Vector masks built from vectors: triton 3.9's
     interpreter rejects a mask combined from a scalar comparison of the loop index."""
@@ -404,12 +333,7 @@ def launch_split(cfg: dict, state, d_ring, k_ring, g_ring, cursor, q, k, v, g, b
     wrow = torch.empty((b,), dtype=cursor.dtype, device=v.device)
     win_args = (cursor, k_ring, g_ring, q, k, g, slot_arg, win, vec, ke, wrow, K, L, v_per_k, v_per_q,
                 *k_ring.stride(), *g_strides, *q.stride(), *k.stride(), *gi_strides)
-    hpp = 1 << (max(1, cfg["window_heads"]).bit_length() - 1)    # a power of two dividing HV (else fewer heads)
-    while HV % hpp:
-        hpp //= 2
-    if hpp > 1:
-        launch(_delta_window_heads_kernel)[(b, HV // hpp)](*win_args, KDA=kda, HPP=hpp, num_warps=hpp, **common)
-    elif cfg["window_rows"]:
+    if cfg["window_rows"]:
         launch(_delta_window_rows_kernel)[(b, HV)](*win_args, KDA=kda, num_warps=cfg["window_warps"], **common)
     else:
         launch(_delta_window_kernel)[(b, HV)](*win_args, KDA=kda, SCAN_DOT=cfg["scan_dot"], num_warps=cfg["window_warps"],
