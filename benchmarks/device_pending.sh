@@ -3,10 +3,11 @@
 # Carry .baselines (mamba_ssm source) and .wheels (pytest-xdist, execnet, fla); benchmarks/fetch_device_wheels.sh
 # rebuilds both where a checkout lacks them (git does not hold them).
 # Usage on the GPU machine:  OUT=... bash benchmarks/device_pending.sh [steps...]
-#   steps (default, session 16's first call: tests bs1default; then cold in a call of its own, ~9 min; NOTES
+#   steps (default, session 16's first call: tests bs1default m2flags; then cold in a call of its own, ~9 min; NOTES
 #   "Session 15" says why). The device
 #   returns at most 8 files, no more than 2 folders below $OUT: steps keep to that.
 #   tests      GPU tests of every Mamba-2 / delta kernel (pytest -n 6 when pytest-xdist is carried)
+#   m2flags    issue 3: flush_flags=1 (flush rows as per-row flags: no memset launch) vs the default, bs 128 / 256
 #   bs1default issue 5's batch 1 in default mode (combo kernels on for our graphs since session 15), 3 models
 #   final15    session 15's last call: Qwen3.5 fp32 parity in default mode, bs1 default, bs256 reduce-overhead
 #   combo      combo kernels and static launch of our kernels at bs1, default mode
@@ -95,7 +96,7 @@ if ls .wheels/pytest_xdist-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-deps .wheels/pytest_xdist-*.whl .wheels/execnet-*.whl >> $INSTALL_LOG 2>&1 \
     && XDIST="-n 6"
 fi
-steps=${*:-tests bs1default}
+steps=${*:-tests bs1default m2flags}
 for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
   tests) timeout 300 python3 -m pytest -q $XDIST -p no:cacheprovider tests/test_mamba2_triton_gpu.py \
            tests/test_mamba2_triton.py tests/test_mamba2_readcopy.py tests/test_delta_readcopy_triton.py --tb=line \

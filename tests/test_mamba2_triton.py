@@ -91,6 +91,62 @@ def test_pre_variant_launch_options(geom, L, state_dtype, kind):
         _match_reference(geom, L, torch.float32, state_dtype)
 
 
+@pytest.mark.parametrize("geom, L", [(Mamba2Geometry(2, 4, 5, 6, 2, 4), 4), (Mamba2Geometry(3, 6, 20, 17, 3, 1), 3),
+                                     (Mamba2Geometry(2, 2, 8, 8, 2, 2), 20)])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kind", ["pre:flush_flags=1,FLUSH_P=16,FLUSH_N=32",
+                                  "pre:flush_flags=1,flush_per_sm=1,fold_advance=0,apply_early_x=0"])
+def test_flush_rows_listed_by_flags(geom, L, state_dtype, kind):
+    """``flush_flags=1``: the window launch stores every row's flush flag (no counter, no memset) and the flush
+    walk ranks the set flags itself; also with 4 programs walking more tiles than there are programs and the
+    cursor advanced by a launch of its own."""
+    with variant(kind):
+        _match_reference(geom, L, torch.float32, state_dtype)
+
+
+@settings(max_examples=6)
+@given(geom=mamba2_geometries(max_batch=5, max_heads=4, max_p=20, max_n=20), L=st.integers(1, 6), data=st.data())
+def test_flush_flags_track_the_exact_recurrence(geom, L, data):
+    """Desynchronised cursors and padding rows: only the rows that flush this step are folded (a stale flag from an
+    earlier step, or a padding row's, would fold a row twice or touch a slot it must not)."""
+    with variant(data.draw(st.sampled_from(["pre:flush_flags=1", "pre:flush_flags=1,flush_per_sm=1"]),
+                           label="variant")):
+        _track_exact(geom, L, data)
+
+
+@pytest.mark.parametrize("kind", ["pre:flush_flags=1"])
+def test_flush_flags_padded_rows_are_untouched_and_zero(kind):
+    with variant(kind):
+        _padded_rows()
+
+
+@pytest.mark.parametrize("kind", ["pre", "pre:flush_flags=1"])
+def test_pre_step_scratch_poisoned(kind, monkeypatch):
+    """Every scratch buffer of the ``pre`` step is written before it is read: with each fresh allocation poisoned
+    (int32 flags to 1, floats to NaN) the step still matches the reference, padding rows and flushes included."""
+    real_empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(1) if t.dtype == torch.int32 else t.fill_(float("nan")) if t.is_floating_point() else t
+    monkeypatch.setattr(torch, "empty", poisoned)
+    geom, L = Mamba2Geometry(3, 4, 5, 6, 2, 2), 3
+    st0, seq = mamba2_problem(geom, 2 * L + 3, dtype=torch.float32, seed=5)
+    sa, sb = st0.to(DEV), st0.to(DEV).clone()
+    ra, rb = rings(geom, L, torch.float32, sa), rings(geom, L, torch.float32, sb)
+    for r in ra[:4] + rb[:4]:
+        r.zero_()
+    idx = torch.tensor([2, -1, 0], dtype=torch.int32, device=DEV)          # row 1 pads; slot 1 is never stepped
+    with variant(kind):
+        for t, inp in enumerate(seq):
+            i = {k: v.to(DEV) for k, v in inp.items()}
+            ya = replay_step_triton(sa, *ra, i["x"], i["dt"], i["la"], i["B"], i["C"], idx)
+            yb = replay_step_reference(sb, *rb, i["x"], i["dt"], i["la"], i["B"], i["C"], idx)
+            assert rel(ya, yb) < 1e-5 and torch.count_nonzero(ya[1]) == 0, f"step {t}"
+            assert rel(sa, sb) < 1e-5 and torch.equal(sa[1], st0[1].to(DEV)), f"step {t}: checkpoint"
+            assert torch.equal(ra[-1], rb[-1]), f"step {t}: cursor"
+
+
 def test_folded_cursor_advance_walks_more_rows_than_programs():
     """6 rows, 4 flush programs (interpreter): each program advances more than one row's cursor."""
     with variant("pre:fold_advance=1,apply_early_x=1,flush_per_sm=1"):

@@ -127,6 +127,33 @@ def _list_item(work_ptr, t, H, n_tiles):
 
 
 @triton.jit
+def _flag_count(flags_ptr, n_rows, CHUNK: tl.constexpr):
+    """How many of ``flags[0:n_rows]`` are set: the count of a flag-listed walk (``flush_flags=1``: the window launch
+    stores every row's flag, so no memset of a counter and no atomics precede the walk)."""
+    count = 0
+    for c0 in range(0, n_rows, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        count += tl.sum(tl.load(flags_ptr + offs, mask=offs < n_rows, other=0))
+    return count
+
+
+@triton.jit
+def _flag_item(flags_ptr, t, H, n_tiles, n_rows, CHUNK: tl.constexpr):
+    """:func:`_list_item` over ``flags`` (one int32 per row, 1 where the row flushes): item ``t`` belongs to the
+    ``t // (H * n_tiles)``-th set flag's row, found by a running prefix sum over ``CHUNK``-row slices."""
+    want = t // (H * n_tiles) + 1
+    seen = 0
+    row = -1
+    for c0 in range(0, n_rows, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        f = tl.load(flags_ptr + offs, mask=offs < n_rows, other=0)
+        rank = tl.cumsum(f, axis=0) + seen
+        row = tl.maximum(row, tl.max(tl.where((f != 0) & (rank == want), offs, -1), axis=0))
+        seen += tl.sum(f, axis=0)
+    return row.to(tl.int64), ((t // n_tiles) % H).to(tl.int64), t % n_tiles
+
+
+@triton.jit
 def _arrive(cursor_ptr, slot, arrivals, L):
     """Read this row's cursor and count the program's arrival in one relaxed atomic; returns ``w``.
 
@@ -488,7 +515,9 @@ def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
       flush rows on 32 warps per SM (the ``tiled`` body, 64 x 64 tiles and 4 warps where 64 divides P, else 32 x 32
       and 2 warps; ``flush_list=0``: a full grid whose non-flush programs return) and advances the cursors
       (``fold_advance=0``: a fourth launch does). Super fp32 bs256 2.11x, bs128 2.10x (both knobs on: 1-3% faster at
-      bs128, 15 fewer registers; session 8).
+      bs128, 15 fewer registers; session 8). ``flush_flags=1`` (off until measured): launch 1 stores every row's
+      flush flag and launch 3 ranks the set flags itself, instead of an atomic list whose counter needs a memset
+      (a launch per step).
       ``route=0`` folds flush rows inside launch 2 instead (``early_tile=1`` loads the tile before the cursor).
       ``pdl=1`` (default; Hopper and later, :func:`~.launch.pdl_on`): launch 2 is launch 1's programmatic
       dependent, so its tiles stream while launch 1 runs. ``win_pad=1`` (default): launch 1 covers a whole
@@ -524,7 +553,8 @@ def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
                    flush_list=bool(TUNING.get("flush_list", 1)),
                    window="full" if TUNING.get("window_full", 0) else "coef",
                    apply_early_x=bool(TUNING.get("apply_early_x", 1)), fold_advance=bool(TUNING.get("fold_advance", 1)),
-                   flush_programs_per_sm=TUNING.get("flush_per_sm"), pdl=bool(TUNING.get("pdl", 1)))
+                   flush_programs_per_sm=TUNING.get("flush_per_sm"), pdl=bool(TUNING.get("pdl", 1)),
+                   flush_flags=bool(TUNING.get("flush_flags", 0)))
     else:
         raise ValueError(f"replay_compile.mamba2: unknown kernel variant {variant!r} (whole, pre, tiled)")
     return dict(cfg, variant=variant, BLOCK_L=block_l)
