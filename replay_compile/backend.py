@@ -104,6 +104,13 @@ class ReplayRunner:
     _generation = -1
 
 
+def _inductor_has(option: str) -> bool:
+    """Whether this torch's Inductor config has ``option`` (a patch it lacks would fail the compile)."""
+    import torch._inductor.config as inductor_config
+
+    return hasattr(inductor_config, option)
+
+
 def _owner_ids(example_inputs: Sequence) -> set[int]:
     return {id(t) for t in example_inputs if isinstance(t, torch.nn.Parameter)}
 
@@ -165,7 +172,8 @@ def replayssm_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | 
     result = ReplaySSMPass(cfg)(gm, example_inputs)
     _REPORTS.append(dataclasses.replace(result, gm=None, fake_inputs=[]))
     gm = result.gm
-    if result.sites and os.environ.get("REPLAY_COMPILE_COMBO_KERNELS", "1") not in ("0", "false", "False"):
+    if result.sites and os.environ.get("REPLAY_COMPILE_COMBO_KERNELS", "1") not in ("0", "false", "False") \
+            and _inductor_has("combo_kernels"):
         # Our step kernel reads q, k, v, gates as materialised tensors, where plain Inductor fuses their
         # computation into its own recurrence kernel: a GDN layer gets ~5 small prologue kernels of different sizes
         # instead. At batch 1 in default mode (no CUDA graphs) the step is host-bound and each launch costs ~10-20
