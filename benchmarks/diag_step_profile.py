@@ -3,8 +3,10 @@
     python benchmarks/diag_step_profile.py --model nemotron_h_nano4b --layers 8 --batch 1 [--modes inductor-ro,replayssm-ro]
 
 Per mode: the step's wall time (host launch + device, synchronised as in ``replay-compile bench``), the number of
-device kernels per step and the top kernels by device time. Written for the batch-1 question of issue 5 (the
-whole-step ratio at bs1 is below the per-layer kernel's); a diagnostic, not a benchmark.
+device kernels per step and the top kernels by device time. ``--py-rows N``: the steps under cProfile too (the host's
+Python side, default mode); ``--census``: every Triton launch per step by kernel name and launcher (how session 15
+found our graph's extra prologue kernels per GDN layer). Modes take Inductor patches as in ``replay-compile bench``
+(``replayssm@combo_kernels=1``). Written for the batch-1 question of issue 5; a diagnostic, not a benchmark.
 """
 
 from __future__ import annotations
