@@ -167,9 +167,8 @@ def test_reset_drops_records():
     assert replay_compile.flush(sc) == 0 and torch.equal(sc, before)
 
 
-@pytest.mark.parametrize("mode, via_options", [("reduce-overhead", False), ("max-autotune-no-cudagraphs", False),
-                                               ("reduce-overhead", True)])
-def test_modes_are_honoured(mode, via_options, monkeypatch):
+def spy_config_patches(monkeypatch) -> dict:
+    """The Inductor config patches our backend hands ``compile_fx``, collected into the returned dict."""
     seen = {}
     import torch._inductor.compile_fx as cfx
     real = cfx.compile_fx
@@ -179,6 +178,13 @@ def test_modes_are_honoured(mode, via_options, monkeypatch):
         return real(gm, inputs, **kw)
 
     monkeypatch.setattr(cfx, "compile_fx", spy)
+    return seen
+
+
+@pytest.mark.parametrize("mode, via_options", [("reduce-overhead", False), ("max-autotune-no-cudagraphs", False),
+                                               ("reduce-overhead", True)])
+def test_modes_are_honoured(mode, via_options, monkeypatch):
+    seen = spy_config_patches(monkeypatch)
     if via_options:   # options={"mode": ...} lets a mode travel with our own options
         mod, cmod = eager_and_compiled(options={"mode": mode})
     else:
@@ -195,21 +201,12 @@ def test_combo_kernels_for_graphs_with_rewrites(options, env, expect, monkeypatc
     """Graphs with rewrites compile with Inductor's combo kernels (our op's prologue kernels launched as one);
     a user's ``combo_kernels`` option or ``REPLAY_COMPILE_COMBO_KERNELS=0`` wins; a graph with nothing rewritten
     gets plain Inductor's settings."""
-    seen = {}
-    import torch._inductor.compile_fx as cfx
-    real = cfx.compile_fx
-
-    def spy(gm, inputs, **kw):
-        seen.update(kw.get("config_patches") or {})
-        return real(gm, inputs, **kw)
-
-    monkeypatch.setattr(cfx, "compile_fx", spy)
+    seen = spy_config_patches(monkeypatch)
     if env is not None:
         monkeypatch.setenv("REPLAY_COMPILE_COMBO_KERNELS", env)
     mod, cmod = eager_and_compiled(options=options)
-    sc, se = torch.randn(b, H, P, N), None
-    se = sc.clone()
-    step_both(cmod, mod, sc, se, 2)
+    sc = torch.randn(b, H, P, N)
+    step_both(cmod, mod, sc, sc.clone(), 2)
     assert seen.get("combo_kernels") is expect
 
 
