@@ -64,8 +64,8 @@ def profile_mode(model, mode: str, batch: int, L: int, warm: int = 20, steps: in
     dev = next(model.parameters()).device
     torch._dynamo.reset()
     ids = torch.randint(3, model.config.vocab_size, (batch, 16), device=dev)
-    # prompt + warm-up + timed + census + cProfiled (py_rows) + profiled steps: a cache one step short overflows on the device
-    # (session 15: an index assert in the KV write, which also stopped the run)
+    # prompt + warm-up + timed + census + cProfiled (py_rows) + profiled steps: a cache one step short overflows on
+    # the device (session 15: an index assert in the KV write, which also stopped the run)
     cache = StaticCache(config=model.config, max_cache_len=16 + warm + 4 * steps + 4)
     ck = cache_kwarg(model)
     fwd = _forward_for(model, mode, L)

@@ -260,8 +260,8 @@ def main(argv: list[str] | None = None) -> int:
                                     "(default: the three real-size models on CUDA, tiny_nemotron_h on CPU)")
     b.add_argument("--batches", help="comma list (default 1..512 on CUDA, 1,2 on CPU)")
     b.add_argument("--modes", help="comma list of eager, inductor, inductor-ro, replayssm, replayssm-ro; replayssm "
-                   "modes take an optional read copy, e.g. replayssm-ro:fp8_e4m3; any mode takes Inductor config patches for its "
-                   "compile, e.g. replayssm@combo_kernels=1")
+                   "modes take an optional read copy, e.g. replayssm-ro:fp8_e4m3; any mode takes Inductor config "
+                   "patches for its compile, e.g. replayssm@combo_kernels=1")
     b.add_argument("--steps", type=int, default=48, help="timed decode steps (default: %(default)s)")
     b.add_argument("--rounds", type=int, default=1,
                    help="run each (model, batch)'s modes this many times, in alternating order, and report the mean "
