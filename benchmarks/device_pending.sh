@@ -186,6 +186,12 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
   bs1rounds) timeout 560 replay-compile bench --models ${E2E_MODELS:-nemotron_h_nano4b,qwen35_4b,mamba2_2p7b} \
            --layers 8 --batches 1 --steps 32 --rounds 2 --modes inductor,replayssm,inductor-ro,replayssm-ro \
            --out /tmp/e2e_bs1r 2>&1 | grep "^|" | tee "$OUT/bs1_rounds.txt" ;;
+  bs1default) # issue 5's batch 1 in default mode with the shipped combo kernels: 3 models, 2 rounds (alternating)
+           timeout 420 replay-compile bench --models ${E2E_MODELS:-nemotron_h_nano4b,qwen35_4b,mamba2_2p7b} \
+           --layers 8 --batches 1 --steps 32 --rounds 2 --modes inductor,replayssm --out /tmp/e2e_bs1d 2>&1 \
+           | grep "^|" | tee "$OUT/bs1_default.txt" ;;
+  m2flags) timeout 240 python3 benchmarks/bench_mamba2_kernel.py --out /tmp/m2flags --batches 128,256 \
+           --configs "${M2F:-pre;pre:flush_flags=1}" 2>&1 | grep -v Warn | tee "$OUT/mamba2_flush_flags.txt" ;;
   cold)    # issue 5's compile-time target: every mode compiled cold in a process of its own (bench --cold-compile)
            timeout 580 replay-compile bench --models ${E2E_MODELS:-nemotron_h_nano4b,qwen35_4b,mamba2_2p7b} \
            --layers 8 --batches ${COLD_BATCHES:-1} --steps 8 --cold-compile --time-limit 540 \
