@@ -31,11 +31,15 @@ import triton.language as tl
 from . import mamba2_triton as base
 from .host_math import cdiv, next_pow2
 from .launch import launch, pdl_on, pdl_options
-from .mamba2_triton import (_advance_cursor_kernel, _flag_count, _flag_item, _fold_tile, _list_item, _list_row,
+from .mamba2_triton import (_advance_cursor_kernel, _fold_tile, _list_item, _list_row,
                             _mamba2_replay_tiled_kernel, _row_slot, _step_row, _step_window, _store_checkpoint,
                             fixed_grid)
 
 __all__ = ["launch_window", "replay_step_pre", "window_heads"]
+
+# flush_flags=1 lists flush rows as one flag per row, ranked in registers by every flush program: above this many
+# rows the step uses the counted list instead
+FLAGS_MAX_ROWS = 1024
 
 
 @triton.jit
@@ -326,12 +330,16 @@ def _walk_listed_folds(
     s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
     HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
     N_TILES: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, ADVANCE: tl.constexpr, n_rows, AMAX: tl.constexpr,
-    FLAGS: tl.constexpr,
+    FLAGS: tl.constexpr, FLAG_BLOCK: tl.constexpr,
 ):
     """The body of the listed flush launches: this program's share of the cursor advance (``ADVANCE``) and of the
     ``count x H x n_pb`` fold tiles of the rows in ``work = [count, rows...]`` (``FLAGS``: of the rows whose flag
-    is set in ``work = [flag per row]``) (:func:`_fold_tile`; ``AMAX``: the nvfp4 read copy's slot amax into
-    ``amax_ptr``)."""
+    is set in ``work = [flag per row]``, ``n_rows <= FLAG_BLOCK``) (:func:`_fold_tile`; ``AMAX``: the nvfp4 read
+    copy's slot amax into ``amax_ptr``).
+
+    With ``FLAGS`` each program loads the flags once and ranks them with one prefix sum; an item's row is then a
+    register-only search for its rank. (Session 15 rescanned the flags from memory for every item: ~4 KB of L2 reads
+    per fold tile made the bs256 flush step 25-33% slower; H200 session 16.)"""
     if ADVANCE:             # the cursor advance, folded in (one launch fewer): every earlier launch has read w, and
         r = tl.program_id(0)  # the folds below take w = L - 1 from the list, not from the cursor
         while r < n_rows:
@@ -341,16 +349,22 @@ def _walk_listed_folds(
                 tl.store(cursor_ptr + s, tl.where(wr == L - 1, 0, wr + 1))
             r += tl.num_programs(0)
     if FLAGS:
-        n_items = _flag_count(work_ptr, n_rows, 1024) * (H * n_pb)
+        offs_r = tl.arange(0, FLAG_BLOCK)
+        flag = tl.load(work_ptr + offs_r, mask=offs_r < n_rows, other=0) != 0
+        rank = tl.cumsum(flag.to(tl.int32), axis=0)         # the k-th set flag has rank k
+        n_items = tl.sum(flag.to(tl.int32), axis=0) * (H * n_pb)
     else:
         n_items = tl.load(work_ptr) * (H * n_pb)
     t = tl.program_id(0)
     while t < n_items:
         if FLAGS:
-            row, h, tile = _flag_item(work_ptr, t, H, n_pb, n_rows, 1024)
+            want = t // (H * n_pb) + 1
+            row = tl.max(tl.where(flag & (rank == want), offs_r, -1), axis=0).to(tl.int64)
+            h, tile = ((t // n_pb) % H).to(tl.int64), t % n_pb
         else:
             row, h, tile = _list_item(work_ptr, t, H, n_pb)
-        slot = _row_slot(slot_ptr, row, HAS_SLOT)
+        # a row of -1 (no list or flags can produce one) reads no slot and folds nothing
+        slot = tl.where(row >= 0, _row_slot(slot_ptr, tl.maximum(row, 0), HAS_SLOT), -1)
         if slot >= 0:           # never listed / flagged; guarded so that no list can make a fold address slot -1
             _fold_tile(state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, y_ptr,
                        row, slot, h, tile, L - 1, H, P, N, heads_per_g, heads_per_gc,
@@ -371,6 +385,7 @@ def _mamba2_flush_list_kernel(
     s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
     HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
     N_TILES: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, ADVANCE: tl.constexpr, n_rows, FLAGS: tl.constexpr,
+    FLAG_BLOCK: tl.constexpr,
 ):
     """``pre`` variant, flush launch: a fixed grid (a few programs per SM) walks the ``count x H x n_pb`` flush
     tiles of the rows the window launch listed in ``work = [count, rows...]``, each folded by :func:`_fold_tile`.
@@ -383,7 +398,8 @@ def _mamba2_flush_list_kernel(
                        s_sb, s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl,
                        s_brb, s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn,
                        s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
-                       HAS_SLOT, BLOCK_P, BLOCK_N, BLOCK_L, N_TILES, STOCHASTIC_FP16, ADVANCE, n_rows, 0, FLAGS)
+                       HAS_SLOT, BLOCK_P, BLOCK_N, BLOCK_L, N_TILES, STOCHASTIC_FP16, ADVANCE, n_rows, 0, FLAGS,
+                       FLAG_BLOCK)
 
 
 
@@ -395,7 +411,8 @@ def replay_step_pre(cfg: dict, args: tuple, common: dict, has_slot: bool, slot_a
     b = x.shape[0]
     listed = cfg["flush_list"]
     advanced = False
-    flags = listed and cfg["flush_flags"]
+    # flags: every program of the flush walk holds all rows' flags in registers, so up to FLAGS_MAX_ROWS rows
+    flags = listed and cfg["flush_flags"] and b <= FLAGS_MAX_ROWS
     # the listed flush's row list: [count, rows...] (zeroed: a memset per step) or one flag per row, each written
     # by the window launch every step (no memset, no atomics; the walk counts and ranks the set flags itself)
     work = (torch.empty((b,), dtype=torch.int32, device=x.device) if flags else
@@ -419,7 +436,8 @@ def replay_step_pre(cfg: dict, args: tuple, common: dict, has_slot: bool, slot_a
             programs = fixed_grid(b * H * n_fp, cfg["flush_warps"], x.device, cfg["flush_programs_per_sm"])
             advanced = cfg["fold_advance"]
             launch(_mamba2_flush_list_kernel)[(programs,)](
-                *args[:13], work, *args[13:19], n_fp, *args[20:], **fl, ADVANCE=advanced, n_rows=b, FLAGS=flags)
+                *args[:13], work, *args[13:19], n_fp, *args[20:], **fl, ADVANCE=advanced, n_rows=b, FLAGS=flags,
+                FLAG_BLOCK=max(16, next_pow2(b)) if flags else 16)
         else:
             launch(_mamba2_replay_tiled_kernel)[(n_fp, b, H)](*args, STATE_EVICT="", ROUTE=2, **fl)
     if not advanced:

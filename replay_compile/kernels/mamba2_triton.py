@@ -127,33 +127,6 @@ def _list_item(work_ptr, t, H, n_tiles):
 
 
 @triton.jit
-def _flag_count(flags_ptr, n_rows, CHUNK: tl.constexpr):
-    """How many of ``flags[0:n_rows]`` are set: the count of a flag-listed walk (``flush_flags=1``: the window launch
-    stores every row's flag, so no memset of a counter and no atomics precede the walk)."""
-    count = 0
-    for c0 in range(0, n_rows, CHUNK):
-        offs = c0 + tl.arange(0, CHUNK)
-        count += tl.sum(tl.load(flags_ptr + offs, mask=offs < n_rows, other=0))
-    return count
-
-
-@triton.jit
-def _flag_item(flags_ptr, t, H, n_tiles, n_rows, CHUNK: tl.constexpr):
-    """:func:`_list_item` over ``flags`` (one int32 per row, 1 where the row flushes): item ``t`` belongs to the
-    ``t // (H * n_tiles)``-th set flag's row, found by a running prefix sum over ``CHUNK``-row slices."""
-    want = t // (H * n_tiles) + 1
-    seen = 0
-    row = -1
-    for c0 in range(0, n_rows, CHUNK):
-        offs = c0 + tl.arange(0, CHUNK)
-        f = tl.load(flags_ptr + offs, mask=offs < n_rows, other=0)
-        rank = tl.cumsum(f, axis=0) + seen
-        row = tl.maximum(row, tl.max(tl.where((f != 0) & (rank == want), offs, -1), axis=0))
-        seen += tl.sum(f, axis=0)
-    return row.to(tl.int64), ((t // n_tiles) % H).to(tl.int64), t % n_tiles
-
-
-@triton.jit
 def _arrive(cursor_ptr, slot, arrivals, L):
     """Read this row's cursor and count the program's arrival in one relaxed atomic; returns ``w``.
 
