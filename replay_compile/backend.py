@@ -155,6 +155,15 @@ def _cache_tagged():
         yield
 
 
+def _timed(key: str):
+    """Our pass as a phase of ``torch._dynamo.utils.compile_times()`` beside dynamo's and Inductor's own (where this
+    torch has ``dynamo_timed``), so compile-time comparisons can tell it apart."""
+    from torch._dynamo import utils as dynamo_utils
+
+    timed = getattr(dynamo_utils, "dynamo_timed", None)
+    return timed(key) if timed is not None else contextlib.nullcontext()
+
+
 def _install_integrations() -> None:
     if "transformers" in sys.modules:
         from .integrations import hf
@@ -169,7 +178,8 @@ def replayssm_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | 
     # torch.compile refuses mode= together with options=, so a mode may also travel inside options
     mode = lower_opts.pop("mode", None) or mode
     _install_integrations()
-    result = ReplaySSMPass(cfg)(gm, example_inputs)
+    with _timed("replay_compile.ReplaySSMPass"):
+        result = ReplaySSMPass(cfg)(gm, example_inputs)
     _REPORTS.append(dataclasses.replace(result, gm=None, fake_inputs=[]))
     gm = result.gm
     if result.sites and os.environ.get("REPLAY_COMPILE_COMBO_KERNELS", "1") not in ("0", "false", "False") \

@@ -60,6 +60,29 @@ def test_one_analysis_per_kernel_and_argument_kinds():
     assert len(calls) == 2                                     # the bare JITFunction: another key
 
 
+def _fake_and_box_args(dtype=torch.float32):
+    """The toy kernel's arguments as AOTAutograd traces them (fake tensors) and as Inductor lowers them (TensorBox)."""
+    from torch._inductor import ir
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = {"x_ptr": torch.empty(16, dtype=dtype), "y_ptr": torch.empty(16, dtype=dtype), "n": 8, "FLAG": True}
+    box = lambda name: ir.TensorBox(ir.StorageBox(ir.InputBuffer(  # noqa: E731
+        name=name, layout=ir.FixedLayout(torch.device("cpu"), dtype, size=[16]))))
+    return fake, {"x_ptr": box("x"), "y_ptr": box("y"), "n": 8, "FLAG": True}
+
+
+def test_the_lowering_reuses_the_traces_analysis():
+    """Torch's TTIR generation treats fake tensors and TensorBoxes alike: one analysis serves both; a real tensor
+    or another dtype is still another key."""
+    calls, memo = _counting()
+    fake, box = _fake_and_box_args()
+    assert memo(_toy_kernel, fake, {}) == memo(_toy_kernel, box, {}) and len(calls) == 1
+    memo(_toy_kernel, _fake_and_box_args(torch.bfloat16)[1], {})
+    memo(_toy_kernel, _args(), {})
+    assert len(calls) == 3
+
+
 @pytest.mark.parametrize("change", [dict(n=9), dict(flag=False), dict(dtype=torch.bfloat16)])
 def test_any_other_scalar_constexpr_or_dtype_is_analysed_again(change):
     calls, memo = _counting()
@@ -106,6 +129,8 @@ for flag in (True, False):
     n0 = len(generated)
     a, b = wrapped(t._toy_kernel, t._args(flag=flag), {}), wrapped(t._toy_kernel, t._args(flag=flag), {})
     out[str(flag)] = [writes(a), writes(b), len(generated) - n0, writes(wrapped.__wrapped__(t._toy_kernel, t._args(flag=flag), {}))]
+fake, box = t._fake_and_box_args()
+out["kinds"] = [writes(wrapped.__wrapped__(t._toy_kernel, fake, {})), writes(wrapped.__wrapped__(t._toy_kernel, box, {}))]
 print(json.dumps(out))
 """
 
@@ -125,4 +150,5 @@ def test_install_wraps_torch_and_the_real_analysis_gives_torchs_answer_once():
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out == {"True": [["y_ptr"], ["y_ptr"], 1, ["y_ptr"]], "False": [["x_ptr"], ["x_ptr"], 1, ["x_ptr"]]}
+    assert out == {"True": [["y_ptr"], ["y_ptr"], 1, ["y_ptr"]], "False": [["x_ptr"], ["x_ptr"], 1, ["x_ptr"]],
+                   "kinds": [["y_ptr"], ["y_ptr"]]}

@@ -311,3 +311,40 @@ def test_validation_holds_one_layers_random_state_at_a_time(monkeypatch):
         cmod(*states, *make_inputs(0))
     assert len(only_report(replay_compile.reports()).rewrites) == 3
     assert alive_at_make == [0, 0, 0]
+
+
+_TAIL_CALLS = []
+
+
+@torch.library.custom_op("replay_compile_test::tail_probe", mutates_args=())
+def _tail_probe(y: torch.Tensor) -> torch.Tensor:
+    _TAIL_CALLS.append(1)
+    return y * 2
+
+
+@_tail_probe.register_fake
+def _(y):
+    return torch.empty_like(y)
+
+
+class LayerThenTail(torch.nn.Module):
+    """An SSM layer, then work that no check reads (an LM head's place in a real model)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = HFStyle()
+
+    def forward(self, s, x, dt, B, C):
+        return _tail_probe(self.layer(s, x, dt, B, C))
+
+
+def test_validation_stops_after_the_last_check():
+    """The compile-time check runs the graph only up to its last state write or readout: the tail (later
+    attention layers, the LM head) is never run for it, so the probe runs once, in the compiled step itself."""
+    replay_compile.clear_reports()
+    _TAIL_CALLS.clear()
+    cmod = torch.compile(LayerThenTail(), backend="replayssm", options={"buffer_len": L, "lower": "eager"})
+    with torch.no_grad():
+        cmod(torch.randn(b, H, P, N), *make_inputs(0))
+    assert len(only_report(replay_compile.reports()).rewrites) == 1
+    assert len(_TAIL_CALLS) == 1

@@ -5,7 +5,8 @@ is analysed by torch for the tensors it writes (``torch._higher_order_ops.triton
 TTIR, then its stores traced back to its pointer arguments), more than once per launch site (functionalization, and
 again when Inductor lowers the graph). The analysis is a pure function of the kernel and of its arguments' kinds and
 scalar values, and every layer of one geometry launches the same kernels with the same scalars, so all but the first
-analysis of each kernel repeat one. On CI's CPU (``benchmarks/diag_inline_cpu.py``, tiny models, AOTAutograd only):
+analysis of each kernel repeat one. The lowering's analysis (TensorBox arguments) repeats the trace's (fake tensors) too:
+torch treats both kinds alike. On CI's CPU (``benchmarks/diag_inline_cpu.py``, tiny models, AOTAutograd only):
 the delta ``split`` step of a 2-layer Qwen3.5 8 analyses -> 2 (0.87 -> 0.19 s), NemotronH ``pre`` 12 -> 3 (1.14 ->
 0.28 s). What it is for (H200, session 14, cold compiles, Qwen3.5-4B dims, 8 layers): the first step took 19.5 /
 18.3 s with our pass vs 18.1 / 14.4 s for plain torch.compile in two runs, AOTAutograd's metadata pass 1.78 vs
@@ -26,6 +27,7 @@ import functools
 import importlib
 import logging
 import os
+import sys
 
 import torch
 
@@ -53,7 +55,13 @@ def _identity(kernel):
 
 
 def _arg_key(value):
-    """The part of an argument the analysis can depend on, or ``_MISS`` where it is not of a plain kind."""
+    """The part of an argument the analysis can depend on, or ``_MISS`` where it is not of a plain kind.
+
+    A fake tensor (AOTAutograd's trace) and an Inductor ``TensorBox`` (the lowering) share one kind: torch's TTIR
+    generation replaces both by ``torch.empty(2, dtype=...)`` and counts both as tensor arguments, so the lowering
+    reuses the trace's analysis instead of generating each kernel's TTIR a second time."""
+    if _is_fake_or_box(value):
+        return ("fake or TensorBox", value.dtype if isinstance(value, torch.Tensor) else value.get_dtype())
     if isinstance(value, torch.Tensor):
         return ("tensor", type(value), value.dtype)
     if isinstance(value, _PLAIN):
@@ -65,6 +73,15 @@ def _arg_key(value):
         except Exception:  # noqa: BLE001 - a node without a dtype: not cached
             return _MISS
     return _MISS
+
+
+def _is_fake_or_box(value) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if type(value) is FakeTensor:
+        return True
+    ir = importlib.import_module("torch._inductor.ir") if "torch._inductor.ir" in sys.modules else None
+    return ir is not None and type(value) is getattr(ir, "TensorBox", None)
 
 
 def memo_key(kernel, kwargs, rest: tuple):

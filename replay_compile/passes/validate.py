@@ -1,9 +1,10 @@
 """Numerical check of matches before the graph is rewritten.
 
-The original graph is run once, eagerly, on the example inputs the backend received, with two changes that keep it
-side-effect free: each matched state input is replaced by a random tensor (so the decay term is exercised even when
-the cache is still zero) and every other input the graph writes in place is copied before its first write (so the
-user's caches are never touched). While it runs, each match's recipes cut the compact tensors out of the live values
+The original graph is run once, eagerly, on the example inputs the backend received (up to its last checked state
+write or readout: nothing after it can change a check), with two changes that keep it side-effect free: each matched
+state input is replaced by a random tensor (so the decay term is exercised even when the cache is still zero) and
+every other input the graph writes in place is copied before its first write (so the user's caches are never
+touched). While it runs, each match's recipes cut the compact tensors out of the live values
 and the exact step is recomputed from them; the new state and the readout must agree with what the graph computed.
 A wrong reading of the dataflow (a misplaced group, a decay that is not per head, a stray factor) shows up as an
 O(1) relative error; rounding differences stay far below the tolerance.
@@ -167,8 +168,16 @@ class _Checker(fx.Interpreter):
         self.inputs: set[int] = set()
         self.current: fx.Node | None = None
         self.unused: list[fx.Node] = []
+        # every check has run once its match's state write and readout have: the rest of the graph (later
+        # attention layers, the final norm, the LM head: a third of a compile-time check) need not run
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        checked = [n for m in matches for n in (m.copy_node, getattr(m, "readout", None)) if n in order]
+        self.last = max((order[n] for n in checked), default=len(order))
+        self.order = order
 
     def run_node(self, n: fx.Node):
+        if self.order[n] > self.last:
+            return None
         for u in self.unused:                          # results nobody reads (an in-place op's alias of its input)
             self.env.pop(u, None)
         self.unused = [n] if not n.users and n.op != "output" else []
