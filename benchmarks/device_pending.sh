@@ -7,6 +7,8 @@
 #   "Session 15" says why). The device
 #   returns at most 8 files, no more than 2 folders below $OUT: steps keep to that.
 #   tests      GPU tests of every Mamba-2 / delta kernel (pytest -n 6 when pytest-xdist is carried)
+#   tests16    session 16's changes on the GPU: flags ranked per program, 300 staggered rows, the inline tests
+#              through the memo's shared fake / TensorBox key, validation stopping after its last check
 #   m2flags    issue 3: flush_flags=1 (flush rows as per-row flags: no memset launch) vs the default, bs 128 / 256
 #   bs1default issue 5's batch 1 in default mode (combo kernels on for our graphs since session 15), 3 models
 #   final15    session 15's last call: Qwen3.5 fp32 parity in default mode, bs1 default, bs256 reduce-overhead
@@ -187,6 +189,10 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
   bs1rounds) timeout 560 replay-compile bench --models ${E2E_MODELS:-nemotron_h_nano4b,qwen35_4b,mamba2_2p7b} \
            --layers 8 --batches 1 --steps 32 --rounds 2 --modes inductor,replayssm,inductor-ro,replayssm-ro \
            --out /tmp/e2e_bs1r 2>&1 | grep "^|" | tee "$OUT/bs1_rounds.txt" ;;
+  tests16) timeout 150 python3 -m pytest -q $XDIST -p no:cacheprovider -p no:logging tests/test_mamba2_triton_gpu.py \
+           tests/test_inline_kernels_gpu.py tests/test_mutation_cache.py tests/test_pass_spellings.py --tb=short \
+           -k "flag or staggered or inline or mutation or lowering or validation or real" 2>&1 \
+           | grep -v "warnings.warn" | tail -25 | tee "$OUT/pytest16.txt" ;;
   bs1default) # issue 5's batch 1 in default mode with the shipped combo kernels: 3 models, 2 rounds (alternating)
            timeout 420 replay-compile bench --models ${E2E_MODELS:-nemotron_h_nano4b,qwen35_4b,mamba2_2p7b} \
            --layers 8 --batches 1 --steps 32 --rounds 2 --modes inductor,replayssm --out /tmp/e2e_bs1d 2>&1 \
