@@ -191,7 +191,7 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
            --out /tmp/e2e_bs1r 2>&1 | grep "^|" | tee "$OUT/bs1_rounds.txt" ;;
   tests16) timeout 150 python3 -m pytest -q $XDIST -p no:cacheprovider -p no:logging tests/test_mamba2_triton_gpu.py \
            tests/test_inline_kernels_gpu.py tests/test_mutation_cache.py tests/test_pass_spellings.py --tb=short \
-           -k "flag or staggered or inline or mutation or lowering or validation or real" 2>&1 \
+           -k "flag or staggered or inline or mutation or lowering or validation or install" 2>&1 \
            | grep -v "warnings.warn" | tail -25 | tee "$OUT/pytest16.txt" ;;
   bs1default) # issue 5's batch 1 in default mode with the shipped combo kernels: 3 models, 2 rounds (alternating)
            timeout 420 replay-compile bench --models ${E2E_MODELS:-nemotron_h_nano4b,qwen35_4b,mamba2_2p7b} \
