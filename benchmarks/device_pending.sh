@@ -209,11 +209,11 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
            modes=${COLD_MODES:-inductor,replayssm,replayssm@combo_kernels=0}
            rev=$(echo $modes | tr ',' '\n' | tac | paste -sd,)
            for r in $(seq 1 ${COLD_ROUNDS:-3}); do m=$modes; [ $((r % 2)) = 0 ] && m=$rev
-             REPLAY_COMPILE_BENCH_COMPILE_TIMES=1 timeout 280 replay-compile bench --models ${E2E_MODELS:-qwen35_4b} \
+             REPLAY_COMPILE_BENCH_COMPILE_TIMES=1 timeout ${COLD_LIMIT:-280} replay-compile bench --models ${E2E_MODELS:-qwen35_4b} \
              --layers 8 --batches 1 --steps 8 --cold-compile --modes $m --out /tmp/coldrep$r 2>&1 | grep "^| [a-z]" \
              | grep -v "^| model" | sed "s/^/round $r /" | tee -a "$OUT/cold_rounds.txt"
              for f in /tmp/coldrep$r/worker0/*/log.txt; do echo "== round $r $f"; grep -A90 "compile times" $f \
-               | grep -v Warn | grep -i "compile_inner\|call_user\|aot_collect\|fw_compiler\|async_compile\|codegen"; \
+               | grep -v Warn | grep -i "compile_inner\|call_user\|aot_collect\|fw_compiler\|async_compile\|codegen\|replay_compile"; \
                done >> "$OUT/cold_rounds_phases.txt"; done ;;
   coldq)   # Qwen3.5's cold compile (1.08-1.27x of plain in session 14): plain, ours (the mutation analysis memoised,
            # ops/mutation_cache.py) and ours with REPLAY_COMPILE_MUTATION_CACHE=0; dynamo's compile phases per run
@@ -222,7 +222,7 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
              timeout 280 replay-compile bench --models qwen35_4b --layers 8 --batches 1 --steps 8 --cold-compile \
              --modes $2 --out /tmp/coldq$1 2>&1 | grep "^|" | tee -a "$OUT/coldq.txt"
              for f in /tmp/coldq$1/worker0/*/log.txt; do echo "== mutation cache $1 $f"; grep -A90 "compile times" $f \
-               | grep -v Warn | grep -i "compile_inner\|call_user\|aot_collect\|fw_compiler\|async_compile\|codegen"; \
+               | grep -v Warn | grep -i "compile_inner\|call_user\|aot_collect\|fw_compiler\|async_compile\|codegen\|replay_compile"; \
                done >> "$OUT/coldq_phases.txt"; done ;;
   inline256) for v in 1 all 0; do REPLAY_COMPILE_INLINE_KERNELS=$v timeout 200 replay-compile bench \
            --models nemotron_h_nano4b --layers 8 --batches 256 --steps 32 --modes replayssm,replayssm-ro \
