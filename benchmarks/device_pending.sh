@@ -3,13 +3,12 @@
 # Carry .baselines (mamba_ssm source) and .wheels (pytest-xdist, execnet, fla); benchmarks/fetch_device_wheels.sh
 # rebuilds both where a checkout lacks them (git does not hold them).
 # Usage on the GPU machine:  OUT=... bash benchmarks/device_pending.sh [steps...]
-#   steps (default, session 16's first call: tests bs1default m2flags; then cold in a call of its own, ~9 min; NOTES
-#   "Session 15" says why). The device
+#   steps (default: tests coldrep; NOTES "Session 16" says why). The device
 #   returns at most 8 files, no more than 2 folders below $OUT: steps keep to that.
 #   tests      GPU tests of every Mamba-2 / delta kernel (pytest -n 6 when pytest-xdist is carried)
-#   tests16    session 16's changes on the GPU: flags ranked per program, 300 staggered rows, the inline tests
-#              through the memo's shared fake / TensorBox key, validation stopping after its last check
-#   m2flags    issue 3: flush_flags=1 (flush rows as per-row flags: no memset launch) vs the default, bs 128 / 256
+#   tests16    session 16's changes on the GPU: 300 staggered rows, the inline tests through the memo's shared
+#              fake / TensorBox key, validation stopping after its last check
+#   m2flags    issue 3: $M2F configs vs the default at bs 128 / 256 (session 16: flush_flags=1, since removed)
 #   bs1default issue 5's batch 1 in default mode (combo kernels on for our graphs since session 15), 3 models
 #   final15    session 15's last call: Qwen3.5 fp32 parity in default mode, bs1 default, bs256 reduce-overhead
 #   combo      combo kernels and static launch of our kernels at bs1, default mode
@@ -99,7 +98,7 @@ if ls .wheels/pytest_xdist-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-deps .wheels/pytest_xdist-*.whl .wheels/execnet-*.whl >> $INSTALL_LOG 2>&1 \
     && XDIST="-n 6"
 fi
-steps=${*:-tests bs1default m2flags}
+steps=${*:-tests coldrep}
 for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
   tests) timeout 300 python3 -m pytest -q $XDIST -p no:cacheprovider tests/test_mamba2_triton_gpu.py \
            tests/test_mamba2_triton.py tests/test_mamba2_readcopy.py tests/test_delta_readcopy_triton.py --tb=line \
@@ -191,14 +190,14 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
            --out /tmp/e2e_bs1r 2>&1 | grep "^|" | tee "$OUT/bs1_rounds.txt" ;;
   tests16) timeout 150 python3 -m pytest -q $XDIST -p no:cacheprovider -p no:logging tests/test_mamba2_triton_gpu.py \
            tests/test_inline_kernels_gpu.py tests/test_mutation_cache.py tests/test_pass_spellings.py --tb=short \
-           -k "flag or staggered or inline or mutation or lowering or validation or install" 2>&1 \
+           -k "staggered or inline or mutation or lowering or validation or install" 2>&1 \
            | grep -v "warnings.warn" | tail -25 | tee "$OUT/pytest16.txt" ;;
   bs1default) # issue 5's batch 1 in default mode with the shipped combo kernels: 3 models, 2 rounds (alternating)
            timeout 420 replay-compile bench --models ${E2E_MODELS:-nemotron_h_nano4b,qwen35_4b,mamba2_2p7b} \
            --layers 8 --batches 1 --steps 32 --rounds 2 --modes inductor,replayssm --out /tmp/e2e_bs1d 2>&1 \
            | grep "^|" | tee "$OUT/bs1_default.txt" ;;
   m2flags) timeout 240 python3 benchmarks/bench_mamba2_kernel.py --out /tmp/m2flags --batches 128,256 \
-           --configs "${M2F:-pre;pre:flush_flags=1}" 2>&1 | grep -v Warn | tee "$OUT/mamba2_flush_flags.txt" ;;
+           --configs "${M2F:-pre}" 2>&1 | grep -v Warn | tee "$OUT/mamba2_flush_flags.txt" ;;
   cold)    # issue 5's compile-time target: every mode compiled cold in a process of its own (bench --cold-compile)
            timeout 580 replay-compile bench --models ${E2E_MODELS:-nemotron_h_nano4b,qwen35_4b,mamba2_2p7b} \
            --layers 8 --batches ${COLD_BATCHES:-1} --steps 8 --cold-compile --time-limit 540 \

@@ -91,39 +91,10 @@ def test_pre_variant_launch_options(geom, L, state_dtype, kind):
         _match_reference(geom, L, torch.float32, state_dtype)
 
 
-@pytest.mark.parametrize("geom, L", [(Mamba2Geometry(2, 4, 5, 6, 2, 4), 4), (Mamba2Geometry(3, 6, 20, 17, 3, 1), 3),
-                                     (Mamba2Geometry(2, 2, 8, 8, 2, 2), 20)])
-@pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("kind", ["pre:flush_flags=1,FLUSH_P=16,FLUSH_N=32",
-                                  "pre:flush_flags=1,flush_per_sm=1,fold_advance=0,apply_early_x=0"])
-def test_flush_rows_listed_by_flags(geom, L, state_dtype, kind):
-    """``flush_flags=1``: the window launch stores every row's flush flag (no counter, no memset) and the flush
-    walk ranks the set flags itself; also with 4 programs walking more tiles than there are programs and the
-    cursor advanced by a launch of its own."""
-    with variant(kind):
-        _match_reference(geom, L, torch.float32, state_dtype)
-
-
-@settings(max_examples=6)
-@given(geom=mamba2_geometries(max_batch=5, max_heads=4, max_p=20, max_n=20), L=st.integers(1, 6), data=st.data())
-def test_flush_flags_track_the_exact_recurrence(geom, L, data):
-    """Desynchronised cursors and padding rows: only the rows that flush this step are folded (a stale flag from an
-    earlier step, or a padding row's, would fold a row twice or touch a slot it must not)."""
-    with variant(data.draw(st.sampled_from(["pre:flush_flags=1", "pre:flush_flags=1,flush_per_sm=1"]),
-                           label="variant")):
-        _track_exact(geom, L, data)
-
-
-@pytest.mark.parametrize("kind", ["pre:flush_flags=1"])
-def test_flush_flags_padded_rows_are_untouched_and_zero(kind):
-    with variant(kind):
-        _padded_rows()
-
-
-@pytest.mark.parametrize("kind", ["pre", "pre:flush_flags=1"])
+@pytest.mark.parametrize("kind", ["pre"])
 def test_pre_step_scratch_poisoned(kind, monkeypatch):
     """Every scratch buffer of the ``pre`` step is written before it is read: with each fresh allocation poisoned
-    (int32 flags to 1, floats to NaN) the step still matches the reference, padding rows and flushes included."""
+    (int32 to 1, floats to NaN) the step still matches the reference, padding rows and flushes included."""
     real_empty = torch.empty
 
     def poisoned(*args, **kwargs):

@@ -27,7 +27,7 @@ def rel(a, b):
 ])
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["whole", "tiled", "tiled:BLOCK_P=32,num_warps=4", "pre",
-                                  "pre:route=0,early_tile=1", "pre:flush_flags=1"])
+                                  "pre:route=0,early_tile=1"])
 def test_real_geometry_vs_fp64_over_4L_steps(geom, L, act, kind):
     with kt.tuned(kt.TUNING, kind):
         _vs_fp64(geom, L, act)
@@ -74,9 +74,9 @@ def _staggered_rows(geom, L, device):
         assert flushed and rel(state[flushed], oracle.state[flushed]) <= 1e-4, f"step {t}: flushed checkpoints"
 
 
-@pytest.mark.parametrize("kind", ["pre", "pre:flush_flags=1"])
+@pytest.mark.parametrize("kind", ["pre", "pre:flush_per_sm=1"])
 def test_many_rows_staggered_cursors_and_padding(kind):
-    """300 rows: the flush walk's list (or its flags, ranked over a 512-wide block) holds ~70 rows on each step,
-    never the same ones twice in a row; a wrong rank or a stale flag folds the wrong slot."""
+    """300 rows: the flush walk's list holds ~65 rows on each step, never the same ones twice in a row, walked by
+    the default grid and by one program per SM (many tiles each); a wrong list entry folds the wrong slot."""
     with kt.tuned(kt.TUNING, kind):
         _staggered_rows(Mamba2Geometry(300, 4, 8, 16, 2, 2), 4, "cuda")

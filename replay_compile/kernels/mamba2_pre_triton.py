@@ -31,36 +31,18 @@ import triton.language as tl
 from . import mamba2_triton as base
 from .host_math import cdiv, next_pow2
 from .launch import launch, pdl_on, pdl_options
-from .mamba2_triton import (_advance_cursor_kernel, _fold_tile, _list_item, _list_row,
-                            _mamba2_replay_tiled_kernel, _row_slot, _step_row, _step_window, _store_checkpoint,
-                            fixed_grid)
+from .mamba2_triton import (_advance_cursor_kernel, _fold_tile, _list_item, _list_row, _mamba2_replay_tiled_kernel,
+                            _row_slot, _step_row, _step_window, _store_checkpoint, fixed_grid)
 
 __all__ = ["launch_window", "replay_step_pre", "window_heads"]
-
-# flush_flags=1 lists flush rows as one flag per row, ranked in registers by every flush program: above this many
-# rows the step uses the counted list instead
-FLAGS_MAX_ROWS = 1024
 
 
 @triton.jit
 def _list_flush_row(work_ptr, row, hb, WORKLIST: tl.constexpr):
-    """Append a flushing row to ``work = [count, rows...]`` once (from its first window program); ``WORKLIST == 2``
-    (``flush_flags=1``): set its flag in ``work = [flag per row]`` instead."""
-    if WORKLIST == 1:
+    """Append a flushing row to ``work = [count, rows...]`` once (from its first window program)."""
+    if WORKLIST:
         if hb == 0:
             _list_row(work_ptr, row)
-    elif WORKLIST == 2:
-        if hb == 0:
-            tl.store(work_ptr + row, 1)
-
-
-@triton.jit
-def _clear_flag(work_ptr, row, hb, WORKLIST: tl.constexpr):
-    """``WORKLIST == 2``: a row that does not flush (or a padding row) stores flag 0 (every row's flag is written
-    every step, so the flags need no memset)."""
-    if WORKLIST == 2:
-        if hb == 0:
-            tl.store(work_ptr + row, 0)
 
 
 @triton.jit
@@ -85,10 +67,8 @@ def _mamba2_prepass_window_kernel(
 
     ``EARLY``: every ring load is issued before the cursor arrives (whole ``L`` windows, stale slots discarded in
     registers): one memory round trip per program instead of two, twice the ring bytes on average. Otherwise the
-    cursor comes first and only the held records are read. Flush rows return; with ``WORKLIST == 1`` the row's first
-    program appends the row to ``work = [count, rows...]`` (zeroed by the caller) for the flush launch; with
-    ``WORKLIST == 2`` (``flush_flags=1``) it stores the row's flag in ``work = [flag per row]``, 1 or 0 for every
-    row (padding rows too), so the caller zeroes nothing.
+    cursor comes first and only the held records are read. Flush rows return; with ``WORKLIST`` the row's first
+    program appends the row to ``work = [count, rows...]`` (zeroed by the caller) for the flush launch.
 
     ``PDL``: the checkpoint pass is launched as this launch's programmatic dependent; every program lets it start
     at once (it streams its tiles, then waits for this grid before reading ``cb`` and ``decay``).
@@ -103,7 +83,6 @@ def _mamba2_prepass_window_kernel(
     hb = tl.program_id(1)
     slot = _row_slot(slot_ptr, row, HAS_SLOT)
     if slot < 0:
-        _clear_flag(work_ptr, row, hb, WORKLIST)
         return
     h0 = hb.to(tl.int64) * HPP
     mask_h = tl.arange(0, HB) < HPP
@@ -147,7 +126,6 @@ def _mamba2_prepass_window_kernel(
         if w == L - 1:                              # flush rows: the flush launch computes their window
             _list_flush_row(work_ptr, row, hb, WORKLIST)
             return
-    _clear_flag(work_ptr, row, hb, WORKLIST)
     hist = offs_l < w
     cur = offs_l == w
     la_w = tl.where(cur[None, :], la_cur.to(tl.float32)[:, None], tl.where(hist[None, :], la_w, 0.0))
@@ -198,11 +176,11 @@ def window_heads(H: int, G: int, Gc: int, P: int, block_l: int) -> tuple[int, in
 
 
 def launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, has_slot, block_n, block_l,
-                  work=None, cb_only=False, pdl=False, flags=False):
+                  work=None, cb_only=False, pdl=False):
     """Launch 1 of the ``pre`` variants (the fp32 step and the read-copy step): returns fp32 scratch ``win [b, H,
     P]`` (``cb_only``: the per-record weights ``cb [b, H, block_l]``, the fp32 step's default) and ``dec [b, H]``;
-    flush rows are appended to ``work`` when given (``flags``: ``work`` holds one flag per row instead). ``pdl``: the
-    next launch is its programmatic dependent (the ``cb_only`` form's checkpoint pass)."""
+    flush rows are appended to ``work`` when given. ``pdl``: the next launch is its programmatic dependent (the
+    ``cb_only`` form's checkpoint pass)."""
     b, H, P = x.shape
     N = B.shape[-1]
     G, Gc = B_ring.shape[1], C.shape[1]
@@ -211,13 +189,12 @@ def launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slo
     bpw = 16 if cb_only else max(16, next_pow2(P))        # no P axis without the x window
     hpp, hb = window_heads(H, G, Gc, bpw, block_l)
     warps = base.TUNING.get("window_warps") or (1 if cb_only else max(1, min(4, hb * block_l * bpw // 4096)))
-    worklist = 0 if work is None else 2 if flags else 1
     launch(_mamba2_prepass_window_kernel)[(b, H // hpp)](
         x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, win, dec,
         work, H, P, N, x_ring.shape[2], H // G, H // Gc,
         *x_ring.stride(), *dt_ring.stride(), *la_ring.stride(), *B_ring.stride(),
         *x.stride(), *dt.stride(), *la.stride(), *B.stride(), *C.stride(),
-        HAS_SLOT=has_slot, BLOCK_P=bpw, BLOCK_N=block_n, BLOCK_L=block_l, HB=hb, WORKLIST=worklist,
+        HAS_SLOT=has_slot, BLOCK_P=bpw, BLOCK_N=block_n, BLOCK_L=block_l, HB=hb, WORKLIST=work is not None,
         EARLY=cb_only or bool(base.TUNING.get("win_early", 1)), CB_ONLY=cb_only, PDL=pdl, HPP=hpp, num_warps=warps)
     return win, dec
 
@@ -330,16 +307,10 @@ def _walk_listed_folds(
     s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
     HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
     N_TILES: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, ADVANCE: tl.constexpr, n_rows, AMAX: tl.constexpr,
-    FLAGS: tl.constexpr, FLAG_BLOCK: tl.constexpr,
 ):
     """The body of the listed flush launches: this program's share of the cursor advance (``ADVANCE``) and of the
-    ``count x H x n_pb`` fold tiles of the rows in ``work = [count, rows...]`` (``FLAGS``: of the rows whose flag
-    is set in ``work = [flag per row]``, ``n_rows <= FLAG_BLOCK``) (:func:`_fold_tile`; ``AMAX``: the nvfp4 read
-    copy's slot amax into ``amax_ptr``).
-
-    With ``FLAGS`` each program loads the flags once and ranks them with one prefix sum; an item's row is then a
-    register-only search for its rank. (Session 15 rescanned the flags from memory for every item: ~4 KB of L2 reads
-    per fold tile made the bs256 flush step 25-33% slower; H200 session 16.)"""
+    ``count x H x n_pb`` fold tiles of the rows in ``work = [count, rows...]`` (:func:`_fold_tile`; ``AMAX``: the
+    nvfp4 read copy's slot amax into ``amax_ptr``)."""
     if ADVANCE:             # the cursor advance, folded in (one launch fewer): every earlier launch has read w, and
         r = tl.program_id(0)  # the folds below take w = L - 1 from the list, not from the cursor
         while r < n_rows:
@@ -348,24 +319,12 @@ def _walk_listed_folds(
                 wr = tl.load(cursor_ptr + s)
                 tl.store(cursor_ptr + s, tl.where(wr == L - 1, 0, wr + 1))
             r += tl.num_programs(0)
-    if FLAGS:
-        offs_r = tl.arange(0, FLAG_BLOCK)
-        flag = tl.load(work_ptr + offs_r, mask=offs_r < n_rows, other=0) != 0
-        rank = tl.cumsum(flag.to(tl.int32), axis=0)         # the k-th set flag has rank k
-        n_items = tl.sum(flag.to(tl.int32), axis=0) * (H * n_pb)
-    else:
-        n_items = tl.load(work_ptr) * (H * n_pb)
+    n_items = tl.load(work_ptr) * (H * n_pb)
     t = tl.program_id(0)
     while t < n_items:
-        if FLAGS:
-            want = t // (H * n_pb) + 1
-            row = tl.max(tl.where(flag & (rank == want), offs_r, -1), axis=0).to(tl.int64)
-            h, tile = ((t // n_pb) % H).to(tl.int64), t % n_pb
-        else:
-            row, h, tile = _list_item(work_ptr, t, H, n_pb)
-        # a row of -1 (no list or flags can produce one) reads no slot and folds nothing
-        slot = tl.where(row >= 0, _row_slot(slot_ptr, tl.maximum(row, 0), HAS_SLOT), -1)
-        if slot >= 0:           # never listed / flagged; guarded so that no list can make a fold address slot -1
+        row, h, tile = _list_item(work_ptr, t, H, n_pb)
+        slot = _row_slot(slot_ptr, row, HAS_SLOT)
+        if slot >= 0:           # never listed; guarded so that no list can make a fold address slot -1
             _fold_tile(state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, y_ptr,
                        row, slot, h, tile, L - 1, H, P, N, heads_per_g, heads_per_gc,
                        s_sb, s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl,
@@ -384,8 +343,7 @@ def _mamba2_flush_list_kernel(
     s_brb, s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn,
     s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
     HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    N_TILES: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, ADVANCE: tl.constexpr, n_rows, FLAGS: tl.constexpr,
-    FLAG_BLOCK: tl.constexpr,
+    N_TILES: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, ADVANCE: tl.constexpr, n_rows,
 ):
     """``pre`` variant, flush launch: a fixed grid (a few programs per SM) walks the ``count x H x n_pb`` flush
     tiles of the rows the window launch listed in ``work = [count, rows...]``, each folded by :func:`_fold_tile`.
@@ -398,8 +356,7 @@ def _mamba2_flush_list_kernel(
                        s_sb, s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl,
                        s_brb, s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn,
                        s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
-                       HAS_SLOT, BLOCK_P, BLOCK_N, BLOCK_L, N_TILES, STOCHASTIC_FP16, ADVANCE, n_rows, 0, FLAGS,
-                       FLAG_BLOCK)
+                       HAS_SLOT, BLOCK_P, BLOCK_N, BLOCK_L, N_TILES, STOCHASTIC_FP16, ADVANCE, n_rows, 0)
 
 
 
@@ -411,17 +368,15 @@ def replay_step_pre(cfg: dict, args: tuple, common: dict, has_slot: bool, slot_a
     b = x.shape[0]
     listed = cfg["flush_list"]
     advanced = False
-    # flags: every program of the flush walk holds all rows' flags in registers, so up to FLAGS_MAX_ROWS rows
-    flags = listed and cfg["flush_flags"] and b <= FLAGS_MAX_ROWS
-    # the listed flush's row list: [count, rows...] (zeroed: a memset per step) or one flag per row, each written
-    # by the window launch every step (no memset, no atomics; the walk counts and ranks the set flags itself)
-    work = (torch.empty((b,), dtype=torch.int32, device=x.device) if flags else
-            torch.zeros((b + 1,), dtype=torch.int32, device=x.device) if listed else None)
+    # the listed flush's row list: [count, rows...], zeroed every step. (One flag per row written by the window
+    # launch instead, no memset: non-flush steps 0-1.9 µs faster at bs 128 / 256, the flush step 26-34% slower with
+    # the flags ranked per fold item and up to 29% with them ranked once per program; H200 session 16, NOTES.)
+    work = torch.zeros((b + 1,), dtype=torch.int32, device=x.device) if listed else None
     # 0: win from launch 1's scratch; 1: from the x window read after the cursor; 2: read before it
     win_x = (2 if cfg["apply_early_x"] else 1) if cfg["window"] == "coef" and cfg["route"] == 1 else 0
     pdl = pdl_on(x.device, cfg["pdl"] and win_x > 0)   # launch 2 as launch 1's programmatic dependent
     win, dec = launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, has_slot,
-                             cfg["BLOCK_N"], cfg["BLOCK_L"], work, cb_only=win_x > 0, pdl=pdl, flags=flags)
+                             cfg["BLOCK_N"], cfg["BLOCK_L"], work, cb_only=win_x > 0, pdl=pdl)
     k = launch(_mamba2_prepass_apply_kernel)[(n_pb, b, H)](
         *args[:13], win, dec, *args[13:19], *args[20:],
         HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_P"], BLOCK_N=cfg["BLOCK_N"], BLOCK_L=cfg["BLOCK_L"],
@@ -436,8 +391,7 @@ def replay_step_pre(cfg: dict, args: tuple, common: dict, has_slot: bool, slot_a
             programs = fixed_grid(b * H * n_fp, cfg["flush_warps"], x.device, cfg["flush_programs_per_sm"])
             advanced = cfg["fold_advance"]
             launch(_mamba2_flush_list_kernel)[(programs,)](
-                *args[:13], work, *args[13:19], n_fp, *args[20:], **fl, ADVANCE=advanced, n_rows=b, FLAGS=flags,
-                FLAG_BLOCK=max(16, next_pow2(b)) if flags else 16)
+                *args[:13], work, *args[13:19], n_fp, *args[20:], **fl, ADVANCE=advanced, n_rows=b)
         else:
             launch(_mamba2_replay_tiled_kernel)[(n_fp, b, H)](*args, STATE_EVICT="", ROUTE=2, **fl)
     if not advanced:

@@ -488,9 +488,7 @@ def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
       flush rows on 32 warps per SM (the ``tiled`` body, 64 x 64 tiles and 4 warps where 64 divides P, else 32 x 32
       and 2 warps; ``flush_list=0``: a full grid whose non-flush programs return) and advances the cursors
       (``fold_advance=0``: a fourth launch does). Super fp32 bs256 2.11x, bs128 2.10x (both knobs on: 1-3% faster at
-      bs128, 15 fewer registers; session 8). ``flush_flags=1`` (off until measured): launch 1 stores every row's
-      flush flag and launch 3 ranks the set flags itself, instead of an atomic list whose counter needs a memset
-      (a launch per step).
+      bs128, 15 fewer registers; session 8).
       ``route=0`` folds flush rows inside launch 2 instead (``early_tile=1`` loads the tile before the cursor).
       ``pdl=1`` (default; Hopper and later, :func:`~.launch.pdl_on`): launch 2 is launch 1's programmatic
       dependent, so its tiles stream while launch 1 runs. ``win_pad=1`` (default): launch 1 covers a whole
@@ -526,8 +524,7 @@ def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
                    flush_list=bool(TUNING.get("flush_list", 1)),
                    window="full" if TUNING.get("window_full", 0) else "coef",
                    apply_early_x=bool(TUNING.get("apply_early_x", 1)), fold_advance=bool(TUNING.get("fold_advance", 1)),
-                   flush_programs_per_sm=TUNING.get("flush_per_sm"), pdl=bool(TUNING.get("pdl", 1)),
-                   flush_flags=bool(TUNING.get("flush_flags", 0)))
+                   flush_programs_per_sm=TUNING.get("flush_per_sm"), pdl=bool(TUNING.get("pdl", 1)))
     else:
         raise ValueError(f"replay_compile.mamba2: unknown kernel variant {variant!r} (whole, pre, tiled)")
     return dict(cfg, variant=variant, BLOCK_L=block_l)
