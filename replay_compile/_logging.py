@@ -7,10 +7,20 @@ Graphs before/after the pass are emitted under ``TORCH_LOGS="+replay_compile"``-
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
 log = logging.getLogger("replay_compile")
+
+
+def timed_phase(key: str):
+    """A phase of ours in ``torch._dynamo.utils.compile_times()`` beside dynamo's and Inductor's own (where this torch
+    has ``dynamo_timed``), so that a compile-time comparison can tell the pass's share apart."""
+    from torch._dynamo import utils as dynamo_utils
+
+    timed = getattr(dynamo_utils, "dynamo_timed", None)
+    return timed(key) if timed is not None else contextlib.nullcontext()
 
 
 def _configure_from_env() -> None:

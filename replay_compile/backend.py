@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from . import ops  # noqa: F401 - registers the custom ops
 from . import state as replay_state
-from ._logging import log
+from ._logging import log, timed_phase
 from .config import ReplayConfig
 from .passes.replay_pass import PassResult, ReplaySSMPass
 
@@ -155,15 +155,6 @@ def _cache_tagged():
         yield
 
 
-def _timed(key: str):
-    """Our pass as a phase of ``torch._dynamo.utils.compile_times()`` beside dynamo's and Inductor's own (where this
-    torch has ``dynamo_timed``), so compile-time comparisons can tell it apart."""
-    from torch._dynamo import utils as dynamo_utils
-
-    timed = getattr(dynamo_utils, "dynamo_timed", None)
-    return timed(key) if timed is not None else contextlib.nullcontext()
-
-
 def _install_integrations() -> None:
     if "transformers" in sys.modules:
         from .integrations import hf
@@ -178,7 +169,7 @@ def replayssm_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | 
     # torch.compile refuses mode= together with options=, so a mode may also travel inside options
     mode = lower_opts.pop("mode", None) or mode
     _install_integrations()
-    with _timed("replay_compile.ReplaySSMPass"):
+    with timed_phase("replay_compile.ReplaySSMPass"):
         result = ReplaySSMPass(cfg)(gm, example_inputs)
     _REPORTS.append(dataclasses.replace(result, gm=None, fake_inputs=[]))
     gm = result.gm

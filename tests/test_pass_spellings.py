@@ -348,3 +348,18 @@ def test_validation_stops_after_the_last_check():
         cmod(torch.randn(b, H, P, N), *make_inputs(0))
     assert len(only_report(replay_compile.reports()).rewrites) == 1
     assert len(_TAIL_CALLS) == 1
+
+
+def test_the_pass_and_its_check_are_phases_of_dynamos_compile_times(monkeypatch):
+    """``torch._dynamo.utils.compile_times()`` lists our pass and its numerical check beside dynamo's and
+    Inductor's phases (what ``bench`` prints with REPLAY_COMPILE_BENCH_COMPILE_TIMES=1)."""
+    from torch._dynamo import utils
+
+    if not hasattr(utils, "dynamo_timed") or not isinstance(getattr(utils, "compilation_time_metrics", None), dict):
+        pytest.skip("this torch keeps no compile-time phases")
+    monkeypatch.setattr(utils, "compilation_time_metrics", {})
+    torch._dynamo.reset()
+    cmod = torch.compile(HFStyle(), backend="replayssm", options={"buffer_len": L, "lower": "eager"})
+    with torch.no_grad():
+        cmod(torch.randn(b, H, P, N), *make_inputs(0))
+    assert {"replay_compile.ReplaySSMPass", "replay_compile.validate"} <= set(utils.compilation_time_metrics)

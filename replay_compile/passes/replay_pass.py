@@ -18,7 +18,7 @@ from typing import Sequence
 import torch.fx as fx
 from torch._dynamo.utils import counters
 
-from .._logging import log
+from .._logging import log, timed_phase
 from ..config import ReplayConfig
 from ..errors import ReplayCompileError
 from . import broadcast, delta, graph_utils, mamba2, mamba2_kernel_call as kernel_call, rewrite, validate
@@ -133,7 +133,8 @@ class ReplaySSMPass:
             except NoMatch as e:
                 self._skip(res, graph_utils.module_path(call, default=f"`{call.name}`"), str(e))
         if matches and self.config.validate:
-            failed = validate.validate(gm, example_inputs, matches)
+            with timed_phase("replay_compile.validate"):
+                failed = validate.validate(gm, example_inputs, matches)
             for m in [m for m in matches if id(m) in failed]:
                 self._skip(res, m.layer, failed[id(m)])
             matches = [m for m in matches if id(m) not in failed]
