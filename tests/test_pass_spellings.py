@@ -363,3 +363,17 @@ def test_the_pass_and_its_check_are_phases_of_dynamos_compile_times(monkeypatch)
     with torch.no_grad():
         cmod(torch.randn(b, H, P, N), *make_inputs(0))
     assert {"replay_compile.ReplaySSMPass", "replay_compile.validate"} <= set(utils.compilation_time_metrics)
+
+
+def test_validation_unwraps_arguments_only_where_a_dtensor_can_appear(monkeypatch):
+    """Without DTensor inputs or a node that makes one, the check runs each op on its arguments as they are (the
+    per-node unwrapping is a tenth of its host time); the TP tests cover the DTensor side."""
+    import types
+    from replay_compile.passes import validate
+
+    calls = []
+    real = validate.pytree
+    monkeypatch.setattr(validate, "pytree", types.SimpleNamespace(
+        tree_map=lambda *a, **k: calls.append(1) or real.tree_map(*a, **k)))
+    rep = only_report(run_both(HFStyle()))
+    assert rep.rewrites and not calls
