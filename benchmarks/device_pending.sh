@@ -3,7 +3,7 @@
 # Carry .baselines (mamba_ssm source) and .wheels (pytest-xdist, execnet, fla); benchmarks/fetch_device_wheels.sh
 # rebuilds both where a checkout lacks them (git does not hold them).
 # Usage on the GPU machine:  OUT=... bash benchmarks/device_pending.sh [steps...]
-#   steps (default: tests coldrep; NOTES "Session 16" says why). The device
+#   steps (default: tests; then coldrep in a call of its own; NOTES "Session 16" says why). The device
 #   returns at most 8 files, no more than 2 folders below $OUT: steps keep to that.
 #   tests      GPU tests of every Mamba-2 / delta kernel (pytest -n 6 when pytest-xdist is carried)
 #   tests16    session 16's changes on the GPU: 300 staggered rows, the inline tests through the memo's shared
@@ -98,7 +98,7 @@ if ls .wheels/pytest_xdist-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-deps .wheels/pytest_xdist-*.whl .wheels/execnet-*.whl >> $INSTALL_LOG 2>&1 \
     && XDIST="-n 6"
 fi
-steps=${*:-tests coldrep}
+steps=${*:-tests}
 for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
   tests) timeout 300 python3 -m pytest -q $XDIST -p no:cacheprovider tests/test_mamba2_triton_gpu.py \
            tests/test_mamba2_triton.py tests/test_mamba2_readcopy.py tests/test_delta_readcopy_triton.py --tb=line \
@@ -205,7 +205,7 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
            | tail -30 | tee "$OUT/cold_compile.txt" ;;
   coldrep) # issue 5's compile time, repeated: one sample per mode swung 12.5-20.3 s for plain alone (sessions 14-16);
            # $COLD_ROUNDS rounds of every mode cold in its own process, the order reversed every other round
-           modes=${COLD_MODES:-inductor,replayssm,replayssm@combo_kernels=0}
+           modes=${COLD_MODES:-inductor,replayssm}
            rev=$(echo $modes | tr ',' '\n' | tac | paste -sd,)
            for r in $(seq 1 ${COLD_ROUNDS:-3}); do m=$modes; [ $((r % 2)) = 0 ] && m=$rev
              REPLAY_COMPILE_BENCH_COMPILE_TIMES=1 timeout ${COLD_LIMIT:-280} replay-compile bench --models ${E2E_MODELS:-qwen35_4b} \
