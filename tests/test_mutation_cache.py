@@ -130,7 +130,8 @@ for flag in (True, False):
     a, b = wrapped(t._toy_kernel, t._args(flag=flag), {}), wrapped(t._toy_kernel, t._args(flag=flag), {})
     out[str(flag)] = [writes(a), writes(b), len(generated) - n0, writes(wrapped.__wrapped__(t._toy_kernel, t._args(flag=flag), {}))]
 fake, box = t._fake_and_box_args()
-out["kinds"] = [writes(wrapped.__wrapped__(t._toy_kernel, fake, {})), writes(wrapped.__wrapped__(t._toy_kernel, box, {}))]
+real_analysis = wrapped.__wrapped__
+out["kinds"] = [writes(real_analysis(t._toy_kernel, fake, {})), writes(real_analysis(t._toy_kernel, box, {}))]
 print(json.dumps(out))
 """
 
