@@ -46,7 +46,7 @@
 #   inlinefinal the inline tests, then default-mode whole steps (inlined) at bs 1 / 32 for the three models, and
 #              Nemotron bs32 with REPLAY_COMPILE_INLINE_KERNELS=0 (the pre kernels opaque)
 #   cold       issue 5's compile time: every mode compiled cold in its own process (bench --cold-compile), bs1
-#   coldrep    issue 5's cold compile in $COLD_ROUNDS rounds (default 3) of $COLD_MODES, $E2E_MODELS (qwen35_4b)
+#   coldrep    issue 5's cold compile, bench --cold-compile --rounds $COLD_ROUNDS (3) of $COLD_MODES, $E2E_MODELS
 #   coldq      Qwen3.5's cold compile: plain, ours, ours without the memoised mutation analysis; compile phases
 #   bs1rounds  issue 5's batch-1 targets, both modes, --rounds 2 (modes in alternating order, averaged), $E2E_MODELS
 #   inline256  Nemotron-Nano dims bs256, default mode and reduce-overhead, with REPLAY_COMPILE_INLINE_KERNELS=1 (the
@@ -203,17 +203,18 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
            --layers 8 --batches ${COLD_BATCHES:-1} --steps 8 --cold-compile --time-limit 540 \
            --modes ${COLD_MODES:-inductor-ro,replayssm-ro,inductor,replayssm} --out /tmp/cold 2>&1 | grep -v Warn \
            | tail -30 | tee "$OUT/cold_compile.txt" ;;
-  coldrep) # issue 5's compile time, repeated: one sample per mode swung 12.5-20.3 s for plain alone (sessions 14-16);
-           # $COLD_ROUNDS rounds of every mode cold in its own process, the order reversed every other round
-           modes=${COLD_MODES:-inductor,replayssm}
-           rev=$(echo $modes | tr ',' '\n' | tac | paste -sd,)
-           for r in $(seq 1 ${COLD_ROUNDS:-3}); do m=$modes; [ $((r % 2)) = 0 ] && m=$rev
-             REPLAY_COMPILE_BENCH_COMPILE_TIMES=1 timeout ${COLD_LIMIT:-280} replay-compile bench --models ${E2E_MODELS:-qwen35_4b} \
-             --layers 8 --batches 1 --steps 8 --cold-compile --modes $m --out /tmp/coldrep$r 2>&1 | grep "^| [a-z]" \
-             | grep -v "^| model" | sed "s/^/round $r /" | tee -a "$OUT/cold_rounds.txt"
-             for f in /tmp/coldrep$r/worker0/*/log.txt; do echo "== round $r $f"; grep -A90 "compile times" $f \
-               | grep -v Warn | grep -i "compile_inner\|call_user\|aot_collect\|fw_compiler\|async_compile\|codegen\|replay_compile"; \
-               done >> "$OUT/cold_rounds_phases.txt"; done ;;
+  coldrep) # issue 5's compile time, repeated: one cold sample per mode swung 12.5-20.3 s for plain alone (sessions
+           # 14-16); bench --cold-compile --rounds: every round of every mode cold in its own process, alternating
+           # order, first steps averaged (each round's kept in the CSV); the pass and its check as phases
+           REPLAY_COMPILE_BENCH_COMPILE_TIMES=1 timeout ${COLD_LIMIT:-560} replay-compile bench \
+             --models ${E2E_MODELS:-qwen35_4b} --layers 8 --batches 1 --steps 8 --cold-compile \
+             --rounds ${COLD_ROUNDS:-3} --time-limit $(( ${COLD_LIMIT:-560} - 20 )) \
+             --modes ${COLD_MODES:-inductor,replayssm} --out /tmp/coldrep 2>&1 | grep "^| \|^#\|worker" \
+             | tee "$OUT/cold_rounds.txt"
+           cp /tmp/coldrep/bench.csv "$OUT/cold_rounds.csv" 2>/dev/null
+           for f in /tmp/coldrep/worker0/*/log.txt; do echo "== $f"; grep -A90 "compile times" $f | grep -v Warn \
+             | grep -i "compile_inner\|call_user\|aot_collect\|fw_compiler\|async_compile\|replay_compile"; \
+             done > "$OUT/cold_rounds_phases.txt" ;;
   coldq)   # Qwen3.5's cold compile (1.08-1.27x of plain in session 14): plain, ours (the mutation analysis memoised,
            # ops/mutation_cache.py) and ours with REPLAY_COMPILE_MUTATION_CACHE=0; dynamo's compile phases per run
            for arm in "1 ${COLDQ_MODES:-inductor-ro,replayssm-ro}" "0 replayssm-ro"; do set -- $arm

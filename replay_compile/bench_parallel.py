@@ -8,7 +8,10 @@ device. Each worker's output and log stay under ``OUT/worker<k>/``.
 
 ``--cold-compile``: every (model, batch, mode) runs in a process of its own with empty Inductor / Triton cache
 directories, so each mode's first step is a cold compile (in one process the modes share caches and warm-up, and
-whichever compiles first pays for both: compile-time ratios then depend on the run order).
+whichever compiles first pays for both: compile-time ratios then depend on the run order). With ``--rounds R`` each
+(model, batch) runs its modes R times that way, in alternating order, and reports the mean of the R cold first steps
+(and of the step times): one cold compile of plain torch.compile ranged 12.5-20.3 s on the H200's host across
+sessions 14-16, so a compile-time ratio from one sample each says little.
 """
 
 from __future__ import annotations
@@ -54,24 +57,45 @@ def read_rows(path: str) -> list[dict]:
         return [{k: _value(v) for k, v in r.items()} for r in csv.DictReader(f)]
 
 
-def _units(shard: list[tuple[str, list[int]]], modes: list[str], cold: bool) -> list[tuple[str, list[int], list[str],
-                                                                                     str]]:
+def _units(shard: list[tuple[str, list[int]]], modes: list[str], cold: bool,
+           rounds: int = 1) -> list[tuple[str, list[int], list[str], str]]:
     """A worker's runs: ``(model, batches, modes, output folder name)``; one per model group, or with ``cold`` one
-    per (model, batch, mode)."""
+    per (model, batch, mode) and round, the modes of a round in :func:`~replay_compile.bench.round_orders`."""
     if not cold:
         return [(m, bs, modes, m) for m, bs in shard]
-    return [(m, [b], [mode], f"{m}_b{b}_{mode.replace(':', '_')}") for m, bs in shard for b in bs for mode in modes]
+    tag = lambda r: f"_r{r + 1}" if rounds > 1 else ""  # noqa: E731
+    return [(m, [b], [mode], f"{m}_b{b}_{mode.replace(':', '_')}{tag(r)}") for m, bs in shard for b in bs
+            for r, order in enumerate(bench.round_orders(modes, rounds)) for mode in order]
+
+
+def merge_cold_rounds(rows: list[dict]) -> list[dict]:
+    """One row per (model, batch, mode) from the rows of its cold rounds, in first-seen order: step times averaged
+    (:func:`~replay_compile.bench.merge_rounds`) and the first step too (every round compiled cold), each round's
+    first step kept in ``first_step_s_rounds``."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["batch"], r["mode"]), []).append(r)
+    out = []
+    for runs in groups.values():
+        merged = bench.merge_rounds(runs)
+        merged["first_step_s"] = sum(r["first_step_s"] for r in runs) / len(runs)
+        merged["first_step_s_rounds"] = " ".join(f"{r['first_step_s']:.2f}" for r in runs)
+        out.append(merged)
+    return out
 
 
 def run_parallel(n: int, models: list[str], batches: list[int], modes: list[str], forward: list[str],
-                 out_dir: str, time_limit: float | None = None, cold: bool = False) -> tuple[list[dict], list[str]]:
+                 out_dir: str, time_limit: float | None = None, cold: bool = False,
+                 rounds: int = 1) -> tuple[list[dict], list[str]]:
     """Run the sweep on ``n`` GPUs (workers ``0 .. n-1``); ``forward`` holds the other ``bench`` options (steps,
     dtype, layers, ...). ``time_limit`` (seconds): a worker still running then is stopped and its later groups are
     skipped, and the rows finished so far are merged all the same (a sweep cut by an outer timeout merges nothing).
-    ``cold``: one process per (model, batch, mode), each with fresh Inductor and Triton cache directories.
+    ``cold``: one process per (model, batch, mode), each with fresh Inductor and Triton cache directories;
+    ``rounds`` of them per point, merged by :func:`merge_cold_rounds` (without ``cold``, ``forward`` carries
+    ``--rounds`` to the workers instead).
     Returns the merged rows (also written to ``out_dir``) and one line per failed, cut or skipped group."""
     os.makedirs(out_dir, exist_ok=True)
-    shards = [_units(shard, modes, cold) for shard in shard_points(models, batches, n)]
+    shards = [_units(shard, modes, cold, rounds) for shard in shard_points(models, batches, n)]
     failures: list[str] = []
     lock = threading.Lock()
     deadline = None if time_limit is None else time.monotonic() + time_limit
@@ -118,6 +142,8 @@ def run_parallel(n: int, models: list[str], batches: list[int], modes: list[str]
             path = os.path.join(out_dir, f"worker{k}", name, "bench.csv")
             if os.path.exists(path):                     # a worker cut short still leaves the rows it finished
                 rows += read_rows(path)
+    if cold:
+        rows = merge_cold_rounds(rows)
     order = {m: i for i, m in enumerate(modes)}
     rows.sort(key=lambda r: (models.index(r["model"]), r["batch"], order.get(r["mode"], len(order))))
     bench._write(rows, out_dir)

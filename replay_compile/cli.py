@@ -167,12 +167,14 @@ def _bench(args) -> int:
             raise SystemExit("replay-compile bench: --gpus / --time-limit / --cold-compile spread independent points "
                              "over worker processes; they do not combine with --tp or --check")
         from .bench_parallel import run_parallel
-        forward = ["--steps", str(args.steps), "--rounds", str(args.rounds), "--buffer-len", str(args.buffer_len),
+        # cold: each round is a process of its own (a second round in one process would compile warm)
+        worker_rounds = 1 if args.cold_compile else args.rounds
+        forward = ["--steps", str(args.steps), "--rounds", str(worker_rounds), "--buffer-len", str(args.buffer_len),
                    "--dtype", args.dtype,
                    "--device", args.device] + (["--layers", str(args.layers)] if args.layers else []) + \
                   (["--threads", str(args.threads)] if args.threads else [])
         rows, failures = run_parallel(args.gpus, models, batches, modes, forward, args.out,
-                                      time_limit=args.time_limit, cold=args.cold_compile)
+                                      time_limit=args.time_limit, cold=args.cold_compile, rounds=args.rounds)
         for line in failures:
             print(f"replay-compile bench: {line}", file=sys.stderr)
         print(f"wrote {os.path.join(args.out, 'bench.csv')} and bench.md ({len(rows)} rows from {args.gpus} workers)")
@@ -265,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--steps", type=int, default=48, help="timed decode steps (default: %(default)s)")
     b.add_argument("--rounds", type=int, default=1,
                    help="run each (model, batch)'s modes this many times, in alternating order, and report the mean "
-                        "(steadier ratios where the step is host-bound; compile time from the first round)")
+                        "(steadier ratios where the step is host-bound; compile time from the first round, or with "
+                        "--cold-compile the mean of every round's cold compile, each round in processes of its own)")
     b.add_argument("--buffer-len", type=int, default=16)
     b.add_argument("--layers", type=int, default=None, help="keep only the first N layers (say why in reports)")
     b.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])

@@ -256,3 +256,57 @@ def test_bench_gpus_rejects_tp_and_check(tmp_path):
     with pytest.raises(SystemExit, match="--gpus"):
         main(["bench", "--device", "cpu", "--gpus", "2", "--tp", "2", "--out", str(tmp_path)])
 
+
+
+def test_bench_cold_compile_rounds_are_cold_processes_in_alternating_order(tmp_path, monkeypatch):
+    """``bench --cold-compile --rounds 2``: each round of each point runs every mode in a process of its own with
+    empty caches (modes in alternating order), the workers themselves run one round, and the merged row averages
+    the rounds' first steps (the ratio is then of the means) and keeps each."""
+    import subprocess
+
+    import replay_compile.bench_parallel as bp
+
+    seen = []
+    first = {("inductor", "r1"): 10.0, ("replayssm", "r1"): 12.0, ("inductor", "r2"): 14.0, ("replayssm", "r2"): 13.0}
+
+    def fake_run(cmd, env, stdout, stderr, timeout):
+        out, mode = cmd[cmd.index("--out") + 1], cmd[cmd.index("--modes") + 1]
+        rnd = out.rsplit("_", 1)[-1]
+        seen.append((mode, rnd, env["TORCHINDUCTOR_CACHE_DIR"], cmd[cmd.index("--rounds") + 1]))
+        row = dict(model="m", layers=2, tp=1, batch=1, mode=mode, step_ms={"r1": 2.0, "r2": 4.0}[rnd],
+                   median_step_ms=1.0, nonflush_ms=1.0, flush_ms=1.0, tokens_per_s=1.0,
+                   first_step_s=first[(mode, rnd)], peak_mem_gib=0.1, steady_mem_gib=0.1, rewrites=0, rounds=1)
+        with open(f"{out}/bench.csv", "w") as f:
+            f.write(",".join(row) + "\n" + ",".join(map(str, row.values())) + "\n")
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(bp.subprocess, "run", fake_run)
+    rows, failures = bp.run_parallel(1, ["m"], [1], ["inductor", "replayssm"], ["--rounds", "1"], str(tmp_path),
+                                     cold=True, rounds=2)
+    assert not failures
+    assert [(m, r) for m, r, *_ in seen] == [("inductor", "r1"), ("replayssm", "r1"), ("replayssm", "r2"),
+                                             ("inductor", "r2")]
+    assert len({c for *_, c, _ in seen}) == 4 and all(n == "1" for *_, n in seen)
+    plain, ours = rows
+    assert (plain["first_step_s"], ours["first_step_s"]) == (12.0, 12.5)
+    assert ours["first_step_s_rounds"] == "12.00 13.00" and ours["rounds"] == 2 and ours["step_ms"] == 3.0
+    assert ours["first_step_vs_compile"] == pytest.approx(12.5 / 12.0)
+    assert "first_step_s_rounds" in (tmp_path / "bench.csv").read_text().splitlines()[0]
+
+
+def test_bench_cold_compile_workers_run_one_round_each(tmp_path, monkeypatch):
+    """The command line keeps ``--rounds`` away from cold workers (a second round in one process compiles warm)
+    and hands it to the sweep instead."""
+    import replay_compile.bench_parallel as bp
+
+    got = {}
+
+    def fake_parallel(n, models, batches, modes, forward, out_dir, time_limit=None, cold=False, rounds=1):
+        got.update(forward=forward, cold=cold, rounds=rounds)
+        return [dict(model="m")], []
+
+    monkeypatch.setattr(bp, "run_parallel", fake_parallel)
+    main(["bench", "--device", "cpu", "--models", "tiny_mamba2", "--batches", "1", "--modes", "eager",
+          "--cold-compile", "--rounds", "3", "--out", str(tmp_path)])
+    assert got["cold"] and got["rounds"] == 3
+    assert got["forward"][got["forward"].index("--rounds") + 1] == "1"
