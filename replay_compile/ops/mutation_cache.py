@@ -80,7 +80,7 @@ def _is_fake_or_box(value) -> bool:
 
     if type(value) is FakeTensor:
         return True
-    ir = importlib.import_module("torch._inductor.ir") if "torch._inductor.ir" in sys.modules else None
+    ir = sys.modules.get("torch._inductor.ir")      # no TensorBox can exist before Inductor is imported
     return ir is not None and type(value) is getattr(ir, "TensorBox", None)
 
 

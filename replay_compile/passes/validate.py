@@ -159,7 +159,7 @@ class _RandomState:
 
 
 class _Checker(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, matches: Sequence):
+    def __init__(self, gm: fx.GraphModule, matches: Sequence, dtensors: bool = True):
         super().__init__(gm, garbage_collect_values=True)
         self.matches = list(matches)
         # a kernel-call match's write and readout are one launch: checked around it (_run_kernel_call)
@@ -184,9 +184,9 @@ class _Checker(fx.Interpreter):
         checked = [n for m in matches for n in (m.copy_node, getattr(m, "readout", None)) if n in order]
         self.last = max((order[n] for n in checked), default=len(order))
         self.order = order
-        # whether a DTensor can reach an op (set by validate from the inputs and the graph): where none can, the
-        # per-node unwrapping of every argument (a tenth of the check's host time) is skipped
-        self.dtensors = True
+        # whether a DTensor can reach an op (from the inputs or a node that makes one): where none can, the per-node
+        # unwrapping of every argument (a tenth of the check's host time) is skipped
+        self.dtensors = dtensors
 
     def run_node(self, n: fx.Node):
         if self.order[n] > self.last:
@@ -336,8 +336,7 @@ def validate(gm: fx.GraphModule, example_inputs: Sequence, matches: Sequence) ->
             root = _inplace_root(n)
             if root is not None and root is not n.args[0] and isinstance(args[pos[root]], torch.Tensor):
                 args[pos[root]] = args[pos[root]].clone()
-    checker = _Checker(gm, matches)
-    checker.dtensors = dtensors
+    checker = _Checker(gm, matches, dtensors)
     # inputs go in through the environment (not run()'s argument tuple) so that each is freed after its last use
     env = dict(zip(placeholders, args))
     del args
