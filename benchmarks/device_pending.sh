@@ -8,6 +8,8 @@
 #   tests      GPU tests of every Mamba-2 / delta kernel (pytest -n 6 when pytest-xdist is carried)
 #   tests16    session 16's changes on the GPU: 300 staggered rows, the inline tests through the memo's shared
 #              fake / TensorBox key, validation stopping after its last check
+#   pdlchain   issue 3: the PDL chain knobs (flush_pdl, zero_pdl) vs the default at bs 128 / 256, after their GPU tests
+#   bf16diag   issue 3: the bf16 checkpoint's stream ceiling and the pre step's per-launch times at bs 128 / 512
 #   m2flags    issue 3: $M2F configs vs the default at bs 128 / 256 (session 16: flush_flags=1, since removed)
 #   bs1default issue 5's batch 1 in default mode (combo kernels on for our graphs since session 15), 3 models
 #   final15    session 15's last call: Qwen3.5 fp32 parity in default mode, bs1 default, bs256 reduce-overhead
@@ -196,6 +198,16 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
            timeout 420 replay-compile bench --models ${E2E_MODELS:-nemotron_h_nano4b,qwen35_4b,mamba2_2p7b} \
            --layers 8 --batches 1 --steps 32 --rounds 2 --modes inductor,replayssm --out /tmp/e2e_bs1d 2>&1 \
            | grep "^|" | tee "$OUT/bs1_default.txt" ;;
+  pdlchain) # issue 3's bs128 non-flush: the PDL chain (zeroing -> window -> pass -> listed flush), GPU tests first
+           timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_pdl.py tests/test_mamba2_triton.py \
+           -k "pdl or poisoned or launch_options" --tb=short 2>&1 | tail -15 | tee "$OUT/pytest_pdlchain.txt"
+           timeout 330 python3 benchmarks/bench_mamba2_kernel.py --out /tmp/pdlchain --batches 128,256 \
+           --configs "${M2P:-pre;pre:flush_pdl=1;pre:zero_pdl=1;pre:flush_pdl=1,zero_pdl=1}" 2>&1 | grep -v Warn \
+           | tee "$OUT/mamba2_pdlchain.txt" ;;
+  bf16diag) # issue 3's bf16 cells: what a bf16 checkpoint stream reaches (GEMV tiles, whole heads per program) and
+           # the pre step's per-launch times, bs 128 and 512
+           for bs in 128 512; do timeout 120 python3 benchmarks/diag_stream_ceiling.py --state-dtype bfloat16 \
+           --batch $bs 2>&1 | grep -v Warn; done | tee "$OUT/bf16_ceiling.txt" ;;
   m2flags) timeout 240 python3 benchmarks/bench_mamba2_kernel.py --out /tmp/m2flags --batches 128,256 \
            --configs "${M2F:-pre}" 2>&1 | grep -v Warn | tee "$OUT/mamba2_flush_flags.txt" ;;
   cold)    # issue 5's compile-time target: every mode compiled cold in a process of its own (bench --cold-compile)

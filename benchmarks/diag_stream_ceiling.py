@@ -45,6 +45,20 @@ def _gemv_tile_kernel(s_ptr, c_ptr, y_ptr, P, N, H, heads_per_g,
 
 
 @triton.jit
+def _gemv_flat_kernel(s_ptr, c_ptr, y_ptr, P, N, H, heads_per_g, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``BLOCK_R`` consecutive rows of the ``[b * H * P, N]`` state per program (several heads of one group when
+    ``BLOCK_R > P``: more bytes in flight per program than one head's tile holds)."""
+    r0 = tl.program_id(0).to(tl.int64) * BLOCK_R
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    offs_n = tl.arange(0, BLOCK_N)
+    s = tl.load(s_ptr + offs_r[:, None] * N + offs_n[None, :], mask=(offs_n < N)[None, :], other=0.0)
+    rh = r0 // P
+    g = (rh // H) * (H // heads_per_g) + (rh % H) // heads_per_g
+    c = tl.load(c_ptr + g * N + offs_n, mask=offs_n < N, other=0.0)
+    tl.store(y_ptr + offs_r, tl.sum(s.to(tl.float32) * c[None, :], axis=1))
+
+
+@triton.jit
 def _gemv_persistent_kernel(s_ptr, c_ptr, y_ptr, n_tiles, P, N, H, heads_per_g, n_pb,
                             BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
@@ -59,11 +73,11 @@ def _gemv_persistent_kernel(s_ptr, c_ptr, y_ptr, n_tiles, P, N, H, heads_per_g, 
         tl.store(y_ptr + rh * P + offs_p, tl.sum(s * c[None, :], axis=1), mask=offs_p < P)
 
 
-def stream_ceiling(bs, H, P, N, G, bw):
-    state = torch.randn(bs, H, P, N, device="cuda")
+def stream_ceiling(bs, H, P, N, G, bw, state_dtype=torch.float32):
+    state = torch.randn(bs, H, P, N, device="cuda").to(state_dtype)
     c = torch.randn(bs, G, N, device="cuda")
     y = torch.empty(bs, H, P, device="cuda")
-    nbytes = state.numel() * 4
+    nbytes = state.numel() * state.element_size()
     rows = []
 
     def report(name, us):
@@ -74,13 +88,19 @@ def stream_ceiling(bs, H, P, N, G, bw):
     dst = torch.empty_like(state)
     report("copy_ (read+write: 2x bytes)", time_graph(lambda: dst.copy_(state)) / 2)
     report("state.sum(-1)", time_graph(lambda: torch.sum(state, -1, out=y)))
-    for bp, nw in [(8, 1), (16, 1), (16, 2), (32, 1), (32, 2), (32, 4), (64, 2), (64, 4)]:
+    for bp, nw in [(8, 1), (16, 1), (16, 2), (32, 1), (32, 2), (32, 4), (64, 1), (64, 2), (64, 4)]:
         if bp > triton.next_power_of_2(P):
             continue
         grid = (triton.cdiv(P, bp), bs * H)
         fn = lambda: _gemv_tile_kernel[grid](state, c, y, P, N, H, H // G, BLOCK_P=bp,  # noqa: E731
                                              BLOCK_N=triton.next_power_of_2(N), num_warps=nw)
         report(f"gemv tile BLOCK_P={bp} warps={nw}", time_graph(fn))
+    if (H // G) % 2 == 0 and (P & (P - 1)) == 0:     # whole heads per program: 2 or 4 of one group
+        for heads, nw in [(1, 2), (2, 2), (2, 4), (4, 4), (4, 8)]:
+            br = heads * P
+            fn = lambda: _gemv_flat_kernel[(bs * H * P // br,)](  # noqa: E731
+                state, c, y, P, N, H, H // G, BLOCK_R=br, BLOCK_N=triton.next_power_of_2(N), num_warps=nw)
+            report(f"gemv {heads} heads/program warps={nw}", time_graph(fn))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for bp, nw, per_sm, stages in [(16, 1, 16, 2), (16, 1, 32, 2), (16, 2, 16, 3), (32, 2, 8, 3), (32, 4, 8, 2),
                                    (32, 4, 4, 4), (64, 4, 4, 3)]:
@@ -114,11 +134,11 @@ def profile_steps(step, cursor, L, reps=10):
         print(f"  {name}: " + "; ".join(f"{k[:40]} {v:.1f} us" for k, v in per.most_common()), flush=True)
 
 
-def launch_breakdown(bs, H, P, N, G, L=16):
+def launch_breakdown(bs, H, P, N, G, L=16, state_dtype=torch.float32):
     """Device time per kernel of one ``pre`` step (profiler, plain launches), non-flush and flush."""
     from replay_compile.kernels.mamba2_triton import replay_step_triton
 
-    state = torch.randn(bs, H, P, N, device="cuda")
+    state = torch.randn(bs, H, P, N, device="cuda").to(state_dtype)
     rings, (x, dt, la, B, C) = random_step(bs, H, P, N, G, L, 1, torch.bfloat16)
     ring = rings[0]
     profile_steps(lambda: replay_step_triton(state, *ring, x, dt, la, B, C, None), ring[-1], L)
@@ -174,6 +194,8 @@ def main():
     ap.add_argument("--geoms", default="super,nano")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--breakdown-only", action="store_true", help="only the pre step's per-launch times")
+    ap.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                    help="the Mamba-2 checkpoint's dtype (streams and breakdowns)")
     ap.add_argument("--delta", default="", help="comma list of qwen35_4b,kimi_linear: delta-rule breakdowns (exact "
                     "and fp8 read copy) instead of the Mamba-2 ones")
     ap.add_argument("--delta-configs", default="split", help="';'-separated delta_triton TUNING strings (parse_tuning) "
@@ -212,12 +234,13 @@ def main():
                 with rct.tuned(spec):
                     reported(spec, readcopy_breakdown, args.batch, H, P, N, G, args.read_copy)
         return
+    sdt = getattr(torch, args.state_dtype)
     for gname in args.geoms.split(","):
         H, P, N, G = GEOMS[gname]
-        print(f"{gname} bs{args.batch} fp32 state [{args.batch}, {H}, {P}, {N}]")
+        print(f"{gname} bs{args.batch} {args.state_dtype} state [{args.batch}, {H}, {P}, {N}]")
         if not args.breakdown_only:
-            stream_ceiling(args.batch, H, P, N, G, bw)
-        launch_breakdown(args.batch, H, P, N, G)
+            stream_ceiling(args.batch, H, P, N, G, bw, sdt)
+        launch_breakdown(args.batch, H, P, N, G, state_dtype=sdt)
 
 
 if __name__ == "__main__":

@@ -78,7 +78,10 @@ def _assert_same(runs):
 
 @gpu
 @pytest.mark.parametrize("b, H, P, N, G", [(256, 128, 64, 128, 8), (128, 96, 80, 128, 8)])   # Super, Nano
-def test_mamba2_pre_pdl_bit_identical(monkeypatch, b, H, P, N, G):
+@pytest.mark.parametrize("spec", ["pre", "pre:flush_pdl=1,zero_pdl=1"])
+def test_mamba2_pre_pdl_bit_identical(monkeypatch, b, H, P, N, G, spec):
+    """``flush_pdl=1,zero_pdl=1``: a PDL chain of four launches (count zeroing -> window -> pass -> listed flush);
+    the flush walk reads the list and the cursors only after its ``gdc_wait``."""
     L, S = 16, b + 8
     steps = 2 * L + 3
     gen = torch.Generator("cuda").manual_seed(5)
@@ -103,7 +106,7 @@ def test_mamba2_pre_pdl_bit_identical(monkeypatch, b, H, P, N, G):
     def step(c, inp):
         return replay_step_triton(c[0], *c[1:], *inp)
 
-    with kt.tuned(kt.TUNING, "pre"):
+    with kt.tuned(kt.TUNING, spec):
         _assert_same(_run_twice(monkeypatch, make, step, steps, kt.LAST_LAUNCH))
 
 

@@ -38,11 +38,24 @@ __all__ = ["launch_window", "replay_step_pre", "window_heads"]
 
 
 @triton.jit
-def _list_flush_row(work_ptr, row, hb, WORKLIST: tl.constexpr):
-    """Append a flushing row to ``work = [count, rows...]`` once (from its first window program)."""
+def _list_flush_row(work_ptr, row, hb, WORKLIST: tl.constexpr, PDL_WAIT: tl.constexpr):
+    """Append a flushing row to ``work = [count, rows...]`` once (from its first window program); ``PDL_WAIT``:
+    after the launch that zeroes the count (:func:`_zero_count_kernel`) has finished."""
     if WORKLIST:
         if hb == 0:
+            if PDL_WAIT:
+                tl.extra.cuda.gdc_wait()
             _list_row(work_ptr, row)
+
+
+@triton.jit
+def _zero_count_kernel(work_ptr, PDL: tl.constexpr):
+    """``work[0] = 0`` (the listed flush's row count; the rows after it are written before they are read), as the
+    programmatic primary of the window launch (``zero_pdl=1``): the window launch starts at once instead of after
+    a ``torch.zeros`` of the whole list."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    tl.store(work_ptr, 0)
 
 
 @triton.jit
@@ -53,7 +66,7 @@ def _mamba2_prepass_window_kernel(
     s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn, s_cb, s_cg, s_cn,
     HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
     HB: tl.constexpr, WORKLIST: tl.constexpr, EARLY: tl.constexpr, CB_ONLY: tl.constexpr, PDL: tl.constexpr,
-    HPP: tl.constexpr,
+    HPP: tl.constexpr, PDL_WAIT: tl.constexpr,
 ):
     """``pre`` variant, launch 1, grid ``(batch, H // HPP)``: the window's contribution for ``HPP`` heads of one
     group (they share ``B_j·C``, computed once), ``win[h, p] = Σ_j coef_hj (B_j·C) x_hj[p]`` and ``decay_h =
@@ -72,6 +85,10 @@ def _mamba2_prepass_window_kernel(
 
     ``PDL``: the checkpoint pass is launched as this launch's programmatic dependent; every program lets it start
     at once (it streams its tiles, then waits for this grid before reading ``cb`` and ``decay``).
+
+    ``PDL_WAIT`` (``zero_pdl=1``): this launch is itself the programmatic dependent of :func:`_zero_count_kernel`,
+    which zeroes ``work``'s count; a flush row waits for it (``gdc_wait``) before appending itself. Nothing else
+    here reads or writes ``work``, and the zeroing launch started after every earlier writer had finished.
 
     ``HPP`` heads per program on an ``HB``-long (power-of-two) head axis: ``HPP == HB`` but where the group size is
     not a power of two and the window is padded (``win_pad=1``, the default: Nano's 12 heads per group on a 16-long
@@ -100,7 +117,7 @@ def _mamba2_prepass_window_kernel(
     else:                                           # cursor first: only the held records are read
         w = tl.load(cursor_ptr + slot)
         if w == L - 1:
-            _list_flush_row(work_ptr, row, hb, WORKLIST)
+            _list_flush_row(work_ptr, row, hb, WORKLIST, PDL_WAIT)
             return
         in_l = offs_l < w
     la_w = tl.load(lar_ptr + slot * s_lrb + lane_h[:, None] * s_lrh + offs_l[None, :] * s_lrl,
@@ -124,7 +141,7 @@ def _mamba2_prepass_window_kernel(
     if EARLY:
         w = tl.load(cursor_ptr + slot)
         if w == L - 1:                              # flush rows: the flush launch computes their window
-            _list_flush_row(work_ptr, row, hb, WORKLIST)
+            _list_flush_row(work_ptr, row, hb, WORKLIST, PDL_WAIT)
             return
     hist = offs_l < w
     cur = offs_l == w
@@ -176,11 +193,11 @@ def window_heads(H: int, G: int, Gc: int, P: int, block_l: int) -> tuple[int, in
 
 
 def launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, has_slot, block_n, block_l,
-                  work=None, cb_only=False, pdl=False):
+                  work=None, cb_only=False, pdl=False, pdl_wait=False):
     """Launch 1 of the ``pre`` variants (the fp32 step and the read-copy step): returns fp32 scratch ``win [b, H,
     P]`` (``cb_only``: the per-record weights ``cb [b, H, block_l]``, the fp32 step's default) and ``dec [b, H]``;
     flush rows are appended to ``work`` when given. ``pdl``: the next launch is its programmatic dependent (the
-    ``cb_only`` form's checkpoint pass)."""
+    ``cb_only`` form's checkpoint pass); ``pdl_wait``: it is itself the dependent of :func:`_zero_count_kernel`."""
     b, H, P = x.shape
     N = B.shape[-1]
     G, Gc = B_ring.shape[1], C.shape[1]
@@ -195,7 +212,8 @@ def launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slo
         *x_ring.stride(), *dt_ring.stride(), *la_ring.stride(), *B_ring.stride(),
         *x.stride(), *dt.stride(), *la.stride(), *B.stride(), *C.stride(),
         HAS_SLOT=has_slot, BLOCK_P=bpw, BLOCK_N=block_n, BLOCK_L=block_l, HB=hb, WORKLIST=work is not None,
-        EARLY=cb_only or bool(base.TUNING.get("win_early", 1)), CB_ONLY=cb_only, PDL=pdl, HPP=hpp, num_warps=warps)
+        EARLY=cb_only or bool(base.TUNING.get("win_early", 1)), CB_ONLY=cb_only, PDL=pdl, HPP=hpp,
+        PDL_WAIT=pdl_wait, num_warps=warps, **pdl_options(pdl_wait))
     return win, dec
 
 
@@ -221,7 +239,7 @@ def _mamba2_prepass_apply_kernel(
     s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
     HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
     STOCHASTIC_FP16: tl.constexpr, ROUTE: tl.constexpr, EARLY_TILE: tl.constexpr, WIN_X: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, PDL_NEXT: tl.constexpr,
 ):
     """``pre`` variant, launch 2 of 2, grid ``(cdiv(P, BLOCK_P), batch, H)``: a ``BLOCK_P x N`` checkpoint tile,
     loaded before the cursor (both branches need it, so the load overlaps the cursor's round trip).
@@ -231,7 +249,12 @@ def _mamba2_prepass_apply_kernel(
     ``PDL`` (launched as the window launch's programmatic dependent): everything up to the cursor is read while
     launch 1 may still run (launch 1 writes none of it, and it started after every earlier writer had finished);
     ``gdc_wait`` comes before launch 1's outputs (``cb``, ``decay``, a ``ROUTE=0`` fold's ring records) and before
-    every store but a padding row's zero output."""
+    every store but a padding row's zero output.
+
+    ``PDL_NEXT`` (``flush_pdl=1``): the listed flush launch is this launch's programmatic dependent; its programs
+    take the SMs this grid's last wave leaves and wait (``gdc_wait``) for the whole grid before reading anything."""
+    if PDL_NEXT:
+        tl.extra.cuda.gdc_launch_dependents()
     pid_p = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
@@ -343,14 +366,17 @@ def _mamba2_flush_list_kernel(
     s_brb, s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn,
     s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
     HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    N_TILES: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, ADVANCE: tl.constexpr, n_rows,
+    N_TILES: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, ADVANCE: tl.constexpr, n_rows, PDL: tl.constexpr,
 ):
     """``pre`` variant, flush launch: a fixed grid (a few programs per SM) walks the ``count x H x n_pb`` flush
     tiles of the rows the window launch listed in ``work = [count, rows...]``, each folded by :func:`_fold_tile`.
     On the 15 of 16 steps where no row flushes, every program reads ``count = 0`` and exits: a ``(n_pb, b, H)`` grid
     of programs that each read a cursor and return cost 21-45 µs per step at bs256 (H200, session 7). (No
     defaulted parameters here or in any kernel launched inside a compiled graph: ``wrap_triton`` needs every
-    argument passed.)"""
+    argument passed.) ``PDL``: launched as the checkpoint pass's programmatic dependent, every program first waits
+    for it (and so for every launch before it) to finish."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     _walk_listed_folds(state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, cursor_ptr, x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr,
                        slot_ptr, y_ptr, work_ptr, y_ptr, H, P, N, L, heads_per_g, heads_per_gc, n_pb,
                        s_sb, s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl,
@@ -371,17 +397,28 @@ def replay_step_pre(cfg: dict, args: tuple, common: dict, has_slot: bool, slot_a
     # the listed flush's row list: [count, rows...], zeroed every step. (One flag per row written by the window
     # launch instead, no memset: non-flush steps 0-1.9 µs faster at bs 128 / 256, the flush step 26-34% slower with
     # the flags ranked per fold item and up to 29% with them ranked once per program; H200 session 16, NOTES.)
-    work = torch.zeros((b + 1,), dtype=torch.int32, device=x.device) if listed else None
+    # ``zero_pdl=1``: only the count is zeroed, by a launch of ours whose programmatic dependent is the window launch
+    zero_pdl = False
+    if not listed:
+        work = None
+    elif cfg["zero_pdl"]:
+        work = torch.empty((b + 1,), dtype=torch.int32, device=x.device)
+        zero_pdl = pdl_on(x.device)
+        launch(_zero_count_kernel)[(1,)](work, PDL=zero_pdl, **pdl_options(zero_pdl))
+    else:
+        work = torch.zeros((b + 1,), dtype=torch.int32, device=x.device)
     # 0: win from launch 1's scratch; 1: from the x window read after the cursor; 2: read before it
     win_x = (2 if cfg["apply_early_x"] else 1) if cfg["window"] == "coef" and cfg["route"] == 1 else 0
     pdl = pdl_on(x.device, cfg["pdl"] and win_x > 0)   # launch 2 as launch 1's programmatic dependent
+    # launch 3 (the listed flush) as launch 2's programmatic dependent
+    flush_pdl = pdl_on(x.device, cfg["flush_pdl"] and listed and cfg["route"] == 1)
     win, dec = launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, has_slot,
-                             cfg["BLOCK_N"], cfg["BLOCK_L"], work, cb_only=win_x > 0, pdl=pdl)
+                             cfg["BLOCK_N"], cfg["BLOCK_L"], work, cb_only=win_x > 0, pdl=pdl, pdl_wait=zero_pdl)
     k = launch(_mamba2_prepass_apply_kernel)[(n_pb, b, H)](
         *args[:13], win, dec, *args[13:19], *args[20:],
         HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_P"], BLOCK_N=cfg["BLOCK_N"], BLOCK_L=cfg["BLOCK_L"],
         STOCHASTIC_FP16=common["STOCHASTIC_FP16"], ROUTE=cfg["route"], EARLY_TILE=cfg["early_tile"],
-        WIN_X=win_x, PDL=pdl, num_warps=cfg["num_warps"], **pdl_options(pdl))
+        WIN_X=win_x, PDL=pdl, PDL_NEXT=flush_pdl, num_warps=cfg["num_warps"], **pdl_options(pdl))
     if cfg["route"] == 1:
         fl = dict(common, BLOCK_P=cfg["FLUSH_P"], BLOCK_N=cfg["FLUSH_N"], num_warps=cfg["flush_warps"],
                   N_TILES=cdiv(N, cfg["FLUSH_N"]))
@@ -391,7 +428,8 @@ def replay_step_pre(cfg: dict, args: tuple, common: dict, has_slot: bool, slot_a
             programs = fixed_grid(b * H * n_fp, cfg["flush_warps"], x.device, cfg["flush_programs_per_sm"])
             advanced = cfg["fold_advance"]
             launch(_mamba2_flush_list_kernel)[(programs,)](
-                *args[:13], work, *args[13:19], n_fp, *args[20:], **fl, ADVANCE=advanced, n_rows=b)
+                *args[:13], work, *args[13:19], n_fp, *args[20:], **fl, ADVANCE=advanced, n_rows=b, PDL=flush_pdl,
+                **pdl_options(flush_pdl))
         else:
             launch(_mamba2_replay_tiled_kernel)[(n_fp, b, H)](*args, STATE_EVICT="", ROUTE=2, **fl)
     if not advanced:
