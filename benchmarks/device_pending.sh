@@ -206,8 +206,8 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
            | tee "$OUT/mamba2_pdlchain.txt" ;;
   bf16diag) # issue 3's bf16 cells: what a bf16 checkpoint stream reaches (GEMV tiles, whole heads per program) and
            # the pre step's per-launch times, bs 128 and 512
-           for bs in 128 512; do timeout 120 python3 benchmarks/diag_stream_ceiling.py --state-dtype bfloat16 \
-           --batch $bs 2>&1 | grep -v Warn; done | tee "$OUT/bf16_ceiling.txt" ;;
+           for bs in ${BF_BATCHES:-128 512}; do timeout 120 python3 benchmarks/diag_stream_ceiling.py \
+           --state-dtype ${BF_DTYPE:-bfloat16} --batch $bs 2>&1 | grep -v Warn; done | tee "$OUT/bf16_ceiling.txt" ;;
   m2flags) timeout 240 python3 benchmarks/bench_mamba2_kernel.py --out /tmp/m2flags --batches 128,256 \
            --configs "${M2F:-pre}" 2>&1 | grep -v Warn | tee "$OUT/mamba2_flush_flags.txt" ;;
   cold)    # issue 5's compile-time target: every mode compiled cold in a process of its own (bench --cold-compile)

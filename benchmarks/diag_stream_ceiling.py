@@ -31,10 +31,11 @@ from bench_mamba2_kernel import GEOMS, copy_bandwidth, random_step, reported, ti
 
 
 @triton.jit
-def _gemv_tile_kernel(s_ptr, c_ptr, y_ptr, P, N, H, heads_per_g,
+def _gemv_tile_kernel(s_ptr, c_ptr, y_ptr, P, N, H, heads_per_g, n_pb,
                       BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid_p = tl.program_id(0)
-    rh = tl.program_id(1).to(tl.int64)              # row * H + h
+    pid = tl.program_id(0)                          # one axis: b * H reaches past the 65535 of axis 1 at bs512
+    pid_p = pid % n_pb
+    rh = (pid // n_pb).to(tl.int64)                 # row * H + h
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = tl.arange(0, BLOCK_N)
     m = (offs_p < P)[:, None] & (offs_n < N)[None, :]
@@ -91,8 +92,8 @@ def stream_ceiling(bs, H, P, N, G, bw, state_dtype=torch.float32):
     for bp, nw in [(8, 1), (16, 1), (16, 2), (32, 1), (32, 2), (32, 4), (64, 1), (64, 2), (64, 4)]:
         if bp > triton.next_power_of_2(P):
             continue
-        grid = (triton.cdiv(P, bp), bs * H)
-        fn = lambda: _gemv_tile_kernel[grid](state, c, y, P, N, H, H // G, BLOCK_P=bp,  # noqa: E731
+        grid = (triton.cdiv(P, bp) * bs * H,)
+        fn = lambda: _gemv_tile_kernel[grid](state, c, y, P, N, H, H // G, triton.cdiv(P, bp), BLOCK_P=bp,  # noqa: E731
                                              BLOCK_N=triton.next_power_of_2(N), num_warps=nw)
         report(f"gemv tile BLOCK_P={bp} warps={nw}", time_graph(fn))
     if (H // G) % 2 == 0 and (P & (P - 1)) == 0:     # whole heads per program: 2 or 4 of one group

@@ -239,7 +239,7 @@ def _mamba2_prepass_apply_kernel(
     s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
     HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
     STOCHASTIC_FP16: tl.constexpr, ROUTE: tl.constexpr, EARLY_TILE: tl.constexpr, WIN_X: tl.constexpr,
-    PDL: tl.constexpr, PDL_NEXT: tl.constexpr,
+    PDL: tl.constexpr, PDL_NEXT: tl.constexpr, ROWS_OUTER: tl.constexpr,
 ):
     """``pre`` variant, launch 2 of 2, grid ``(cdiv(P, BLOCK_P), batch, H)``: a ``BLOCK_P x N`` checkpoint tile,
     loaded before the cursor (both branches need it, so the load overlaps the cursor's round trip).
@@ -256,8 +256,12 @@ def _mamba2_prepass_apply_kernel(
     if PDL_NEXT:
         tl.extra.cuda.gdc_launch_dependents()
     pid_p = tl.program_id(0)
-    row = tl.program_id(1).to(tl.int64)
-    h = tl.program_id(2).to(tl.int64)
+    if ROWS_OUTER:                                  # grid (n_pb, H, b): programs in a row's memory order
+        row = tl.program_id(2).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
+    else:                                           # grid (n_pb, b, H)
+        row = tl.program_id(1).to(tl.int64)
+        h = tl.program_id(2).to(tl.int64)
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     mask_p = offs_p < P
     y_ptrs = y_ptr + row * s_yb + h * s_yh + offs_p * s_yp
@@ -414,11 +418,13 @@ def replay_step_pre(cfg: dict, args: tuple, common: dict, has_slot: bool, slot_a
     flush_pdl = pdl_on(x.device, cfg["flush_pdl"] and listed and cfg["route"] == 1)
     win, dec = launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, has_slot,
                              cfg["BLOCK_N"], cfg["BLOCK_L"], work, cb_only=win_x > 0, pdl=pdl, pdl_wait=zero_pdl)
-    k = launch(_mamba2_prepass_apply_kernel)[(n_pb, b, H)](
+    rows_outer = cfg["rows_outer"] and b < 1 << 16                 # the grid's z axis holds at most 65535 rows
+    k = launch(_mamba2_prepass_apply_kernel)[(n_pb, H, b) if rows_outer else (n_pb, b, H)](
         *args[:13], win, dec, *args[13:19], *args[20:],
         HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_P"], BLOCK_N=cfg["BLOCK_N"], BLOCK_L=cfg["BLOCK_L"],
         STOCHASTIC_FP16=common["STOCHASTIC_FP16"], ROUTE=cfg["route"], EARLY_TILE=cfg["early_tile"],
-        WIN_X=win_x, PDL=pdl, PDL_NEXT=flush_pdl, num_warps=cfg["num_warps"], **pdl_options(pdl))
+        WIN_X=win_x, PDL=pdl, PDL_NEXT=flush_pdl, ROWS_OUTER=rows_outer, num_warps=cfg["num_warps"],
+        **pdl_options(pdl))
     if cfg["route"] == 1:
         fl = dict(common, BLOCK_P=cfg["FLUSH_P"], BLOCK_N=cfg["FLUSH_N"], num_warps=cfg["flush_warps"],
                   N_TILES=cdiv(N, cfg["FLUSH_N"]))
