@@ -413,7 +413,8 @@ def replay_step_pre(cfg: dict, args: tuple, common: dict, has_slot: bool, slot_a
         work = torch.zeros((b + 1,), dtype=torch.int32, device=x.device)
     # 0: win from launch 1's scratch; 1: from the x window read after the cursor; 2: read before it
     win_x = (2 if cfg["apply_early_x"] else 1) if cfg["window"] == "coef" and cfg["route"] == 1 else 0
-    pdl = pdl_on(x.device, cfg["pdl"] and win_x > 0)   # launch 2 as launch 1's programmatic dependent
+    # launch 2 as launch 1's programmatic dependent (``pdl_full=1``: also where launch 1 computes the whole window)
+    pdl = pdl_on(x.device, cfg["pdl"] and (win_x > 0 or cfg["pdl_full"]))
     # launch 3 (the listed flush) as launch 2's programmatic dependent
     flush_pdl = pdl_on(x.device, cfg["flush_pdl"] and listed and cfg["route"] == 1)
     win, dec = launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, has_slot,

@@ -528,7 +528,7 @@ def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
                    apply_early_x=bool(TUNING.get("apply_early_x", 1)), fold_advance=bool(TUNING.get("fold_advance", 1)),
                    flush_programs_per_sm=TUNING.get("flush_per_sm"), pdl=bool(TUNING.get("pdl", 1)),
                    flush_pdl=bool(TUNING.get("flush_pdl", 0)), zero_pdl=bool(TUNING.get("zero_pdl", 0)),
-                   rows_outer=bool(TUNING.get("rows_outer", 0)))
+                   rows_outer=bool(TUNING.get("rows_outer", 0)), pdl_full=bool(TUNING.get("pdl_full", 0)))
     else:
         raise ValueError(f"replay_compile.mamba2: unknown kernel variant {variant!r} (whole, pre, tiled)")
     return dict(cfg, variant=variant, BLOCK_L=block_l)
