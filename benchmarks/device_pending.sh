@@ -8,7 +8,8 @@
 #   tests      GPU tests of every Mamba-2 / delta kernel (pytest -n 6 when pytest-xdist is carried)
 #   tests16    session 16's changes on the GPU: 300 staggered rows, the inline tests through the memo's shared
 #              fake / TensorBox key, validation stopping after its last check
-#   pdlchain   issue 3: the PDL chain knobs (flush_pdl, zero_pdl) vs the default at bs 128 / 256, after their GPU tests
+#   pdlchain   issue 3: launch-chain configs $M2P at bs 128 / 256 after the PDL GPU tests (session 17: flush_pdl,
+#              zero_pdl; flush_pdl lost and was removed, zero_pdl became the default)
 #   bf16diag   issue 3: the bf16 checkpoint's stream ceiling and the pre step's per-launch times at bs 128 / 512
 #   m2flags    issue 3: $M2F configs vs the default at bs 128 / 256 (session 16: flush_flags=1, since removed)
 #   bs1default issue 5's batch 1 in default mode (combo kernels on for our graphs since session 15), 3 models
@@ -202,7 +203,7 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
            timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_pdl.py tests/test_mamba2_triton.py \
            -k "pdl or poisoned or launch_options" --tb=short 2>&1 | tail -15 | tee "$OUT/pytest_pdlchain.txt"
            timeout 330 python3 benchmarks/bench_mamba2_kernel.py --out /tmp/pdlchain --batches 128,256 \
-           --configs "${M2P:-pre;pre:flush_pdl=1;pre:zero_pdl=1;pre:flush_pdl=1,zero_pdl=1}" 2>&1 | grep -v Warn \
+           --configs "${M2P:-pre;pre:zero_pdl=0}" 2>&1 | grep -v Warn \
            | tee "$OUT/mamba2_pdlchain.txt" ;;
   bf16diag) # issue 3's bf16 cells: what a bf16 checkpoint stream reaches (GEMV tiles, whole heads per program) and
            # the pre step's per-launch times, bs 128 and 512

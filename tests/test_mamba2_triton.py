@@ -80,26 +80,26 @@ def test_kernel_matches_reference_bitwise_contract(geom, L, act, state_dtype, ki
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("kind", ["pre:route=0", "pre:route=0,early_tile=1", "pre:flush_list=0,win_heads=1",
                                   "pre:flush_per_sm=1,FLUSH_P=16,FLUSH_N=16,win_early=0,window_full=1",
-                                  "pre:apply_early_x=0,fold_advance=0,flush_per_sm=1", "pre:flush_pdl=1,zero_pdl=1",
-                                  "pre:rows_outer=1"])
+                                  "pre:apply_early_x=0,fold_advance=0,flush_per_sm=1", "pre:zero_pdl=0,rows_outer=1",
+                                  "pre:rows_outer=0"])
 def test_pre_variant_launch_options(geom, L, state_dtype, kind):
     """``pre`` with ``route=0`` (the checkpoint pass folds flush rows itself instead of a third launch); with the
     flush launch over the whole grid instead of the listed rows and one head per window program; with 4 flush
     programs walking more tiles than there are programs, with the x window read by the window launch (that reads
     the cursor first) instead of the checkpoint pass; with the checkpoint pass loading its x window after the cursor
     and the cursor advanced by a launch of its own (the defaults fold it into the flush walk); with the PDL chain's
-    launches (the flush list's count zeroed by a launch of ours; PDL itself is off in the interpreter); with the
-    checkpoint pass's grid in (head, row) order."""
+    launches (the list zeroed by ``torch.zeros`` instead of only its count by a launch of ours; PDL itself is off in
+    the interpreter); with the checkpoint pass's grid in either order (the default depends on P)."""
     with variant(kind):
         _match_reference(geom, L, torch.float32, state_dtype)
 
 
-@pytest.mark.parametrize("kind, int_poison", [("pre", 1), ("pre:zero_pdl=1", 2)])
+@pytest.mark.parametrize("kind, int_poison", [("pre", 2), ("pre:zero_pdl=0", 1)])
 def test_pre_step_scratch_poisoned(kind, int_poison, monkeypatch):
     """Every scratch buffer of the ``pre`` step is written before it is read: with each fresh allocation poisoned
     (int32 to ``int_poison``, floats to NaN) the step still matches the reference, padding rows and flushes
-    included. ``zero_pdl=1``: the flush list comes from ``torch.empty`` and only its count is zeroed; a count not
-    zeroed lists poisoned entries, row 2 (slot 0), which then folds on steps where it must not."""
+    included. By default (``zero_pdl=1``) the flush list comes from ``torch.empty`` and only its count is zeroed; a
+    count not zeroed lists poisoned entries, row 2 (slot 0), which then folds on steps where it must not."""
     real_empty = torch.empty
 
     def poisoned(*args, **kwargs):

@@ -6,15 +6,18 @@ configuration (:func:`~replay_compile.kernels.mamba2_triton.launch_config`, ``TU
 
 Launches, all routed on the device from the cursor (one captured CUDA graph serves every step):
 
+0. :func:`_zero_count_kernel` zeroes the flush list's count; launch 1 is its programmatic dependent (Hopper).
 1. :func:`_mamba2_prepass_window_kernel` (``CB_ONLY``), grid ``(b, H / HPP)``: per row and group of ``HPP`` heads, the
    window's per-record weights ``cb_j = coef_j (B_j·C)`` and the decay into fp32 scratch; appends the ``dt``, ``log
    a``, ``B`` records; lists flushing rows in ``work = [count, rows...]``. (``window_full=1``: it also reads the x
    window and writes ``win`` instead; the read-copy step's ``win_cb=0`` form.)
-2. :func:`_mamba2_prepass_apply_kernel`, grid ``(cdiv(P, BLOCK_P), b, H)``: streams the ``BLOCK_P x N`` checkpoint
-   tile of non-flush rows (64 rows on 2 warps where 64 divides P, else 16 on 1 warp), ``y = decay (S_0 C) + Σ_j cb_j
-   x_j``, appends ``x``. A read-only stream of the checkpoint on the H200 reaches 97-100% of copy bandwidth; this
-   pass alone runs there (benchmarks/NOTES.md, session 7). (A persistent form of this pass, a fixed grid looping
-   over the tiles with loads pipelined through shared memory, lost at every point measured: NOTES "Session 15".)
+2. :func:`_mamba2_prepass_apply_kernel`, grid ``(cdiv(P, BLOCK_P), b, H)`` (``(.., H, b)`` for 16-row tiles):
+   streams the ``BLOCK_P x N`` checkpoint tile of non-flush rows (64 rows on 2 warps where 64 divides P, else 16
+   on 1 warp), ``y = decay (S_0 C) + Σ_j cb_j x_j``, appends ``x``. A read-only stream of an fp32 checkpoint on the
+   H200 reaches 97-100% of copy bandwidth; this pass alone runs there (benchmarks/NOTES.md, session 7). A bf16
+   checkpoint's stream reaches 88-93% at bs128 (NOTES, session 17). (A persistent form of this pass, a fixed grid
+   looping over the tiles with loads pipelined through shared memory, lost at every point measured: NOTES
+   "Session 15".)
 3. :func:`_mamba2_flush_list_kernel`: a fixed grid (32 warps per SM) walks the listed rows' tiles with the tiled
    fold (:func:`~replay_compile.kernels.mamba2_triton._fold_tile`); a non-flush step pays ~2 µs for it.
 4. The cursor advance (``fold_advance=1``: inside launch 3).
@@ -239,7 +242,7 @@ def _mamba2_prepass_apply_kernel(
     s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
     HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
     STOCHASTIC_FP16: tl.constexpr, ROUTE: tl.constexpr, EARLY_TILE: tl.constexpr, WIN_X: tl.constexpr,
-    PDL: tl.constexpr, PDL_NEXT: tl.constexpr, ROWS_OUTER: tl.constexpr,
+    PDL: tl.constexpr, ROWS_OUTER: tl.constexpr,
 ):
     """``pre`` variant, launch 2 of 2, grid ``(cdiv(P, BLOCK_P), batch, H)``: a ``BLOCK_P x N`` checkpoint tile,
     loaded before the cursor (both branches need it, so the load overlaps the cursor's round trip).
@@ -251,10 +254,8 @@ def _mamba2_prepass_apply_kernel(
     ``gdc_wait`` comes before launch 1's outputs (``cb``, ``decay``, a ``ROUTE=0`` fold's ring records) and before
     every store but a padding row's zero output.
 
-    ``PDL_NEXT`` (``flush_pdl=1``): the listed flush launch is this launch's programmatic dependent; its programs
-    take the SMs this grid's last wave leaves and wait (``gdc_wait``) for the whole grid before reading anything."""
-    if PDL_NEXT:
-        tl.extra.cuda.gdc_launch_dependents()
+    ``ROWS_OUTER``: grid ``(n_pb, H, b)``, consecutive programs walk a row's heads in memory order (the default for
+    16-row tiles: Nano non-flush -1 to -9 µs at bs 128-512, H200 session 17; Super's whole-head tiles lost 0-3 µs)."""
     pid_p = tl.program_id(0)
     if ROWS_OUTER:                                  # grid (n_pb, H, b): programs in a row's memory order
         row = tl.program_id(2).to(tl.int64)
@@ -370,17 +371,15 @@ def _mamba2_flush_list_kernel(
     s_brb, s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn,
     s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
     HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    N_TILES: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, ADVANCE: tl.constexpr, n_rows, PDL: tl.constexpr,
+    N_TILES: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, ADVANCE: tl.constexpr, n_rows,
 ):
     """``pre`` variant, flush launch: a fixed grid (a few programs per SM) walks the ``count x H x n_pb`` flush
     tiles of the rows the window launch listed in ``work = [count, rows...]``, each folded by :func:`_fold_tile`.
     On the 15 of 16 steps where no row flushes, every program reads ``count = 0`` and exits: a ``(n_pb, b, H)`` grid
     of programs that each read a cursor and return cost 21-45 µs per step at bs256 (H200, session 7). (No
     defaulted parameters here or in any kernel launched inside a compiled graph: ``wrap_triton`` needs every
-    argument passed.) ``PDL``: launched as the checkpoint pass's programmatic dependent, every program first waits
-    for it (and so for every launch before it) to finish."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
+    argument passed.) (As the checkpoint pass's programmatic dependent, waiting for it before reading anything, the
+    flush step was 2-16% slower and a non-flush step 0-1.4 µs faster: H200 session 17, NOTES.)"""
     _walk_listed_folds(state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, cursor_ptr, x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr,
                        slot_ptr, y_ptr, work_ptr, y_ptr, H, P, N, L, heads_per_g, heads_per_gc, n_pb,
                        s_sb, s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl,
@@ -401,7 +400,9 @@ def replay_step_pre(cfg: dict, args: tuple, common: dict, has_slot: bool, slot_a
     # the listed flush's row list: [count, rows...], zeroed every step. (One flag per row written by the window
     # launch instead, no memset: non-flush steps 0-1.9 µs faster at bs 128 / 256, the flush step 26-34% slower with
     # the flags ranked per fold item and up to 29% with them ranked once per program; H200 session 16, NOTES.)
-    # ``zero_pdl=1``: only the count is zeroed, by a launch of ours whose programmatic dependent is the window launch
+    # ``zero_pdl=1`` (default): only the count is zeroed, by a launch of ours whose programmatic dependent is the
+    # window launch, instead of a torch.zeros of the list before it (L-avg 0.1-1.3 µs lower at all 8 points of
+    # bs 128 / 256 x Super / Nano x fp32 / bf16, H200 session 17)
     zero_pdl = False
     if not listed:
         work = None
@@ -413,10 +414,7 @@ def replay_step_pre(cfg: dict, args: tuple, common: dict, has_slot: bool, slot_a
         work = torch.zeros((b + 1,), dtype=torch.int32, device=x.device)
     # 0: win from launch 1's scratch; 1: from the x window read after the cursor; 2: read before it
     win_x = (2 if cfg["apply_early_x"] else 1) if cfg["window"] == "coef" and cfg["route"] == 1 else 0
-    # launch 2 as launch 1's programmatic dependent (``pdl_full=1``: also where launch 1 computes the whole window)
-    pdl = pdl_on(x.device, cfg["pdl"] and (win_x > 0 or cfg["pdl_full"]))
-    # launch 3 (the listed flush) as launch 2's programmatic dependent
-    flush_pdl = pdl_on(x.device, cfg["flush_pdl"] and listed and cfg["route"] == 1)
+    pdl = pdl_on(x.device, cfg["pdl"] and win_x > 0)   # launch 2 as launch 1's programmatic dependent
     win, dec = launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, has_slot,
                              cfg["BLOCK_N"], cfg["BLOCK_L"], work, cb_only=win_x > 0, pdl=pdl, pdl_wait=zero_pdl)
     rows_outer = cfg["rows_outer"] and b < 1 << 16                 # the grid's z axis holds at most 65535 rows
@@ -424,8 +422,7 @@ def replay_step_pre(cfg: dict, args: tuple, common: dict, has_slot: bool, slot_a
         *args[:13], win, dec, *args[13:19], *args[20:],
         HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_P"], BLOCK_N=cfg["BLOCK_N"], BLOCK_L=cfg["BLOCK_L"],
         STOCHASTIC_FP16=common["STOCHASTIC_FP16"], ROUTE=cfg["route"], EARLY_TILE=cfg["early_tile"],
-        WIN_X=win_x, PDL=pdl, PDL_NEXT=flush_pdl, ROWS_OUTER=rows_outer, num_warps=cfg["num_warps"],
-        **pdl_options(pdl))
+        WIN_X=win_x, PDL=pdl, ROWS_OUTER=rows_outer, num_warps=cfg["num_warps"], **pdl_options(pdl))
     if cfg["route"] == 1:
         fl = dict(common, BLOCK_P=cfg["FLUSH_P"], BLOCK_N=cfg["FLUSH_N"], num_warps=cfg["flush_warps"],
                   N_TILES=cdiv(N, cfg["FLUSH_N"]))
@@ -435,8 +432,7 @@ def replay_step_pre(cfg: dict, args: tuple, common: dict, has_slot: bool, slot_a
             programs = fixed_grid(b * H * n_fp, cfg["flush_warps"], x.device, cfg["flush_programs_per_sm"])
             advanced = cfg["fold_advance"]
             launch(_mamba2_flush_list_kernel)[(programs,)](
-                *args[:13], work, *args[13:19], n_fp, *args[20:], **fl, ADVANCE=advanced, n_rows=b, PDL=flush_pdl,
-                **pdl_options(flush_pdl))
+                *args[:13], work, *args[13:19], n_fp, *args[20:], **fl, ADVANCE=advanced, n_rows=b)
         else:
             launch(_mamba2_replay_tiled_kernel)[(n_fp, b, H)](*args, STATE_EVICT="", ROUTE=2, **fl)
     if not advanced:

@@ -491,9 +491,9 @@ def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
       bs128, 15 fewer registers; session 8).
       ``route=0`` folds flush rows inside launch 2 instead (``early_tile=1`` loads the tile before the cursor).
       ``pdl=1`` (default; Hopper and later, :func:`~.launch.pdl_on`): launch 2 is launch 1's programmatic
-      dependent, so its tiles stream while launch 1 runs; ``flush_pdl=1``: launch 3 is launch 2's, and
-      ``zero_pdl=1``: the list's count is zeroed by a launch of ours whose dependent is launch 1 (both off until
-      measured). ``win_pad=1`` (default): launch 1 covers a whole
+      dependent, so its tiles stream while launch 1 runs; ``zero_pdl=1`` (default): the list's count is zeroed by a
+      launch of ours whose dependent is launch 1. ``rows_outer`` (default where 64 does not divide P): launch 2's
+      grid is ``(n_pb, H, b)``, programs in memory order. ``win_pad=1`` (default): launch 1 covers a whole
       group of heads whose count is not a power of two on a padded axis (``mamba2_pre_triton.window_heads``).
       Launch 2's tiles are 64 x N on 2 warps where 64 divides P (Super), else 16 x N on 1 warp.
     * ``tiled`` (the session-2 body, kept for comparisons): one launch streams ``BLOCK_P x BLOCK_N`` tiles for both
@@ -527,8 +527,7 @@ def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
                    window="full" if TUNING.get("window_full", 0) else "coef",
                    apply_early_x=bool(TUNING.get("apply_early_x", 1)), fold_advance=bool(TUNING.get("fold_advance", 1)),
                    flush_programs_per_sm=TUNING.get("flush_per_sm"), pdl=bool(TUNING.get("pdl", 1)),
-                   flush_pdl=bool(TUNING.get("flush_pdl", 0)), zero_pdl=bool(TUNING.get("zero_pdl", 0)),
-                   rows_outer=bool(TUNING.get("rows_outer", 0)), pdl_full=bool(TUNING.get("pdl_full", 0)))
+                   zero_pdl=bool(TUNING.get("zero_pdl", 1)), rows_outer=bool(TUNING.get("rows_outer", not p64)))
     else:
         raise ValueError(f"replay_compile.mamba2: unknown kernel variant {variant!r} (whole, pre, tiled)")
     return dict(cfg, variant=variant, BLOCK_L=block_l)
