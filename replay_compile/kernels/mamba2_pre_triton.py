@@ -288,9 +288,14 @@ def _mamba2_prepass_apply_kernel(
             return
     if not EARLY_TILE:
         s0 = tl.load(s_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
+    if WIN_X == 3:                                  # only the held records, issued with the tile (before the wait:
+        offs_l = tl.arange(0, BLOCK_L)              # launch 1 does not write the x ring in this form)
+        xw = tl.load(xr_ptr + slot * s_xrb + h * s_xrh + offs_l[:, None] * s_xrl + offs_p[None, :] * s_xrp,
+                     mask=(offs_l < w)[:, None] & mask_p[None, :], other=0.0)
+        x_cur = tl.load(x_ptr + row * s_xb + h * s_xh + offs_p * s_xp, mask=mask_p, other=0.0)
     if PDL:
         tl.extra.cuda.gdc_wait()                    # launch 1 complete: its outputs are visible from here on
-    if WIN_X == 2:
+    if WIN_X >= 2:
         cbv = tl.load(win_ptr + (row * H + h) * BLOCK_L + offs_l)                    # zero past w
     if (ROUTE == 0) and (w == L - 1):
         g = h // heads_per_g
@@ -412,8 +417,10 @@ def replay_step_pre(cfg: dict, args: tuple, common: dict, has_slot: bool, slot_a
         launch(_zero_count_kernel)[(1,)](work, PDL=zero_pdl, **pdl_options(zero_pdl))
     else:
         work = torch.zeros((b + 1,), dtype=torch.int32, device=x.device)
-    # 0: win from launch 1's scratch; 1: from the x window read after the cursor; 2: read before it
-    win_x = (2 if cfg["apply_early_x"] else 1) if cfg["window"] == "coef" and cfg["route"] == 1 else 0
+    # 0: win from launch 1's scratch; 1: from the whole x window read after launch 1; 2: read before the cursor;
+    # 3: only its held records, read after the cursor with the tile (``held_x=1``)
+    win_x = (3 if cfg["held_x"] else 2 if cfg["apply_early_x"] else 1) if cfg["window"] == "coef" and \
+        cfg["route"] == 1 else 0
     pdl = pdl_on(x.device, cfg["pdl"] and win_x > 0)   # launch 2 as launch 1's programmatic dependent
     win, dec = launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, has_slot,
                              cfg["BLOCK_N"], cfg["BLOCK_L"], work, cb_only=win_x > 0, pdl=pdl, pdl_wait=zero_pdl)
