@@ -80,8 +80,8 @@ def test_kernel_matches_reference_bitwise_contract(geom, L, act, state_dtype, ki
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("kind", ["pre:route=0", "pre:route=0,early_tile=1", "pre:flush_list=0,win_heads=1",
                                   "pre:flush_per_sm=1,FLUSH_P=16,FLUSH_N=16,win_early=0,window_full=1",
-                                  "pre:held_x=0,apply_early_x=0,fold_advance=0,flush_per_sm=1", "pre:zero_pdl=0,rows_outer=1",
-                                  "pre:rows_outer=0", "pre:held_x=0"])
+                                  "pre:held_x=0,apply_early_x=0,fold_advance=0,flush_per_sm=1", "pre:zero_pdl=0",
+                                  "pre:rows_outer=0,held_x=0"])
 def test_pre_variant_launch_options(geom, L, state_dtype, kind):
     """``pre`` with ``route=0`` (the checkpoint pass folds flush rows itself instead of a third launch); with the
     flush launch over the whole grid instead of the listed rows and one head per window program; with 4 flush
@@ -89,8 +89,8 @@ def test_pre_variant_launch_options(geom, L, state_dtype, kind):
     the cursor first) instead of the checkpoint pass; with the checkpoint pass loading its x window after the cursor
     and the cursor advanced by a launch of its own (the defaults fold it into the flush walk); with the PDL chain's
     launches (the list zeroed by ``torch.zeros`` instead of only its count by a launch of ours; PDL itself is off in
-    the interpreter); with the checkpoint pass's grid in either order (the default depends on P); with the whole x
-    window read before the cursor (the default reads only the held records, after it)."""
+    the interpreter); with the checkpoint pass's grid in the other order (these geometries' P takes ``(n_pb, H,
+    b)`` by default) and the whole x window read before the cursor (the default reads only the held records)."""
     with variant(kind):
         _match_reference(geom, L, torch.float32, state_dtype)
 

@@ -486,8 +486,9 @@ def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
       writes ``win`` instead); launch 2 streams ``16 x N`` checkpoint tiles (1 warp) for non-flush rows, ``y = decay
       (S_0 C) + Σ_j cb_j x_j`` (``held_x=1``, default: only the held x records, loaded after the cursor with the
       tile: non-flush 2-6% faster at bs 128-512, H200 session 17; ``held_x=0``: the whole x window, before the
-      cursor, ``apply_early_x=0``: after launch 1); launch 3 walks the listed flush rows on 32 warps per SM (the ``tiled`` body, 64 x 64 tiles and 4 warps where 64 divides P, else 32 x 32
-      and 2 warps; ``flush_list=0``: a full grid whose non-flush programs return) and advances the cursors
+      cursor, ``apply_early_x=0``: after launch 1); launch 3 walks the listed flush rows on 32 warps per SM (the
+      ``tiled`` body, 64 x 64 tiles and 4 warps where 64 divides P, else 32 x 32 and 2 warps; ``flush_list=0``: a
+      full grid whose non-flush programs return) and advances the cursors
       (``fold_advance=0``: a fourth launch does). Super fp32 bs256 2.11x, bs128 2.10x (both knobs on: 1-3% faster at
       bs128, 15 fewer registers; session 8).
       ``route=0`` folds flush rows inside launch 2 instead (``early_tile=1`` loads the tile before the cursor).
