@@ -3,8 +3,10 @@
 # Carry .baselines (mamba_ssm source) and .wheels (pytest-xdist, execnet, fla); benchmarks/fetch_device_wheels.sh
 # rebuilds both where a checkout lacks them (git does not hold them).
 # Usage on the GPU machine:  OUT=... bash benchmarks/device_pending.sh [steps...]
-#   steps (default: tests; then coldrep in a call of its own; NOTES "Session 16" says why). The device
-#   returns at most 8 files, no more than 2 folders below $OUT: steps keep to that.
+#   steps (default: tests sweep: the GPU suite with held_x as the default, first time in full, and the Mamba-2
+#   sweep of record with it; NOTES "Session 17" says why). The device returns at most 8 files, no more than 2
+#   folders below $OUT: steps keep to that. Steps that run a benchmark outside pytest need the package importable:
+#   this script installs it; a bare command needs PYTHONPATH=$PWD.
 #   tests      GPU tests of every Mamba-2 / delta kernel (pytest -n 6 when pytest-xdist is carried)
 #   tests16    session 16's changes on the GPU: 300 staggered rows, the inline tests through the memo's shared
 #              fake / TensorBox key, validation stopping after its last check
@@ -101,7 +103,7 @@ if ls .wheels/pytest_xdist-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-deps .wheels/pytest_xdist-*.whl .wheels/execnet-*.whl >> $INSTALL_LOG 2>&1 \
     && XDIST="-n 6"
 fi
-steps=${*:-tests}
+steps=${*:-tests sweep}
 for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
   tests) timeout 300 python3 -m pytest -q $XDIST -p no:cacheprovider tests/test_mamba2_triton_gpu.py \
            tests/test_mamba2_triton.py tests/test_mamba2_readcopy.py tests/test_delta_readcopy_triton.py --tb=line \
