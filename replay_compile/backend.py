@@ -10,7 +10,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import os
 import sys
 from typing import Any, Sequence
 
@@ -20,7 +19,7 @@ import torch.fx as fx
 from . import ops  # noqa: F401 - registers the custom ops
 from . import state as replay_state
 from ._logging import log, timed_phase
-from .config import ReplayConfig
+from .config import ReplayConfig, env_flag
 from .passes.replay_pass import PassResult, ReplaySSMPass
 
 
@@ -173,7 +172,7 @@ def replayssm_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | 
         result = ReplaySSMPass(cfg)(gm, example_inputs)
     _REPORTS.append(dataclasses.replace(result, gm=None, fake_inputs=[]))
     gm = result.gm
-    if result.sites and os.environ.get("REPLAY_COMPILE_COMBO_KERNELS", "1") not in ("0", "false", "False") \
+    if result.sites and env_flag("REPLAY_COMPILE_COMBO_KERNELS", True) \
             and _inductor_has("combo_kernels"):
         # Our step kernel reads q, k, v, gates as materialised tensors, where plain Inductor fuses their
         # computation into its own recurrence kernel: a GDN layer gets ~5 small prologue kernels of different sizes

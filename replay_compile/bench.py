@@ -34,6 +34,8 @@ import sys
 import time
 from typing import Callable
 
+from .config import env_flag
+
 MODES = ("eager", "inductor", "inductor-ro", "replayssm", "replayssm-ro")
 
 
@@ -402,7 +404,7 @@ def run(models, batches, modes, steps, L, device, dtype_name, layers, out_dir, p
                     bar.next(f"{name} bs={bs} {mode}")
                     try:
                         runs[mode].append(bench_one(model, bs, mode, steps, L))
-                        if os.environ.get("REPLAY_COMPILE_BENCH_COMPILE_TIMES"):   # where compile time went
+                        if env_flag("REPLAY_COMPILE_BENCH_COMPILE_TIMES", False):   # where compile time went
                             print(f"compile times, {name} bs={bs} {mode}:\n{torch._dynamo.utils.compile_times()}",
                                   file=sys.stderr)
                     except torch.cuda.OutOfMemoryError:

@@ -218,10 +218,10 @@ def _env(_args) -> int:
     else:
         print("device      cpu only")
     from . import __version__
-    from .config import ENV_VARS
+    from .config import ENV_VARS, OTHER_ENV_VARS
 
     print(f"replay_compile {__version__}")
-    for var in ENV_VARS:
+    for var in (*ENV_VARS, *OTHER_ENV_VARS):
         if var in os.environ:
             print(f"  {var}={os.environ[var]}")
     return 0

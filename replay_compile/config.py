@@ -14,16 +14,41 @@ from typing import Any, Mapping, Optional
 
 CONFIG_VERSION = 3        # 2: read_copy; 3: read_copy_families
 
+_TRUE = ("1", "true", "on", "yes")
+_FALSE = ("0", "false", "off", "no")
+
+
+def parse_flag(value: str) -> bool:
+    """An on/off environment value: ``1 true on yes`` or ``0 false off no`` (any case); anything else raises
+    ``ValueError`` (a misspelt switch must not silently mean either)."""
+    v = value.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise ValueError(f"expected one of {', '.join(_TRUE + _FALSE)}")
+
+
+def env_flag(name: str, default: bool, environ: Mapping[str, str] | None = None) -> bool:
+    """The on/off switch ``name`` from the environment (:func:`parse_flag`); ``default`` when unset or empty. Every
+    boolean ``REPLAY_COMPILE_*`` variable is read through this, so they all take the same spellings."""
+    raw = (os.environ if environ is None else environ).get(name, "")
+    if not raw.strip():
+        return default
+    try:
+        return parse_flag(raw)
+    except ValueError as e:
+        raise ValueError(f"replay_compile: bad value {raw!r} for {name}: {e}") from None
+
+
 # name -> (field, parser, help). One table; the README's environment table is written from it.
 ENV_VARS: dict[str, tuple[str, Any, str]] = {
     "REPLAY_COMPILE_BUFFER_LEN": ("buffer_len", int, "records per ring before a flush (L); default 16"),
-    "REPLAY_COMPILE_STRICT": ("strict", lambda s: s not in ("", "0", "false", "False"),
-                              "1: raise instead of leaving an unrecognised SSM update unchanged"),
-    "REPLAY_COMPILE_VALIDATE": ("validate", lambda s: s not in ("", "0", "false", "False"),
-                                "0: skip the numerical check of each match at compile time"),
+    "REPLAY_COMPILE_STRICT": ("strict", parse_flag, "1: raise instead of leaving an unrecognised SSM update unchanged"),
+    "REPLAY_COMPILE_VALIDATE": ("validate", parse_flag, "0: skip the numerical check of each match at compile time"),
     "REPLAY_COMPILE_FAMILIES": ("families", lambda s: tuple(x for x in s.split(",") if x),
                                 "comma list of families to rewrite; default all (mamba2, gdn, kda)"),
-    "REPLAY_COMPILE_DISABLE": ("enabled", lambda s: s in ("", "0", "false", "False"),
+    "REPLAY_COMPILE_DISABLE": ("enabled", lambda s: not parse_flag(s),
                                "1: compile with the lowering only, rewrite nothing"),
     "REPLAY_COMPILE_READ_COPY": ("read_copy", lambda s: s or None,
                                  "bf16 / fp8_e4m3 / nvfp4 / nvfp4_row: non-flush steps read a low-precision copy of "
@@ -31,14 +56,19 @@ ENV_VARS: dict[str, tuple[str, Any, str]] = {
     "REPLAY_COMPILE_READ_COPY_FAMILIES": ("read_copy_families", lambda s: tuple(x for x in s.split(",") if x),
                                           "comma list of families given the read copy; default mamba2"),
 }
-# read where they act, not part of ReplayConfig
+# read where they act, not part of ReplayConfig (the on/off ones through env_flag)
 OTHER_ENV_VARS = {
     "REPLAY_COMPILE_KERNELS": "reference: run the ops' PyTorch reference on CUDA instead of the Triton kernels",
-    "REPLAY_COMPILE_INLINE_KERNELS": "0: keep the step ops opaque in compiled graphs; all: trace every kernel variant "
-                                     "into them (default: the small-batch latency kernels only; ops/library.py)",
+    "REPLAY_COMPILE_INLINE_KERNELS": "0: keep the step ops opaque in compiled graphs; latency: trace only the "
+                                     "small-batch latency kernels into them (default: every exact kernel variant; "
+                                     "ops/library.py)",
     "REPLAY_COMPILE_LOG": "info / debug: log rewrites and skips (and graphs at debug) to stderr",
     "REPLAY_COMPILE_COMBO_KERNELS": "0: do not turn on Inductor's combo kernels for graphs with rewrites (default on; "
                                     "backend.py says why; options={'combo_kernels': False} does the same per compile)",
+    "REPLAY_COMPILE_MUTATION_CACHE": "0: let torch analyse every inlined kernel launch itself (default: once per "
+                                     "kernel and argument kinds; ops/mutation_cache.py)",
+    "REPLAY_COMPILE_PDL": "0: no programmatic dependent launch (Hopper and later; kernels/launch.py)",
+    "REPLAY_COMPILE_BENCH_COMPILE_TIMES": "1: replay-compile bench prints Dynamo's compile phases per run",
 }
 
 SUPPORTED_FAMILIES = ("mamba2", "gdn", "kda")
@@ -107,7 +137,7 @@ class ReplayConfig:
         environ = os.environ if environ is None else environ
         kw = {}
         for var, (field, parse, _) in ENV_VARS.items():
-            if var in environ:
+            if environ.get(var, "").strip():           # unset or empty: the default
                 try:
                     kw[field] = parse(environ[var])
                 except ValueError as e:

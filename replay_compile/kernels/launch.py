@@ -17,6 +17,8 @@ import threading
 
 import torch
 
+from ..config import env_flag
+
 _STATE = threading.local()
 
 
@@ -84,7 +86,7 @@ def pdl_on(device, wanted: bool = True) -> bool:
     ``REPLAY_COMPILE_PDL=0``."""
     if not wanted or tracing() or getattr(device, "type", None) != "cuda" or interpreting():
         return False
-    if os.environ.get("REPLAY_COMPILE_PDL", "1").strip().lower() in ("0", "off", "false", "no"):
+    if not env_flag("REPLAY_COMPILE_PDL", True):
         return False
     return _major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
 

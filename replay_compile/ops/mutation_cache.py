@@ -26,10 +26,11 @@ import copy
 import functools
 import importlib
 import logging
-import os
 import sys
 
 import torch
+
+from ..config import env_flag
 
 log = logging.getLogger("replay_compile")
 
@@ -132,7 +133,7 @@ def memoised(analyse):
 def install() -> list[str]:
     """Wrap torch's analysis entry points (once per process); returns the names wrapped (none where this torch has
     neither, or with ``REPLAY_COMPILE_MUTATION_CACHE=0``: then nothing changes)."""
-    if os.environ.get("REPLAY_COMPILE_MUTATION_CACHE", "1") == "0":
+    if not env_flag("REPLAY_COMPILE_MUTATION_CACHE", True):
         return []
     try:
         mod = importlib.import_module("torch._higher_order_ops.triton_kernel_wrap")
