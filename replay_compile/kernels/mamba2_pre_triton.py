@@ -244,10 +244,15 @@ def _mamba2_prepass_apply_kernel(
     STOCHASTIC_FP16: tl.constexpr, ROUTE: tl.constexpr, EARLY_TILE: tl.constexpr, WIN_X: tl.constexpr,
     PDL: tl.constexpr, ROWS_OUTER: tl.constexpr,
 ):
-    """``pre`` variant, launch 2 of 2, grid ``(cdiv(P, BLOCK_P), batch, H)``: a ``BLOCK_P x N`` checkpoint tile,
-    loaded before the cursor (both branches need it, so the load overlaps the cursor's round trip).
-    Non-flush rows: ``y = decay (S_0 C) + win``; flush rows fold the window into the tile (one ``tl.dot``), write
-    it, ``y = S_new C``.
+    """``pre`` variant, launch 2, grid ``(cdiv(P, BLOCK_P), batch, H)``: a ``BLOCK_P x N`` checkpoint tile, loaded
+    after the cursor (``EARLY_TILE``: before it; 18-20% slower at Super bf16, H200 session 17). Non-flush rows:
+    ``y = decay (S_0 C) + win``; with ``ROUTE=0`` flush rows fold the window into the tile (one ``tl.dot``), write
+    it, ``y = S_new C`` (``ROUTE=1``, the default: they return, the listed flush launch folds them).
+
+    ``WIN_X``, where ``win`` comes from: 0, launch 1's ``win [b, H, P]``; otherwise ``Σ_j cb_j x_j`` over this
+    program's slice of the x ring with launch 1's per-record weights ``cb``, the slice read as 1: the whole
+    window after ``gdc_wait``, 2: the whole window before the cursor, 3 (``held_x``, the default): only the held
+    records ``j < w``, issued with the tile (non-flush 2-6% faster than 2 at bs 128-512, H200 session 17).
 
     ``PDL`` (launched as the window launch's programmatic dependent): everything up to the cursor is read while
     launch 1 may still run (launch 1 writes none of it, and it started after every earlier writer had finished);
