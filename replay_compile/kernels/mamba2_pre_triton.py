@@ -221,6 +221,16 @@ def launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slo
 
 
 @triton.jit
+def _x_slice(xr_base, x_ptrs, n, offs_l, offs_p, mask_p, s_xrl, s_xrp):
+    """A pass program's ``[BLOCK_L, BLOCK_P]`` slice of the x window at ``xr_base`` (one slot and head), records
+    ``j < n`` (the held ``w``, or the whole ``L``: :func:`_cb_window` then drops the stale ones), and its slice of
+    the current ``x`` at ``x_ptrs``. Shared by the fp32 step's pass and the read copies' copy pass."""
+    xw = tl.load(xr_base + offs_l[:, None] * s_xrl + offs_p[None, :] * s_xrp,
+                 mask=(offs_l < n)[:, None] & mask_p[None, :], other=0.0)
+    return xw, tl.load(x_ptrs, mask=mask_p, other=0.0)
+
+
+@triton.jit
 def _cb_window(cbv, xw, x_cur, w, offs_l, x_append_ptrs, mask_p):
     """A pass program's window term from the window launch's per-record weights ``cbv`` [BLOCK_L] (zero past
     ``w``): ``Σ_j cb_j x_j`` over its ``[BLOCK_L, BLOCK_P]`` slice ``xw`` of the x window, the current ``x_cur``
@@ -282,29 +292,25 @@ def _mamba2_prepass_apply_kernel(
         s0 = tl.load(s_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
     gc = h // heads_per_gc
     c = tl.load(C_ptr + row * s_cb + gc * s_cg + offs_n * s_cn, mask=mask_n, other=0.0).to(tl.float32)
+    offs_l = tl.arange(0, BLOCK_L)
+    xr_base = xr_ptr + slot * s_xrb + h * s_xrh
+    x_ptrs = x_ptr + row * s_xb + h * s_xh + offs_p * s_xp
     if WIN_X == 2:                                  # the x window's loads before the cursor (stale slots too)
-        offs_l = tl.arange(0, BLOCK_L)
-        xw = tl.load(xr_ptr + slot * s_xrb + h * s_xrh + offs_l[:, None] * s_xrl + offs_p[None, :] * s_xrp,
-                     mask=(offs_l < L)[:, None] & mask_p[None, :], other=0.0)
-        x_cur = tl.load(x_ptr + row * s_xb + h * s_xh + offs_p * s_xp, mask=mask_p, other=0.0)
+        xw, x_cur = _x_slice(xr_base, x_ptrs, L, offs_l, offs_p, mask_p, s_xrl, s_xrp)
     w = tl.load(cursor_ptr + slot)                  # advanced afterwards by _advance_cursor_kernel
     if ROUTE == 1:                                  # flush rows are another launch's (the tiled body, ROUTE 2)
         if w == L - 1:
             return
     if not EARLY_TILE:
         s0 = tl.load(s_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
-    if WIN_X == 3:                                  # only the held records, issued with the tile (before the wait:
-        offs_l = tl.arange(0, BLOCK_L)              # launch 1 does not write the x ring in this form)
-        xw = tl.load(xr_ptr + slot * s_xrb + h * s_xrh + offs_l[:, None] * s_xrl + offs_p[None, :] * s_xrp,
-                     mask=(offs_l < w)[:, None] & mask_p[None, :], other=0.0)
-        x_cur = tl.load(x_ptr + row * s_xb + h * s_xh + offs_p * s_xp, mask=mask_p, other=0.0)
+    if WIN_X == 3:      # only the held records, issued with the tile, before the wait (launch 1 writes no x here)
+        xw, x_cur = _x_slice(xr_base, x_ptrs, w, offs_l, offs_p, mask_p, s_xrl, s_xrp)
     if PDL:
         tl.extra.cuda.gdc_wait()                    # launch 1 complete: its outputs are visible from here on
     if WIN_X >= 2:
         cbv = tl.load(win_ptr + (row * H + h) * BLOCK_L + offs_l)                    # zero past w
     if (ROUTE == 0) and (w == L - 1):
         g = h // heads_per_g
-        offs_l = tl.arange(0, BLOCK_L)
         hist = offs_l < w
         cur = offs_l == w
         la_cur, dt_cur, x_cur, coef, decay, xw = _step_window(
@@ -323,13 +329,9 @@ def _mamba2_prepass_apply_kernel(
         decay = tl.load(dec_ptr + row * H + h)
         if WIN_X != 0:                              # win from this slice of the x window and cb = coef (B·C)
             if WIN_X == 1:
-                offs_l = tl.arange(0, BLOCK_L)
                 cbv = tl.load(win_ptr + (row * H + h) * BLOCK_L + offs_l)            # zero past w
-                xw = tl.load(xr_ptr + slot * s_xrb + h * s_xrh + offs_l[:, None] * s_xrl + offs_p[None, :] * s_xrp,
-                             mask=(offs_l < L)[:, None] & mask_p[None, :], other=0.0)
-                x_cur = tl.load(x_ptr + row * s_xb + h * s_xh + offs_p * s_xp, mask=mask_p, other=0.0)
-            win = _cb_window(cbv, xw, x_cur, w, offs_l, xr_ptr + slot * s_xrb + h * s_xrh + w * s_xrl + offs_p * s_xrp,
-                             mask_p)
+                xw, x_cur = _x_slice(xr_base, x_ptrs, L, offs_l, offs_p, mask_p, s_xrl, s_xrp)
+            win = _cb_window(cbv, xw, x_cur, w, offs_l, xr_base + w * s_xrl + offs_p * s_xrp, mask_p)
         else:
             win = tl.load(win_ptr + (row * H + h) * P + offs_p, mask=mask_p, other=0.0)
         tl.store(y_ptrs, decay * tl.sum(s0 * c[None, :], axis=1) + win, mask=mask_p)

@@ -108,7 +108,7 @@ import triton.language as tl
 from ..quant.formats import Encoded, get_format
 from .host_math import cdiv, memo_unless_tuned, next_pow2
 from .launch import interpreting, launch
-from .mamba2_pre_triton import _cb_window, _walk_listed_folds, launch_window
+from .mamba2_pre_triton import _cb_window, _walk_listed_folds, _x_slice, launch_window
 from .mamba2_readcopy_reference import as_encoded
 from .mamba2_triton import (_advance_cursor_kernel, _list_item, _round_checkpoint, _row_slot, _step_row, _step_window,
                             fixed_grid, fold_tile_shape, parse_tuning)
@@ -679,11 +679,10 @@ def _readcopy_apply_kernel(
     if WIN_CB:
         offs_l = tl.arange(0, BLOCK_L)
         cbv = tl.load(win_ptr + (row * H + h) * BLOCK_L + offs_l)                    # zero past w
-        xw = tl.load(xr_ptr + slot * s_xrb + h * s_xrh + offs_l[:, None] * s_xrl + offs_p[None, :] * s_xrp,
-                     mask=(offs_l < w)[:, None] & mask_p[None, :], other=0.0)
-        x_cur = tl.load(x_ptr + row * s_xb + h * s_xh + offs_p * s_xp, mask=mask_p, other=0.0)
-        win = _cb_window(cbv, xw, x_cur, w, offs_l, xr_ptr + slot * s_xrb + h * s_xrh + w * s_xrl + offs_p * s_xrp,
-                         mask_p)
+        xr_base = xr_ptr + slot * s_xrb + h * s_xrh
+        xw, x_cur = _x_slice(xr_base, x_ptr + row * s_xb + h * s_xh + offs_p * s_xp, w, offs_l, offs_p, mask_p,
+                             s_xrl, s_xrp)
+        win = _cb_window(cbv, xw, x_cur, w, offs_l, xr_base + w * s_xrl + offs_p * s_xrp, mask_p)
     else:
         win = tl.load(win_ptr + (row * H + h) * P + offs_p, mask=mask_p, other=0.0)
     tl.store(y_ptrs, decay * sc + win, mask=mask_p)
