@@ -257,7 +257,6 @@ def test_bench_gpus_rejects_tp_and_check(tmp_path):
         main(["bench", "--device", "cpu", "--gpus", "2", "--tp", "2", "--out", str(tmp_path)])
 
 
-
 def test_bench_cold_compile_rounds_are_cold_processes_in_alternating_order(tmp_path, monkeypatch):
     """``bench --cold-compile --rounds 2``: each round of each point runs every mode in a process of its own with
     empty caches (modes in alternating order), the workers themselves run one round, and the merged row averages

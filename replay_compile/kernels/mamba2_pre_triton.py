@@ -400,7 +400,6 @@ def _mamba2_flush_list_kernel(
                        HAS_SLOT, BLOCK_P, BLOCK_N, BLOCK_L, N_TILES, STOCHASTIC_FP16, ADVANCE, n_rows, 0)
 
 
-
 def replay_step_pre(cfg: dict, args: tuple, common: dict, has_slot: bool, slot_arg, n_pb: int):
     """Launch the ``pre`` step; ``args`` is :func:`~replay_compile.kernels.mamba2_triton.replay_step_triton`'s
     argument tuple of the tiled kernel (tensors, sizes, strides). Returns the checkpoint pass's compiled kernel."""
