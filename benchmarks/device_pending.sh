@@ -110,16 +110,6 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
            tests/test_delta_triton.py tests/test_delta_triton_gpu.py tests/test_kernel_call_anchor.py \
            tests/test_inline_kernels_gpu.py -p no:logging 2>&1 \
            | grep -v "warnings.warn" | tail -40 | tee "$OUT/pytest.txt" ;;
-  s18)     # session 18: the delta step's flush as a launch of its own walking listed flush rows (flush_list=1; the
-           # fold's registers out of the checkpoint pass: 255 + spills -> 128 with triton 3.9's ptxas), issue 4's KDA
-           timeout 200 python3 -m pytest -q $XDIST -p no:cacheprovider tests/test_delta_triton.py \
-           tests/test_delta_triton_gpu.py --tb=short 2>&1 | tail -4 | tee "$OUT/pytest_s18.txt"
-           timeout 150 python3 benchmarks/diag_stream_ceiling.py --delta kimi_linear,qwen35_4b \
-           --delta-configs "split;split:flush_list=1;split:flush_list=1,flush_dot=1" 2>&1 | grep -v Warn \
-           | tee "$OUT/delta_flush_list_breakdown.txt"
-           timeout 300 python3 benchmarks/bench_delta_kernel.py --out /tmp/s18d --batches ${FL_BATCHES:-256} \
-           --geoms kimi_linear,qwen35_4b --configs "${FL:-split;split:flush_list=1;split:flush_list=1,flush_warps=4,flush_v=64;split:flush_list=1,flush_dot=1;split:flush_list=1,flush_dot=1,flush_warps=4,flush_kc=64;split:flush_list=1,flush_stages=0;split:flush_list=1,flush_programs_per_sm=8}" \
-           2>&1 | grep -v Warn | tee "$OUT/delta_flush_list.txt" ;;
   dbreak) timeout 200 python3 benchmarks/diag_stream_ceiling.py --delta qwen35_4b,kimi_linear \
            --delta-configs "$DK" \
            2>&1 | grep -v Warn | tee "$OUT/delta_breakdown_knobs.txt" ;;

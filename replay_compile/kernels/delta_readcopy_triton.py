@@ -307,9 +307,9 @@ def delta_replay_step_readcopy_triton(state, copy, fmt, d_ring, k_ring, g_ring, 
     wrow = torch.empty((b,), dtype=cursor.dtype, device=v.device)
     common = dict(HAS_SLOT=has_slot, KDA=kda, BLOCK_K=cfg["BLOCK_K"], BLOCK_L=cfg["BLOCK_L"])
     launch(_delta_window_kernel)[(b, HV)](
-        cursor, k_ring, g_ring, q, k, g, slot_arg, win, vec, ke, wrow, None, K, L, v_per_k, v_per_q,
+        cursor, k_ring, g_ring, q, k, g, slot_arg, win, vec, ke, wrow, K, L, v_per_k, v_per_q,
         *k_ring.stride(), *g_strides, *q.stride(), *k.stride(), *gi_strides, SCAN_DOT=cfg["scan_dot"], PDL=False,
-        WORKLIST=False, PDL_WAIT=False, num_warps=cfg["window_warps"], **common)
+        num_warps=cfg["window_warps"], **common)
     (cv, cs, ct), cstrides = _copy_args(enc, name, cursor)
     n_vb = cdiv(V, cfg["BLOCK_V"])
     listed = cfg["flush_list"]                      # flush rows listed by the apply launch for the encode launches

@@ -30,8 +30,7 @@ import triton.language as tl
 
 from .host_math import cdiv
 from .launch import launch, pdl_on, pdl_options
-from .mamba2_pre_triton import _list_flush_row, _zero_count_kernel
-from .mamba2_triton import _list_item, _row_slot, _step_row, _store_checkpoint, fixed_grid
+from .mamba2_triton import _row_slot, _step_row, _store_checkpoint
 
 
 @triton.jit
@@ -64,12 +63,12 @@ def _store_window(win_ptr, vec_ptr, rh, u, uq, k, q, dec, flushing, offs_l, offs
 
 @triton.jit
 def _delta_window_kernel(
-    cursor_ptr, kr_ptr, gr_ptr, q_ptr, k_ptr, g_ptr, slot_ptr, win_ptr, vec_ptr, ke_ptr, wrow_ptr, work_ptr,
+    cursor_ptr, kr_ptr, gr_ptr, q_ptr, k_ptr, g_ptr, slot_ptr, win_ptr, vec_ptr, ke_ptr, wrow_ptr,
     K, L, v_per_k, v_per_q,
     s_krb, s_krh, s_krl, s_krk, s_grb, s_grh, s_grl, s_grk,
     s_qb, s_qh, s_qk, s_kb, s_kh, s_kk, s_gb, s_gh, s_gk,
     HAS_SLOT: tl.constexpr, KDA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
-    SCAN_DOT: tl.constexpr, PDL: tl.constexpr, WORKLIST: tl.constexpr, PDL_WAIT: tl.constexpr,
+    SCAN_DOT: tl.constexpr, PDL: tl.constexpr,
 ):
     """Launch 1, grid ``(batch, HV)``: everything of the step that does not touch the checkpoint, once per (row,
     value head) instead of once per V-block. Writes ``w`` [b] (from head 0), the window scalars
@@ -77,10 +76,7 @@ def _delta_window_kernel(
     ``vec[row, h] = (exp(E_tot) ⊙ k_t, exp(E_tot) ⊙ q_t, exp(E_tot))`` and, for flushing rows only, the scaled keys
     ``ke[row, h] = KE [BLOCK_L, BLOCK_K]`` (zero past the window). Reads the cursor, writes nothing of the cache.
     ``SCAN_DOT``: see :func:`_kda_after`. ``PDL``: launch 2 is this launch's programmatic dependent and may start
-    at once (:func:`_delta_apply_kernel` waits for this grid before it reads anything written here). ``WORKLIST``
-    (``flush_list=1``): head 0 of a flushing row appends the row to ``work = [count, rows...]`` for
-    :func:`_delta_flush_list_kernel`; ``PDL_WAIT``: after :func:`_zero_count_kernel`, this launch's programmatic
-    primary, has zeroed the count."""
+    at once (:func:`_delta_apply_kernel` waits for this grid before it reads anything written here)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
@@ -104,8 +100,6 @@ def _delta_window_kernel(
         gr_ptrs = gr_ptr + slot * s_grb + h * s_grh + offs_l * s_grl
         g_cur = tl.load(g_ptr + row * s_gb + h * s_gh).to(tl.float32)
     w = tl.load(cursor_ptr + slot)
-    if w == L - 1:
-        _list_flush_row(work_ptr, row, h, WORKLIST, PDL_WAIT)
     hist = offs_l < w
     kw = tl.load(kr_ptrs, mask=hist[:, None] & mask_k[None, :], other=0.0).to(tl.float32)       # [BLOCK_L, BLOCK_K]
     if KDA:
@@ -132,18 +126,18 @@ def _delta_window_kernel(
 
 @triton.jit
 def _delta_window_rows_kernel(
-    cursor_ptr, kr_ptr, gr_ptr, q_ptr, k_ptr, g_ptr, slot_ptr, win_ptr, vec_ptr, ke_ptr, wrow_ptr, work_ptr,
+    cursor_ptr, kr_ptr, gr_ptr, q_ptr, k_ptr, g_ptr, slot_ptr, win_ptr, vec_ptr, ke_ptr, wrow_ptr,
     K, L, v_per_k, v_per_q,
     s_krb, s_krh, s_krl, s_krk, s_grb, s_grh, s_grl, s_grk,
     s_qb, s_qh, s_qk, s_kb, s_kh, s_kk, s_gb, s_gh, s_gk,
     HAS_SLOT: tl.constexpr, KDA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
-    PDL: tl.constexpr, WORKLIST: tl.constexpr, PDL_WAIT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Launch 1 record by record (``window_rows=1``; same outputs as :func:`_delta_window_kernel`): the window's
     key (and KDA gate) rows are separate ``[K]`` vectors, walked from the newest back with ``E_j`` carried as one
     running sum, so the ``[L, K]`` suffix scan (or its dot) and the 2-D reductions become L vector steps, about a
-    third of the operations for KDA. Unrolled: every row load can be in flight at once. ``PDL``, ``WORKLIST``,
-    ``PDL_WAIT``: as for :func:`_delta_window_kernel`."""
+    third of the operations for KDA. Unrolled: every row load can be in flight at once. ``PDL``: as for
+    :func:`_delta_window_kernel`."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
@@ -162,8 +156,6 @@ def _delta_window_rows_kernel(
     w = tl.load(cursor_ptr + slot)
     if h == 0:
         tl.store(wrow_ptr + row, w)
-    if w == L - 1:
-        _list_flush_row(work_ptr, row, h, WORKLIST, PDL_WAIT)
     kr_base = kr_ptr + slot * s_krb + hk * s_krh
     gr_base = gr_ptr + slot * s_grb + h * s_grh
     if KDA:
@@ -244,13 +236,12 @@ def _append_gate_key(g_ptr, k_ptrs, gr_base, kr_base, w, row, h, v_per_k, offs_k
 @triton.jit
 def _delta_apply_kernel(
     state_ptr, dr_ptr, kr_ptr, gr_ptr, cursor_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, slot_ptr, o_ptr,
-    win_ptr, vec_ptr, ke_ptr, wrow_ptr, dcur_ptr,
+    win_ptr, vec_ptr, ke_ptr, wrow_ptr,
     HV, K, V, L, v_per_k,
     s_sb, s_sh, s_sk, s_sv, s_drb, s_drh, s_drl, s_drv, s_krb, s_krh, s_krl, s_krk, s_grb, s_grh, s_grl, s_grk,
     s_kb, s_kh, s_kk, s_vb, s_vh, s_vv, s_gb, s_gh, s_gk, s_bb, s_bh, s_ob, s_oh, s_ov,
     HAS_SLOT: tl.constexpr, KDA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, FLUSH_STAGES: tl.constexpr, FLUSH_LIST: tl.constexpr,
-    PDL: tl.constexpr,
+    BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, FLUSH_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
     """Launch 2, grid ``(cdiv(V, BLOCK_V), batch, HV)``: reads its ``K x BLOCK_V`` checkpoint slice (issued first)
     and the window's corrected values, takes the rest from launch 1::
@@ -266,12 +257,7 @@ def _delta_apply_kernel(
     ``PDL`` (launched as launch 1's programmatic dependent): the checkpoint slice, ``v`` and ``β`` are read while
     launch 1 may still run (it writes none of them and started after every earlier writer had finished);
     ``gdc_wait`` comes before ``w`` and everything else of launch 1, and before every store but a padding row's
-    zero output (launch 1 reads the cursor and the rings this launch writes).
-
-    ``FLUSH_LIST`` (``flush_list=1``): a flush row only stores ``d`` [BLOCK_V] to ``dcur [b, HV, V]`` and zeroes the
-    cursor; :func:`_delta_flush_list_kernel` folds it afterwards. The fold's registers then stay out of this
-    kernel, which every non-flush step runs (triton 3.9's ptxas for sm_90, 32-wide slices on 2 warps: 128
-    registers without the fold, 255 and a spilled stack with it)."""
+    zero output (launch 1 reads the cursor and the rings this launch writes)."""
     pid_v = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
@@ -301,11 +287,7 @@ def _delta_apply_kernel(
     kr_base = kr_ptr + slot * s_krb + hk * s_krh
     gr_base = gr_ptr + slot * s_grb + h * s_grh
     k_ptrs = k_ptr + row * s_kb + hk * s_kh + offs_k * s_kk
-    if FLUSH_LIST and w == L - 1:
-        tl.store(dcur_ptr + (row * HV + h) * V + offs_v, d, mask=mask_v)
-        if (pid_v == 0) & (h == 0):
-            tl.store(cursor_ptr + slot, 0)
-    elif w == L - 1:
+    if w == L - 1:
         k_cur = tl.load(k_ptrs, mask=mask_k, other=0.0).to(tl.float32)
         dec = tl.load(vec_ptr + (row * HV + h) * (3 * BLOCK_K) + 2 * BLOCK_K + offs_k)     # launch 1's exp(E_tot)
         s_new = dec[:, None] * s0 + k_cur[:, None] * d[None, :]
@@ -333,69 +315,6 @@ def _delta_apply_kernel(
                 tl.store(cursor_ptr + slot, w + 1)
 
 
-@triton.jit
-def _delta_flush_list_kernel(
-    state_ptr, dr_ptr, k_ptr, g_ptr, slot_ptr, vec_ptr, ke_ptr, dcur_ptr, work_ptr,
-    HV, K, V, L, v_per_k, n_vb,
-    s_sb, s_sh, s_sk, s_sv, s_drb, s_drh, s_drl, s_drv, s_kb, s_kh, s_kk, s_gb, s_gh, s_gk,
-    HAS_SLOT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_L: tl.constexpr,
-    FLUSH_KC: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, FLUSH_STAGES: tl.constexpr, FLUSH_DOT: tl.constexpr,
-):
-    """Launch 3 (``flush_list=1``): a fixed grid walks the ``count x HV x n_vb`` checkpoint slices of the rows
-    launch 1 listed in ``work = [count, rows...]`` and writes each once::
-
-        S_new = exp(E_tot) ⊙_K S_0 + KEᵀ D + k_t d_tᵀ
-
-    with launch 1's ``exp(E_tot)`` (``vec``) and scaled keys ``KE`` (``ke``), the held records ``D`` (``j < L - 1``)
-    of the d ring and launch 2's ``d_t`` (``dcur``). A slice is folded ``FLUSH_KC`` key rows at a time: the rows
-    are independent, and a whole ``128 x 32`` slice with L pipelined outer products took 250 registers on 4 warps
-    and spilled on 2 (triton 3.9's ptxas, sm_90). ``KEᵀ D``: L outer products, the record loop pipelined
-    ``FLUSH_STAGES`` deep, or (``FLUSH_DOT``) one tf32x3 tensor-core dot per chunk. On the L - 1 of L steps where
-    no row flushes every program reads ``count = 0`` and returns. The cursor was zeroed by launch 2."""
-    offs_l = tl.arange(0, BLOCK_L)
-    w = L - 1                                      # every listed row flushes: its held records are j < L - 1
-    n_items = tl.load(work_ptr) * (HV * n_vb)
-    t = tl.program_id(0)
-    while t < n_items:
-        row, h, vb = _list_item(work_ptr, t, HV, n_vb)
-        slot = _row_slot(slot_ptr, row, HAS_SLOT)
-        if slot >= 0:           # never listed; guarded so that no list can make a fold address slot -1
-            offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-            mask_v = offs_v < V
-            rh = row * HV + h
-            d = tl.load(dcur_ptr + rh * V + offs_v, mask=mask_v, other=0.0)
-            ke_base = ke_ptr + rh * (BLOCK_L * BLOCK_K)
-            dr_base = dr_ptr + slot * s_drb + h * s_drh
-            key_gate = tl.load(g_ptr + row * s_gb + h * s_gh).to(tl.float32)    # g (GDN) or g[..., 0] (KDA)
-            if FLUSH_DOT:
-                d_win = tl.load(dr_base + offs_l[:, None] * s_drl + offs_v[None, :] * s_drv,
-                                mask=(offs_l < w)[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
-            for kc in range(0, BLOCK_K, FLUSH_KC):
-                offs_k = kc + tl.arange(0, FLUSH_KC)
-                mask_k = offs_k < K
-                tile_mask = mask_k[:, None] & mask_v[None, :]
-                st_ptrs = state_ptr + slot * s_sb + h * s_sh + offs_k[:, None] * s_sk + offs_v[None, :] * s_sv
-                s0 = tl.load(st_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
-                dec = tl.load(vec_ptr + rh * (3 * BLOCK_K) + 2 * BLOCK_K + offs_k)
-                k_cur = tl.load(k_ptr + row * s_kb + (h // v_per_k) * s_kh + offs_k * s_kk, mask=mask_k,
-                                other=0.0).to(tl.float32)
-                s_new = dec[:, None] * s0 + k_cur[:, None] * d[None, :]
-                if FLUSH_DOT:
-                    ke_t = tl.load(ke_base + offs_l[None, :] * BLOCK_K + offs_k[:, None])     # [FLUSH_KC, BLOCK_L]
-                    s_new = tl.dot(ke_t, d_win, s_new, input_precision="tf32x3")
-                elif FLUSH_STAGES > 0:
-                    for j in tl.range(BLOCK_L, num_stages=FLUSH_STAGES):
-                        s_new = _fold_record(s_new, ke_base, dr_base, j, w, offs_k, offs_v, mask_v, s_drl, s_drv,
-                                             BLOCK_K)
-                else:
-                    for j in range(BLOCK_L):
-                        s_new = _fold_record(s_new, ke_base, dr_base, j, w, offs_k, offs_v, mask_v, s_drl, s_drv,
-                                             BLOCK_K)
-                _store_checkpoint(st_ptrs, s_new, tile_mask, key_gate, slot * HV + h,
-                                  offs_k[:, None] * V + offs_v[None, :], STOCHASTIC_FP16)
-        t += tl.num_programs(0)
-
-
 def launch_split(cfg: dict, state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slot_arg, has_slot, o):
     """Launch the split step (launches 1-2 above) into ``o`` [b, HV, V]; ``cfg`` from
     :func:`~.delta_triton.launch_config`. Returns launch 2's compiled kernel (``None`` under the interpreter)."""
@@ -408,43 +327,22 @@ def launch_split(cfg: dict, state, d_ring, k_ring, g_ring, cursor, q, k, v, g, b
     v_per_k, v_per_q = HV // k_ring.shape[1], HV // q.shape[1]
     common = dict(HAS_SLOT=has_slot, BLOCK_K=bk, BLOCK_L=bl, PDL=pdl_on(v.device, cfg["pdl"]))
     stochastic = state.dtype == torch.float16
-    listed = cfg["flush_list"]
-    work, zero_pdl = None, False
-    if listed:
-        # the flush rows' list [count, rows...]: only the count is zeroed, by a launch whose programmatic dependent
-        # is launch 1 (as the Mamba-2 pre step, H200 session 17)
-        work = torch.empty((b + 1,), dtype=torch.int32, device=v.device)
-        zero_pdl = pdl_on(v.device)
-        launch(_zero_count_kernel)[(1,)](work, PDL=zero_pdl, **pdl_options(zero_pdl))
-    dcur = torch.empty((b, HV, V) if listed else (1,), dtype=torch.float32, device=v.device)
     win = torch.empty((b, HV, 3 * bl), dtype=torch.float32, device=v.device)
     vec = torch.empty((b, HV, 3 * bk), dtype=torch.float32, device=v.device)
     ke = torch.empty((b, HV, bl * bk), dtype=torch.float32, device=v.device)
     wrow = torch.empty((b,), dtype=cursor.dtype, device=v.device)
-    win_args = (cursor, k_ring, g_ring, q, k, g, slot_arg, win, vec, ke, wrow, work, K, L, v_per_k, v_per_q,
+    win_args = (cursor, k_ring, g_ring, q, k, g, slot_arg, win, vec, ke, wrow, K, L, v_per_k, v_per_q,
                 *k_ring.stride(), *g_strides, *q.stride(), *k.stride(), *gi_strides)
-    win_opts = dict(KDA=kda, num_warps=cfg["window_warps"], WORKLIST=listed, PDL_WAIT=zero_pdl, **common,
-                    **pdl_options(zero_pdl))
     if cfg["window_rows"]:
-        launch(_delta_window_rows_kernel)[(b, HV)](*win_args, **win_opts)
+        launch(_delta_window_rows_kernel)[(b, HV)](*win_args, KDA=kda, num_warps=cfg["window_warps"], **common)
     else:
-        launch(_delta_window_kernel)[(b, HV)](*win_args, SCAN_DOT=cfg["scan_dot"], **win_opts)
+        launch(_delta_window_kernel)[(b, HV)](*win_args, KDA=kda, SCAN_DOT=cfg["scan_dot"], num_warps=cfg["window_warps"],
+                                      **common)
     n_vb = cdiv(V, cfg["BLOCK_V"])
-    kernel = launch(_delta_apply_kernel)[(n_vb, b, HV)](
-        state, d_ring, k_ring, g_ring, cursor, k, v, g, beta, slot_arg, o, win, vec, ke, wrow, dcur,
+    return launch(_delta_apply_kernel)[(n_vb, b, HV)](
+        state, d_ring, k_ring, g_ring, cursor, k, v, g, beta, slot_arg, o, win, vec, ke, wrow,
         HV, K, V, L, v_per_k,
         *state.stride(), *d_ring.stride(), *k_ring.stride(), *g_strides,
         *k.stride(), *v.stride(), *gi_strides, *beta.stride(), *o.stride(),
         KDA=kda, BLOCK_V=cfg["BLOCK_V"], STOCHASTIC_FP16=stochastic, FLUSH_STAGES=cfg["flush_stages"],
-        FLUSH_LIST=listed, num_warps=cfg["num_warps"], **common, **pdl_options(common["PDL"]))
-    if listed:
-        fv = cfg["flush_v"]
-        n_fb = cdiv(V, fv)
-        programs = fixed_grid(b * HV * n_fb, cfg["flush_warps"], v.device, cfg["flush_programs_per_sm"])
-        launch(_delta_flush_list_kernel)[(programs,)](
-            state, d_ring, k, g, slot_arg, vec, ke, dcur, work, HV, K, V, L, v_per_k, n_fb,
-            *state.stride(), *d_ring.stride(), *k.stride(), *gi_strides,
-            HAS_SLOT=has_slot, BLOCK_K=bk, BLOCK_V=fv, BLOCK_L=bl, FLUSH_KC=min(bk, max(16 if cfg["flush_dot"] else 1, cfg["flush_kc"])),
-            STOCHASTIC_FP16=stochastic,
-            FLUSH_STAGES=cfg["flush_stages"], FLUSH_DOT=cfg["flush_dot"], num_warps=cfg["flush_warps"])
-    return kernel
+        num_warps=cfg["num_warps"], **common, **pdl_options(common["PDL"]))

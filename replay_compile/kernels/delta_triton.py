@@ -146,7 +146,7 @@ def _delta_replay_step_kernel(
 
 # Launch configuration override for benchmarks and tests (``mamba2_triton.parse_tuning`` strings):
 # {"variant": "fused"|"split", "BLOCK_V", "num_warps", "scan_dot" (KDA); split only: "window_warps", "window_rows",
-# "flush_stages", "flush_list", "flush_v", "flush_kc", "flush_warps", "flush_programs_per_sm", "flush_dot", "pdl"}.
+# "flush_stages", "pdl"}.
 # Empty in use.
 TUNING: dict = {}
 
@@ -189,14 +189,6 @@ def launch_config(b: int, HV: int, K: int, V: int, L: int, kda: bool = False) ->
                      # 1.38x of fla; GDN's window 16 -> 17 µs, so GDN keeps the tile form), and the flush's record
                      # loop pipelined 4 deep (flush apply 570 -> 445 µs, both; 2 stages: 563)
                      window_rows=bool(TUNING.get("window_rows", kda)), flush_stages=TUNING.get("flush_stages", 4),
-                     # flush_list=1: flush rows folded by a launch of their own walking a list of them
-                     # (delta_split_triton._delta_flush_list_kernel; FLUSH_V-wide slices on flush_warps warps,
-                     # flush_dot=1: the fold as one tf32x3 dot), so the fold's registers leave the checkpoint pass
-                     flush_list=bool(TUNING.get("flush_list", 0)), flush_v=TUNING.get("flush_v", block_v),
-                     flush_kc=TUNING.get("flush_kc", 32),
-                     flush_warps=TUNING.get("flush_warps") or (2 if block_v >= 32 else 1),
-                     flush_programs_per_sm=TUNING.get("flush_programs_per_sm"),
-                     flush_dot=bool(TUNING.get("flush_dot", 0)),
                      # pdl=1: launch 2 as launch 1's programmatic dependent (launch.pdl_on). Off: H200 session 12,
                      # fp32, non-flush bs256 GDN-4B 169.7 -> 173.2 µs, KDA 175.5 -> 183.3 (presumably its waiting
                      # slices hold SM slots launch 1's last programs need); Mamba-2's pre step gains 1% with it
