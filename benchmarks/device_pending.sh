@@ -110,19 +110,6 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
            tests/test_delta_triton.py tests/test_delta_triton_gpu.py tests/test_kernel_call_anchor.py \
            tests/test_inline_kernels_gpu.py -p no:logging 2>&1 \
            | grep -v "warnings.warn" | tail -40 | tee "$OUT/pytest.txt" ;;
-  s18)     # session 18: the delta flush's fold as tf32x3 dots over flush_kc key rows of a re-read slice (no spills:
-           # 255 regs + 80-96 B stack -> 171-177 regs, ptxas sm_90), bs256; the fused kernel's fold in tf32x3 and on 8
-           # warps at bs 1 / 2 / 4 (its IEEE fold dot spills 184-208 B; KDA bs1 0.88x)
-           timeout 200 python3 -m pytest -q $XDIST -p no:cacheprovider tests/test_delta_triton.py \
-           tests/test_delta_triton_gpu.py --tb=short 2>&1 | tail -4 | tee "$OUT/pytest_s18.txt"
-           timeout 150 python3 benchmarks/diag_stream_ceiling.py --delta kimi_linear,qwen35_4b \
-           --delta-configs "split;split:flush_kc=32" 2>&1 | grep -v Warn | tee "$OUT/delta_flush_kc_breakdown.txt"
-           timeout 240 python3 benchmarks/bench_delta_kernel.py --out /tmp/s18d --batches ${FK_BATCHES:-256} \
-           --geoms kimi_linear,qwen35_4b --configs "${FK:-split;split:flush_kc=16;split:flush_kc=32;split:flush_kc=64}" \
-           2>&1 | grep -v Warn | tee "$OUT/delta_flush_kc.txt"
-           timeout 200 python3 benchmarks/bench_delta_kernel.py --out /tmp/s18s --batches 1,2,4 \
-           --geoms kimi_linear,qwen35_4b --configs "${KS1:-fused;fused:fold_tf32=1;fused:num_warps=8;fused:num_warps=8,fold_tf32=1}" \
-           2>&1 | grep -v Warn | tee "$OUT/delta_small_fold.txt" ;;
   dbreak) timeout 200 python3 benchmarks/diag_stream_ceiling.py --delta qwen35_4b,kimi_linear \
            --delta-configs "$DK" \
            2>&1 | grep -v Warn | tee "$OUT/delta_breakdown_knobs.txt" ;;

@@ -241,8 +241,7 @@ def _delta_apply_kernel(
     s_sb, s_sh, s_sk, s_sv, s_drb, s_drh, s_drl, s_drv, s_krb, s_krh, s_krl, s_krk, s_grb, s_grh, s_grl, s_grk,
     s_kb, s_kh, s_kk, s_vb, s_vh, s_vv, s_gb, s_gh, s_gk, s_bb, s_bh, s_ob, s_oh, s_ov,
     HAS_SLOT: tl.constexpr, KDA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, FLUSH_STAGES: tl.constexpr, FLUSH_KC: tl.constexpr,
-    PDL: tl.constexpr,
+    BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, FLUSH_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
     """Launch 2, grid ``(cdiv(V, BLOCK_V), batch, HV)``: reads its ``K x BLOCK_V`` checkpoint slice (issued first)
     and the window's corrected values, takes the rest from launch 1::
@@ -289,40 +288,22 @@ def _delta_apply_kernel(
     gr_base = gr_ptr + slot * s_grb + h * s_grh
     k_ptrs = k_ptr + row * s_kb + hk * s_kh + offs_k * s_kk
     if w == L - 1:
-        key_gate = tl.load(g_ptr + row * s_gb + h * s_gh).to(tl.float32)    # g (GDN) or g[..., 0] (KDA)
+        k_cur = tl.load(k_ptrs, mask=mask_k, other=0.0).to(tl.float32)
+        dec = tl.load(vec_ptr + (row * HV + h) * (3 * BLOCK_K) + 2 * BLOCK_K + offs_k)     # launch 1's exp(E_tot)
+        s_new = dec[:, None] * s0 + k_cur[:, None] * d[None, :]
         ke_base = ke_ptr + (row * HV + h) * (BLOCK_L * BLOCK_K)
-        if FLUSH_KC > 0:
-            # the fold as tf32x3 tensor-core dots, FLUSH_KC key rows at a time on a re-read of the slice (an L2 hit:
-            # read by this program moments ago), so that neither the dot's layouts nor ``s0`` reach past the readout
-            d_win = tl.load(dr_base + offs_l[:, None] * s_drl + offs_v[None, :] * s_drv,
-                            mask=(offs_l < w)[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
-            for kc in range(0, BLOCK_K, FLUSH_KC):
-                offs_c = kc + tl.arange(0, FLUSH_KC)
-                mask_c = offs_c < K
-                chunk_mask = mask_c[:, None] & mask_v[None, :]
-                sc_ptrs = state_ptr + slot * s_sb + h * s_sh + offs_c[:, None] * s_sk + offs_v[None, :] * s_sv
-                sc = tl.load(sc_ptrs, mask=chunk_mask, other=0.0).to(tl.float32)
-                dec_c = tl.load(vec_ptr + (row * HV + h) * (3 * BLOCK_K) + 2 * BLOCK_K + offs_c)
-                k_c = tl.load(k_ptr + row * s_kb + hk * s_kh + offs_c * s_kk, mask=mask_c, other=0.0).to(tl.float32)
-                ke_t = tl.load(ke_base + offs_l[None, :] * BLOCK_K + offs_c[:, None])            # [FLUSH_KC, BLOCK_L]
-                s_new = tl.dot(ke_t, d_win, dec_c[:, None] * sc + k_c[:, None] * d[None, :], input_precision="tf32x3")
-                _store_checkpoint(sc_ptrs, s_new, chunk_mask, key_gate, slot * HV + h,
-                                  offs_c[:, None] * V + offs_v[None, :], STOCHASTIC_FP16)
+        # KEᵀ D as L outer products (no tl.dot here, see above). FLUSH_STAGES > 0: the record loop software-pipelined
+        # with that many stages (the flush is latency-bound: an L2 round trip per record at ~12 resident warps per
+        # SM); 0: a plain loop (the compiler's default pipelining)
+        if FLUSH_STAGES > 0:
+            for j in tl.range(BLOCK_L, num_stages=FLUSH_STAGES):
+                s_new = _fold_record(s_new, ke_base, dr_base, j, w, offs_k, offs_v, mask_v, s_drl, s_drv, BLOCK_K)
         else:
-            k_cur = tl.load(k_ptrs, mask=mask_k, other=0.0).to(tl.float32)
-            dec = tl.load(vec_ptr + (row * HV + h) * (3 * BLOCK_K) + 2 * BLOCK_K + offs_k)     # launch 1's exp(E_tot)
-            s_new = dec[:, None] * s0 + k_cur[:, None] * d[None, :]
-            # KEᵀ D as L outer products (no tl.dot here, see above). FLUSH_STAGES > 0: the record loop software-pipelined
-            # with that many stages (the flush is latency-bound: an L2 round trip per record at ~12 resident warps per
-            # SM); 0: a plain loop (the compiler's default pipelining)
-            if FLUSH_STAGES > 0:
-                for j in tl.range(BLOCK_L, num_stages=FLUSH_STAGES):
-                    s_new = _fold_record(s_new, ke_base, dr_base, j, w, offs_k, offs_v, mask_v, s_drl, s_drv, BLOCK_K)
-            else:
-                for j in range(BLOCK_L):
-                    s_new = _fold_record(s_new, ke_base, dr_base, j, w, offs_k, offs_v, mask_v, s_drl, s_drv, BLOCK_K)
-            _store_checkpoint(st_ptrs, s_new, tile_mask, key_gate, slot * HV + h,
-                              offs_k[:, None] * V + offs_v[None, :], STOCHASTIC_FP16)
+            for j in range(BLOCK_L):
+                s_new = _fold_record(s_new, ke_base, dr_base, j, w, offs_k, offs_v, mask_v, s_drl, s_drv, BLOCK_K)
+        key_gate = tl.load(g_ptr + row * s_gb + h * s_gh).to(tl.float32)    # g (GDN) or g[..., 0] (KDA)
+        _store_checkpoint(st_ptrs, s_new, tile_mask, key_gate, slot * HV + h,
+                          offs_k[:, None] * V + offs_v[None, :], STOCHASTIC_FP16)
         if (pid_v == 0) & (h == 0):
             tl.store(cursor_ptr + slot, 0)
     else:
@@ -364,5 +345,4 @@ def launch_split(cfg: dict, state, d_ring, k_ring, g_ring, cursor, q, k, v, g, b
         *state.stride(), *d_ring.stride(), *k_ring.stride(), *g_strides,
         *k.stride(), *v.stride(), *gi_strides, *beta.stride(), *o.stride(),
         KDA=kda, BLOCK_V=cfg["BLOCK_V"], STOCHASTIC_FP16=stochastic, FLUSH_STAGES=cfg["flush_stages"],
-        FLUSH_KC=min(bk, cfg["flush_kc"]) if cfg["flush_kc"] else 0,
         num_warps=cfg["num_warps"], **common, **pdl_options(common["PDL"]))

@@ -51,7 +51,7 @@ def _delta_replay_step_kernel(
     s_bb, s_bh,                             # beta [b, HV]
     s_ob, s_oh, s_ov,                       # o [b, HV, V]
     HAS_SLOT: tl.constexpr, KDA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, SCAN_DOT: tl.constexpr, FOLD_TF32: tl.constexpr,
+    BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, SCAN_DOT: tl.constexpr,
 ):
     pid_v = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
@@ -124,10 +124,7 @@ def _delta_replay_step_kernel(
             s_new = dec[:, None] * s0
         else:
             s_new = dec * s0
-        if FOLD_TF32:       # tensor cores (an IEEE FMA dot here takes 255 registers and spills on 4 warps)
-            s_new = s_new + tl.dot(tl.trans(ke), dw, input_precision="tf32x3") + k[:, None] * d[None, :]
-        else:
-            s_new = s_new + tl.dot(tl.trans(ke), dw, input_precision="ieee") + k[:, None] * d[None, :]
+        s_new = s_new + tl.dot(tl.trans(ke), dw, input_precision="ieee") + k[:, None] * d[None, :]
         if KDA:
             key_gate = tl.sum(tl.where(offs_k == 0, g_cur, 0.0), axis=0)                   # g[..., 0], as the reference
         else:
@@ -149,7 +146,7 @@ def _delta_replay_step_kernel(
 
 # Launch configuration override for benchmarks and tests (``mamba2_triton.parse_tuning`` strings):
 # {"variant": "fused"|"split", "BLOCK_V", "num_warps", "scan_dot" (KDA); split only: "window_warps", "window_rows",
-# "flush_stages", "flush_kc", "pdl"}.
+# "flush_stages", "pdl"}.
 # Empty in use.
 TUNING: dict = {}
 
@@ -181,7 +178,7 @@ def launch_config(b: int, HV: int, K: int, V: int, L: int, kda: bool = False) ->
         # 4 warps for a 128 x 32 slice and KDA's scan as a dot (H200 session 8, bs1: GDN 4.2 -> 3.9 µs L-avg, KDA
         # 7.8 -> 5.3; at bs8 4 warps lost, but bs8 runs split)
         warps = TUNING.get("num_warps") or max(1, min(8, max(block_k * block_v, block_l * block_k) // (32 * 32)))
-        extra = dict(scan_dot=bool(TUNING.get("scan_dot", 1)), fold_tf32=bool(TUNING.get("fold_tf32", 0)))
+        extra = dict(scan_dot=bool(TUNING.get("scan_dot", 1)))
     elif variant == "split":
         # H200 session 8: 32-wide slices on 2 warps (16 on 1 warp: GDN bs256 non-flush 206 -> 168 µs), the window
         # launch on 1 warp (4: GDN window 24 -> 16 µs, KDA 91 -> 54), KDA's gate scan as a dot (54 -> 46 µs)
@@ -192,9 +189,6 @@ def launch_config(b: int, HV: int, K: int, V: int, L: int, kda: bool = False) ->
                      # 1.38x of fla; GDN's window 16 -> 17 µs, so GDN keeps the tile form), and the flush's record
                      # loop pipelined 4 deep (flush apply 570 -> 445 µs, both; 2 stages: 563)
                      window_rows=bool(TUNING.get("window_rows", kda)), flush_stages=TUNING.get("flush_stages", 4),
-                     # flush_kc=N (>= 16): the flush's fold as tf32x3 dots over N key rows at a time on a re-read
-                     # slice instead of the record loop (unmeasured, session 18)
-                     flush_kc=max(16, TUNING["flush_kc"]) if TUNING.get("flush_kc") else 0,
                      # pdl=1: launch 2 as launch 1's programmatic dependent (launch.pdl_on). Off: H200 session 12,
                      # fp32, non-flush bs256 GDN-4B 169.7 -> 173.2 µs, KDA 175.5 -> 183.3 (presumably its waiting
                      # slices hold SM slots launch 1's last programs need); Mamba-2's pre step gains 1% with it
@@ -231,7 +225,7 @@ def delta_replay_step_triton(state, d_ring, k_ring, g_ring, cursor, q, k, v, g, 
             *state.stride(), *d_ring.stride(), *k_ring.stride(), *g_strides,
             *q.stride(), *k.stride(), *v.stride(), *gi_strides, *beta.stride(), *o.stride(),
             BLOCK_V=cfg["BLOCK_V"], STOCHASTIC_FP16=state.dtype == torch.float16, num_warps=cfg["num_warps"],
-            SCAN_DOT=cfg["scan_dot"], FOLD_TF32=cfg["fold_tf32"], **common)
+            SCAN_DOT=cfg["scan_dot"], **common)
         return o
     # split: window once per (row, value head) into scratch, then the checkpoint pass
     LAST_LAUNCH["kernel"] = launch_split(cfg, state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slot_arg,
