@@ -110,6 +110,20 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
            tests/test_delta_triton.py tests/test_delta_triton_gpu.py tests/test_kernel_call_anchor.py \
            tests/test_inline_kernels_gpu.py -p no:logging 2>&1 \
            | grep -v "warnings.warn" | tail -40 | tee "$OUT/pytest.txt" ;;
+  ncu)     # Nsight Compute on one non-flush launch each: KDA's checkpoint pass and window launch (issue 4, bs256 fp32)
+           # and the Mamba-2 pass on a bf16 Super checkpoint (issue 3, bs256 at 87-88% of the floor)
+           NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+           echo "ncu: ${NCU:-none}" | tee "$OUT/ncu.txt"
+           SECS="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --section LaunchStats --section SchedulerStats"
+           if [ -n "$NCU" ]; then
+             for spec in "_delta_apply_kernel delta kimi_linear float32" "_delta_window_rows_kernel delta kimi_linear float32" \
+                         "_mamba2_prepass_apply_kernel mamba2 super bfloat16" "_mamba2_prepass_apply_kernel mamba2 super float32"; do
+               set -- $spec
+               echo "=== $1 $2 $3 $4" >> "$OUT/ncu.txt"
+               timeout 150 $NCU --kernel-name regex:"^$1\$" --launch-skip 3 --launch-count 1 $SECS \
+                 python3 benchmarks/diag_ncu_step.py --family $2 --geom $3 --batch 256 --state-dtype $4 >> "$OUT/ncu.txt" 2>&1
+             done
+           fi ;;
   dbreak) timeout 200 python3 benchmarks/diag_stream_ceiling.py --delta qwen35_4b,kimi_linear \
            --delta-configs "$DK" \
            2>&1 | grep -v Warn | tee "$OUT/delta_breakdown_knobs.txt" ;;
