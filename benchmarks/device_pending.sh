@@ -124,6 +124,14 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
                  python3 benchmarks/diag_ncu_step.py --family $2 --geom $3 --batch 256 --state-dtype $4 >> "$OUT/ncu.txt" 2>&1
              done
            fi ;;
+  maxnreg) # session 18: ncu showed both checkpoint passes held to 6 programs (12 warps) per SM by registers (Mamba-2
+           # pre pass 158 bf16 / 140 fp32, delta apply 161): capped registers per thread, bs 128 / 256
+           timeout 330 python3 benchmarks/bench_mamba2_kernel.py --out /tmp/mnr --batches 128,256 \
+           --dtypes ${MR_DTYPES:-bfloat16,float32} --configs "${MR:-pre;pre:maxnreg=128;pre:maxnreg=96;pre:maxnreg=80}" \
+           2>&1 | grep -v Warn | tee "$OUT/mamba2_maxnreg.txt"
+           timeout 200 python3 benchmarks/bench_delta_kernel.py --out /tmp/dmnr --batches 256 \
+           --geoms kimi_linear,qwen35_4b --configs "${DR:-split;split:maxnreg=128;split:maxnreg=96;split:num_warps=4;split:num_warps=4,maxnreg=96}" \
+           2>&1 | grep -v Warn | tee "$OUT/delta_maxnreg.txt" ;;
   dbreak) timeout 200 python3 benchmarks/diag_stream_ceiling.py --delta qwen35_4b,kimi_linear \
            --delta-configs "$DK" \
            2>&1 | grep -v Warn | tee "$OUT/delta_breakdown_knobs.txt" ;;

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .host_math import cdiv
-from .launch import launch, pdl_on, pdl_options
+from .launch import launch, pdl_on, pdl_options, reg_options
 from .mamba2_triton import _row_slot, _step_row, _store_checkpoint
 
 
@@ -345,4 +345,4 @@ def launch_split(cfg: dict, state, d_ring, k_ring, g_ring, cursor, q, k, v, g, b
         *state.stride(), *d_ring.stride(), *k_ring.stride(), *g_strides,
         *k.stride(), *v.stride(), *gi_strides, *beta.stride(), *o.stride(),
         KDA=kda, BLOCK_V=cfg["BLOCK_V"], STOCHASTIC_FP16=stochastic, FLUSH_STAGES=cfg["flush_stages"],
-        num_warps=cfg["num_warps"], **common, **pdl_options(common["PDL"]))
+        num_warps=cfg["num_warps"], **common, **pdl_options(common["PDL"]), **reg_options(cfg["maxnreg"]))

@@ -96,6 +96,11 @@ def _major(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
+def reg_options(maxnreg) -> dict:
+    """Launch keyword arguments capping a kernel's registers per thread (``maxnreg``; none when not set)."""
+    return {"maxnreg": int(maxnreg)} if maxnreg else {}
+
+
 def pdl_options(on: bool) -> dict:
     """Launch keyword arguments for :func:`pdl_on`'s answer (none when off: older Triton has no ``launch_pdl``)."""
     return {"launch_pdl": True} if on else {}
