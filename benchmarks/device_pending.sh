@@ -132,6 +132,14 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
            timeout 200 python3 benchmarks/bench_delta_kernel.py --out /tmp/dmnr --batches 256 \
            --geoms kimi_linear,qwen35_4b --configs "${DR:-split;split:maxnreg=128;split:maxnreg=96;split:num_warps=4;split:num_warps=4,maxnreg=96}" \
            2>&1 | grep -v Warn | tee "$OUT/delta_maxnreg.txt" ;;
+  s18v)    # session 18: the delta checkpoint pass capped at 128 registers (the new default): GPU tests, then against
+           # uncapped (maxnreg=0) at the other split batches
+           timeout 200 python3 -m pytest -q $XDIST -p no:cacheprovider tests/test_delta_triton.py \
+           tests/test_delta_triton_gpu.py tests/test_delta_readcopy_triton.py --tb=short 2>&1 | tail -3 \
+           | tee "$OUT/pytest_delta_maxnreg.txt"
+           timeout 240 python3 benchmarks/bench_delta_kernel.py --out /tmp/dmnr2 --batches ${DRB:-8,32,128,512} \
+           --geoms kimi_linear,qwen35_4b --configs "split:maxnreg=0;split" 2>&1 | grep -v Warn \
+           | tee "$OUT/delta_maxnreg_batches.txt" ;;
   dbreak) timeout 200 python3 benchmarks/diag_stream_ceiling.py --delta qwen35_4b,kimi_linear \
            --delta-configs "$DK" \
            2>&1 | grep -v Warn | tee "$OUT/delta_breakdown_knobs.txt" ;;

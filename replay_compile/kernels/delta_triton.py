@@ -189,9 +189,10 @@ def launch_config(b: int, HV: int, K: int, V: int, L: int, kda: bool = False) ->
                      # 1.38x of fla; GDN's window 16 -> 17 µs, so GDN keeps the tile form), and the flush's record
                      # loop pipelined 4 deep (flush apply 570 -> 445 µs, both; 2 stages: 563)
                      window_rows=bool(TUNING.get("window_rows", kda)), flush_stages=TUNING.get("flush_stages", 4),
-                     # maxnreg=N: the checkpoint pass capped at N registers per thread (ncu, H200 session 18: 161
-                     # registers, 6 programs and 12 warps per SM)
-                     maxnreg=TUNING.get("maxnreg"),
+                     # the checkpoint pass capped at 128 registers per thread (``maxnreg=0``: uncapped, 161 with
+                     # triton 3.6). H200 session 18, bs256 fp32, same call: the flush step 485.6 -> 457.8 µs (KDA),
+                     # 468.9 -> 433.8 (GDN), non-flush steps equal; 96 registers lost 30%+ (spills)
+                     maxnreg=TUNING.get("maxnreg", 128),
                      # pdl=1: launch 2 as launch 1's programmatic dependent (launch.pdl_on). Off: H200 session 12,
                      # fp32, non-flush bs256 GDN-4B 169.7 -> 173.2 µs, KDA 175.5 -> 183.3 (presumably its waiting
                      # slices hold SM slots launch 1's last programs need); Mamba-2's pre step gains 1% with it
