@@ -124,21 +124,19 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
                  python3 benchmarks/diag_ncu_step.py --family $2 --geom $3 --batch 256 --state-dtype $4 >> "$OUT/ncu.txt" 2>&1
              done
            fi ;;
-  maxnreg) # session 18: ncu showed both checkpoint passes held to 6 programs (12 warps) per SM by registers (Mamba-2
-           # pre pass 158 bf16 / 140 fp32, delta apply 161): capped registers per thread, bs 128 / 256
-           timeout 330 python3 benchmarks/bench_mamba2_kernel.py --out /tmp/mnr --batches 128,256 \
-           --dtypes ${MR_DTYPES:-bfloat16,float32} --configs "${MR:-pre;pre:maxnreg=128;pre:maxnreg=96;pre:maxnreg=80}" \
-           2>&1 | grep -v Warn | tee "$OUT/mamba2_maxnreg.txt"
+  maxnreg) # session 18: the delta checkpoint pass's register cap (ncu: 161 registers held it to 6 programs, 12 warps
+           # per SM; capped at 128 by default from 8192 rows x value heads since), bs256. (The Mamba-2 pass lost with
+           # any cap: spills)
            timeout 200 python3 benchmarks/bench_delta_kernel.py --out /tmp/dmnr --batches 256 \
-           --geoms kimi_linear,qwen35_4b --configs "${DR:-split;split:maxnreg=128;split:maxnreg=96;split:num_warps=4;split:num_warps=4,maxnreg=96}" \
+           --geoms kimi_linear,qwen35_4b --configs "${DR:-split:maxnreg=0;split;split:maxnreg=96;split:num_warps=4}" \
            2>&1 | grep -v Warn | tee "$OUT/delta_maxnreg.txt" ;;
-  s18v)    # session 18: the delta checkpoint pass capped at 128 registers (the new default): GPU tests, then against
-           # uncapped (maxnreg=0) at the other split batches
+  s18v)    # session 18: the delta checkpoint pass capped at 128 registers: GPU tests, then capped (forced: maxnreg=128)
+           # against uncapped (maxnreg=0) at the other split batches
            timeout 200 python3 -m pytest -q $XDIST -p no:cacheprovider tests/test_delta_triton.py \
            tests/test_delta_triton_gpu.py tests/test_delta_readcopy_triton.py --tb=short 2>&1 | tail -3 \
            | tee "$OUT/pytest_delta_maxnreg.txt"
            timeout 240 python3 benchmarks/bench_delta_kernel.py --out /tmp/dmnr2 --batches ${DRB:-8,32,128,512} \
-           --geoms kimi_linear,qwen35_4b --configs "split:maxnreg=0;split" 2>&1 | grep -v Warn \
+           --geoms kimi_linear,qwen35_4b --configs "split:maxnreg=0;split:maxnreg=128" 2>&1 | grep -v Warn \
            | tee "$OUT/delta_maxnreg_batches.txt" ;;
   dbreak) timeout 200 python3 benchmarks/diag_stream_ceiling.py --delta qwen35_4b,kimi_linear \
            --delta-configs "$DK" \

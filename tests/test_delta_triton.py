@@ -166,3 +166,14 @@ def test_kernel_configs_track_the_exact_recurrence_with_poisoned_rings(kda, kind
             if t % L == L - 1:
                 assert rel(state[[2, 0]], oracle.state[[2, 0]]) < 1e-4, f"step {t}: checkpoint after flush"
     assert rg[-1][[0, 2]].tolist() == [0, 0]
+
+
+def test_launch_config_caps_registers_from_the_row_head_threshold():
+    """The split checkpoint pass is capped at 128 registers from ``CAPPED_MIN_ROW_HEADS`` rows x value heads (it
+    measured faster there, slower below); ``maxnreg=0`` uncaps it, the fused kernel has no cap."""
+    rows = kd.CAPPED_MIN_ROW_HEADS // 32
+    assert kd.launch_config(rows, 32, 128, 128, 16, kda=True)["maxnreg"] == 128
+    assert kd.launch_config(rows - 1, 32, 128, 128, 16, kda=True)["maxnreg"] == 0
+    assert "maxnreg" not in kd.launch_config(1, 32, 128, 128, 16)
+    with variant("split:maxnreg=0"):
+        assert kd.launch_config(rows, 32, 128, 128, 16)["maxnreg"] == 0

@@ -156,6 +156,8 @@ LAST_LAUNCH: dict = {}
 # Rows x value heads above which the split variant runs (H200 session 8, HV = 32: fused wins at bs1 (GDN 3.9 vs 5.8
 # µs, KDA 5.3 vs 9.2), split at bs8 (GDN 12.0 vs 14.5, KDA 15.5 vs 24.8); per-row growth puts the crossover near bs2-4).
 FUSED_MAX_ROW_HEADS = 64
+# Rows x value heads from which the split checkpoint pass is capped at 128 registers (see launch_config)
+CAPPED_MIN_ROW_HEADS = 8192
 
 
 @memo_unless_tuned(TUNING)
@@ -189,10 +191,12 @@ def launch_config(b: int, HV: int, K: int, V: int, L: int, kda: bool = False) ->
                      # 1.38x of fla; GDN's window 16 -> 17 µs, so GDN keeps the tile form), and the flush's record
                      # loop pipelined 4 deep (flush apply 570 -> 445 µs, both; 2 stages: 563)
                      window_rows=bool(TUNING.get("window_rows", kda)), flush_stages=TUNING.get("flush_stages", 4),
-                     # the checkpoint pass capped at 128 registers per thread (``maxnreg=0``: uncapped, 161 with
-                     # triton 3.6). H200 session 18, bs256 fp32, same call: the flush step 485.6 -> 457.8 µs (KDA),
-                     # 468.9 -> 433.8 (GDN), non-flush steps equal; 96 registers lost 30%+ (spills)
-                     maxnreg=TUNING.get("maxnreg", 128),
+                     # from 8192 rows x value heads the checkpoint pass is capped at 128 registers per thread
+                     # (``maxnreg=0``: uncapped, 161 with triton 3.6). H200 session 18, fp32, same calls, KDA / GDN:
+                     # flush step at bs256 485.6 -> 457.8 / 468.9 -> 433.8 µs, L-avg 1.40 -> 1.42x / 2.00 -> 2.02x,
+                     # bs512 1.52 -> 1.56x / 1.99 -> 2.04x; at bs 8-128 equal or up to 2.2% slower (non-flush steps
+                     # +0.3-1 µs); 96 registers lost 30% and more (spills)
+                     maxnreg=TUNING.get("maxnreg", 128 if b * HV >= CAPPED_MIN_ROW_HEADS else 0),
                      # pdl=1: launch 2 as launch 1's programmatic dependent (launch.pdl_on). Off: H200 session 12,
                      # fp32, non-flush bs256 GDN-4B 169.7 -> 173.2 µs, KDA 175.5 -> 183.3 (presumably its waiting
                      # slices hold SM slots launch 1's last programs need); Mamba-2's pre step gains 1% with it

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from . import mamba2_triton as base
 from .host_math import cdiv, next_pow2
-from .launch import launch, pdl_on, pdl_options, reg_options
+from .launch import launch, pdl_on, pdl_options
 from .mamba2_triton import (_advance_cursor_kernel, _fold_tile, _list_item, _list_row, _mamba2_replay_tiled_kernel,
                             _row_slot, _step_row, _step_window, _store_checkpoint, fixed_grid)
 
@@ -435,8 +435,7 @@ def replay_step_pre(cfg: dict, args: tuple, common: dict, has_slot: bool, slot_a
         *args[:13], win, dec, *args[13:19], *args[20:],
         HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_P"], BLOCK_N=cfg["BLOCK_N"], BLOCK_L=cfg["BLOCK_L"],
         STOCHASTIC_FP16=common["STOCHASTIC_FP16"], ROUTE=cfg["route"], EARLY_TILE=cfg["early_tile"],
-        WIN_X=win_x, PDL=pdl, ROWS_OUTER=rows_outer, num_warps=cfg["num_warps"], **pdl_options(pdl),
-        **reg_options(cfg["maxnreg"]))
+        WIN_X=win_x, PDL=pdl, ROWS_OUTER=rows_outer, num_warps=cfg["num_warps"], **pdl_options(pdl))
     if cfg["route"] == 1:
         fl = dict(common, BLOCK_P=cfg["FLUSH_P"], BLOCK_N=cfg["FLUSH_N"], num_warps=cfg["flush_warps"],
                   N_TILES=cdiv(N, cfg["FLUSH_N"]))

@@ -530,10 +530,9 @@ def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
                    apply_early_x=bool(TUNING.get("apply_early_x", 1)), fold_advance=bool(TUNING.get("fold_advance", 1)),
                    flush_programs_per_sm=TUNING.get("flush_per_sm"), pdl=bool(TUNING.get("pdl", 1)),
                    zero_pdl=bool(TUNING.get("zero_pdl", 1)), rows_outer=bool(TUNING.get("rows_outer", not p64)),
-                   held_x=bool(TUNING.get("held_x", 1)),
-                   # maxnreg=N: the checkpoint pass compiled to at most N registers per thread (more programs per SM;
-                   # ncu, H200 session 18: 158 / 140 registers held it to 6 programs, 12 warps per SM)
-                   maxnreg=TUNING.get("maxnreg"))
+                   held_x=bool(TUNING.get("held_x", 1)))
+        # (Capping the pass's registers for more programs per SM lost: ncu showed 6 programs, 12 warps per SM at
+        # 158 / 140 registers, but 128 spilled and made Super's non-flush steps 14-33% slower; H200 session 18)
     else:
         raise ValueError(f"replay_compile.mamba2: unknown kernel variant {variant!r} (whole, pre, tiled)")
     return dict(cfg, variant=variant, BLOCK_L=block_l)
