@@ -116,12 +116,16 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
            echo "ncu: ${NCU:-none}" | tee "$OUT/ncu.txt"
            SECS="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --section LaunchStats --section SchedulerStats"
            if [ -n "$NCU" ]; then
-             for spec in "_delta_apply_kernel delta kimi_linear float32" "_delta_window_rows_kernel delta kimi_linear float32" \
-                         "_mamba2_prepass_apply_kernel mamba2 super bfloat16" "_mamba2_prepass_apply_kernel mamba2 super float32"; do
-               set -- $spec
-               echo "=== $1 $2 $3 $4" >> "$OUT/ncu.txt"
-               timeout 150 $NCU --kernel-name regex:"^$1\$" --launch-skip 3 --launch-count 1 $SECS \
-                 python3 benchmarks/diag_ncu_step.py --family $2 --geom $3 --batch 256 --state-dtype $4 >> "$OUT/ncu.txt" 2>&1
+             # kernel, family, geometry, checkpoint dtype, cursor (15 of L = 16: a flush step), launches to skip
+             for spec in ${NCU_SPECS:-"_delta_apply_kernel,delta,kimi_linear,float32,7,3" \
+                         "_delta_window_rows_kernel,delta,kimi_linear,float32,7,3" \
+                         "_mamba2_prepass_apply_kernel,mamba2,super,bfloat16,7,3" \
+                         "_mamba2_prepass_apply_kernel,mamba2,super,float32,7,3"}; do
+               IFS=, read -r kn fam geom sd cur skip <<< "$spec"
+               echo "=== $kn $fam $geom $sd cursor $cur" >> "$OUT/ncu.txt"
+               timeout 150 $NCU --kernel-name regex:"^$kn\$" --launch-skip $skip --launch-count 1 $SECS \
+                 python3 benchmarks/diag_ncu_step.py --family $fam --geom $geom --batch 256 --state-dtype $sd \
+                 --cursor $cur --steps $((skip + 1)) >> "$OUT/ncu.txt" 2>&1
              done
            fi ;;
   maxnreg) # session 18: the delta checkpoint pass's register cap (ncu: 161 registers held it to 6 programs, 12 warps
