@@ -177,3 +177,12 @@ def test_launch_config_caps_registers_from_the_row_head_threshold():
     assert "maxnreg" not in kd.launch_config(1, 32, 128, 128, 16)
     with variant("split:maxnreg=0"):
         assert kd.launch_config(rows, 32, 128, 128, 16)["maxnreg"] == 0
+
+
+def test_register_cap_is_not_passed_to_traced_launches():
+    """A launch handed to ``wrap_triton`` (inlined into an Inductor graph) gets no ``maxnreg``, as it gets no PDL."""
+    from replay_compile.kernels.launch import reg_options, traced_launches
+
+    assert reg_options(128) == {"maxnreg": 128} and reg_options(0) == {} and reg_options(None) == {}
+    with traced_launches():
+        assert reg_options(128) == {}

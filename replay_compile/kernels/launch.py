@@ -97,8 +97,9 @@ def _major(index: int) -> int:
 
 
 def reg_options(maxnreg) -> dict:
-    """Launch keyword arguments capping a kernel's registers per thread (``maxnreg``; none when not set)."""
-    return {"maxnreg": int(maxnreg)} if maxnreg else {}
+    """Launch keyword arguments capping a kernel's registers per thread (``maxnreg``; none when not set, and none
+    for launches traced by Inductor, which are kept to the plain launch as for :func:`pdl_on`)."""
+    return {"maxnreg": int(maxnreg)} if maxnreg and not tracing() else {}
 
 
 def pdl_options(on: bool) -> dict:
