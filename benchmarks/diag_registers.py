@@ -1,0 +1,74 @@
+"""Registers and spill stack of a Triton kernel compiled for a CUDA target on a machine without a GPU.
+
+    python benchmarks/diag_registers.py replay_compile.kernels.delta_split_triton:_delta_apply_kernel \
+        --warps 2 --const HAS_SLOT=0 KDA=1 BLOCK_K=128 BLOCK_V=32 BLOCK_L=16 STOCHASTIC_FP16=0 FLUSH_STAGES=4 PDL=0 \
+        --ptr cursor_ptr=i32 slot_ptr=i32 wrow_ptr=i32 k_ptr=bf16 v_ptr=bf16 kr_ptr=bf16
+
+Triton's own frontend and the ``ptxas`` bundled with it (no driver needed) build the cubin; ``cuobjdump
+-res-usage`` reads it. Pointers default to fp32 and integer arguments to i32. The installed Triton decides the
+numbers: session 18 read 255 registers and an 80-byte stack here (triton 3.9) for a kernel that ncu showed at 161
+registers on the H200 (triton 3.6). Use it to compare variants of one kernel, not as the device's figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _value(text: str):
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def resources(fn, const: dict, warps: int, ptr_types: dict, arch: int = 90) -> dict:
+    """``{"regs", "stack", "shared"}`` of ``fn`` (a ``triton.jit`` function) compiled with ``const`` for sm_``arch``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    unknown = set(const) - set(fn.arg_names)
+    if unknown:
+        raise SystemExit(f"{fn.__name__} has no parameter(s) {sorted(unknown)}")
+    sig = {n: "constexpr" if n in const else ("*" + ptr_types.get(n, "fp32")) if n.endswith("_ptr") else "i32"
+           for n in fn.arg_names}
+    kernel = triton.compile(ASTSource(fn, sig, constexprs=const), target=GPUTarget("cuda", arch, 32),
+                            options={"num_warps": warps})
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"REG:(\d+).*?STACK:(\d+).*?SHARED:(\d+)", usage)
+    if m is None:
+        raise SystemExit(f"cuobjdump printed no resource usage:\n{usage}")
+    return dict(regs=int(m.group(1)), stack=int(m.group(2)), shared=int(m.group(3)))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("kernel", help="module:function, e.g. replay_compile.kernels.delta_triton:_delta_replay_step_kernel")
+    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90: Hopper)")
+    ap.add_argument("--const", nargs="*", default=[], metavar="NAME=VALUE", help="constexpr parameters")
+    ap.add_argument("--ptr", nargs="*", default=[], metavar="NAME=DTYPE", help="pointer element types (default fp32)")
+    a = ap.parse_args()
+    module, _, name = a.kernel.partition(":")
+    fn = getattr(importlib.import_module(module), name)
+    const = {k: _value(v) for k, _, v in (c.partition("=") for c in a.const)}
+    ptrs = dict(p.split("=", 1) for p in a.ptr)
+    r = resources(fn, const, a.warps, ptrs, a.arch)
+    print(f"{name} sm_{a.arch} {a.warps} warps: {r['regs']} registers, {r['stack']} B stack, {r['shared']} B shared")
+
+
+if __name__ == "__main__":
+    main()
