@@ -8,6 +8,9 @@
 #   folders below $OUT: steps keep to that. Steps that run a benchmark outside pytest need the package importable:
 #   this script installs it; a bare command needs PYTHONPATH=$PWD.
 #   tests      GPU tests of every Mamba-2 / delta kernel (pytest -n 6 when pytest-xdist is carried)
+#   ncu        Nsight Compute on one launch each of $NCU_SPECS ("kernel,family,geom,dtype,cursor,skip"; default: the
+#              KDA apply / window and the Mamba-2 pass bf16 / fp32 at bs256, non-flush), benchmarks/diag_ncu_step.py
+#   maxnreg    the delta checkpoint pass's register cap vs uncapped, bs256 ($DR);  s18v  its GPU tests and bs 8-512
 #   tests16    session 16's changes on the GPU: 300 staggered rows, the inline tests through the memo's shared
 #              fake / TensorBox key, validation stopping after its last check
 #   pdlchain   issue 3: launch-chain configs $M2P at bs 128 / 256 after the PDL GPU tests (session 17: flush_pdl,
