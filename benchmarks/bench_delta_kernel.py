@@ -42,15 +42,12 @@ def load_baseline(kda: bool):
         return None
 
 
-def bench_point(base_fn, Hk, HV, K, V, kda, bs, state_dtype, L, act=torch.bfloat16):
-    from replay_compile.kernels.delta_triton import delta_replay_step_triton
+def random_delta_step(bs, Hk, HV, K, V, kda, L, copies, act, dev="cuda"):
+    """``copies`` ring sets (d, k, g rings and cursor) with random records, and one token's random inputs
+    ``(q, k, v, g, beta)``; shared by the delta step benchmarks (as ``bench_mamba2_kernel.random_step`` is by the
+    Mamba-2 ones)."""
     from replay_compile.state import DeltaRingSpec
 
-    dev = "cuda"
-    es = torch.empty((), dtype=state_dtype).element_size()
-    state_bytes = bs * HV * K * V * es
-    copies = max(1, min(8, (256 * 2**20) // max(state_bytes, 1)))
-    states = [torch.randn(bs, HV, K, V, device=dev).to(state_dtype) for _ in range(copies)]
     spec = DeltaRingSpec(HV, Hk, K, V, L, torch.float32, act, kda)
     rings = [spec.allocate(bs, dev) for _ in range(copies)]
     for r in rings:
@@ -63,6 +60,18 @@ def bench_point(base_fn, Hk, HV, K, V, kda, bs, state_dtype, L, act=torch.bfloat
     v = torch.randn(bs, HV, V, device=dev, dtype=act)
     g = -torch.rand((bs, HV, K) if kda else (bs, HV), device=dev) * 0.1
     beta = torch.rand(bs, HV, device=dev)
+    return rings, (q, k, v, g, beta)
+
+
+def bench_point(base_fn, Hk, HV, K, V, kda, bs, state_dtype, L, act=torch.bfloat16):
+    from replay_compile.kernels.delta_triton import delta_replay_step_triton
+
+    dev = "cuda"
+    es = torch.empty((), dtype=state_dtype).element_size()
+    state_bytes = bs * HV * K * V * es
+    copies = max(1, min(8, (256 * 2**20) // max(state_bytes, 1)))
+    states = [torch.randn(bs, HV, K, V, device=dev).to(state_dtype) for _ in range(copies)]
+    rings, (q, k, v, g, beta) = random_delta_step(bs, Hk, HV, K, V, kda, L, copies, act, dev)
     i = [0]
     res = step_times(lambda j: delta_replay_step_triton(states[j], *rings[j], q, k, v, g, beta, None),
                      [r[-1] for r in rings], L)

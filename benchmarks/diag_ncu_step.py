@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_delta_kernel import GEOMS as DELTA_GEOMS  # noqa: E402
+from bench_delta_kernel import GEOMS as DELTA_GEOMS, random_delta_step  # noqa: E402
 from bench_mamba2_kernel import random_step  # noqa: E402
 
 MAMBA2_GEOMS = {"super": (128, 64, 128, 8), "nano": (96, 80, 128, 8)}
@@ -28,24 +28,13 @@ MAMBA2_GEOMS = {"super": (128, 64, 128, 8), "nano": (96, 80, 128, 8)}
 
 def delta_steps(geom: str, bs: int, dtype: torch.dtype, L: int, cursor: int, steps: int):
     from replay_compile.kernels.delta_triton import delta_replay_step_triton
-    from replay_compile.state import DeltaRingSpec
 
     Hk, HV, K, V, kda = DELTA_GEOMS[geom]
-    dev = "cuda"
-    state = torch.randn(bs, HV, K, V, device=dev).to(dtype)
-    rings = DeltaRingSpec(HV, Hk, K, V, L, torch.float32, torch.bfloat16, kda).allocate(bs, dev)
-    for t in rings[:3]:
-        t.normal_()
-    rings[2].neg_().abs_().neg_()                                     # log-gates <= 0
-    rings[-1].fill_(cursor)
-    norm = lambda x: x / x.norm(dim=-1, keepdim=True)  # noqa: E731
-    q = norm(torch.randn(bs, Hk, K, device=dev)).bfloat16()
-    k = norm(torch.randn(bs, Hk, K, device=dev)).bfloat16()
-    v = torch.randn(bs, HV, V, device=dev, dtype=torch.bfloat16)
-    g = -torch.rand((bs, HV, K) if kda else (bs, HV), device=dev) * 0.1
-    beta = torch.rand(bs, HV, device=dev)
+    state = torch.randn(bs, HV, K, V, device="cuda").to(dtype)
+    rings, (q, k, v, g, beta) = random_delta_step(bs, Hk, HV, K, V, kda, L, 1, torch.bfloat16, "cuda")
+    rings[0][-1].fill_(cursor)
     for _ in range(steps):
-        delta_replay_step_triton(state, *rings, q, k, v, g, beta, None)
+        delta_replay_step_triton(state, *rings[0], q, k, v, g, beta, None)
 
 
 def mamba2_steps(geom: str, bs: int, dtype: torch.dtype, L: int, cursor: int, steps: int):
