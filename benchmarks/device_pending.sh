@@ -97,7 +97,7 @@ DK=${DK:-"split;split:flush_stages=2;split:BLOCK_V=64,num_warps=4"}
 # the default-mode batch-1 profile: where Qwen3.5's step loses ~60 µs per GDN layer (session 14)
 PROF_MODELS=${PROF_MODELS:-qwen35_4b}
 PROF_MODES=${PROF_MODES:-inductor,replayssm}
-# small-batch delta configurations (the default fused kernel first: 32-wide slices, 4 warps, KDA's scan as a dot)
+# small-batch delta configurations (the default fused kernel first: 32-wide slices, 4 warps)
 KS=${KS:-"fused;fused:BLOCK_V=64,num_warps=4;fused:BLOCK_V=64,num_warps=8;fused:BLOCK_V=128,num_warps=8;fused:num_warps=2"}
 SG=";window_warps=1;window_warps=1,BLOCK_V=32,num_warps=2;window_warps=2,BLOCK_V=32,num_warps=2"
 SG="$SG;window_warps=1,BLOCK_V=32,num_warps=1"

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .delta_split_triton import _append_gate_key, _delta_window_kernel, _window_readout
+from .delta_split_triton import _append_key, _delta_window_kernel, _window_readout
 from .host_math import cdiv, memo_unless_tuned, next_pow2
 from .launch import launch
 from .mamba2_readcopy_reference import as_encoded
@@ -99,10 +99,14 @@ def _exact_record(s, j, w, kr_base, vr_base, br_base, gr_base, offs_k, offs_v, m
     k_j = tl.load(kr_base + jj * s_krl + offs_k * s_krk, mask=mask_k, other=0.0).to(tl.float32)
     v_j = tl.load(vr_base + jj * s_vrl + offs_v * s_vrv, mask=mask_v, other=0.0).to(tl.float32)
     b_j = tl.load(br_base + jj * s_brl).to(tl.float32)
+    jp = tl.maximum(jj - 1, 0)                     # the ring holds G_j = Σ_{i<=j} g_i: g_j = G_j - G_{j-1}
     if KDA:
-        dec_j = tl.exp(tl.load(gr_base + jj * s_grl + offs_k * s_grk, mask=mask_k, other=0.0))
+        g_j = tl.load(gr_base + jj * s_grl + offs_k * s_grk, mask=mask_k, other=0.0) - \
+            tl.load(gr_base + jp * s_grl + offs_k * s_grk, mask=mask_k & ((offs_k * 0 + j) > 0), other=0.0)
     else:
-        dec_j = tl.exp(tl.load(gr_base + jj * s_grl).to(tl.float32))
+        g_j = tl.load(gr_base + jj * s_grl).to(tl.float32) - \
+            tl.where(j > 0, tl.load(gr_base + jp * s_grl).to(tl.float32), 0.0)
+    dec_j = tl.exp(g_j)
     return tl.where(act[:, None], _exact_token(s, k_j, dec_j, v_j, b_j, KDA), s)
 
 
@@ -179,8 +183,8 @@ def _delta_rc_apply_kernel(
         tl.store(vr_base + w * s_vrl + offs_v * s_vrv, v.to(vr_ptr.dtype.element_ty), mask=mask_v)
         if pid_v == 0:
             tl.store(br_base + w * s_brl, beta)
-            _append_gate_key(g_ptr, k_ptr + row * s_kb + hk * s_kh + offs_k * s_kk, gr_base, kr_base, w, row, h,
-                             v_per_k, offs_k, mask_k, s_gb, s_gh, s_gk, s_grl, s_grk, s_krl, s_krk, KDA)
+            _append_key(k_ptr + row * s_kb + hk * s_kh + offs_k * s_kk, kr_base, w, h, v_per_k, offs_k, mask_k,
+                        s_krl, s_krk)
 
 
 @triton.jit
@@ -266,7 +270,7 @@ def launch_config(K: int, V: int, L: int) -> dict:
                 # non-flush steps, 1179 -> 1059 on the flush; 32 on 2 warps lost: 239 / 1485)
                 BLOCK_V=TUNING.get("BLOCK_V") or (32 if V > 16 else 16), num_warps=TUNING.get("num_warps") or 1,
                 # the window launch on 1 warp (the exact step's H200 choice, session 8; was 4 for a [16, 128] window)
-                window_warps=TUNING.get("window_warps") or 1, scan_dot=bool(TUNING.get("scan_dot", 1)),
+                window_warps=TUNING.get("window_warps") or 1,
                 BLOCK_R=TUNING.get("BLOCK_R") or 16, BLOCK_VF=max(16, next_pow2(V)),
                 # listed flush rows for the encode launches (session 8, H200 bs256: the encode launch 40.5 -> 3.7 us
                 # on non-flush steps, 170 -> 200 us on the flush step). 0: full grid every step
@@ -308,7 +312,7 @@ def delta_replay_step_readcopy_triton(state, copy, fmt, d_ring, k_ring, g_ring, 
     common = dict(HAS_SLOT=has_slot, KDA=kda, BLOCK_K=cfg["BLOCK_K"], BLOCK_L=cfg["BLOCK_L"])
     launch(_delta_window_kernel)[(b, HV)](
         cursor, k_ring, g_ring, q, k, g, slot_arg, win, vec, ke, wrow, K, L, v_per_k, v_per_q,
-        *k_ring.stride(), *g_strides, *q.stride(), *k.stride(), *gi_strides, SCAN_DOT=cfg["scan_dot"], PDL=False,
+        *k_ring.stride(), *g_strides, *q.stride(), *k.stride(), *gi_strides, PDL=False,
         num_warps=cfg["window_warps"], **common)
     (cv, cs, ct), cstrides = _copy_args(enc, name, cursor)
     n_vb = cdiv(V, cfg["BLOCK_V"])

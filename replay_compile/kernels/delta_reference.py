@@ -15,10 +15,12 @@ Notation (per sequence row, value head ``h``, key head ``kh(h) = h // (HV // Hk)
     S_t = S' + k_t d_tᵀ                      linear in S once d_t is known
     o_t = S_tᵀ q_t = S'ᵀ q_t + d_t (k_t·q_t)
 
-ReplaySSM keeps the checkpoint ``S_0`` and a ring of the last ``w < L`` records ``(d_j, k_j, g_j)``. With the current
-token at index ``w`` and ``E_j = Σ_{j<i<=w} g_i`` (suffix sums, every exponent <= 0)::
+ReplaySSM keeps the checkpoint ``S_0`` and a ring of the last ``w < L`` records ``(d_j, k_j, G_j)``, where ``G_j =
+Σ_{i<=j} g_i`` is the log-gate summed since the checkpoint (the ring holds the running sum, not ``g_j``: every
+exponent below is then one difference, with no scan over the window). With the current token at index ``w``,
+``G_w = G_{w-1} + g_w`` and ``E_j = G_w - G_j = Σ_{j<i<=w} g_i`` (every exponent <= 0; clamped there)::
 
-    S'ᵀ x = S_0ᵀ (exp(E_tot) ⊙ x) + Σ_{j<w} d_j ((k_j ⊙ exp(E_j)) · x),     E_tot = Σ_{i<=w} g_i
+    S'ᵀ x = S_0ᵀ (exp(E_tot) ⊙ x) + Σ_{j<w} d_j ((k_j ⊙ exp(E_j)) · x),     E_tot = G_w = Σ_{i<=w} g_i
 
 for ``x = k_t`` and ``x = q_t``: one read of ``S_0`` gives both, so GDN/KDA read the checkpoint every step and skip
 only the write. The record stores the corrected value ``d`` (not ``v``), which is what makes the update linear and
@@ -29,7 +31,7 @@ Ring layout (``S`` slots, ``L`` the buffer length)::
     state  [S, HV, K, V]   checkpoint, fp32 / bf16 / fp16 (fp64 in tests)
     d_ring [S, HV, L, V]   corrected values (record dtype, fp32 by default)
     k_ring [S, Hk, L, K]   normalised keys, one copy per key head
-    g_ring [S, HV, L]      log-gates, fp32 (GDN)   or   [S, HV, L, K] (KDA, per key channel)
+    g_ring [S, HV, L]      summed log-gates G_j, fp32 (GDN)   or   [S, HV, L, K] (KDA, per key channel)
     cursor [S]             int32, records held (0 <= w < L)
 
 A step with ``w == L-1`` is a flush: it folds the ``L-1`` records and the current token into the checkpoint and
@@ -79,27 +81,37 @@ def delta_exact_step(state, q, k, v, g, beta):
 
 
 def _window(g_ring_rows, g_cur, w, L, cdt):
-    """Log-gates of the window with the current token at index ``w``; returns (E_tot, E, hist).
+    """Log-gates of the window with the current token at index ``w``; returns (G_w, E, hist).
 
     Args:
-        g_ring_rows: [r, HV, L] or [r, HV, L, K] ring contents (garbage at j >= w); g_cur: [r, HV] or [r, HV, K].
-        w: [r] cursors.
+        g_ring_rows: [r, HV, L] or [r, HV, L, K] ring contents ``G_j`` (garbage at j >= w); g_cur: [r, HV] or
+            [r, HV, K]. w: [r] cursors.
     Returns:
-        E_tot: [r, HV(, K)] = Σ_{i<=w} g_i; E: [r, HV, L(, K)] = Σ_{j<i<=w} g_i (0 where j >= w);
-        hist: [r, L] bool, j < w.
+        G_w: [r, HV(, K)] = G_{w-1} + g_w = Σ_{i<=w} g_i (what the step appends); E: [r, HV, L(, K)] = min(G_w - G_j,
+        0) (0 where j >= w); hist: [r, L] bool, j < w.
     """
     r = w.shape[0]
     ar = torch.arange(L, device=w.device)
     hist = ar[None, :] < w[:, None]                                     # [r, L]
-    valid = ar[None, :] <= w[:, None]
-    G = g_ring_rows.to(cdt).clone()
-    G[torch.arange(r, device=w.device), :, w] = g_cur.to(cdt)           # current token's gate at index w
-    shape = (r, 1, L) + ((1,) if G.dim() == 4 else ())
-    G = torch.where(valid.view(shape), G, torch.zeros((), dtype=cdt))
-    suffix = G.flip(2).cumsum(2).flip(2)                                 # Σ_{i>=j}
-    after = torch.cat([suffix[:, :, 1:], torch.zeros_like(suffix[:, :, :1])], dim=2)     # Σ_{i>j}: no differences
-    E = torch.where(hist.view(shape), after, torch.zeros((), dtype=cdt))
-    return suffix[:, :, 0], E, hist
+    shape = (r, 1, L) + ((1,) if g_ring_rows.dim() == 4 else ())
+    G = torch.where(hist.view(shape), g_ring_rows.to(cdt), torch.zeros((), dtype=cdt))
+    prev = G[torch.arange(r, device=w.device), :, (w - 1).clamp(min=0)]                  # G_{w-1}; 0 when w == 0
+    G_w = prev + g_cur.to(cdt)
+    E = torch.where(hist.view(shape), (G_w.unsqueeze(2) - G).clamp(max=0), torch.zeros((), dtype=cdt))
+    return G_w, E, hist
+
+
+def _fold_window(g_ring_rows, n, L, cdt):
+    """(G_{n-1}, E, valid) of a fold of the first ``n`` records (token ``n - 1`` the last): ``E_j = min(G_{n-1} -
+    G_j, 0)`` for j < n, else 0; ``G_{n-1}`` is 0 where n == 0."""
+    r = n.shape[0]
+    ar = torch.arange(L, device=n.device)
+    valid = ar[None, :] < n[:, None]
+    shape = (r, 1, L) + ((1,) if g_ring_rows.dim() == 4 else ())
+    G = torch.where(valid.view(shape), g_ring_rows.to(cdt), torch.zeros((), dtype=cdt))
+    last = G[torch.arange(r, device=n.device), :, (n - 1).clamp(min=0)]
+    E = torch.where(valid.view(shape), (last.unsqueeze(2) - G).clamp(max=0), torch.zeros((), dtype=cdt))
+    return last, E, valid
 
 
 def _scale_keys(E, Kh):
@@ -133,7 +145,8 @@ def delta_replay_step_reference(state, d_ring, k_ring, g_ring, cursor, q, k, v, 
     if rows.numel() == 0:
         return o
     w = cursor[slots].long()
-    E_tot, E, hist = _window(g_ring[slots], g[rows], w, L, cdt)
+    G_w, E, hist = _window(g_ring[slots], g[rows], w, L, cdt)
+    E_tot = G_w.clamp(max=0)
     D = torch.where(hist[:, None, :, None], d_ring[slots].to(cdt), torch.zeros((), dtype=cdt))      # [r, HV, L, V]
     KE = _scale_keys(E, _per_value_head(k_ring[slots].to(cdt), HV))                                 # [r, HV, L, K]
     KE = torch.where(hist[:, None, :, None], KE, torch.zeros((), dtype=cdt))
@@ -160,7 +173,7 @@ def delta_replay_step_reference(state, d_ring, k_ring, g_ring, cursor, q, k, v, 
         s, wn, rn = slots[nf], w[nf], rows[nf]
         d_ring[s, :, wn] = d[nf].to(d_ring.dtype)
         k_ring[s, :, wn] = k[rn].to(k_ring.dtype)
-        g_ring[s, :, wn] = g[rn].to(g_ring.dtype)
+        g_ring[s, :, wn] = G_w[nf].to(g_ring.dtype)                   # the summed log-gate, not g
     cursor[slots] = torch.where(flush, torch.zeros_like(w), w + 1).to(cursor.dtype)
     o[rows] = out
     return o
@@ -173,18 +186,12 @@ def _fold(state, d_ring, k_ring, g_ring, cursor, count, slot_idx):
     rows, slots, n = _fold_rows(state, cursor, count, slot_idx)
     if rows.numel() == 0:
         return rows, slots, state.new_zeros((0,) + tuple(state.shape[1:]), dtype=cdt)
-    # the window of the first n records: gates summed over j < i < n, as if token n-1 were the last one
-    r = n.shape[0]
-    ar = torch.arange(L, device=state.device)
-    valid = ar[None, :] < n[:, None]
-    shape = (r, 1, L) + ((1,) if g_ring.dim() == 4 else ())
-    G = torch.where(valid.view(shape), g_ring[slots].to(cdt), torch.zeros((), dtype=cdt))
-    suffix = G.flip(2).cumsum(2).flip(2)
-    after = torch.cat([suffix[:, :, 1:], torch.zeros_like(suffix[:, :, :1])], dim=2)
+    # the window of the first n records, as if token n-1 were the last one
+    G_last, after, valid = _fold_window(g_ring[slots], n, L, cdt)
     D = torch.where(valid[:, None, :, None], d_ring[slots].to(cdt), torch.zeros((), dtype=cdt))
     KE = torch.where(valid[:, None, :, None], _scale_keys(after, _per_value_head(k_ring[slots].to(cdt), HV)),
                      torch.zeros((), dtype=cdt))
-    dec = torch.exp(suffix[:, :, 0])
+    dec = torch.exp(G_last.clamp(max=0))
     dec = dec[..., None, None] if dec.dim() == 2 else dec[..., None]
     S0 = state[slots].to(cdt)
     S = dec * S0 + torch.einsum("rhlk,rhlv->rhkv", KE, D)
@@ -216,6 +223,6 @@ def delta_replay_flush_reference(state, d_ring, k_ring, g_ring, cursor, slot_idx
     _, _, S = _fold(state, d_ring, k_ring, g_ring, cursor, None, slots)
     last = cursor[slots].long() - 1
     key = g_ring[slots, :, last]                                         # [r, HV] (GDN) or [r, HV, K] (KDA)
-    key = key if key.dim() == 2 else key[..., 0]                        # stochastic-rounding key: last record's gate
+    key = key if key.dim() == 2 else key[..., 0]                        # stochastic-rounding key: last record's G
     _store_checkpoint(state, slots, S, key)
     cursor[slots] = 0

@@ -78,14 +78,19 @@ def _delta_spec_window_kernel(
     kn = tl.load(k_ptr + row * s_kb + t_j[:, None] * s_kt + hk * s_kh + offs_k[None, :] * s_kk,
                  mask=new[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
     kw = tl.where(hist[:, None], kh, kn)                                                   # [BLOCK_W, BLOCK_K]
+    # the history's gates from the ring's summed log-gates, g_j = G_j - G_{j-1} (G_{-1} = 0), beside the new ones
+    ring_p = (org + offs_j - 1) & (BUF - 1)
+    had = hist & (offs_j > 0)
     if KDA:
-        gh = tl.load(gr_ptr + slot * s_grb + h * s_grh + ring_j[:, None] * s_grl + offs_k[None, :] * s_grk,
-                     mask=hist[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+        gr_h = gr_ptr + slot * s_grb + h * s_grh + offs_k[None, :] * s_grk
+        gh = tl.load(gr_h + ring_j[:, None] * s_grl, mask=hist[:, None] & mask_k[None, :], other=0.0) - \
+            tl.load(gr_h + ring_p[:, None] * s_grl, mask=had[:, None] & mask_k[None, :], other=0.0)
         gn = tl.load(g_ptr + row * s_gb + t_j[:, None] * s_gt + h * s_gh + offs_k[None, :] * s_gk,
                      mask=new[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
         gw = tl.where(hist[:, None], gh, gn)                                               # [BLOCK_W, BLOCK_K]
     else:
-        gh = tl.load(gr_ptr + slot * s_grb + h * s_grh + ring_j * s_grl, mask=hist, other=0.0).to(tl.float32)
+        gr_h = gr_ptr + slot * s_grb + h * s_grh
+        gh = tl.load(gr_h + ring_j * s_grl, mask=hist, other=0.0) - tl.load(gr_h + ring_p * s_grl, mask=had, other=0.0)
         gn = tl.load(g_ptr + row * s_gb + t_j * s_gt + h * s_gh, mask=new, other=0.0).to(tl.float32)
         gw = tl.where(hist, gh, gn)                                                        # [BLOCK_W]
     lo = tl.where(fl, w, 0)
@@ -166,7 +171,12 @@ def _delta_spec_apply_kernel(
     if fl:
         # fold the history into the checkpoint, record by record (the recurrence S = a_j ⊙_K S + k_j d_jᵀ itself; no
         # tl.dot, whose shared memory would cost every program occupancy); written once
+        # (the ring holds summed log-gates: each record decays by exp(G_j - G_{j-1}))
         key_gate = w.to(tl.float32) * 0.0
+        if KDA:
+            g_prev = tl.zeros([BLOCK_K], dtype=tl.float32)
+        else:
+            g_prev = key_gate
         for j in range(BLOCK_W):
             if j < w:
                 rj = (org + j) & (BUF - 1)
@@ -175,14 +185,15 @@ def _delta_spec_apply_kernel(
                 d_j = tl.load(dr_ptr + slot * s_drb + h * s_drh + rj * s_drl + offs_v * s_drv, mask=mask_v,
                               other=0.0).to(tl.float32)
                 if KDA:
-                    g_j = tl.load(gr_ptr + slot * s_grb + h * s_grh + rj * s_grl + offs_k * s_grk, mask=mask_k,
+                    G_j = tl.load(gr_ptr + slot * s_grb + h * s_grh + rj * s_grl + offs_k * s_grk, mask=mask_k,
                                   other=0.0).to(tl.float32)
-                    base = tl.exp(g_j)[:, None] * base + k_j[:, None] * d_j[None, :]
-                    key_gate = tl.sum(tl.where(offs_k == 0, g_j, 0.0), axis=0)   # last record's g[..., 0]
+                    base = tl.exp(G_j - g_prev)[:, None] * base + k_j[:, None] * d_j[None, :]
+                    key_gate = tl.sum(tl.where(offs_k == 0, G_j, 0.0), axis=0)   # last record's G[..., 0]
                 else:
-                    g_j = tl.load(gr_ptr + slot * s_grb + h * s_grh + rj * s_grl).to(tl.float32)
-                    base = tl.exp(g_j) * base + k_j[:, None] * d_j[None, :]
-                    key_gate = g_j
+                    G_j = tl.load(gr_ptr + slot * s_grb + h * s_grh + rj * s_grl).to(tl.float32)
+                    base = tl.exp(G_j - g_prev) * base + k_j[:, None] * d_j[None, :]
+                    key_gate = G_j
+                g_prev = G_j
         if w > 0:
             _store_checkpoint(st_ptrs, base, tile_mask, key_gate, slot * HV + h,
                               offs_k[:, None] * V + offs_v[None, :], STOCHASTIC_FP16)
@@ -216,15 +227,28 @@ def _delta_spec_apply_kernel(
     slot_t = (org + w + offs_t) & (BUF - 1)
     tk = tt[:, None] & mask_k[None, :]
     if pid_v == 0:
+        # summed log-gates, token by token: from the history's last (G_{w-1}), or from 0 on a flush row (whose
+        # checkpoint now holds the history)
+        gr_h = gr_ptr + slot * s_grb + h * s_grh
+        carry = (w > 0) & (fl == 0)
+        last = (org + w - 1) & (BUF - 1)
         if KDA:
-            g_new = tl.load(g_ptr + row * s_gb + offs_t[:, None] * s_gt + h * s_gh + offs_k[None, :] * s_gk,
-                            mask=tk, other=0.0)
-            tl.store(gr_ptr + slot * s_grb + h * s_grh + slot_t[:, None] * s_grl + offs_k[None, :] * s_grk,
-                     g_new.to(gr_ptr.dtype.element_ty), mask=tk)
+            g_sum = tl.load(gr_h + last * s_grl + offs_k * s_grk, mask=mask_k & ((offs_k * 0 + carry) != 0),
+                            other=0.0).to(tl.float32)
         else:
-            g_new = tl.load(g_ptr + row * s_gb + offs_t * s_gt + h * s_gh, mask=tt, other=0.0)
-            tl.store(gr_ptr + slot * s_grb + h * s_grh + slot_t * s_grl, g_new.to(gr_ptr.dtype.element_ty),
-                     mask=tt)
+            g_sum = tl.where(carry, tl.load(gr_h + last * s_grl).to(tl.float32), 0.0)
+        for t in tl.static_range(BLOCK_T):
+            live = (offs_k * 0 + t) < T            # vector masks (the interpreter rejects scalar loop-index ones)
+            p = (org + w + t) & (BUF - 1)
+            if KDA:
+                g_sum += tl.load(g_ptr + row * s_gb + t * s_gt + h * s_gh + offs_k * s_gk, mask=live & mask_k,
+                                 other=0.0).to(tl.float32)
+                tl.store(gr_h + p * s_grl + offs_k * s_grk, g_sum.to(gr_ptr.dtype.element_ty), mask=live & mask_k)
+            else:                                  # one live lane of a [BLOCK_T] vector: a scalar, masked
+                lane = (offs_t == 0) & ((offs_t * 0 + t) < T)
+                g_sum += tl.sum(tl.load(g_ptr + row * s_gb + t * s_gt + h * s_gh + offs_t * 0, mask=lane,
+                                        other=0.0).to(tl.float32), axis=0)
+                tl.store(gr_h + p * s_grl + offs_t * 0, (g_sum + offs_t * 0.0).to(gr_ptr.dtype.element_ty), mask=lane)
         if h % v_per_k == 0:                       # one program per key head appends k
             k_new = tl.load(k_ptr + row * s_kb + offs_t[:, None] * s_kt + hk * s_kh + offs_k[None, :] * s_kk,
                             mask=tk, other=0.0)

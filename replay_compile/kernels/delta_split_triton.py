@@ -34,19 +34,6 @@ from .mamba2_triton import _row_slot, _step_row, _store_checkpoint
 
 
 @triton.jit
-def _kda_after(gw, offs_l, SCAN_DOT: tl.constexpr):
-    """KDA's ``E_j = Σ_{j<i<=w} g_i`` per key channel from the window's gates ``gw`` [BLOCK_L, BLOCK_K] (zero past
-    ``w``), clamped to <= 0. ``SCAN_DOT``: ``U @ gw`` with ``U[j, i] = (i > j)``, one small IEEE-fp32 dot instead of
-    a ``tl.cumsum`` along the window axis (H200 bs256: the window launch 54 -> 46 µs)."""
-    if SCAN_DOT:
-        upper = (offs_l[None, :] > offs_l[:, None]).to(tl.float32)
-        after = tl.dot(upper, gw, input_precision="ieee")
-    else:
-        after = tl.cumsum(gw, axis=0, reverse=True) - gw
-    return tl.minimum(after, 0.0)
-
-
-@triton.jit
 def _store_window(win_ptr, vec_ptr, rh, u, uq, k, q, dec, flushing, offs_l, offs_k, BLOCK_L: tl.constexpr,
                   BLOCK_K: tl.constexpr):
     """Launch 1's outputs for (row, value head) ``rh``: ``win = (u [L], uq [L], k·q)``, ``vec = (dec ⊙ k, dec ⊙ q)``
@@ -68,15 +55,17 @@ def _delta_window_kernel(
     s_krb, s_krh, s_krl, s_krk, s_grb, s_grh, s_grl, s_grk,
     s_qb, s_qh, s_qk, s_kb, s_kh, s_kk, s_gb, s_gh, s_gk,
     HAS_SLOT: tl.constexpr, KDA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
-    SCAN_DOT: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Launch 1, grid ``(batch, HV)``: everything of the step that does not touch the checkpoint, once per (row,
     value head) instead of once per V-block. Writes ``w`` [b] (from head 0), the window scalars
     ``win[row, h] = (u_j = KE_j·k_t, v_j = KE_j·q_t, k_t·q_t)``, the decayed vectors
     ``vec[row, h] = (exp(E_tot) ⊙ k_t, exp(E_tot) ⊙ q_t, exp(E_tot))`` and, for flushing rows only, the scaled keys
-    ``ke[row, h] = KE [BLOCK_L, BLOCK_K]`` (zero past the window). Reads the cursor, writes nothing of the cache.
-    ``SCAN_DOT``: see :func:`_kda_after`. ``PDL``: launch 2 is this launch's programmatic dependent and may start
-    at once (:func:`_delta_apply_kernel` waits for this grid before it reads anything written here)."""
+    ``ke[row, h] = KE [BLOCK_L, BLOCK_K]`` (zero past the window). The ring holds summed log-gates ``G_j``, so
+    ``G_w = G_{w-1} + g_t`` and ``E_j = G_w - G_j``; a non-flush row's ``G_w`` is appended here (one program per
+    row and value head; nothing else reads or writes that slot in this step). Reads the cursor. ``PDL``: launch 2
+    is this launch's programmatic dependent and may start at once (:func:`_delta_apply_kernel` waits for this grid
+    before it reads anything written here)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
@@ -108,20 +97,21 @@ def _delta_window_kernel(
         gw = tl.load(gr_ptrs, mask=hist, other=0.0).to(tl.float32)
     if h == 0:
         tl.store(wrow_ptr + row, w)
-    cur = offs_l == w
+    last = offs_l == w - 1
+    gr_base = gr_ptr + slot * s_grb + h * s_grh
     if KDA:
-        gw = tl.where(cur[:, None], g_cur[None, :], tl.where(hist[:, None], gw, 0.0))
-        ke = tl.where(hist[:, None], kw * tl.exp(_kda_after(gw, offs_l, SCAN_DOT)), 0.0)
-        dec = tl.exp(tl.minimum(tl.sum(gw, axis=0), 0.0))                              # [BLOCK_K]
+        g_sum = tl.sum(tl.where(last[:, None], gw, 0.0), axis=0) + g_cur                   # G_w [BLOCK_K]
+        ke = tl.where(hist[:, None], kw * tl.exp(tl.minimum(g_sum[None, :] - gw, 0.0)), 0.0)
     else:
-        gw = tl.where(cur, g_cur, tl.where(hist, gw, 0.0))
-        after = tl.minimum(tl.cumsum(gw, axis=0, reverse=True) - gw, 0.0)
-        ke = tl.where(hist[:, None], kw * tl.exp(after)[:, None], 0.0)
-        dec = tl.exp(tl.minimum(tl.sum(gw, axis=0), 0.0))
+        g_sum = tl.sum(tl.where(last, gw, 0.0), axis=0) + g_cur
+        ke = tl.where(hist[:, None], kw * tl.exp(tl.minimum(g_sum - gw, 0.0))[:, None], 0.0)
+    dec = tl.exp(tl.minimum(g_sum, 0.0))                                                   # KDA [BLOCK_K]
     _store_window(win_ptr, vec_ptr, row * HV + h, tl.sum(ke * k[None, :], axis=1), tl.sum(ke * q[None, :], axis=1),
                   k, q, dec, (offs_k * 0 + w) == L - 1, offs_l, offs_k, BLOCK_L, BLOCK_K)
     if w == L - 1:
         tl.store(ke_ptr + (row * HV + h) * (BLOCK_L * BLOCK_K) + offs_l[:, None] * BLOCK_K + offs_k[None, :], ke)
+    else:
+        _append_gate(gr_base, w, g_sum, offs_k, mask_k, s_grl, s_grk, KDA)
 
 
 @triton.jit
@@ -134,10 +124,9 @@ def _delta_window_rows_kernel(
     PDL: tl.constexpr,
 ):
     """Launch 1 record by record (``window_rows=1``; same outputs as :func:`_delta_window_kernel`): the window's
-    key (and KDA gate) rows are separate ``[K]`` vectors, walked from the newest back with ``E_j`` carried as one
-    running sum, so the ``[L, K]`` suffix scan (or its dot) and the 2-D reductions become L vector steps, about a
-    third of the operations for KDA. Unrolled: every row load can be in flight at once. ``PDL``: as for
-    :func:`_delta_window_kernel`."""
+    key (and KDA gate) rows are separate ``[K]`` vectors, ``E_j = G_w - G_j`` one vector step each, so the 2-D
+    reductions become L vector steps, about a third of the operations for KDA. Unrolled: every row load can be in
+    flight at once. Appends ``G_w`` and ``PDL`` as :func:`_delta_window_kernel`."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
@@ -158,29 +147,43 @@ def _delta_window_rows_kernel(
         tl.store(wrow_ptr + row, w)
     kr_base = kr_ptr + slot * s_krb + hk * s_krh
     gr_base = gr_ptr + slot * s_grb + h * s_grh
-    if KDA:
-        acc = tl.load(g_ptr + row * s_gb + h * s_gh + offs_k * s_gk, mask=mask_k, other=0.0).to(tl.float32)
+    if KDA:                                        # G_w = G_{w-1} + g_t (G_{-1} = 0)
+        g_sum = tl.load(gr_base + (w - 1) * s_grl + offs_k * s_grk, mask=mask_k & ((offs_k * 0 + w) > 0),
+                        other=0.0).to(tl.float32)
+        g_sum += tl.load(g_ptr + row * s_gb + h * s_gh + offs_k * s_gk, mask=mask_k, other=0.0).to(tl.float32)
     else:
         gw = tl.load(gr_base + offs_l * s_grl, mask=offs_l < w, other=0.0).to(tl.float32)          # [BLOCK_L]
-        acc = tl.load(g_ptr + row * s_gb + h * s_gh).to(tl.float32)
+        g_sum = tl.sum(tl.where(offs_l == w - 1, gw, 0.0), axis=0) + tl.load(g_ptr + row * s_gb + h * s_gh).to(
+            tl.float32)
     u = tl.zeros([BLOCK_L], dtype=tl.float32)
     uq = tl.zeros([BLOCK_L], dtype=tl.float32)
     flushing = (offs_k * 0 + w) == L - 1
     ke_base = ke_ptr + (row * HV + h) * (BLOCK_L * BLOCK_K)
-    for jj in tl.static_range(BLOCK_L):
-        j = BLOCK_L - 1 - jj                       # newest first: acc = Σ_{j<i<=w} g_i when row j is reached
+    for j in tl.static_range(BLOCK_L):
         live = (offs_k * 0 + j) < w                # vector masks (the interpreter rejects scalar loop-index ones)
         k_j = tl.load(kr_base + j * s_krl + offs_k * s_krk, mask=live & mask_k, other=0.0).to(tl.float32)
-        ke_j = tl.where(live, k_j * tl.exp(tl.minimum(acc, 0.0)), 0.0)
         if KDA:
-            acc += tl.load(gr_base + j * s_grl + offs_k * s_grk, mask=live & mask_k, other=0.0).to(tl.float32)
+            G_j = tl.load(gr_base + j * s_grl + offs_k * s_grk, mask=live & mask_k, other=0.0).to(tl.float32)
         else:
-            acc += tl.sum(tl.where(offs_l == j, gw, 0.0), axis=0)
+            G_j = tl.sum(tl.where(offs_l == j, gw, 0.0), axis=0)
+        ke_j = tl.where(live, k_j * tl.exp(tl.minimum(g_sum - G_j, 0.0)), 0.0)
         u = tl.where(offs_l == j, tl.sum(ke_j * k, axis=0), u)
         uq = tl.where(offs_l == j, tl.sum(ke_j * q, axis=0), uq)
         tl.store(ke_base + j * BLOCK_K + offs_k, ke_j, mask=flushing)
-    dec = tl.exp(tl.minimum(acc, 0.0))                                           # KDA [BLOCK_K], GDN scalar
+    dec = tl.exp(tl.minimum(g_sum, 0.0))                                         # KDA [BLOCK_K], GDN scalar
     _store_window(win_ptr, vec_ptr, row * HV + h, u, uq, k, q, dec, flushing, offs_l, offs_k, BLOCK_L, BLOCK_K)
+    if w < L - 1:
+        _append_gate(gr_base, w, g_sum, offs_k, mask_k, s_grl, s_grk, KDA)
+
+
+@triton.jit
+def _append_gate(gr_base, w, g_sum, offs_k, mask_k, s_grl, s_grk, KDA: tl.constexpr):
+    """A non-flush row's gate record at ring position ``w``: its summed log-gate ``G_w`` ([K] for KDA). Launch 1
+    writes it (one program per row and value head, after reading the slots before ``w``)."""
+    if KDA:
+        tl.store(gr_base + w * s_grl + offs_k * s_grk, g_sum, mask=mask_k)
+    else:
+        tl.store(gr_base + w * s_grl, g_sum)
 
 
 @triton.jit
@@ -218,16 +221,9 @@ def _window_readout(s0, v, beta, w, win_ptr, vec_ptr, rh, dr_base, offs_l, offs_
 
 
 @triton.jit
-def _append_gate_key(g_ptr, k_ptrs, gr_base, kr_base, w, row, h, v_per_k, offs_k, mask_k,
-                     s_gb, s_gh, s_gk, s_grl, s_grk, s_krl, s_krk, KDA: tl.constexpr):
-    """A non-flush row's gate record (per value head: ``g_t``, [K] for KDA) and, from one value head per key head,
-    its key record ``k_t`` (``k_ptrs``: the step's ``k_t``) at ring position ``w``. Called by one program per
-    (row, value head)."""
-    if KDA:
-        g_cur = tl.load(g_ptr + row * s_gb + h * s_gh + offs_k * s_gk, mask=mask_k, other=0.0)
-        tl.store(gr_base + w * s_grl + offs_k * s_grk, g_cur.to(tl.float32), mask=mask_k)
-    else:
-        tl.store(gr_base + w * s_grl, tl.load(g_ptr + row * s_gb + h * s_gh).to(tl.float32))
+def _append_key(k_ptrs, kr_base, w, h, v_per_k, offs_k, mask_k, s_krl, s_krk):
+    """A non-flush row's key record ``k_t`` (``k_ptrs``: the step's ``k_t``) at ring position ``w``, from one value
+    head per key head. (Its gate record ``G_w`` was appended by launch 1.)"""
     if h % v_per_k == 0:                           # one program per key head appends k_t
         k_raw = tl.load(k_ptrs, mask=mask_k, other=0.0)
         tl.store(kr_base + w * s_krl + offs_k * s_krk, k_raw.to(kr_base.dtype.element_ty), mask=mask_k)
@@ -285,7 +281,6 @@ def _delta_apply_kernel(
 
     hk = h // v_per_k
     kr_base = kr_ptr + slot * s_krb + hk * s_krh
-    gr_base = gr_ptr + slot * s_grb + h * s_grh
     k_ptrs = k_ptr + row * s_kb + hk * s_kh + offs_k * s_kk
     if w == L - 1:
         k_cur = tl.load(k_ptrs, mask=mask_k, other=0.0).to(tl.float32)
@@ -309,8 +304,7 @@ def _delta_apply_kernel(
     else:
         tl.store(dr_base + w * s_drl + offs_v * s_drv, d.to(dr_ptr.dtype.element_ty), mask=mask_v)
         if pid_v == 0:
-            _append_gate_key(g_ptr, k_ptrs, gr_base, kr_base, w, row, h, v_per_k, offs_k, mask_k,
-                             s_gb, s_gh, s_gk, s_grl, s_grk, s_krl, s_krk, KDA)
+            _append_key(k_ptrs, kr_base, w, h, v_per_k, offs_k, mask_k, s_krl, s_krk)
             if h == 0:
                 tl.store(cursor_ptr + slot, w + 1)
 
@@ -336,8 +330,7 @@ def launch_split(cfg: dict, state, d_ring, k_ring, g_ring, cursor, q, k, v, g, b
     if cfg["window_rows"]:
         launch(_delta_window_rows_kernel)[(b, HV)](*win_args, KDA=kda, num_warps=cfg["window_warps"], **common)
     else:
-        launch(_delta_window_kernel)[(b, HV)](*win_args, KDA=kda, SCAN_DOT=cfg["scan_dot"], num_warps=cfg["window_warps"],
-                                      **common)
+        launch(_delta_window_kernel)[(b, HV)](*win_args, KDA=kda, num_warps=cfg["window_warps"], **common)
     n_vb = cdiv(V, cfg["BLOCK_V"])
     return launch(_delta_apply_kernel)[(n_vb, b, HV)](
         state, d_ring, k_ring, g_ring, cursor, k, v, g, beta, slot_arg, o, win, vec, ke, wrow,

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .delta_split_triton import _kda_after, launch_split
+from .delta_split_triton import launch_split
 from .host_math import cdiv, memo_unless_tuned, next_pow2
 from .launch import launch
 from .mamba2_triton import _ARRIVAL, _arrive, _step_row, _store_checkpoint
@@ -51,7 +51,7 @@ def _delta_replay_step_kernel(
     s_bb, s_bh,                             # beta [b, HV]
     s_ob, s_oh, s_ov,                       # o [b, HV, V]
     HAS_SLOT: tl.constexpr, KDA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, SCAN_DOT: tl.constexpr,
+    BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr,
 ):
     pid_v = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
@@ -92,24 +92,19 @@ def _delta_replay_step_kernel(
         g_cur = tl.load(g_ptr + row * s_gb + h * s_gh).to(tl.float32)
         gw = tl.load(gr_ptr + slot * s_grb + h * s_grh + offs_l * s_grl, mask=in_ring, other=0.0).to(tl.float32)
 
-    # the window: records j < w, this token's gate at j == w; stale ring slots never leak (where, not multiply)
+    # the window: records j < w hold G_j (the log-gate summed since the checkpoint), so this token's G_w = G_{w-1} +
+    # g_t and every exponent is one difference, E_j = G_w - G_j (no scan); stale slots never leak (where, not multiply)
     hist = offs_l < w
-    cur = offs_l == w
+    last = offs_l == w - 1
     if KDA:
-        gw = tl.where(cur[:, None], g_cur[None, :], tl.where(hist[:, None], gw, 0.0))
-        e_tot = tl.sum(gw, axis=0)                                                           # [BLOCK_K]
-        ke = tl.where(hist[:, None], kw * tl.exp(_kda_after(gw, offs_l, SCAN_DOT)), 0.0)    # [BLOCK_L, BLOCK_K]
-        dec = tl.exp(tl.minimum(e_tot, 0.0))                                                 # [BLOCK_K]
-        ak = dec * k
-        aq = dec * q
+        g_sum = tl.sum(tl.where(last[:, None], gw, 0.0), axis=0) + g_cur                    # G_w [BLOCK_K]
+        ke = tl.where(hist[:, None], kw * tl.exp(tl.minimum(g_sum[None, :] - gw, 0.0)), 0.0)  # [BLOCK_L, BLOCK_K]
     else:
-        gw = tl.where(cur, g_cur, tl.where(hist, gw, 0.0))
-        e_tot = tl.sum(gw, axis=0)
-        after = tl.minimum(tl.cumsum(gw, axis=0, reverse=True) - gw, 0.0)
-        ke = tl.where(hist[:, None], kw * tl.exp(after)[:, None], 0.0)
-        dec = tl.exp(tl.minimum(e_tot, 0.0))
-        ak = dec * k
-        aq = dec * q
+        g_sum = tl.sum(tl.where(last, gw, 0.0), axis=0) + g_cur
+        ke = tl.where(hist[:, None], kw * tl.exp(tl.minimum(g_sum - gw, 0.0))[:, None], 0.0)
+    dec = tl.exp(tl.minimum(g_sum, 0.0))                                                     # KDA [BLOCK_K]
+    ak = dec * k
+    aq = dec * q
     dw = tl.where(hist[:, None], dw, 0.0)
 
     sk = tl.sum(s0 * ak[:, None], axis=0) + tl.sum(tl.sum(ke * k[None, :], axis=1)[:, None] * dw, axis=0)
@@ -136,16 +131,16 @@ def _delta_replay_step_kernel(
                  d.to(dr_ptr.dtype.element_ty), mask=mask_v)
         if pid_v == 0:
             if KDA:
-                tl.store(gr_ptr + slot * s_grb + h * s_grh + w * s_grl + offs_k * s_grk, g_cur, mask=mask_k)
+                tl.store(gr_ptr + slot * s_grb + h * s_grh + w * s_grl + offs_k * s_grk, g_sum, mask=mask_k)
             else:
-                tl.store(gr_ptr + slot * s_grb + h * s_grh + w * s_grl, g_cur)
+                tl.store(gr_ptr + slot * s_grb + h * s_grh + w * s_grl, g_sum)
             if h % v_per_k == 0:                       # one program per key head appends k_t
                 tl.store(kr_ptr + slot * s_krb + hk * s_krh + w * s_krl + offs_k * s_krk,
                          k_raw.to(kr_ptr.dtype.element_ty), mask=mask_k)
 
 
 # Launch configuration override for benchmarks and tests (``mamba2_triton.parse_tuning`` strings):
-# {"variant": "fused"|"split", "BLOCK_V", "num_warps", "scan_dot" (KDA); split only: "window_warps", "window_rows",
+# {"variant": "fused"|"split", "BLOCK_V", "num_warps"; split only: "window_warps", "window_rows",
 # "flush_stages", "maxnreg", "pdl"}.
 # Empty in use.
 TUNING: dict = {}
@@ -177,16 +172,15 @@ def launch_config(b: int, HV: int, K: int, V: int, L: int, kda: bool = False) ->
     extra = {}
     if variant == "fused":
         block_v = TUNING.get("BLOCK_V") or (32 if V > 16 else 16)
-        # 4 warps for a 128 x 32 slice and KDA's scan as a dot (H200 session 8, bs1: GDN 4.2 -> 3.9 µs L-avg, KDA
-        # 7.8 -> 5.3; at bs8 4 warps lost, but bs8 runs split)
+        # 4 warps for a 128 x 32 slice (H200 session 8, bs1: GDN 4.2 -> 3.9 µs L-avg, KDA 7.8 -> 5.3 with the gate
+        # scan of the time as a dot; at bs8 4 warps lost, but bs8 runs split)
         warps = TUNING.get("num_warps") or max(1, min(8, max(block_k * block_v, block_l * block_k) // (32 * 32)))
-        extra = dict(scan_dot=bool(TUNING.get("scan_dot", 1)))
     elif variant == "split":
         # H200 session 8: 32-wide slices on 2 warps (16 on 1 warp: GDN bs256 non-flush 206 -> 168 µs), the window
-        # launch on 1 warp (4: GDN window 24 -> 16 µs, KDA 91 -> 54), KDA's gate scan as a dot (54 -> 46 µs)
+        # launch on 1 warp (4: GDN window 24 -> 16 µs, KDA 91 -> 54)
         block_v = TUNING.get("BLOCK_V") or (32 if V > 16 else 16)
         warps = TUNING.get("num_warps") or (2 if block_v >= 32 else 1)
-        extra = dict(window_warps=TUNING.get("window_warps") or 1, scan_dot=bool(TUNING.get("scan_dot", 1)),
+        extra = dict(window_warps=TUNING.get("window_warps") or 1,
                      # H200 session 9, bs256 fp32: KDA's launch 1 record by record (window 46 -> 22 µs, L-avg 1.24 ->
                      # 1.38x of fla; GDN's window 16 -> 17 µs, so GDN keeps the tile form), and the flush's record
                      # loop pipelined 4 deep (flush apply 570 -> 445 µs, both; 2 stages: 563)
@@ -233,7 +227,7 @@ def delta_replay_step_triton(state, d_ring, k_ring, g_ring, cursor, q, k, v, g, 
             *state.stride(), *d_ring.stride(), *k_ring.stride(), *g_strides,
             *q.stride(), *k.stride(), *v.stride(), *gi_strides, *beta.stride(), *o.stride(),
             BLOCK_V=cfg["BLOCK_V"], STOCHASTIC_FP16=state.dtype == torch.float16, num_warps=cfg["num_warps"],
-            SCAN_DOT=cfg["scan_dot"], **common)
+            **common)
         return o
     # split: window once per (row, value head) into scratch, then the checkpoint pass
     LAST_LAUNCH["kernel"] = launch_split(cfg, state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slot_arg,
