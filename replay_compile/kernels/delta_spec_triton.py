@@ -237,16 +237,16 @@ def _delta_spec_apply_kernel(
                             other=0.0).to(tl.float32)
         else:
             g_sum = tl.where(carry, tl.load(gr_h + last * s_grl).to(tl.float32), 0.0)
-        for t in tl.static_range(BLOCK_T):
-            live = (offs_k * 0 + t) < T            # vector masks (the interpreter rejects scalar loop-index ones)
-            p = (org + w + t) & (BUF - 1)
+        for tn in tl.static_range(BLOCK_T):  # (``t`` is the runtime loop's above)
+            live = (offs_k * 0 + tn) < T            # vector masks (the interpreter rejects scalar loop-index ones)
+            p = (org + w + tn) & (BUF - 1)
             if KDA:
-                g_sum += tl.load(g_ptr + row * s_gb + t * s_gt + h * s_gh + offs_k * s_gk, mask=live & mask_k,
+                g_sum += tl.load(g_ptr + row * s_gb + tn * s_gt + h * s_gh + offs_k * s_gk, mask=live & mask_k,
                                  other=0.0).to(tl.float32)
                 tl.store(gr_h + p * s_grl + offs_k * s_grk, g_sum.to(gr_ptr.dtype.element_ty), mask=live & mask_k)
             else:                                  # one live lane of a [BLOCK_T] vector: a scalar, masked
-                lane = (offs_t == 0) & ((offs_t * 0 + t) < T)
-                g_sum += tl.sum(tl.load(g_ptr + row * s_gb + t * s_gt + h * s_gh + offs_t * 0, mask=lane,
+                lane = (offs_t == 0) & ((offs_t * 0 + tn) < T)
+                g_sum += tl.sum(tl.load(g_ptr + row * s_gb + tn * s_gt + h * s_gh + offs_t * 0, mask=lane,
                                         other=0.0).to(tl.float32), axis=0)
                 tl.store(gr_h + p * s_grl + offs_t * 0, (g_sum + offs_t * 0.0).to(gr_ptr.dtype.element_ty), mask=lane)
         if h % v_per_k == 0:                       # one program per key head appends k
