@@ -106,7 +106,7 @@ if ls .wheels/pytest_xdist-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-deps .wheels/pytest_xdist-*.whl .wheels/execnet-*.whl >> $INSTALL_LOG 2>&1 \
     && XDIST="-n 6"
 fi
-steps=${*:-tests sweep}
+steps=${*:-cumgates}
 for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
   tests) timeout 300 python3 -m pytest -q $XDIST -p no:cacheprovider tests/test_mamba2_triton_gpu.py \
            tests/test_mamba2_triton.py tests/test_mamba2_readcopy.py tests/test_delta_readcopy_triton.py --tb=line \
@@ -145,6 +145,16 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
            timeout 240 python3 benchmarks/bench_delta_kernel.py --out /tmp/dmnr2 --batches ${DRB:-8,32,128,512} \
            --geoms kimi_linear,qwen35_4b --configs "split:maxnreg=0;split:maxnreg=128" 2>&1 | grep -v Warn \
            | tee "$OUT/delta_maxnreg_batches.txt" ;;
+  cumgates) # branch cumgates (session 18): the delta rings hold summed log-gates, so no window scan. GPU tests of
+           # every delta kernel first, then bs 1 / 2 / 4 and bs256 vs fla (main, same H200: KDA bs1 5.3 µs, 0.88x;
+           # bs256 L-avg 186.5 µs, 1.44x; GDN-4B bs1 3.9 µs, 0.94x; removing the scan by hand gave KDA bs1 4.71 µs)
+           timeout 240 python3 -m pytest -q $XDIST -p no:cacheprovider tests/test_delta_triton.py \
+           tests/test_delta_triton_gpu.py tests/test_delta_readcopy_triton.py tests/test_delta_spec_triton.py \
+           tests/test_spec_baselines.py --tb=short 2>&1 | grep -v "warnings.warn" | tail -8 | tee "$OUT/pytest_cumgates.txt"
+           timeout 150 python3 benchmarks/bench_delta_kernel.py --out /tmp/cg1 --batches 1,2,4,256 \
+           --geoms kimi_linear,qwen35_4b --configs "fused;split" 2>&1 | grep -v Warn | tee "$OUT/delta_cumgates.txt"
+           timeout 280 python3 benchmarks/bench_delta_kernel.py --out "$OUT" 2>&1 | grep -v Warn \
+           | tee "$OUT/delta_sweep.txt" ;;
   dbreak) timeout 200 python3 benchmarks/diag_stream_ceiling.py --delta qwen35_4b,kimi_linear \
            --delta-configs "$DK" \
            2>&1 | grep -v Warn | tee "$OUT/delta_breakdown_knobs.txt" ;;
