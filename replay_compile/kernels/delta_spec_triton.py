@@ -5,8 +5,8 @@
 
 Two launches. Launch 1, grid ``(batch, HV)``, computes what does not touch the checkpoint once per (row, value
 head): for token ``t`` at window position ``m = w + t`` (the committed history ``j < w`` and this verify's tokens
-on one power-of-two axis ``BLOCK_W >= buf``), with ``E_j = Σ_{j<i<=m} g_i`` (suffix sums over the live window,
-every exponent <= 0) and ``KE_j = k_j ⊙ exp(E_j)``, the coefficients ``ck[t, j] = KE_j · k_t`` (j < m),
+on one power-of-two axis ``BLOCK_W >= buf``; the history's gates ``g_j = G_j - G_{j-1}`` from the ring's summed
+log-gates), with ``E_j = Σ_{j<i<=m} g_i`` (suffix sums over the live window, every exponent <= 0) and ``KE_j = k_j ⊙ exp(E_j)``, the coefficients ``ck[t, j] = KE_j · k_t`` (j < m),
 ``cq[t, j] = KE_j · q_t`` (``cq[t, m] = k_t · q_t``) and the checkpoint's decay ``exp(Σ_{lo<=i<=m} g_i)`` (a vector
 over K for KDA), into a small scratch. Launch 2, grid ``(cdiv(V, BLOCK_V), batch, HV)``: the corrected values are
 independent across value columns, so a program reads its ``K x BLOCK_V`` slice of the checkpoint once for all
