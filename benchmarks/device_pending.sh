@@ -155,6 +155,17 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
            --geoms kimi_linear,qwen35_4b --configs "fused;split" 2>&1 | grep -v Warn | tee "$OUT/delta_cumgates.txt"
            timeout 280 python3 benchmarks/bench_delta_kernel.py --out "$OUT" 2>&1 | grep -v Warn \
            | tee "$OUT/delta_sweep.txt" ;;
+  s19)     # session 19: the fused delta kernel and Mamba-2's whole kernel issue every load before the cursor atomic
+           # (SASS showed the atomic, its barrier, then the loads). GPU tests of both, fused configs at bs 1 / 2 vs fla,
+           # the Mamba-2 sweep at bs 1 / 8 (s18: Super fp32 1.28x, bf16 1.11x, Nano 1.16x / 1.05x at bs1)
+           timeout 200 python3 -m pytest -q $XDIST -p no:cacheprovider tests/test_delta_triton_gpu.py \
+           tests/test_mamba2_triton_gpu.py tests/test_delta_triton.py --tb=short 2>&1 | grep -v "warnings.warn" \
+           | tail -4 | tee "$OUT/pytest_s19.txt"
+           timeout 150 python3 benchmarks/bench_delta_kernel.py --out /tmp/s19 --batches 1,2 \
+           --geoms kimi_linear,qwen35_4b --configs "${FK:-fused;fused:num_warps=2;fused:num_warps=8;fused:BLOCK_V=64,num_warps=4;fused:BLOCK_V=16,num_warps=2}" \
+           2>&1 | grep -v Warn | tee "$OUT/delta_fused_s19.txt"
+           timeout 150 python3 benchmarks/bench_mamba2_kernel.py --out /tmp/s19m --batches 1,8 2>&1 | grep -v Warn \
+           | tee "$OUT/mamba2_small_s19.txt" ;;
   dbreak) timeout 200 python3 benchmarks/diag_stream_ceiling.py --delta qwen35_4b,kimi_linear \
            --delta-configs "$DK" \
            2>&1 | grep -v Warn | tee "$OUT/delta_breakdown_knobs.txt" ;;

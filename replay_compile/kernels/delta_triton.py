@@ -64,7 +64,6 @@ def _delta_replay_step_kernel(
     slot = _step_row(slot_ptr, row, o_ptrs, mask_v, HAS_SLOT, BLOCK_V)
     if slot < 0:                                   # padding row: zero output (stored above), touch nothing else
         return
-    w = _arrive(cursor_ptr, slot, arrivals, L)
 
     hk = h // v_per_k
     hq = h // v_per_q
@@ -93,6 +92,9 @@ def _delta_replay_step_kernel(
     else:
         g_cur = tl.load(g_ptr + row * s_gb + h * s_gh).to(tl.float32)
         gw = tl.load(gr_ptr + slot * s_grb + h * s_grh + offs_l * s_grl, mask=in_ring, other=0.0).to(tl.float32)
+    # the cursor only after every load is issued: the atomic's round trip (and the barrier that shares its result)
+    # then overlaps the loads instead of preceding them
+    w = _arrive(cursor_ptr, slot, arrivals, L)
 
     # the window: records j < w hold G_j (the log-gate summed since the checkpoint), so this token's G_w = G_{w-1} +
     # g_t and every exponent is one difference, E_j = G_w - G_j (no scan); stale slots never leak (where, not multiply)

@@ -186,8 +186,6 @@ def _mamba2_replay_whole_kernel(
     if slot < 0:                                   # padding row: zero output (stored above), touch nothing else
         return
 
-    w = _arrive(cursor_ptr, slot, arrivals, L)
-
     g = h // heads_per_g
     gc = h // heads_per_gc
     offs_l = tl.arange(0, BLOCK_L)
@@ -211,6 +209,9 @@ def _mamba2_replay_whole_kernel(
                  mask=in_ring[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
     la_w = tl.load(lar_ptr + slot * s_lrb + h * s_lrh + offs_l * s_lrl, mask=in_ring, other=0.0).to(tl.float32)
     dt_w = tl.load(dtr_ptr + slot * s_drb + h * s_drh + offs_l * s_drl, mask=in_ring, other=0.0).to(tl.float32)
+    # the cursor only after every load is issued: the atomic's round trip (and the barrier that shares its result)
+    # then overlaps the loads instead of preceding them
+    w = _arrive(cursor_ptr, slot, arrivals, L)
 
     # the window: held records j < w, this token at j == w, nothing after (stale ring slots never leak: where)
     hist = offs_l < w
