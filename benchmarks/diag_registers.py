@@ -30,8 +30,22 @@ def _value(text: str):
         return text
 
 
-def resources(fn, const: dict, warps: int, ptr_types: dict, arch: int = 90) -> dict:
-    """``{"regs", "stack", "shared"}`` of ``fn`` (a ``triton.jit`` function) compiled with ``const`` for sm_``arch``."""
+def _cuobjdump(cubin: bytes, flag: str) -> str:
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def compile_cuda(fn, const: dict, warps: int, ptr_types: dict, arch: int = 90, aligned: bool = False):
+    """``fn`` (a ``triton.jit`` function) compiled with ``const`` for sm_``arch``: Triton's compiled kernel.
+
+    ``aligned``: every pointer and every non-constant integer argument specialised as divisible by 16, as a launch
+    specialises 16-byte aligned tensors and strides (give unit strides as ``const`` ``=1``, as a launch specialises
+    them too): without it loads are compiled unvectorised, which a launch on the device does not do."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -41,17 +55,34 @@ def resources(fn, const: dict, warps: int, ptr_types: dict, arch: int = 90) -> d
         raise SystemExit(f"{fn.__name__} has no parameter(s) {sorted(unknown)}")
     sig = {n: "constexpr" if n in const else ("*" + ptr_types.get(n, "fp32")) if n.endswith("_ptr") else "i32"
            for n in fn.arg_names}
-    kernel = triton.compile(ASTSource(fn, sig, constexprs=const), target=GPUTarget("cuda", arch, 32),
-                            options={"num_warps": warps})
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in const} if aligned else {}
+    return triton.compile(ASTSource(fn, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": warps})
+
+
+def resources(fn, const: dict, warps: int, ptr_types: dict, arch: int = 90, aligned: bool = False) -> dict:
+    """``{"regs", "stack", "shared"}`` of ``fn`` compiled by :func:`compile_cuda`."""
+    usage = _cuobjdump(compile_cuda(fn, const, warps, ptr_types, arch, aligned).asm["cubin"], "-res-usage")
     m = re.search(r"REG:(\d+).*?STACK:(\d+).*?SHARED:(\d+)", usage)
     if m is None:
         raise SystemExit(f"cuobjdump printed no resource usage:\n{usage}")
     return dict(regs=int(m.group(1)), stack=int(m.group(2)), shared=int(m.group(3)))
+
+
+def sass_census(fn, const: dict, warps: int, ptr_types: dict, arch: int = 90, aligned: bool = False):
+    """``(n_instructions, Counter of opcodes)`` of the SASS of ``fn`` compiled by :func:`compile_cuda` (``BAR``:
+    block barriers, one per cross-warp reduction step or layout change; ``LDL`` / ``STL``: spills)."""
+    import collections
+
+    sass = _cuobjdump(compile_cuda(fn, const, warps, ptr_types, arch, aligned).asm["cubin"], "-sass")
+    ops = collections.Counter()
+    n = 0
+    for line in sass.splitlines():
+        m = re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+        if m:
+            n += 1
+            ops[m.group(1)] += 1
+    return n, ops
 
 
 def main():
@@ -61,13 +92,20 @@ def main():
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90: Hopper)")
     ap.add_argument("--const", nargs="*", default=[], metavar="NAME=VALUE", help="constexpr parameters")
     ap.add_argument("--ptr", nargs="*", default=[], metavar="NAME=DTYPE", help="pointer element types (default fp32)")
+    ap.add_argument("--aligned", action="store_true",
+                    help="pointers and integer arguments divisible by 16, as a launch specialises them (give unit "
+                         "strides in --const as NAME=1)")
+    ap.add_argument("--census", action="store_true", help="also count the SASS opcodes (barriers, loads, spills)")
     a = ap.parse_args()
     module, _, name = a.kernel.partition(":")
     fn = getattr(importlib.import_module(module), name)
     const = {k: _value(v) for k, _, v in (c.partition("=") for c in a.const)}
     ptrs = dict(p.split("=", 1) for p in a.ptr)
-    r = resources(fn, const, a.warps, ptrs, a.arch)
+    r = resources(fn, const, a.warps, ptrs, a.arch, a.aligned)
     print(f"{name} sm_{a.arch} {a.warps} warps: {r['regs']} registers, {r['stack']} B stack, {r['shared']} B shared")
+    if a.census:
+        n, ops = sass_census(fn, const, a.warps, ptrs, a.arch, a.aligned)
+        print(f"{n} SASS instructions: " + ", ".join(f"{k} {v}" for k, v in ops.most_common(24)))
 
 
 if __name__ == "__main__":

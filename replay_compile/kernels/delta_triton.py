@@ -73,25 +73,29 @@ def _delta_replay_step_kernel(
     in_ring = offs_l < L
     tile_mask = mask_k[:, None] & mask_v[None, :]
 
-    # loads that do not depend on w
+    # loads that do not depend on w: the tiles first, the token's vectors last. A vector used in another layout is
+    # converted (through shared memory, behind a barrier) as soon as it arrives, so a load issued after it would wait
+    # for that round trip (the SASS had three in a row before this order)
     st_ptrs = state_ptr + slot * s_sb + h * s_sh + offs_k[:, None] * s_sk + offs_v[None, :] * s_sv
     s0 = tl.load(st_ptrs, mask=tile_mask, other=0.0).to(tl.float32)                       # [BLOCK_K, BLOCK_V]
-    q = tl.load(q_ptr + row * s_qb + hq * s_qh + offs_k * s_qk, mask=mask_k, other=0.0).to(tl.float32)
-    k_raw = tl.load(k_ptr + row * s_kb + hk * s_kh + offs_k * s_kk, mask=mask_k, other=0.0)
-    k = k_raw.to(tl.float32)
-    v = tl.load(v_ptr + row * s_vb + h * s_vh + offs_v * s_vv, mask=mask_v, other=0.0).to(tl.float32)
-    beta = tl.load(beta_ptr + row * s_bb + h * s_bh).to(tl.float32)
     kw = tl.load(kr_ptr + slot * s_krb + hk * s_krh + offs_l[:, None] * s_krl + offs_k[None, :] * s_krk,
                  mask=in_ring[:, None] & mask_k[None, :], other=0.0).to(tl.float32)          # [BLOCK_L, BLOCK_K]
     dw = tl.load(dr_ptr + slot * s_drb + h * s_drh + offs_l[:, None] * s_drl + offs_v[None, :] * s_drv,
                  mask=in_ring[:, None] & mask_v[None, :], other=0.0).to(tl.float32)          # [BLOCK_L, BLOCK_V]
     if KDA:
-        g_cur = tl.load(g_ptr + row * s_gb + h * s_gh + offs_k * s_gk, mask=mask_k, other=0.0).to(tl.float32)
         gw = tl.load(gr_ptr + slot * s_grb + h * s_grh + offs_l[:, None] * s_grl + offs_k[None, :] * s_grk,
                      mask=in_ring[:, None] & mask_k[None, :], other=0.0).to(tl.float32)      # [BLOCK_L, BLOCK_K]
     else:
-        g_cur = tl.load(g_ptr + row * s_gb + h * s_gh).to(tl.float32)
         gw = tl.load(gr_ptr + slot * s_grb + h * s_grh + offs_l * s_grl, mask=in_ring, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + row * s_vb + h * s_vh + offs_v * s_vv, mask=mask_v, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + row * s_bb + h * s_bh).to(tl.float32)
+    q = tl.load(q_ptr + row * s_qb + hq * s_qh + offs_k * s_qk, mask=mask_k, other=0.0).to(tl.float32)
+    k_raw = tl.load(k_ptr + row * s_kb + hk * s_kh + offs_k * s_kk, mask=mask_k, other=0.0)
+    k = k_raw.to(tl.float32)
+    if KDA:
+        g_cur = tl.load(g_ptr + row * s_gb + h * s_gh + offs_k * s_gk, mask=mask_k, other=0.0).to(tl.float32)
+    else:
+        g_cur = tl.load(g_ptr + row * s_gb + h * s_gh).to(tl.float32)
     # the cursor only after every load is issued: the atomic's round trip (and the barrier that shares its result)
     # then overlaps the loads instead of preceding them
     w = _arrive(cursor_ptr, slot, arrivals, L)
