@@ -131,6 +131,21 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
                  --cursor $cur --steps $((skip + 1)) >> "$OUT/ncu.txt" 2>&1
              done
            fi ;;
+  ncu1)    # session 19: batch 1, ours (fused, non-flush) against fla's kernel on the same inputs, KDA and GDN: duration,
+           # stall reasons, launch statistics (KDA bs1 4.9 vs fla 4.5-4.8 µs in graph replays)
+           NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+           SECS="--section SpeedOfLight --section WarpStateStats --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis"
+           for geom in kimi_linear qwen35_4b; do
+             for who in "" "--baseline"; do
+               kn=$([ -z "$who" ] && echo "_delta_replay_step_kernel" || echo "fused_recurrent.*")
+               echo "=== $geom ${who:-ours}" >> "$OUT/ncu1.txt"
+               timeout 120 $NCU --kernel-name regex:"$kn" --launch-skip 3 --launch-count 1 $SECS \
+                 python3 benchmarks/diag_ncu_step.py --family delta --geom $geom --batch 1 --cursor 7 --steps 5 $who \
+                 >> "$OUT/ncu1.txt" 2>&1
+             done
+           done
+           grep -E "===|Duration|Registers Per|Elapsed Cycles|Memory Throughput|Stall|Warp Cycles Per Issued|Issued Ipc" \
+             "$OUT/ncu1.txt" | head -80 ;;
   maxnreg) # session 18: the delta checkpoint pass's register cap (ncu: 161 registers held it to 6 programs, 12 warps
            # per SM; capped at 128 by default from 8192 rows x value heads since), bs256. (The Mamba-2 pass lost with
            # any cap: spills)

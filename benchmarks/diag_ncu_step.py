@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_delta_kernel import GEOMS as DELTA_GEOMS, random_delta_step  # noqa: E402
+from bench_delta_kernel import GEOMS as DELTA_GEOMS, load_baseline, random_delta_step  # noqa: E402
 from bench_mamba2_kernel import random_step  # noqa: E402
 
 MAMBA2_GEOMS = {"super": (128, 64, 128, 8), "nano": (96, 80, 128, 8)}
@@ -35,6 +35,19 @@ def delta_steps(geom: str, bs: int, dtype: torch.dtype, L: int, cursor: int, ste
     rings[0][-1].fill_(cursor)
     for _ in range(steps):
         delta_replay_step_triton(state, *rings[0], q, k, v, g, beta, None)
+
+
+def fla_delta_steps(geom: str, bs: int, dtype: torch.dtype, L: int, cursor: int, steps: int):
+    """The baseline's launches on the same inputs: fla's fused recurrent GDN / KDA step (fp32 state, as the sweep)."""
+    Hk, HV, K, V, kda = DELTA_GEOMS[geom]
+    fn = load_baseline(kda)
+    if fn is None:
+        raise SystemExit("--baseline needs fla (benchmarks/fetch_device_wheels.sh)")
+    state = torch.randn(bs, HV, K, V, device="cuda")
+    _, (q, k, v, g, beta) = random_delta_step(bs, Hk, HV, K, V, kda, L, 1, torch.bfloat16, "cuda")
+    for _ in range(steps):
+        fn(q[:, None], k[:, None], v[:, None], g=g[:, None], beta=beta[:, None], initial_state=state,
+           output_final_state=True)
 
 
 def mamba2_steps(geom: str, bs: int, dtype: torch.dtype, L: int, cursor: int, steps: int):
@@ -57,13 +70,17 @@ def main():
     ap.add_argument("--L", type=int, default=16)
     ap.add_argument("--cursor", type=int, default=7)
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--baseline", action="store_true", help="delta: fla's fused recurrent kernel instead of ours")
     a = ap.parse_args()
     if a.cursor + a.steps > a.L - 1 and a.cursor < a.L - 1:
         ap.error(f"--cursor {a.cursor} + --steps {a.steps} reaches the flush at {a.L - 1}")
-    fn = delta_steps if a.family == "delta" else mamba2_steps
+    if a.baseline and a.family != "delta":
+        ap.error("--baseline: delta only (Mamba-2's baseline is mamba_ssm, profiled by name)")
+    fn = (fla_delta_steps if a.baseline else delta_steps) if a.family == "delta" else mamba2_steps
     fn(a.geom, a.batch, getattr(torch, a.state_dtype), a.L, a.cursor, a.steps)
     torch.cuda.synchronize()
-    print(f"{a.family} {a.geom} bs{a.batch} {a.state_dtype}: {a.steps} steps from cursor {a.cursor}")
+    who = "fla" if a.baseline else "ours"
+    print(f"{a.family} ({who}) {a.geom} bs{a.batch} {a.state_dtype}: {a.steps} steps from cursor {a.cursor}")
 
 
 if __name__ == "__main__":
