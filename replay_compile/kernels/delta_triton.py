@@ -179,10 +179,15 @@ def launch_config(b: int, HV: int, K: int, V: int, L: int, kda: bool = False) ->
     variant = TUNING.get("variant") or ("fused" if b * HV <= FUSED_MAX_ROW_HEADS else "split")
     extra = {}
     if variant == "fused":
-        block_v = TUNING.get("BLOCK_V") or (32 if V > 16 else 16)
+        # KDA: 16-wide slices on 2 warps (H200 session 19, two runs, bs1 / bs2 L-avg 4.9-5.0 -> 4.8 / 6.8 -> 6.6 µs;
+        # GDN equal either way; 8-wide slices or 4-8 warps on 16: 0.6-2.9 µs slower: more programs per SM, each
+        # recomputing the window). Only where the window fits 2 warps (L <= 16, K <= 128).
+        kda_narrow = kda and block_l <= 16 and block_k <= 128
+        block_v = TUNING.get("BLOCK_V") or (16 if kda_narrow or V <= 16 else 32)
         # 4 warps for a 128 x 32 slice (H200 session 8, bs1: GDN 4.2 -> 3.9 µs L-avg, KDA 7.8 -> 5.3 with the gate
         # scan of the time as a dot; at bs8 4 warps lost, but bs8 runs split)
-        warps = TUNING.get("num_warps") or max(1, min(8, max(block_k * block_v, block_l * block_k) // (32 * 32)))
+        warps = TUNING.get("num_warps") or (
+            2 if kda_narrow else max(1, min(8, max(block_k * block_v, block_l * block_k) // (32 * 32))))
     elif variant == "split":
         # H200 session 8: 32-wide slices on 2 warps (16 on 1 warp: GDN bs256 non-flush 206 -> 168 µs), the window
         # launch on 1 warp (4: GDN window 24 -> 16 µs, KDA 91 -> 54)
