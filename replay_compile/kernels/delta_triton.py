@@ -164,7 +164,7 @@ CAPPED_MIN_ROW_HEADS = 8192
 
 
 @memo_unless_tuned(TUNING)
-def launch_config(b: int, HV: int, K: int, V: int, L: int, kda: bool = False) -> dict:
+def launch_config(b: int, HV: int, K: int, V: int, L: int, kda: bool = False, state_bytes: int = 4) -> dict:
     """Kernel variant and launch configuration for a step of ``b`` rows.
 
     * ``fused`` (latency, small batch): one launch; each program recomputes the window for its V-block.
@@ -172,7 +172,8 @@ def launch_config(b: int, HV: int, K: int, V: int, L: int, kda: bool = False) ->
       value head); launch 2 streams the checkpoint in ``K x BLOCK_V`` slices (as fla's fused recurrent kernel
       does) with little else live, so many programs fit per SM.
     K is held whole (padded to a power of two >= 16); the window sits on a power-of-two axis >= 16. ``kda``: the
-    step has per-key-channel gates (launch 1 of the split variant then runs record by record).
+    step has per-key-channel gates (launch 1 of the split variant then runs record by record). ``state_bytes``: the
+    checkpoint's element size (KDA's narrow fused slices are for fp32 checkpoints only).
     """
     block_k = max(16, next_pow2(K))
     block_l = max(16, next_pow2(L))
@@ -181,8 +182,9 @@ def launch_config(b: int, HV: int, K: int, V: int, L: int, kda: bool = False) ->
     if variant == "fused":
         # KDA: 16-wide slices on 2 warps (H200 session 19, two runs, bs1 / bs2 L-avg 4.9-5.0 -> 4.8 / 6.8 -> 6.6 µs;
         # GDN equal either way; 8-wide slices or 4-8 warps on 16: 0.6-2.9 µs slower: more programs per SM, each
-        # recomputing the window). Only where the window fits 2 warps (L <= 16, K <= 128).
-        kda_narrow = kda and block_l <= 16 and block_k <= 128
+        # recomputing the window). Only where the window fits 2 warps (L <= 16, K <= 128) and for fp32 checkpoints
+        # (a bf16 one ran 5.6 -> 8.2 µs at bs1 with them)
+        kda_narrow = kda and block_l <= 16 and block_k <= 128 and state_bytes == 4
         block_v = TUNING.get("BLOCK_V") or (16 if kda_narrow or V <= 16 else 32)
         # 4 warps for a 128 x 32 slice (H200 session 8, bs1: GDN 4.2 -> 3.9 µs L-avg, KDA 7.8 -> 5.3 with the gate
         # scan of the time as a dot; at bs8 4 warps lost, but bs8 runs split)
@@ -222,7 +224,7 @@ def delta_replay_step_triton(state, d_ring, k_ring, g_ring, cursor, q, k, v, g, 
     o = torch.empty((b, HV, V), dtype=torch.float32, device=v.device)
     if b == 0:
         return o
-    cfg = launch_config(b, HV, K, V, L, kda=kda)
+    cfg = launch_config(b, HV, K, V, L, kda=kda, state_bytes=state.element_size())
     n_vb = cdiv(V, cfg["BLOCK_V"])
     if n_vb * HV >= 1 << 15 or L >= _ARRIVAL:
         raise ValueError(f"replay_compile.delta: {HV} heads x {n_vb} V-blocks (or L={L}) exceed the cursor word's "
