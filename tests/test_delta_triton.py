@@ -172,7 +172,8 @@ def test_kernel_configs_track_the_exact_recurrence_with_poisoned_rings(kda, kind
 
 def test_fused_launch_config_narrows_kda_slices_where_its_window_fits():
     """KDA's fused step runs 16-wide slices on 2 warps where the window fits them (L <= 16, K <= 128; measured faster
-    at bs 1-2, fp32 checkpoints); GDN and bf16 checkpoints keep 32-wide slices on 4 warps, and a longer KDA ring goes back to warps by tile size."""
+    at bs 1-2, fp32 checkpoints); GDN and bf16 checkpoints keep 32-wide slices on 4 warps, and a longer KDA ring goes
+    back to warps by tile size."""
     narrow = kd.launch_config(1, 32, 128, 128, 16, kda=True)
     assert (narrow["variant"], narrow["BLOCK_V"], narrow["num_warps"]) == ("fused", 16, 2)
     gdn = kd.launch_config(1, 32, 128, 128, 16)
