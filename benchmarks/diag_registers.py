@@ -87,7 +87,8 @@ def sass_census(fn, const: dict, warps: int, ptr_types: dict, arch: int = 90, al
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("kernel", help="module:function, e.g. replay_compile.kernels.delta_triton:_delta_replay_step_kernel")
+    ap.add_argument("kernel",
+                    help="module:function, e.g. replay_compile.kernels.delta_triton:_delta_replay_step_kernel")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90: Hopper)")
     ap.add_argument("--const", nargs="*", default=[], metavar="NAME=VALUE", help="constexpr parameters")

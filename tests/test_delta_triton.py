@@ -149,8 +149,9 @@ def test_padded_rows_are_untouched_and_zero(kind):
 @pytest.mark.parametrize("kda", [False, True])
 @pytest.mark.parametrize("kind", VARIANTS[1:])
 def test_kernel_configs_track_the_exact_recurrence_with_poisoned_rings(kda, kind):
-    """Every kernel configuration but the default fused one against the fp64 recurrence over 3 windows, rings filled with NaN (a stale or
-    unwritten slot that leaks in shows), grouped heads, K and V not powers of two, a padded and a permuted row."""
+    """Every kernel configuration but the default fused one against the fp64 recurrence over 3 windows, rings filled
+    with NaN (a stale or unwritten slot that leaks in shows), grouped heads, K and V not powers of two, a padded and a
+    permuted row."""
     geom = DeltaGeometry(3, 4, 2, 12, 20, kda)
     L = 4
     steps = 3 * L

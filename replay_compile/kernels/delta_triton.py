@@ -20,10 +20,11 @@ That is the ``fused`` kernel below (small batches: one launch, the window recomp
 run the ``split`` launches of :mod:`.delta_split_triton` (the window once per row and head, then a checkpoint stream
 of small slices, and the flush in a launch of its own).
 
-Every load of the fused kernel is issued before the cursor is known (ring slots past ``w`` are discarded in registers), the cursor
-advance is folded in with the arrival count of :func:`~replay_compile.kernels.mamba2_triton._arrive`, fp16
-checkpoints are rounded stochastically at the flush exactly as the reference does. No autotuning (the kernel writes
-its inputs in place); constexpr loop bounds only (the interpreter's numpy>=2.4 limitation).
+Every load of the fused kernel is issued before the cursor is known (ring slots past ``w`` are discarded in
+registers; the cursor atomic comes after the last load, so its round trip overlaps them), the cursor advance is folded
+in with the arrival count of :func:`~replay_compile.kernels.mamba2_triton._arrive`, fp16 checkpoints are rounded
+stochastically at the flush exactly as the reference does. No autotuning (the kernel writes its inputs in place);
+constexpr loop bounds only (the interpreter's numpy>=2.4 limitation).
 """
 
 from __future__ import annotations
@@ -157,7 +158,8 @@ TUNING: dict = {}
 LAST_LAUNCH: dict = {}
 
 # Rows x value heads above which the split variant runs (H200 session 8, HV = 32: fused wins at bs1 (GDN 3.9 vs 5.8
-# µs, KDA 5.3 vs 9.2), split at bs8 (GDN 12.0 vs 14.5, KDA 15.5 vs 24.8); per-row growth puts the crossover near bs2-4).
+# µs, KDA 5.3 vs 9.2), split at bs8 (GDN 12.0 vs 14.5, KDA 15.5 vs 24.8); per-row growth puts the crossover near
+# bs2-4).
 FUSED_MAX_ROW_HEADS = 64
 # Rows x value heads from which the split checkpoint pass is capped at 128 registers (see launch_config)
 CAPPED_MIN_ROW_HEADS = 8192
