@@ -3,8 +3,8 @@
 # Carry .baselines (mamba_ssm source) and .wheels (pytest-xdist, execnet, fla); benchmarks/fetch_device_wheels.sh
 # rebuilds both where a checkout lacks them (git does not hold them).
 # Usage on the GPU machine:  OUT=... bash benchmarks/device_pending.sh [steps...]
-#   steps (default: tests sweep: the GPU suite with held_x as the default, first time in full, and the Mamba-2
-#   sweep of record with it; NOTES "Session 17" says why). The device returns at most 8 files, no more than 2
+#   steps (default: tests dsweep sweep: the GPU suite, then the delta and Mamba-2 sweeps of record, as session 19
+#   ran them on its final code). The device returns at most 8 files, no more than 2
 #   folders below $OUT: steps keep to that. Steps that run a benchmark outside pytest need the package importable:
 #   this script installs it; a bare command needs PYTHONPATH=$PWD.
 #   tests      GPU tests of every Mamba-2 / delta kernel (pytest -n 6 when pytest-xdist is carried)
@@ -106,7 +106,9 @@ if ls .wheels/pytest_xdist-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-deps .wheels/pytest_xdist-*.whl .wheels/execnet-*.whl >> $INSTALL_LOG 2>&1 \
     && XDIST="-n 6"
 fi
-steps=${*:-cumgates}
+# Nsight Compute's command line (empty where none is installed)
+ncu_path() { command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1; }
+steps=${*:-tests dsweep sweep}
 for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
   tests) timeout 300 python3 -m pytest -q $XDIST -p no:cacheprovider tests/test_mamba2_triton_gpu.py \
            tests/test_mamba2_triton.py tests/test_mamba2_readcopy.py tests/test_delta_readcopy_triton.py --tb=line \
@@ -115,7 +117,7 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
            | grep -v "warnings.warn" | tail -40 | tee "$OUT/pytest.txt" ;;
   ncu)     # Nsight Compute on one non-flush launch each: KDA's checkpoint pass and window launch (issue 4, bs256 fp32)
            # and the Mamba-2 pass on a bf16 Super checkpoint (issue 3, bs256 at 87-88% of the floor)
-           NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+           NCU=$(ncu_path)
            echo "ncu: ${NCU:-none}" | tee "$OUT/ncu.txt"
            SECS="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --section LaunchStats --section SchedulerStats"
            if [ -n "$NCU" ]; then
@@ -133,7 +135,7 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
            fi ;;
   ncu1)    # session 19: batch 1, ours (fused, non-flush) against fla's kernel on the same inputs, KDA and GDN: duration,
            # stall reasons, launch statistics (KDA bs1 4.9 vs fla 4.5-4.8 µs in graph replays)
-           NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+           NCU=$(ncu_path)
            SECS="--section SpeedOfLight --section WarpStateStats --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis"
            for geom in kimi_linear qwen35_4b; do
              for who in "" "--baseline"; do

@@ -60,21 +60,21 @@ def compile_cuda(fn, const: dict, warps: int, ptr_types: dict, arch: int = 90, a
                           options={"num_warps": warps})
 
 
-def resources(fn, const: dict, warps: int, ptr_types: dict, arch: int = 90, aligned: bool = False) -> dict:
-    """``{"regs", "stack", "shared"}`` of ``fn`` compiled by :func:`compile_cuda`."""
-    usage = _cuobjdump(compile_cuda(fn, const, warps, ptr_types, arch, aligned).asm["cubin"], "-res-usage")
+def resources(kernel) -> dict:
+    """``{"regs", "stack", "shared"}`` of a kernel compiled by :func:`compile_cuda`."""
+    usage = _cuobjdump(kernel.asm["cubin"], "-res-usage")
     m = re.search(r"REG:(\d+).*?STACK:(\d+).*?SHARED:(\d+)", usage)
     if m is None:
         raise SystemExit(f"cuobjdump printed no resource usage:\n{usage}")
     return dict(regs=int(m.group(1)), stack=int(m.group(2)), shared=int(m.group(3)))
 
 
-def sass_census(fn, const: dict, warps: int, ptr_types: dict, arch: int = 90, aligned: bool = False):
-    """``(n_instructions, Counter of opcodes)`` of the SASS of ``fn`` compiled by :func:`compile_cuda` (``BAR``:
+def sass_census(kernel):
+    """``(n_instructions, Counter of opcodes)`` of the SASS of a kernel compiled by :func:`compile_cuda` (``BAR``:
     block barriers, one per cross-warp reduction step or layout change; ``LDL`` / ``STL``: spills)."""
     import collections
 
-    sass = _cuobjdump(compile_cuda(fn, const, warps, ptr_types, arch, aligned).asm["cubin"], "-sass")
+    sass = _cuobjdump(kernel.asm["cubin"], "-sass")
     ops = collections.Counter()
     n = 0
     for line in sass.splitlines():
@@ -102,10 +102,11 @@ def main():
     fn = getattr(importlib.import_module(module), name)
     const = {k: _value(v) for k, _, v in (c.partition("=") for c in a.const)}
     ptrs = dict(p.split("=", 1) for p in a.ptr)
-    r = resources(fn, const, a.warps, ptrs, a.arch, a.aligned)
+    kernel = compile_cuda(fn, const, a.warps, ptrs, a.arch, a.aligned)
+    r = resources(kernel)
     print(f"{name} sm_{a.arch} {a.warps} warps: {r['regs']} registers, {r['stack']} B stack, {r['shared']} B shared")
     if a.census:
-        n, ops = sass_census(fn, const, a.warps, ptrs, a.arch, a.aligned)
+        n, ops = sass_census(kernel)
         print(f"{n} SASS instructions: " + ", ".join(f"{k} {v}" for k, v in ops.most_common(24)))
 
 
