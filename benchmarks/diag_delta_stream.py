@@ -1,0 +1,435 @@
+"""What a read-only stream of a delta-rule checkpoint reaches, by tile shape (issue 4, KDA bs256 non-flush).
+
+    python benchmarks/diag_delta_stream.py [--batch 256] [--heads 32] [--forms slice,apply,flushparts]
+
+The delta apply pass streams ``[b, HV, K, V]`` checkpoints (V contiguous) and reduces them over K twice
+(``S_0ᵀa`` and ``S_0ᵀb``, the step's decayed key and query). Today it reads ``K x 32`` slices: 128 runs of 128 bytes,
+512 bytes apart. This measures the same two GEMVs, outputs checked against torch, for:
+
+* ``slice BV/warps``: one program per ``K x BV`` slice (the apply pass's tiles);
+* ``chunk BK/warps``: one program per ``BK x V`` chunk (contiguous ``BK * V * 4`` bytes), partial sums written per
+  chunk (the bound of a K-split pass, no combine);
+* ``chunk+last BK/warps``: the same, the last-arriving chunk of each (row, head) (an atomic counter) summing the
+  partials, as a K-split pass would finish ``d`` and ``o``;
+* ``head BK/warps/stages``: one program per (row, head) looping over its K chunks, software-pipelined;
+* ``apply-like``: the apply pass's non-flush work added feature by feature to the 32-wide slice (timed only), and
+  the same pass skipping flush rows after reading ``w`` first;
+* ``flush-like BV/warps/stages``: a flush-only pass (readout, fold of the records with launch 1's scaled keys, store
+  in place) with every row flushing, and with none (the early exits a full grid pays on a non-flush step);
+* ``flush-dot``: the same with the fold as one ``tl.dot`` (tf32x3, tf32, ieee);
+* ``flushparts``: where a flush pass's time goes: the in-place read-modify-write alone (``rmw``), the pass without
+  the fold, the fold over 3 / 7 / 15 records, and the fold with an L2-resident scaled-key scratch.
+
+A diagnostic for NOTES.md: no baseline, no speed claim.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_mamba2_kernel import copy_bandwidth, time_graph, warm_clocks  # noqa: E402
+
+
+@triton.jit
+def _slice_kernel(s_ptr, a_ptr, b_ptr, y_ptr, K, V, BK: tl.constexpr, BV: tl.constexpr):
+    pid_v = tl.program_id(0)
+    rh = tl.program_id(1).to(tl.int64)
+    offs_k = tl.arange(0, BK)
+    offs_v = pid_v * BV + tl.arange(0, BV)
+    s = tl.load(s_ptr + rh * K * V + offs_k[:, None] * V + offs_v[None, :])
+    a = tl.load(a_ptr + rh * K + offs_k)
+    b = tl.load(b_ptr + rh * K + offs_k)
+    tl.store(y_ptr + rh * 2 * V + offs_v, tl.sum(s * a[:, None], axis=0))
+    tl.store(y_ptr + rh * 2 * V + V + offs_v, tl.sum(s * b[:, None], axis=0))
+
+
+@triton.jit
+def _chunk_kernel(s_ptr, a_ptr, b_ptr, part_ptr, cnt_ptr, y_ptr, K, V, NKB: tl.constexpr, BK: tl.constexpr,
+                  BV: tl.constexpr, LAST: tl.constexpr):
+    kb = tl.program_id(0)
+    rh = tl.program_id(1).to(tl.int64)
+    offs_k = kb * BK + tl.arange(0, BK)
+    offs_v = tl.arange(0, BV)
+    s = tl.load(s_ptr + rh * K * V + offs_k[:, None] * V + offs_v[None, :])
+    a = tl.load(a_ptr + rh * K + offs_k)
+    b = tl.load(b_ptr + rh * K + offs_k)
+    pk = tl.sum(s * a[:, None], axis=0)
+    pq = tl.sum(s * b[:, None], axis=0)
+    pb = part_ptr + (rh * NKB + kb) * 2 * V
+    tl.store(pb + offs_v, pk)
+    tl.store(pb + V + offs_v, pq)
+    if LAST:
+        tl.debug_barrier()                          # every thread's partial stored before the release below
+        old = tl.atomic_add(cnt_ptr + rh, 1, sem="acq_rel", scope="gpu")
+        if old == NKB - 1:
+            offs_c = tl.arange(0, NKB)
+            base = part_ptr + rh * NKB * 2 * V + offs_c[:, None] * 2 * V + offs_v[None, :]
+            tk = tl.sum(tl.load(base, cache_modifier=".cg"), axis=0)
+            tq = tl.sum(tl.load(base + V, cache_modifier=".cg"), axis=0)
+            tl.store(y_ptr + rh * 2 * V + offs_v, tk)
+            tl.store(y_ptr + rh * 2 * V + V + offs_v, tq)
+            tl.store(cnt_ptr + rh, 0)
+
+
+@triton.jit
+def _head_kernel(s_ptr, a_ptr, b_ptr, y_ptr, K, V, NKB: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                 STAGES: tl.constexpr):
+    rh = tl.program_id(0).to(tl.int64)
+    offs_v = tl.arange(0, BV)
+    acc_k = tl.zeros([BV], dtype=tl.float32)
+    acc_q = tl.zeros([BV], dtype=tl.float32)
+    for kb in tl.range(NKB, num_stages=STAGES):
+        offs_k = kb * BK + tl.arange(0, BK)
+        s = tl.load(s_ptr + rh * K * V + offs_k[:, None] * V + offs_v[None, :])
+        acc_k += tl.sum(s * tl.load(a_ptr + rh * K + offs_k)[:, None], axis=0)
+        acc_q += tl.sum(s * tl.load(b_ptr + rh * K + offs_k)[:, None], axis=0)
+    tl.store(y_ptr + rh * 2 * V + offs_v, acc_k)
+    tl.store(y_ptr + rh * 2 * V + V + offs_v, acc_q)
+
+
+@triton.jit
+def _apply_like_kernel(s_ptr, vec_ptr, win_ptr, wrow_ptr, v_ptr, beta_ptr, dr_ptr, y_ptr, HV, K, V, L,
+                       BK: tl.constexpr, BV: tl.constexpr, BL: tl.constexpr, VB: tl.constexpr, WIN: tl.constexpr,
+                       EARLY_D: tl.constexpr, SKIP: tl.constexpr = False):
+    """The apply pass's non-flush work, feature by feature: ``VB`` adds v / beta and the d / o stores (d into the
+    ring at slot w), ``WIN`` the cursor copy, launch 1's window scalars and the held d records (masked on w),
+    ``EARLY_D`` loads all L d slots before w instead; ``SKIP``: w first, and a flush row (w = L - 1) loads and
+    stores nothing (as a pass that leaves flush rows to another launch must)."""
+    pid_v = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2).to(tl.int64)
+    rh = row * HV + h
+    offs_k = tl.arange(0, BK)
+    offs_v = pid_v * BV + tl.arange(0, BV)
+    offs_l = tl.arange(0, BL)
+    if SKIP:
+        w = tl.load(wrow_ptr + row)
+        if w == L - 1:
+            return
+    s0 = tl.load(s_ptr + rh * K * V + offs_k[:, None] * V + offs_v[None, :])
+    dr_base = dr_ptr + rh * L * V
+    if VB:
+        v = tl.load(v_ptr + rh * V + offs_v).to(tl.float32)
+        beta = tl.load(beta_ptr + rh)
+    if EARLY_D:
+        dall = tl.load(dr_base + offs_l[:, None] * V + offs_v[None, :], mask=(offs_l < L)[:, None], other=0.0)
+    if not SKIP:
+        w = 0
+        if WIN:
+            w = tl.load(wrow_ptr + row)
+    ak = tl.load(vec_ptr + rh * 3 * BK + offs_k)
+    aq = tl.load(vec_ptr + rh * 3 * BK + BK + offs_k)
+    sk = tl.sum(s0 * ak[:, None], axis=0)
+    sq = tl.sum(s0 * aq[:, None], axis=0)
+    kq = 0.0
+    if WIN:
+        u = tl.load(win_ptr + rh * 3 * BL + offs_l)
+        uq = tl.load(win_ptr + rh * 3 * BL + BL + offs_l)
+        kq = tl.load(win_ptr + rh * 3 * BL + 2 * BL)
+        hist = offs_l < w
+        if EARLY_D:
+            dw = tl.where(hist[:, None], dall, 0.0).to(tl.float32)
+        else:
+            dw = tl.load(dr_base + offs_l[:, None] * V + offs_v[None, :], mask=hist[:, None], other=0.0).to(
+                tl.float32)
+        sk += tl.sum(u[:, None] * dw, axis=0)
+        sq += tl.sum(uq[:, None] * dw, axis=0)
+    if VB:
+        d = beta * (v - sk)
+        tl.store(y_ptr + rh * 2 * V + offs_v, sq + d * kq)
+        tl.store(dr_base + w * V + offs_v, d.to(dr_ptr.dtype.element_ty))
+    else:
+        tl.store(y_ptr + rh * 2 * V + offs_v, sk)
+        tl.store(y_ptr + rh * 2 * V + V + offs_v, sq)
+
+
+@triton.jit
+def _flush_like_kernel(s_ptr, vec_ptr, win_ptr, wrow_ptr, v_ptr, beta_ptr, k_ptr, dr_ptr, ke_ptr, y_ptr, HV, K, V,
+                       L, BK: tl.constexpr, BV: tl.constexpr, BL: tl.constexpr, STAGES: tl.constexpr,
+                       FOLD: tl.constexpr = True, KE_HEADS: tl.constexpr = 0):
+    """A flush-only pass (what a launch of its own for flush rows would do per ``K x BV`` slice): the readout, then
+    ``exp(E_tot) ⊙ S_0 + k dᵀ + Σ_j KE_j ⊗ d_j`` from launch 1's scaled keys, stored in place. Non-flush rows return
+    after reading w (the cost of the launch on a non-flush step). ``FOLD=False`` leaves the records out (the pass's
+    read, readout and write alone). ``KE_HEADS > 0``: every (row, head) folds the scaled keys of (row, head) modulo
+    that many (an L2-resident scratch: the fold's instructions without its DRAM traffic)."""
+    pid_v = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2).to(tl.int64)
+    w = tl.load(wrow_ptr + row)
+    if w != L - 1:
+        return
+    rh = row * HV + h
+    offs_k = tl.arange(0, BK)
+    offs_v = pid_v * BV + tl.arange(0, BV)
+    offs_l = tl.arange(0, BL)
+    st = s_ptr + rh * K * V + offs_k[:, None] * V + offs_v[None, :]
+    s0 = tl.load(st)
+    v = tl.load(v_ptr + rh * V + offs_v).to(tl.float32)
+    beta = tl.load(beta_ptr + rh)
+    ak = tl.load(vec_ptr + rh * 3 * BK + offs_k)
+    aq = tl.load(vec_ptr + rh * 3 * BK + BK + offs_k)
+    dec = tl.load(vec_ptr + rh * 3 * BK + 2 * BK + offs_k)
+    u = tl.load(win_ptr + rh * 3 * BL + offs_l)
+    uq = tl.load(win_ptr + rh * 3 * BL + BL + offs_l)
+    kq = tl.load(win_ptr + rh * 3 * BL + 2 * BL)
+    dr_base = dr_ptr + rh * L * V
+    dw = tl.load(dr_base + offs_l[:, None] * V + offs_v[None, :], mask=(offs_l < w)[:, None], other=0.0).to(
+        tl.float32)
+    d = beta * (v - tl.sum(s0 * ak[:, None], axis=0) - tl.sum(u[:, None] * dw, axis=0))
+    tl.store(y_ptr + rh * 2 * V + offs_v, tl.sum(s0 * aq[:, None], axis=0) + tl.sum(uq[:, None] * dw, axis=0) +
+             d * kq)
+    k = tl.load(k_ptr + rh * K + offs_k).to(tl.float32)
+    s_new = dec[:, None] * s0 + k[:, None] * d[None, :]
+    ke_base = ke_ptr + (rh % KE_HEADS if KE_HEADS else rh) * BL * BK
+    for j in tl.range(BL if FOLD else 0, num_stages=STAGES):
+        ke_j = tl.load(ke_base + j * BK + offs_k, mask=(offs_k * 0 + j) < w, other=0.0)
+        d_j = tl.load(dr_base + j * V + offs_v, mask=(offs_v * 0 + j) < w, other=0.0)
+        s_new += ke_j[:, None] * d_j.to(tl.float32)[None, :]
+    tl.store(st, s_new)
+
+
+@triton.jit
+def _flush_dot_kernel(s_ptr, vec_ptr, win_ptr, wrow_ptr, v_ptr, beta_ptr, k_ptr, dr_ptr, ke_ptr, y_ptr, HV, K, V,
+                      L, BK: tl.constexpr, BV: tl.constexpr, BL: tl.constexpr, PREC: tl.constexpr):
+    """:func:`_flush_like_kernel` with the fold as one ``tl.dot`` (``KEᵀ [BK, BL] x D [BL, BV]`` accumulated onto
+    ``exp(E_tot) ⊙ S_0 + k dᵀ``) in ``PREC``: in a launch of its own its layouts cannot reach a non-flush pass."""
+    pid_v = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2).to(tl.int64)
+    w = tl.load(wrow_ptr + row)
+    if w != L - 1:
+        return
+    rh = row * HV + h
+    offs_k = tl.arange(0, BK)
+    offs_v = pid_v * BV + tl.arange(0, BV)
+    offs_l = tl.arange(0, BL)
+    st = s_ptr + rh * K * V + offs_k[:, None] * V + offs_v[None, :]
+    s0 = tl.load(st)
+    v = tl.load(v_ptr + rh * V + offs_v).to(tl.float32)
+    beta = tl.load(beta_ptr + rh)
+    ak = tl.load(vec_ptr + rh * 3 * BK + offs_k)
+    aq = tl.load(vec_ptr + rh * 3 * BK + BK + offs_k)
+    dec = tl.load(vec_ptr + rh * 3 * BK + 2 * BK + offs_k)
+    u = tl.load(win_ptr + rh * 3 * BL + offs_l)
+    uq = tl.load(win_ptr + rh * 3 * BL + BL + offs_l)
+    kq = tl.load(win_ptr + rh * 3 * BL + 2 * BL)
+    hist = offs_l < w
+    dr_base = dr_ptr + rh * L * V
+    dw = tl.load(dr_base + offs_l[:, None] * V + offs_v[None, :], mask=hist[:, None], other=0.0).to(tl.float32)
+    ke_t = tl.load(ke_ptr + rh * BL * BK + offs_l[None, :] * BK + offs_k[:, None], mask=hist[None, :], other=0.0)
+    d = beta * (v - tl.sum(s0 * ak[:, None], axis=0) - tl.sum(u[:, None] * dw, axis=0))
+    tl.store(y_ptr + rh * 2 * V + offs_v, tl.sum(s0 * aq[:, None], axis=0) + tl.sum(uq[:, None] * dw, axis=0) +
+             d * kq)
+    k = tl.load(k_ptr + rh * K + offs_k).to(tl.float32)
+    s_new = tl.dot(ke_t, dw, acc=dec[:, None] * s0 + k[:, None] * d[None, :], input_precision=PREC)
+    tl.store(st, s_new)
+
+
+@triton.jit
+def _rmw_kernel(s_ptr, c_ptr, K, V, BK: tl.constexpr, BV: tl.constexpr):
+    """``S *= c`` per ``K x BV`` slice, in place: the flush's read-modify-write pattern with nothing else."""
+    pid_v = tl.program_id(0)
+    rh = tl.program_id(1).to(tl.int64)
+    offs_k = tl.arange(0, BK)
+    offs_v = pid_v * BV + tl.arange(0, BV)
+    st = s_ptr + rh * K * V + offs_k[:, None] * V + offs_v[None, :]
+    tl.store(st, tl.load(st) * tl.load(c_ptr + rh * K + offs_k)[:, None])
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--forms", default="slice,chunk,head,apply,flush,flushdot,flushparts",
+                   help="which of the forms above to time")
+    args = p.parse_args(argv)
+    K = V = 128
+    bs, HV = args.batch, args.heads
+    warm_clocks()
+    bw = copy_bandwidth()
+    print(f"# {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s; fp32 state "
+          f"[{bs}, {HV}, {K}, {V}]")
+    copies = 2
+    states = [torch.randn(bs * HV, K, V, device="cuda") for _ in range(copies)]
+    a = torch.randn(bs * HV, K, device="cuda")
+    b = torch.randn(bs * HV, K, device="cuda")
+    ref = [torch.stack([torch.einsum("rkv,rk->rv", s, a), torch.einsum("rkv,rk->rv", s, b)], 1) for s in states]
+    ys = [torch.full((bs * HV, 2, V), float("nan"), device="cuda") for _ in range(copies)]
+    nbytes = states[0].numel() * 4 + 2 * a.numel() * 4 + ys[0].numel() * 4
+    floor_us = nbytes / bw * 1e6
+    rows = []
+
+    def run(label, launch):
+        for i in range(copies):
+            ys[i].fill_(float("nan"))
+            launch(i)
+        torch.cuda.synchronize()
+        err = max(((ys[i] - ref[i]).norm() / ref[i].norm()).item() for i in range(copies))
+        it = [0]
+
+        def step():
+            launch(it[0] % copies)
+            it[0] += 1
+        us = time_graph(step, inner=8 * copies)
+        rows.append((label, us, floor_us / us * 100, err))
+        print(f"{label:28s} {us:8.1f} us  {floor_us / us * 100:5.1f}% of floor  rel err {err:.1e}", flush=True)
+
+    forms = args.forms.split(",")
+    for bv, warps in () if "slice" not in forms else ((32, 2), (32, 1), (64, 2), (64, 4), (16, 1)):
+        run(f"slice {bv}/{warps}", lambda i, bv=bv, w=warps: _slice_kernel[(V // bv, bs * HV)](
+            states[i], a, b, ys[i], K, V, BK=K, BV=bv, num_warps=w))
+    for bk, warps, last in () if "chunk" not in forms else ((16, 1, 0), (16, 2, 0), (32, 2, 0), (32, 4, 0), (64, 4, 0),
+                            (16, 2, 1), (32, 2, 1), (32, 4, 1)):
+        nkb = K // bk
+        part = torch.empty(bs * HV, nkb, 2, V, device="cuda")
+        cnt = torch.zeros(bs * HV, dtype=torch.int32, device="cuda")
+        name = "chunk+last" if last else "chunk"
+        if not last:                                # the partials are the output: sum them to check
+            def launch(i, bk=bk, w=warps, nkb=nkb, part=part, cnt=cnt):
+                _chunk_kernel[(nkb, bs * HV)](states[i], a, b, part, cnt, ys[i], K, V, NKB=nkb, BK=bk, BV=V,
+                                              LAST=False, num_warps=w)
+            for i in range(copies):
+                launch(i)
+                torch.cuda.synchronize()
+                ys[i].copy_(part.sum(1))
+            err = max(((ys[i] - ref[i]).norm() / ref[i].norm()).item() for i in range(copies))
+            it = [0]
+
+            def step(launch=launch):
+                launch(it[0] % copies)
+                it[0] += 1
+            us = time_graph(step, inner=8 * copies)
+            print(f"{name + f' {bk}/{warps}':28s} {us:8.1f} us  {floor_us / us * 100:5.1f}% of floor  "
+                  f"rel err {err:.1e}", flush=True)
+        else:
+            run(f"{name} {bk}/{warps}", lambda i, bk=bk, w=warps, nkb=nkb, part=part, cnt=cnt: _chunk_kernel[
+                (nkb, bs * HV)](states[i], a, b, part, cnt, ys[i], K, V, NKB=nkb, BK=bk, BV=V, LAST=True,
+                                num_warps=w))
+    heads = ((16, 2, 3), (32, 4, 2), (32, 4, 3), (16, 4, 4), (32, 8, 2))
+    for bk, warps, stages in () if "head" not in forms else heads:
+        run(f"head {bk}/{warps}/{stages}", lambda i, bk=bk, w=warps, st=stages: _head_kernel[(bs * HV,)](
+            states[i], a, b, ys[i], K, V, NKB=K // bk, BK=bk, BV=V, STAGES=st, num_warps=w))
+
+    # the apply pass's features one at a time (launch 1's scratch and the ring as the real step lays them out);
+    # the outputs are not checked (d is written back into the ring), only timed
+    L, BL = 16, 16
+    vec = torch.randn(bs * HV, 3 * K, device="cuda")
+    win = torch.randn(bs * HV, 3 * BL, device="cuda")
+    wrow = torch.randint(0, L - 1, (bs,), device="cuda", dtype=torch.int32)
+    vin = torch.randn(bs * HV, V, device="cuda", dtype=torch.bfloat16)
+    beta = torch.rand(bs * HV, device="cuda")
+    drs = [torch.randn(bs * HV, L, V, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    features = ((0, 0, 0, 0), (1, 0, 0, 0), (1, 1, 0, 0), (1, 1, 1, 0), (1, 1, 0, 128), (0, 1, 0, 0))
+    for vb, wn, ed, nreg in () if "apply" not in forms else features:
+        opts = {"maxnreg": nreg} if nreg else {}
+
+        def launch(i, vb=vb, wn=wn, ed=ed, opts=opts):
+            _apply_like_kernel[(V // 32, bs, HV)](states[i], vec, win, wrow, vin, beta, drs[i], ys[i], HV, K, V, L,
+                                                  BK=K, BV=32, BL=BL, VB=vb, WIN=wn, EARLY_D=ed, num_warps=2, **opts)
+        it = [0]
+
+        def step(launch=launch):
+            launch(it[0] % copies)
+            it[0] += 1
+        us = time_graph(step, inner=8 * copies)
+        print(f"{f'apply-like vb={vb} win={wn} early_d={ed} maxnreg={nreg}':28s} {us:8.1f} us  "
+              f"{floor_us / us * 100:5.1f}% of the state floor", flush=True)
+
+    if "apply" in forms:                            # a pass that skips flush rows: every row non-flush, then half
+        for frac in (0.0, 0.5):
+            wr = torch.where(torch.rand(bs, device="cuda") < frac, L - 1, wrow).to(torch.int32)
+
+            def launch(i, wr=wr):
+                _apply_like_kernel[(V // 32, bs, HV)](states[i], vec, win, wr, vin, beta, drs[i], ys[i], HV, K, V, L,
+                                                      BK=K, BV=32, BL=BL, VB=1, WIN=1, EARLY_D=0, SKIP=True,
+                                                      num_warps=2)
+            it = [0]
+
+            def step(launch=launch):
+                launch(it[0] % copies)
+                it[0] += 1
+            us = time_graph(step, inner=8 * copies)
+            print(f"{f'apply-like skip, {frac:.0%} flush rows':28s} {us:8.1f} us", flush=True)
+    if "flush" in forms:                            # flush-only passes: every row flushing, then none (early exits)
+        kin = torch.randn(bs * HV, K, device="cuda", dtype=torch.bfloat16)
+        ke = torch.randn(bs * HV, BL * K, device="cuda")
+        for frac in (1.0, 0.0):
+            wr = torch.full((bs,), L - 1 if frac else 0, device="cuda", dtype=torch.int32)
+            for bv, warps, stages in ((32, 2, 4), (32, 2, 2), (16, 1, 4), (16, 1, 2), (8, 1, 4), (16, 2, 4)):
+                def launch(i, wr=wr, bv=bv, w=warps, st=stages):
+                    _flush_like_kernel[(V // bv, bs, HV)](states[i], vec, win, wr, vin, beta, kin, drs[i], ke, ys[i],
+                                                          HV, K, V, L, BK=K, BV=bv, BL=BL, STAGES=st, num_warps=w)
+                it = [0]
+
+                def step(launch=launch):
+                    launch(it[0] % copies)
+                    it[0] += 1
+                us = time_graph(step, inner=8 * copies)
+                print(f"{f'flush-like {bv}/{warps}/{stages}, {frac:.0%} flush':28s} {us:8.1f} us  "
+                      f"{2 * floor_us / us * 100:5.1f}% of the read+write floor", flush=True)
+
+    if "flushdot" in forms:                         # the fold as one dot, in a flush-only pass, every row flushing
+        kin = torch.randn(bs * HV, K, device="cuda", dtype=torch.bfloat16)
+        ke = torch.randn(bs * HV, BL * K, device="cuda")
+        wr = torch.full((bs,), L - 1, device="cuda", dtype=torch.int32)
+        for bv, warps, prec in ((32, 4, "tf32x3"), (64, 4, "tf32x3"), (32, 2, "tf32x3"), (32, 4, "tf32"),
+                                (32, 4, "ieee"), (64, 8, "tf32x3")):
+            def launch(i, bv=bv, w=warps, prec=prec):
+                _flush_dot_kernel[(V // bv, bs, HV)](states[i], vec, win, wr, vin, beta, kin, drs[i], ke, ys[i],
+                                                     HV, K, V, L, BK=K, BV=bv, BL=BL, PREC=prec, num_warps=w)
+            it = [0]
+
+            def step(launch=launch):
+                launch(it[0] % copies)
+                it[0] += 1
+            us = time_graph(step, inner=8 * copies)
+            print(f"{f'flush-dot {bv}/{warps} {prec}':28s} {us:8.1f} us  "
+                  f"{2 * floor_us / us * 100:5.1f}% of the read+write floor", flush=True)
+
+    if "flushparts" in forms:                       # where a flush pass's time goes: RMW alone, no fold, fewer records
+        for bv, warps in ((32, 2), (8, 1), (16, 1)):
+            def launch(i, bv=bv, w=warps):
+                _rmw_kernel[(V // bv, bs * HV)](states[i], a, K, V, BK=K, BV=bv, num_warps=w)
+            it = [0]
+
+            def step(launch=launch):
+                launch(it[0] % copies)
+                it[0] += 1
+            us = time_graph(step, inner=8 * copies)
+            print(f"{f'rmw {bv}/{warps}':28s} {us:8.1f} us  {2 * floor_us / us * 100:5.1f}% of the read+write floor",
+                  flush=True)
+        kin = torch.randn(bs * HV, K, device="cuda", dtype=torch.bfloat16)
+        ke = torch.randn(bs * HV, BL * K, device="cuda")
+        for bl, fold, bv, warps, keh in ((16, False, 32, 2, 0), (16, False, 16, 1, 0), (8, True, 32, 2, 0),
+                                         (4, True, 32, 2, 0), (16, True, 32, 2, 0), (16, True, 64, 4, 0),
+                                         (16, True, 32, 2, 64), (8, True, 32, 2, 64)):
+            lw = bl                                 # ring length = window: every record folded (w = L - 1)
+            wr = torch.full((bs,), lw - 1, device="cuda", dtype=torch.int32)
+            vec_l = torch.randn(bs * HV, 3 * K, device="cuda")
+            win_l = torch.randn(bs * HV, 3 * bl, device="cuda")
+            drs_l = [torch.randn(bs * HV, lw, V, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+
+            def launch(i, wr=wr, bv=bv, w=warps, bl=bl, fold=fold, lw=lw, vec_l=vec_l, win_l=win_l, drs_l=drs_l,
+                       keh=keh):
+                _flush_like_kernel[(V // bv, bs, HV)](states[i], vec_l, win_l, wr, vin, beta, kin, drs_l[i], ke, ys[i],
+                                                      HV, K, V, lw, BK=K, BV=bv, BL=bl, STAGES=4, FOLD=fold,
+                                                      KE_HEADS=keh, num_warps=w)
+            it = [0]
+
+            def step(launch=launch):
+                launch(it[0] % copies)
+                it[0] += 1
+            us = time_graph(step, inner=8 * copies)
+            print(f"{f'flush-like {bv}/{warps} L={bl} fold={int(fold)} ke_heads={keh}':28s} {us:8.1f} us  "
+                  f"{2 * floor_us / us * 100:5.1f}% of the read+write floor", flush=True)
+
+
+if __name__ == "__main__":
+    main()
