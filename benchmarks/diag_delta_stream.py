@@ -153,12 +153,13 @@ def _apply_like_kernel(s_ptr, vec_ptr, win_ptr, wrow_ptr, v_ptr, beta_ptr, dr_pt
 @triton.jit
 def _flush_like_kernel(s_ptr, vec_ptr, win_ptr, wrow_ptr, v_ptr, beta_ptr, k_ptr, dr_ptr, ke_ptr, y_ptr, HV, K, V,
                        L, BK: tl.constexpr, BV: tl.constexpr, BL: tl.constexpr, STAGES: tl.constexpr,
-                       FOLD: tl.constexpr = True, KE_HEADS: tl.constexpr = 0):
+                       FOLD: tl.constexpr = True, KE_HEADS: tl.constexpr = 0, HALVES: tl.constexpr = False):
     """A flush-only pass (what a launch of its own for flush rows would do per ``K x BV`` slice): the readout, then
     ``exp(E_tot) ⊙ S_0 + k dᵀ + Σ_j KE_j ⊗ d_j`` from launch 1's scaled keys, stored in place. Non-flush rows return
     after reading w (the cost of the launch on a non-flush step). ``FOLD=False`` leaves the records out (the pass's
     read, readout and write alone). ``KE_HEADS > 0``: every (row, head) folds the scaled keys of (row, head) modulo
-    that many (an L2-resident scratch: the fold's instructions without its DRAM traffic)."""
+    that many (an L2-resident scratch: the fold's instructions without its DRAM traffic). ``HALVES``: the record loop
+    as two loops of ``BL / 2`` records."""
     pid_v = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
@@ -188,10 +189,20 @@ def _flush_like_kernel(s_ptr, vec_ptr, win_ptr, wrow_ptr, v_ptr, beta_ptr, k_ptr
     k = tl.load(k_ptr + rh * K + offs_k).to(tl.float32)
     s_new = dec[:, None] * s0 + k[:, None] * d[None, :]
     ke_base = ke_ptr + (rh % KE_HEADS if KE_HEADS else rh) * BL * BK
-    for j in tl.range(BL if FOLD else 0, num_stages=STAGES):
-        ke_j = tl.load(ke_base + j * BK + offs_k, mask=(offs_k * 0 + j) < w, other=0.0)
-        d_j = tl.load(dr_base + j * V + offs_v, mask=(offs_v * 0 + j) < w, other=0.0)
-        s_new += ke_j[:, None] * d_j.to(tl.float32)[None, :]
+    if HALVES:
+        for j in tl.range(BL // 2, num_stages=STAGES):
+            ke_j = tl.load(ke_base + j * BK + offs_k, mask=(offs_k * 0 + j) < w, other=0.0)
+            d_j = tl.load(dr_base + j * V + offs_v, mask=(offs_v * 0 + j) < w, other=0.0)
+            s_new += ke_j[:, None] * d_j.to(tl.float32)[None, :]
+        for j in tl.range(BL // 2, BL, num_stages=STAGES):
+            ke_j = tl.load(ke_base + j * BK + offs_k, mask=(offs_k * 0 + j) < w, other=0.0)
+            d_j = tl.load(dr_base + j * V + offs_v, mask=(offs_v * 0 + j) < w, other=0.0)
+            s_new += ke_j[:, None] * d_j.to(tl.float32)[None, :]
+    else:
+        for j in tl.range(BL if FOLD else 0, num_stages=STAGES):
+            ke_j = tl.load(ke_base + j * BK + offs_k, mask=(offs_k * 0 + j) < w, other=0.0)
+            d_j = tl.load(dr_base + j * V + offs_v, mask=(offs_v * 0 + j) < w, other=0.0)
+            s_new += ke_j[:, None] * d_j.to(tl.float32)[None, :]
     tl.store(st, s_new)
 
 
@@ -407,9 +418,10 @@ def main(argv=None):
                   flush=True)
         kin = torch.randn(bs * HV, K, device="cuda", dtype=torch.bfloat16)
         ke = torch.randn(bs * HV, BL * K, device="cuda")
-        for bl, fold, bv, warps, keh in ((16, False, 32, 2, 0), (16, False, 16, 1, 0), (8, True, 32, 2, 0),
-                                         (4, True, 32, 2, 0), (16, True, 32, 2, 0), (16, True, 64, 4, 0),
-                                         (16, True, 32, 2, 64), (8, True, 32, 2, 64)):
+        parts = ((16, False, 32, 2, 0, 0), (16, False, 16, 1, 0, 0), (8, True, 32, 2, 0, 0), (4, True, 32, 2, 0, 0),
+                 (16, True, 32, 2, 0, 0), (16, True, 64, 4, 0, 0), (16, True, 32, 2, 64, 0), (8, True, 32, 2, 64, 0),
+                 (16, True, 32, 2, 0, 1), (16, True, 32, 2, 64, 1))
+        for bl, fold, bv, warps, keh, halves in parts:
             lw = bl                                 # ring length = window: every record folded (w = L - 1)
             wr = torch.full((bs,), lw - 1, device="cuda", dtype=torch.int32)
             vec_l = torch.randn(bs * HV, 3 * K, device="cuda")
@@ -417,17 +429,18 @@ def main(argv=None):
             drs_l = [torch.randn(bs * HV, lw, V, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
 
             def launch(i, wr=wr, bv=bv, w=warps, bl=bl, fold=fold, lw=lw, vec_l=vec_l, win_l=win_l, drs_l=drs_l,
-                       keh=keh):
+                       keh=keh, halves=halves):
                 _flush_like_kernel[(V // bv, bs, HV)](states[i], vec_l, win_l, wr, vin, beta, kin, drs_l[i], ke, ys[i],
                                                       HV, K, V, lw, BK=K, BV=bv, BL=bl, STAGES=4, FOLD=fold,
-                                                      KE_HEADS=keh, num_warps=w)
+                                                      KE_HEADS=keh, HALVES=bool(halves), num_warps=w)
             it = [0]
 
             def step(launch=launch):
                 launch(it[0] % copies)
                 it[0] += 1
             us = time_graph(step, inner=8 * copies)
-            print(f"{f'flush-like {bv}/{warps} L={bl} fold={int(fold)} ke_heads={keh}':28s} {us:8.1f} us  "
+            print(f"{f'flush-like {bv}/{warps} L={bl} fold={int(fold)} ke_heads={keh} halves={halves}':28s} "
+                  f"{us:8.1f} us  "
                   f"{2 * floor_us / us * 100:5.1f}% of the read+write floor", flush=True)
 
 
