@@ -63,7 +63,7 @@ def random_delta_step(bs, Hk, HV, K, V, kda, L, copies, act, dev="cuda"):
     return rings, (q, k, v, g, beta)
 
 
-def bench_point(base_fn, Hk, HV, K, V, kda, bs, state_dtype, L, act=torch.bfloat16):
+def bench_point(base_fn, Hk, HV, K, V, kda, bs, state_dtype, L, act=torch.bfloat16, desync=False):
     from replay_compile.kernels.delta_triton import delta_replay_step_triton
 
     dev = "cuda"
@@ -74,7 +74,7 @@ def bench_point(base_fn, Hk, HV, K, V, kda, bs, state_dtype, L, act=torch.bfloat
     rings, (q, k, v, g, beta) = random_delta_step(bs, Hk, HV, K, V, kda, L, copies, act, dev)
     i = [0]
     res = step_times(lambda j: delta_replay_step_triton(states[j], *rings[j], q, k, v, g, beta, None),
-                     [r[-1] for r in rings], L)
+                     [r[-1] for r in rings], L, desync)
     if base_fn is not None:
         q4, k4, v4 = q[:, None], k[:, None], v[:, None]
         g4, b4 = g[:, None], beta[:, None]
@@ -118,6 +118,8 @@ def main(argv=None):
     ap.add_argument("--configs", default="",
                     help="';'-separated launch configs (e.g. 'fused;split:BLOCK_V=8,num_warps=1') compared at "
                          "--batches, fp32 state, instead of the sweep")
+    ap.add_argument("--desync", action="store_true",
+                    help="also time steps with every row at its own ring position (step_times' desync_us)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     warm_clocks()
@@ -129,7 +131,7 @@ def main(argv=None):
         return sweep_configs(bw, args.L, args.out, args.configs.split(";"), list(map(int, args.batches.split(","))),
                              args.geoms.split(","))
     print(f"{'geom':12} {'dtype':8} {'bs':>4} {'base us':>9} {'nonfl us':>9} {'%bw':>5} {'flush us':>9} "
-          f"{'L-avg us':>9} {'speedup':>7}")
+          f"{'L-avg us':>9} {'speedup':>7}" + (f" {'desync us':>9} {'x desync':>8}" if args.desync else ""))
     from replay_compile.kernels.delta_triton import launch_config
 
     rows = []
@@ -139,7 +141,7 @@ def main(argv=None):
         for dname in args.dtypes.split(","):
             sdt = getattr(torch, dname)
             for bs in map(int, args.batches.split(",")):
-                r = bench_point(base_fn, Hk, HV, K, V, kda, bs, sdt, args.L)
+                r = bench_point(base_fn, Hk, HV, K, V, kda, bs, sdt, args.L, desync=args.desync)
                 base = r.get("baseline_us", float("nan"))
                 pct = r["bytes_nonflush"] / (r["nonflush_us"] * 1e-6) / bw * 100
                 row = dict(geom=gname, dtype=dname, bs=bs, L=args.L, copy_bw_TBs=bw / 1e12,
@@ -147,7 +149,8 @@ def main(argv=None):
                            speedup=base / r["lavg_us"])
                 rows.append(row)
                 print(f"{gname:12} {dname:8} {bs:>4} {base:>9.1f} {r['nonflush_us']:>9.1f} {pct:>5.0f} "
-                      f"{r['flush_us']:>9.1f} {r['lavg_us']:>9.1f} {row['speedup']:>7.2f}", flush=True)
+                      f"{r['flush_us']:>9.1f} {r['lavg_us']:>9.1f} {row['speedup']:>7.2f}" +
+                      (f" {r['desync_us']:>9.1f} {base / r['desync_us']:>8.2f}" if args.desync else ""), flush=True)
     write_results(rows, args.out, "delta_kernel", args.geoms.split(","), args.dtypes.split(","),
                   "L-step average speedup vs fla fused recurrent")
 

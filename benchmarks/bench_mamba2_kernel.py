@@ -101,13 +101,16 @@ def graph_calls(copies: int) -> int:
     return copies * -(-MIN_GRAPH_STEPS // copies)
 
 
-def step_times(step, cursors, L: int) -> dict:
+def step_times(step, cursors, L: int, desync: bool = False) -> dict:
     """Per-step µs of ``step(k)``, one replay step on buffer set ``k`` whose cursor is ``cursors[k]``:
 
     * ``nonflush_us``: the mean over a cycle of the ``L - 1`` non-flush ring positions, every cursor reset to 0 once
       per cycle (until session 12: the cursor filled to ``L // 2`` before every step, the fill in the figure);
     * ``flush_us``: the cursor filled to ``L - 1`` before each step (that ~2 µs fill is in the figure);
-    * ``lavg_us``: ``L`` consecutive steps per buffer, the cursor running free (one flush each)."""
+    * ``lavg_us``: ``L`` consecutive steps per buffer, the cursor running free (one flush each);
+    * ``desync_us`` (only with ``desync``): the same with every row's cursor at its own ring position
+      (``row mod L``), so about ``b / L`` rows flush in each step, as in serving where requests arrive at different
+      times; the lockstep ``lavg_us`` (every row flushing in the same step) stays the figure of record."""
     copies = len(cursors)
     i = [0]
 
@@ -132,6 +135,10 @@ def step_times(step, cursors, L: int) -> dict:
     if L > 1:
         cycles = -(-MIN_GRAPH_STEPS // ((L - 1) * copies))
         res["nonflush_us"] = time_graph(nonflush_cycle, inner=cycles) / ((L - 1) * copies)
+    if desync:
+        for c in cursors:                           # the steps advance them in place: the stagger persists
+            c.copy_(torch.arange(c.numel(), device=c.device) % L)
+        res["desync_us"] = time_graph(rotate, reps=10, inner=L * copies)
     return res
 
 
@@ -159,7 +166,7 @@ def random_step(bs, H, P, N, G, L, copies, act, dev="cuda"):
     return rings, (x, dt, la, B, C)
 
 
-def bench_point(ssu, H, P, N, G, bs, state_dtype, L, act=torch.bfloat16):
+def bench_point(ssu, H, P, N, G, bs, state_dtype, L, act=torch.bfloat16, desync=False):
     from replay_compile.kernels.mamba2_triton import replay_step_triton
 
     dev = "cuda"
@@ -171,7 +178,7 @@ def bench_point(ssu, H, P, N, G, bs, state_dtype, L, act=torch.bfloat16):
 
     # each captured call uses the next buffer, so a replay walks all of them (cold L2 at small batch)
     res = step_times(lambda k: replay_step_triton(states[k], *rings[k], x, dt, la, B, C, None),
-                     [r[-1] for r in rings], L)
+                     [r[-1] for r in rings], L, desync)
     if ssu is not None:
         A = -torch.rand(H, device=dev)[:, None, None].expand(H, P, N)
         Dp = torch.randn(H, device=dev)[:, None].expand(H, P)
@@ -305,6 +312,8 @@ def main(argv=None):
     ap.add_argument("--configs", default="",
                     help="';'-separated launch configs (e.g. 'tiled;tiled:BLOCK_P=32,num_warps=4') compared at "
                          "--batches, fp32 state, instead of the sweep")
+    ap.add_argument("--desync", action="store_true",
+                    help="also time steps with every row at its own ring position (step_times' desync_us)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     ssu = load_baseline()
@@ -315,7 +324,8 @@ def main(argv=None):
           f"copy bandwidth {bw / 1e12:.2f} TB/s, baseline: {'mamba_ssm selective_state_update' if ssu else 'none'}")
     rows = []
     hdr = f"{'geom':6} {'dtype':8} {'bs':>4} {'base us':>9} {'nonfl us':>9} {'%bw':>5} {'flush us':>9} " \
-          f"{'L-avg us':>9} {'speedup':>7} {'floor x':>7} {'chosen':>6} {'xwhole':>6} {'xpre':>6}"
+          f"{'L-avg us':>9} {'speedup':>7} {'floor x':>7} {'chosen':>6} {'xwhole':>6} {'xpre':>6}" + \
+          (f" {'desync us':>9} {'x desync':>8}" if args.desync else "")
     if args.configs:
         return sweep_configs(ssu, bw, args.L, args.out, args.configs.split(";"), list(map(int, args.batches.split(","))),
                              args.geoms.split(","), args.dtypes.split(","))
@@ -330,7 +340,8 @@ def main(argv=None):
                 per = {}
                 for variant in ("whole", "pre"):             # both variants launch_config picks from, the baseline once
                     kt.TUNING.update(variant=variant)
-                    per[variant] = bench_point(ssu if variant == "whole" else None, H, P, N, G, bs, sdt, args.L)
+                    per[variant] = bench_point(ssu if variant == "whole" else None, H, P, N, G, bs, sdt, args.L,
+                                               desync=args.desync and variant == chosen)
                     kt.TUNING.clear()
                 r = dict(per[chosen])
                 base = per["whole"].get("baseline_us", float("nan"))
@@ -345,7 +356,8 @@ def main(argv=None):
                 print(f"{gname:6} {dname:8} {bs:>4} {base:>9.1f} {r['nonflush_us']:>9.1f} {pct:>5.0f} "
                       f"{r['flush_us']:>9.1f} {r['lavg_us']:>9.1f} {row['speedup']:>7.2f} "
                       f"{row['baseline_floor_us'] / floor_l:>7.2f} {chosen:>6} {base / per['whole']['lavg_us']:>6.2f} "
-                      f"{base / per['pre']['lavg_us']:>6.2f}", flush=True)
+                      f"{base / per['pre']['lavg_us']:>6.2f}" +
+                      (f" {r['desync_us']:>9.1f} {base / r['desync_us']:>8.2f}" if args.desync else ""), flush=True)
     write_results(rows, args.out, "mamba2_kernel", args.geoms.split(","), args.dtypes.split(","),
                   "L-step average speedup vs selective_state_update")
 

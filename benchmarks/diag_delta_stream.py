@@ -208,9 +208,12 @@ def _flush_like_kernel(s_ptr, vec_ptr, win_ptr, wrow_ptr, v_ptr, beta_ptr, k_ptr
 
 @triton.jit
 def _flush_dot_kernel(s_ptr, vec_ptr, win_ptr, wrow_ptr, v_ptr, beta_ptr, k_ptr, dr_ptr, ke_ptr, y_ptr, HV, K, V,
-                      L, BK: tl.constexpr, BV: tl.constexpr, BL: tl.constexpr, PREC: tl.constexpr):
+                      L, BK: tl.constexpr, BV: tl.constexpr, BL: tl.constexpr, PREC: tl.constexpr,
+                      SEPARATE: tl.constexpr = False):
     """:func:`_flush_like_kernel` with the fold as one ``tl.dot`` (``KEᵀ [BK, BL] x D [BL, BV]`` accumulated onto
-    ``exp(E_tot) ⊙ S_0 + k dᵀ``) in ``PREC``: in a launch of its own its layouts cannot reach a non-flush pass."""
+    ``exp(E_tot) ⊙ S_0 + k dᵀ``) in ``PREC``: in a launch of its own its layouts cannot reach a non-flush pass.
+    ``SEPARATE``: the dot alone (no accumulator), added to the slice in the slice's own layout (one layout conversion,
+    of the product, instead of the slice's there and back)."""
     pid_v = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
@@ -239,7 +242,10 @@ def _flush_dot_kernel(s_ptr, vec_ptr, win_ptr, wrow_ptr, v_ptr, beta_ptr, k_ptr,
     tl.store(y_ptr + rh * 2 * V + offs_v, tl.sum(s0 * aq[:, None], axis=0) + tl.sum(uq[:, None] * dw, axis=0) +
              d * kq)
     k = tl.load(k_ptr + rh * K + offs_k).to(tl.float32)
-    s_new = tl.dot(ke_t, dw, acc=dec[:, None] * s0 + k[:, None] * d[None, :], input_precision=PREC)
+    if SEPARATE:
+        s_new = dec[:, None] * s0 + k[:, None] * d[None, :] + tl.dot(ke_t, dw, input_precision=PREC)
+    else:
+        s_new = tl.dot(ke_t, dw, acc=dec[:, None] * s0 + k[:, None] * d[None, :], input_precision=PREC)
     tl.store(st, s_new)
 
 
@@ -386,22 +392,25 @@ def main(argv=None):
                 print(f"{f'flush-like {bv}/{warps}/{stages}, {frac:.0%} flush':28s} {us:8.1f} us  "
                       f"{2 * floor_us / us * 100:5.1f}% of the read+write floor", flush=True)
 
-    if "flushdot" in forms:                         # the fold as one dot, in a flush-only pass, every row flushing
+    if "flushdot" in forms or "dotsep" in forms:    # the fold as one dot, in a flush-only pass, every row flushing
         kin = torch.randn(bs * HV, K, device="cuda", dtype=torch.bfloat16)
         ke = torch.randn(bs * HV, BL * K, device="cuda")
         wr = torch.full((bs,), L - 1, device="cuda", dtype=torch.int32)
-        for bv, warps, prec in ((32, 4, "tf32x3"), (64, 4, "tf32x3"), (32, 2, "tf32x3"), (32, 4, "tf32"),
-                                (32, 4, "ieee"), (64, 8, "tf32x3")):
-            def launch(i, bv=bv, w=warps, prec=prec):
+        dots = ((32, 4, "tf32x3", 0), (64, 4, "tf32x3", 0), (32, 2, "tf32x3", 0), (32, 4, "tf32", 0),
+                (32, 4, "ieee", 0), (64, 8, "tf32x3", 0), (32, 4, "tf32x3", 1), (32, 2, "tf32x3", 1),
+                (32, 4, "tf32", 1), (32, 2, "tf32", 1), (64, 4, "tf32x3", 1), (32, 4, "ieee", 1))
+        for bv, warps, prec, sep in dots if "dotsep" not in forms else [d for d in dots if d[3]]:
+            def launch(i, bv=bv, w=warps, prec=prec, sep=sep):
                 _flush_dot_kernel[(V // bv, bs, HV)](states[i], vec, win, wr, vin, beta, kin, drs[i], ke, ys[i],
-                                                     HV, K, V, L, BK=K, BV=bv, BL=BL, PREC=prec, num_warps=w)
+                                                     HV, K, V, L, BK=K, BV=bv, BL=BL, PREC=prec, SEPARATE=bool(sep),
+                                                     num_warps=w)
             it = [0]
 
             def step(launch=launch):
                 launch(it[0] % copies)
                 it[0] += 1
             us = time_graph(step, inner=8 * copies)
-            print(f"{f'flush-dot {bv}/{warps} {prec}':28s} {us:8.1f} us  "
+            print(f"{f'flush-dot {bv}/{warps} {prec} separate={sep}':28s} {us:8.1f} us  "
                   f"{2 * floor_us / us * 100:5.1f}% of the read+write floor", flush=True)
 
     if "flushparts" in forms:                       # where a flush pass's time goes: RMW alone, no fold, fewer records
