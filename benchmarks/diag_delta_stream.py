@@ -17,6 +17,7 @@ The delta apply pass streams ``[b, HV, K, V]`` checkpoints (V contiguous) and re
 * ``flush-like BV/warps/stages``: a flush-only pass (readout, fold of the records with launch 1's scaled keys, store
   in place) with every row flushing, and with none (the early exits a full grid pays on a non-flush step);
 * ``flush-dot``: the same with the fold as one ``tl.dot`` (tf32x3, tf32, ieee);
+* ``persist``: the flush pass as a fixed grid walking its items in a software-pipelined loop;
 * ``flushparts``: where a flush pass's time goes: the in-place read-modify-write alone (``rmw``), the pass without
   the fold, the fold over 3 / 7 / 15 records, and the fold with an L2-resident scaled-key scratch.
 
@@ -34,7 +35,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_mamba2_kernel import copy_bandwidth, time_graph, warm_clocks  # noqa: E402
+from bench_mamba2_kernel import copy_bandwidth, reported, time_graph, warm_clocks  # noqa: E402
 
 
 @triton.jit
@@ -260,11 +261,52 @@ def _rmw_kernel(s_ptr, c_ptr, K, V, BK: tl.constexpr, BV: tl.constexpr):
     tl.store(st, tl.load(st) * tl.load(c_ptr + rh * K + offs_k)[:, None])
 
 
+@triton.jit
+def _flush_persist_kernel(s_ptr, vec_ptr, win_ptr, v_ptr, beta_ptr, k_ptr, dr_ptr, ke_ptr, y_ptr, HV, K, V, L,
+                          n_items, n_vb, BK: tl.constexpr, BV: tl.constexpr, BL: tl.constexpr,
+                          STAGES: tl.constexpr):
+    """:func:`_flush_like_kernel` (every row flushing) as a fixed grid, each program walking items ``(V-block,
+    row, head)`` ``pid, pid + nprog, ...`` in a software-pipelined loop: the next item's loads are issued while this
+    one reduces, folds and stores (the flush pass is latency-bound per program, not bandwidth-bound)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs_k = tl.arange(0, BK)
+    offs_l = tl.arange(0, BL)
+    hist = offs_l < L - 1
+    for it in tl.range(pid, n_items, nprog, num_stages=STAGES):
+        pid_v = it % n_vb
+        rh = (it // n_vb).to(tl.int64)
+        offs_v = pid_v * BV + tl.arange(0, BV)
+        st = s_ptr + rh * K * V + offs_k[:, None] * V + offs_v[None, :]
+        s0 = tl.load(st)
+        v = tl.load(v_ptr + rh * V + offs_v).to(tl.float32)
+        beta = tl.load(beta_ptr + rh)
+        ak = tl.load(vec_ptr + rh * 3 * BK + offs_k)
+        aq = tl.load(vec_ptr + rh * 3 * BK + BK + offs_k)
+        dec = tl.load(vec_ptr + rh * 3 * BK + 2 * BK + offs_k)
+        u = tl.load(win_ptr + rh * 3 * BL + offs_l)
+        uq = tl.load(win_ptr + rh * 3 * BL + BL + offs_l)
+        kq = tl.load(win_ptr + rh * 3 * BL + 2 * BL)
+        dr_base = dr_ptr + rh * L * V
+        dw = tl.load(dr_base + offs_l[:, None] * V + offs_v[None, :], mask=hist[:, None], other=0.0).to(tl.float32)
+        d = beta * (v - tl.sum(s0 * ak[:, None], axis=0) - tl.sum(u[:, None] * dw, axis=0))
+        tl.store(y_ptr + rh * 2 * V + offs_v, tl.sum(s0 * aq[:, None], axis=0) + tl.sum(uq[:, None] * dw, axis=0) +
+                 d * kq)
+        k = tl.load(k_ptr + rh * K + offs_k).to(tl.float32)
+        s_new = dec[:, None] * s0 + k[:, None] * d[None, :]
+        ke_base = ke_ptr + rh * BL * BK
+        for j in range(BL):
+            ke_j = tl.load(ke_base + j * BK + offs_k, mask=(offs_k * 0 + j) < L - 1, other=0.0)
+            d_j = tl.load(dr_base + j * V + offs_v, mask=(offs_v * 0 + j) < L - 1, other=0.0)
+            s_new += ke_j[:, None] * d_j.to(tl.float32)[None, :]
+        tl.store(st, s_new)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--forms", default="slice,chunk,head,apply,flush,flushdot,flushparts",
+    p.add_argument("--forms", default="slice,chunk,head,apply,flush,flushdot,flushparts,persist",
                    help="which of the forms above to time")
     args = p.parse_args(argv)
     K = V = 128
@@ -451,6 +493,28 @@ def main(argv=None):
             print(f"{f'flush-like {bv}/{warps} L={bl} fold={int(fold)} ke_heads={keh} halves={halves}':28s} "
                   f"{us:8.1f} us  "
                   f"{2 * floor_us / us * 100:5.1f}% of the read+write floor", flush=True)
+
+    if "persist" in forms:                          # the flush pass as a fixed, software-pipelined grid
+        kin = torch.randn(bs * HV, K, device="cuda", dtype=torch.bfloat16)
+        ke = torch.randn(bs * HV, BL * K, device="cuda")
+        n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+        for bv, warps, per_sm, stages in ((32, 2, 8, 2), (32, 2, 16, 2), (32, 2, 8, 3), (32, 2, 4, 2),
+                                          (16, 1, 16, 2), (16, 1, 32, 2), (32, 4, 8, 2), (32, 2, 8, 1)):
+            n_vb = V // bv
+
+            def launch(i, bv=bv, w=warps, per_sm=per_sm, st=stages, n_vb=n_vb):
+                _flush_persist_kernel[(n_sm * per_sm,)](states[i], vec, win, vin, beta, kin, drs[i], ke, ys[i], HV, K,
+                                                        V, L, bs * HV * n_vb, n_vb, BK=K, BV=bv, BL=BL, STAGES=st,
+                                                        num_warps=w)
+            it = [0]
+
+            def step(launch=launch):
+                launch(it[0] % copies)
+                it[0] += 1
+            us = reported(f"persist {bv}/{warps} x{per_sm}/SM stages {stages}", time_graph, step, inner=8 * copies)
+            if us is not None:
+                print(f"{f'flush-persist {bv}/{warps} {per_sm}/SM st{stages}':28s} {us:8.1f} us  "
+                      f"{2 * floor_us / us * 100:5.1f}% of the read+write floor", flush=True)
 
 
 if __name__ == "__main__":
