@@ -455,8 +455,8 @@ def main(argv=None):
             print(f"{f'flush-dot {bv}/{warps} {prec} separate={sep}':28s} {us:8.1f} us  "
                   f"{2 * floor_us / us * 100:5.1f}% of the read+write floor", flush=True)
 
-    if "flushparts" in forms:                       # where a flush pass's time goes: RMW alone, no fold, fewer records
-        for bv, warps in ((32, 2), (8, 1), (16, 1)):
+    if "flushparts" in forms or "w4" in forms:      # where a flush pass's time goes: RMW alone, no fold, fewer records
+        for bv, warps in ((32, 2), (8, 1), (16, 1), (32, 4)) if "w4" not in forms else ((32, 4),):
             def launch(i, bv=bv, w=warps):
                 _rmw_kernel[(V // bv, bs * HV)](states[i], a, K, V, BK=K, BV=bv, num_warps=w)
             it = [0]
@@ -471,7 +471,10 @@ def main(argv=None):
         ke = torch.randn(bs * HV, BL * K, device="cuda")
         parts = ((16, False, 32, 2, 0, 0), (16, False, 16, 1, 0, 0), (8, True, 32, 2, 0, 0), (4, True, 32, 2, 0, 0),
                  (16, True, 32, 2, 0, 0), (16, True, 64, 4, 0, 0), (16, True, 32, 2, 64, 0), (8, True, 32, 2, 64, 0),
-                 (16, True, 32, 2, 0, 1), (16, True, 32, 2, 64, 1))
+                 (16, True, 32, 2, 0, 1), (16, True, 32, 2, 64, 1), (16, False, 32, 4, 0, 0), (16, True, 32, 4, 0, 0),
+                 (16, True, 32, 4, 64, 0), (8, True, 32, 4, 0, 0))
+        if "w4" in forms:                           # only the 4-warp rows (fla's KDA kernel runs K x 32 on 4 warps)
+            parts = [x for x in parts if x[3] == 4]
         for bl, fold, bv, warps, keh, halves in parts:
             lw = bl                                 # ring length = window: every record folded (w = L - 1)
             wr = torch.full((bs,), lw - 1, device="cuda", dtype=torch.int32)
