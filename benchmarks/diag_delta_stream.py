@@ -152,6 +152,47 @@ def _apply_like_kernel(s_ptr, vec_ptr, win_ptr, wrow_ptr, v_ptr, beta_ptr, dr_pt
 
 
 @triton.jit
+def _flush_readout(s_ptr, vec_ptr, win_ptr, v_ptr, beta_ptr, dr_ptr, y_ptr, rh, K, V, L, offs_k, offs_v, offs_l, hist,
+                   BK: tl.constexpr, BL: tl.constexpr):
+    """A flushing slice's loads and readout: stores ``o`` and returns ``(st, s0, d, dec, dr_base, dw)`` (the slice's
+    pointers and values, ``d``, ``exp(E_tot)``, the d ring's base and its held records)."""
+    st = s_ptr + rh * K * V + offs_k[:, None] * V + offs_v[None, :]
+    s0 = tl.load(st)
+    v = tl.load(v_ptr + rh * V + offs_v).to(tl.float32)
+    beta = tl.load(beta_ptr + rh)
+    ak = tl.load(vec_ptr + rh * 3 * BK + offs_k)
+    aq = tl.load(vec_ptr + rh * 3 * BK + BK + offs_k)
+    dec = tl.load(vec_ptr + rh * 3 * BK + 2 * BK + offs_k)
+    u = tl.load(win_ptr + rh * 3 * BL + offs_l)
+    uq = tl.load(win_ptr + rh * 3 * BL + BL + offs_l)
+    kq = tl.load(win_ptr + rh * 3 * BL + 2 * BL)
+    dr_base = dr_ptr + rh * L * V
+    dw = tl.load(dr_base + offs_l[:, None] * V + offs_v[None, :], mask=hist[:, None], other=0.0).to(tl.float32)
+    d = beta * (v - tl.sum(s0 * ak[:, None], axis=0) - tl.sum(u[:, None] * dw, axis=0))
+    tl.store(y_ptr + rh * 2 * V + offs_v, tl.sum(s0 * aq[:, None], axis=0) + tl.sum(uq[:, None] * dw, axis=0) +
+             d * kq)
+    return st, s0, d, dec, dr_base, dw
+
+
+@triton.jit
+def _fold_loop(s_new, ke_base, dr_base, lo, hi, n_live, offs_k, offs_v, V, BK: tl.constexpr,
+               STAGES: tl.constexpr):
+    """``s_new + Σ_{lo <= j < hi, j < n_live} KE_j ⊗ d_j``, record by record (``STAGES`` > 0: ``tl.range`` with that
+    many stages; 0: a plain loop, the compiler's default pipelining)."""
+    if STAGES > 0:
+        for j in tl.range(lo, hi, num_stages=STAGES):
+            ke_j = tl.load(ke_base + j * BK + offs_k, mask=(offs_k * 0 + j) < n_live, other=0.0)
+            d_j = tl.load(dr_base + j * V + offs_v, mask=(offs_v * 0 + j) < n_live, other=0.0)
+            s_new += ke_j[:, None] * d_j.to(tl.float32)[None, :]
+    else:
+        for j in range(lo, hi):
+            ke_j = tl.load(ke_base + j * BK + offs_k, mask=(offs_k * 0 + j) < n_live, other=0.0)
+            d_j = tl.load(dr_base + j * V + offs_v, mask=(offs_v * 0 + j) < n_live, other=0.0)
+            s_new += ke_j[:, None] * d_j.to(tl.float32)[None, :]
+    return s_new
+
+
+@triton.jit
 def _flush_like_kernel(s_ptr, vec_ptr, win_ptr, wrow_ptr, v_ptr, beta_ptr, k_ptr, dr_ptr, ke_ptr, y_ptr, HV, K, V,
                        L, BK: tl.constexpr, BV: tl.constexpr, BL: tl.constexpr, STAGES: tl.constexpr,
                        FOLD: tl.constexpr = True, KE_HEADS: tl.constexpr = 0, HALVES: tl.constexpr = False):
@@ -171,39 +212,16 @@ def _flush_like_kernel(s_ptr, vec_ptr, win_ptr, wrow_ptr, v_ptr, beta_ptr, k_ptr
     offs_k = tl.arange(0, BK)
     offs_v = pid_v * BV + tl.arange(0, BV)
     offs_l = tl.arange(0, BL)
-    st = s_ptr + rh * K * V + offs_k[:, None] * V + offs_v[None, :]
-    s0 = tl.load(st)
-    v = tl.load(v_ptr + rh * V + offs_v).to(tl.float32)
-    beta = tl.load(beta_ptr + rh)
-    ak = tl.load(vec_ptr + rh * 3 * BK + offs_k)
-    aq = tl.load(vec_ptr + rh * 3 * BK + BK + offs_k)
-    dec = tl.load(vec_ptr + rh * 3 * BK + 2 * BK + offs_k)
-    u = tl.load(win_ptr + rh * 3 * BL + offs_l)
-    uq = tl.load(win_ptr + rh * 3 * BL + BL + offs_l)
-    kq = tl.load(win_ptr + rh * 3 * BL + 2 * BL)
-    dr_base = dr_ptr + rh * L * V
-    dw = tl.load(dr_base + offs_l[:, None] * V + offs_v[None, :], mask=(offs_l < w)[:, None], other=0.0).to(
-        tl.float32)
-    d = beta * (v - tl.sum(s0 * ak[:, None], axis=0) - tl.sum(u[:, None] * dw, axis=0))
-    tl.store(y_ptr + rh * 2 * V + offs_v, tl.sum(s0 * aq[:, None], axis=0) + tl.sum(uq[:, None] * dw, axis=0) +
-             d * kq)
+    st, s0, d, dec, dr_base, dw = _flush_readout(s_ptr, vec_ptr, win_ptr, v_ptr, beta_ptr, dr_ptr, y_ptr, rh, K, V, L,
+                                                 offs_k, offs_v, offs_l, offs_l < w, BK, BL)
     k = tl.load(k_ptr + rh * K + offs_k).to(tl.float32)
     s_new = dec[:, None] * s0 + k[:, None] * d[None, :]
     ke_base = ke_ptr + (rh % KE_HEADS if KE_HEADS else rh) * BL * BK
     if HALVES:
-        for j in tl.range(BL // 2, num_stages=STAGES):
-            ke_j = tl.load(ke_base + j * BK + offs_k, mask=(offs_k * 0 + j) < w, other=0.0)
-            d_j = tl.load(dr_base + j * V + offs_v, mask=(offs_v * 0 + j) < w, other=0.0)
-            s_new += ke_j[:, None] * d_j.to(tl.float32)[None, :]
-        for j in tl.range(BL // 2, BL, num_stages=STAGES):
-            ke_j = tl.load(ke_base + j * BK + offs_k, mask=(offs_k * 0 + j) < w, other=0.0)
-            d_j = tl.load(dr_base + j * V + offs_v, mask=(offs_v * 0 + j) < w, other=0.0)
-            s_new += ke_j[:, None] * d_j.to(tl.float32)[None, :]
-    else:
-        for j in tl.range(BL if FOLD else 0, num_stages=STAGES):
-            ke_j = tl.load(ke_base + j * BK + offs_k, mask=(offs_k * 0 + j) < w, other=0.0)
-            d_j = tl.load(dr_base + j * V + offs_v, mask=(offs_v * 0 + j) < w, other=0.0)
-            s_new += ke_j[:, None] * d_j.to(tl.float32)[None, :]
+        s_new = _fold_loop(s_new, ke_base, dr_base, 0, BL // 2, w, offs_k, offs_v, V, BK, STAGES)
+        s_new = _fold_loop(s_new, ke_base, dr_base, BL // 2, BL, w, offs_k, offs_v, V, BK, STAGES)
+    elif FOLD:
+        s_new = _fold_loop(s_new, ke_base, dr_base, 0, BL, w, offs_k, offs_v, V, BK, STAGES)
     tl.store(st, s_new)
 
 
@@ -225,23 +243,10 @@ def _flush_dot_kernel(s_ptr, vec_ptr, win_ptr, wrow_ptr, v_ptr, beta_ptr, k_ptr,
     offs_k = tl.arange(0, BK)
     offs_v = pid_v * BV + tl.arange(0, BV)
     offs_l = tl.arange(0, BL)
-    st = s_ptr + rh * K * V + offs_k[:, None] * V + offs_v[None, :]
-    s0 = tl.load(st)
-    v = tl.load(v_ptr + rh * V + offs_v).to(tl.float32)
-    beta = tl.load(beta_ptr + rh)
-    ak = tl.load(vec_ptr + rh * 3 * BK + offs_k)
-    aq = tl.load(vec_ptr + rh * 3 * BK + BK + offs_k)
-    dec = tl.load(vec_ptr + rh * 3 * BK + 2 * BK + offs_k)
-    u = tl.load(win_ptr + rh * 3 * BL + offs_l)
-    uq = tl.load(win_ptr + rh * 3 * BL + BL + offs_l)
-    kq = tl.load(win_ptr + rh * 3 * BL + 2 * BL)
     hist = offs_l < w
-    dr_base = dr_ptr + rh * L * V
-    dw = tl.load(dr_base + offs_l[:, None] * V + offs_v[None, :], mask=hist[:, None], other=0.0).to(tl.float32)
+    st, s0, d, dec, dr_base, dw = _flush_readout(s_ptr, vec_ptr, win_ptr, v_ptr, beta_ptr, dr_ptr, y_ptr, rh, K, V, L,
+                                                 offs_k, offs_v, offs_l, hist, BK, BL)
     ke_t = tl.load(ke_ptr + rh * BL * BK + offs_l[None, :] * BK + offs_k[:, None], mask=hist[None, :], other=0.0)
-    d = beta * (v - tl.sum(s0 * ak[:, None], axis=0) - tl.sum(u[:, None] * dw, axis=0))
-    tl.store(y_ptr + rh * 2 * V + offs_v, tl.sum(s0 * aq[:, None], axis=0) + tl.sum(uq[:, None] * dw, axis=0) +
-             d * kq)
     k = tl.load(k_ptr + rh * K + offs_k).to(tl.float32)
     if SEPARATE:
         s_new = dec[:, None] * s0 + k[:, None] * d[None, :] + tl.dot(ke_t, dw, input_precision=PREC)
@@ -272,33 +277,15 @@ def _flush_persist_kernel(s_ptr, vec_ptr, win_ptr, v_ptr, beta_ptr, k_ptr, dr_pt
     nprog = tl.num_programs(0)
     offs_k = tl.arange(0, BK)
     offs_l = tl.arange(0, BL)
-    hist = offs_l < L - 1
     for it in tl.range(pid, n_items, nprog, num_stages=STAGES):
         pid_v = it % n_vb
         rh = (it // n_vb).to(tl.int64)
         offs_v = pid_v * BV + tl.arange(0, BV)
-        st = s_ptr + rh * K * V + offs_k[:, None] * V + offs_v[None, :]
-        s0 = tl.load(st)
-        v = tl.load(v_ptr + rh * V + offs_v).to(tl.float32)
-        beta = tl.load(beta_ptr + rh)
-        ak = tl.load(vec_ptr + rh * 3 * BK + offs_k)
-        aq = tl.load(vec_ptr + rh * 3 * BK + BK + offs_k)
-        dec = tl.load(vec_ptr + rh * 3 * BK + 2 * BK + offs_k)
-        u = tl.load(win_ptr + rh * 3 * BL + offs_l)
-        uq = tl.load(win_ptr + rh * 3 * BL + BL + offs_l)
-        kq = tl.load(win_ptr + rh * 3 * BL + 2 * BL)
-        dr_base = dr_ptr + rh * L * V
-        dw = tl.load(dr_base + offs_l[:, None] * V + offs_v[None, :], mask=hist[:, None], other=0.0).to(tl.float32)
-        d = beta * (v - tl.sum(s0 * ak[:, None], axis=0) - tl.sum(u[:, None] * dw, axis=0))
-        tl.store(y_ptr + rh * 2 * V + offs_v, tl.sum(s0 * aq[:, None], axis=0) + tl.sum(uq[:, None] * dw, axis=0) +
-                 d * kq)
+        st, s0, d, dec, dr_base, dw = _flush_readout(s_ptr, vec_ptr, win_ptr, v_ptr, beta_ptr, dr_ptr, y_ptr, rh, K,
+                                                     V, L, offs_k, offs_v, offs_l, offs_l < L - 1, BK, BL)
         k = tl.load(k_ptr + rh * K + offs_k).to(tl.float32)
         s_new = dec[:, None] * s0 + k[:, None] * d[None, :]
-        ke_base = ke_ptr + rh * BL * BK
-        for j in range(BL):
-            ke_j = tl.load(ke_base + j * BK + offs_k, mask=(offs_k * 0 + j) < L - 1, other=0.0)
-            d_j = tl.load(dr_base + j * V + offs_v, mask=(offs_v * 0 + j) < L - 1, other=0.0)
-            s_new += ke_j[:, None] * d_j.to(tl.float32)[None, :]
+        s_new = _fold_loop(s_new, ke_ptr + rh * BL * BK, dr_base, 0, BL, L - 1, offs_k, offs_v, V, BK, 0)
         tl.store(st, s_new)
 
 
@@ -307,8 +294,10 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--forms", default="slice,chunk,head,apply,flush,flushdot,flushparts,persist",
-                   help="which of the forms above to time")
+                   help="which of the forms above to time (also: dotsep, the separate-product dots only; w4, the "
+                        "4-warp rows of flushparts only)")
     args = p.parse_args(argv)
+    forms = args.forms.split(",")
     K = V = 128
     bs, HV = args.batch, args.heads
     warm_clocks()
@@ -321,63 +310,50 @@ def main(argv=None):
     b = torch.randn(bs * HV, K, device="cuda")
     ref = [torch.stack([torch.einsum("rkv,rk->rv", s, a), torch.einsum("rkv,rk->rv", s, b)], 1) for s in states]
     ys = [torch.full((bs * HV, 2, V), float("nan"), device="cuda") for _ in range(copies)]
-    nbytes = states[0].numel() * 4 + 2 * a.numel() * 4 + ys[0].numel() * 4
-    floor_us = nbytes / bw * 1e6
-    rows = []
+    floor_us = (states[0].numel() * 4 + 2 * a.numel() * 4 + ys[0].numel() * 4) / bw * 1e6
 
-    def run(label, launch):
-        for i in range(copies):
-            ys[i].fill_(float("nan"))
-            launch(i)
-        torch.cuda.synchronize()
-        err = max(((ys[i] - ref[i]).norm() / ref[i].norm()).item() for i in range(copies))
+    def timed(launch):
+        """µs per call of ``launch(i)``, ``i`` rotating over the buffer sets (cold L2), inside a CUDA graph."""
         it = [0]
 
         def step():
             launch(it[0] % copies)
             it[0] += 1
-        us = time_graph(step, inner=8 * copies)
-        rows.append((label, us, floor_us / us * 100, err))
-        print(f"{label:28s} {us:8.1f} us  {floor_us / us * 100:5.1f}% of floor  rel err {err:.1e}", flush=True)
+        return time_graph(step, inner=8 * copies)
 
-    forms = args.forms.split(",")
+    def line(label, us, floor=floor_us, what="of floor", extra=""):
+        print(f"{label:28s} {us:8.1f} us  {floor / us * 100:5.1f}% {what}{extra}", flush=True)
+
+    def checked(label, launch, result=None):
+        """Run ``launch`` on every buffer set, compare with torch (``result(i)`` reads the output), then time it."""
+        for i in range(copies):
+            ys[i].fill_(float("nan"))
+            launch(i)
+            torch.cuda.synchronize()
+            if result is not None:
+                ys[i].copy_(result(i))
+        err = max(((ys[i] - ref[i]).norm() / ref[i].norm()).item() for i in range(copies))
+        line(label, timed(launch), extra=f"  rel err {err:.1e}")
+
     for bv, warps in () if "slice" not in forms else ((32, 2), (32, 1), (64, 2), (64, 4), (16, 1)):
-        run(f"slice {bv}/{warps}", lambda i, bv=bv, w=warps: _slice_kernel[(V // bv, bs * HV)](
+        checked(f"slice {bv}/{warps}", lambda i, bv=bv, w=warps: _slice_kernel[(V // bv, bs * HV)](
             states[i], a, b, ys[i], K, V, BK=K, BV=bv, num_warps=w))
-    for bk, warps, last in () if "chunk" not in forms else ((16, 1, 0), (16, 2, 0), (32, 2, 0), (32, 4, 0), (64, 4, 0),
-                            (16, 2, 1), (32, 2, 1), (32, 4, 1)):
+    chunks = ((16, 1, 0), (16, 2, 0), (32, 2, 0), (32, 4, 0), (64, 4, 0), (16, 2, 1), (32, 2, 1), (32, 4, 1))
+    for bk, warps, last in () if "chunk" not in forms else chunks:
         nkb = K // bk
         part = torch.empty(bs * HV, nkb, 2, V, device="cuda")
         cnt = torch.zeros(bs * HV, dtype=torch.int32, device="cuda")
-        name = "chunk+last" if last else "chunk"
-        if not last:                                # the partials are the output: sum them to check
-            def launch(i, bk=bk, w=warps, nkb=nkb, part=part, cnt=cnt):
-                _chunk_kernel[(nkb, bs * HV)](states[i], a, b, part, cnt, ys[i], K, V, NKB=nkb, BK=bk, BV=V,
-                                              LAST=False, num_warps=w)
-            for i in range(copies):
-                launch(i)
-                torch.cuda.synchronize()
-                ys[i].copy_(part.sum(1))
-            err = max(((ys[i] - ref[i]).norm() / ref[i].norm()).item() for i in range(copies))
-            it = [0]
-
-            def step(launch=launch):
-                launch(it[0] % copies)
-                it[0] += 1
-            us = time_graph(step, inner=8 * copies)
-            print(f"{name + f' {bk}/{warps}':28s} {us:8.1f} us  {floor_us / us * 100:5.1f}% of floor  "
-                  f"rel err {err:.1e}", flush=True)
-        else:
-            run(f"{name} {bk}/{warps}", lambda i, bk=bk, w=warps, nkb=nkb, part=part, cnt=cnt: _chunk_kernel[
-                (nkb, bs * HV)](states[i], a, b, part, cnt, ys[i], K, V, NKB=nkb, BK=bk, BV=V, LAST=True,
-                                num_warps=w))
+        checked(f"{'chunk+last' if last else 'chunk'} {bk}/{warps}",
+                lambda i, bk=bk, w=warps, nkb=nkb, part=part, cnt=cnt, last=last: _chunk_kernel[(nkb, bs * HV)](
+                    states[i], a, b, part, cnt, ys[i], K, V, NKB=nkb, BK=bk, BV=V, LAST=bool(last), num_warps=w),
+                None if last else lambda i, part=part: part.sum(1))   # without the combine the partials are out
     heads = ((16, 2, 3), (32, 4, 2), (32, 4, 3), (16, 4, 4), (32, 8, 2))
     for bk, warps, stages in () if "head" not in forms else heads:
-        run(f"head {bk}/{warps}/{stages}", lambda i, bk=bk, w=warps, st=stages: _head_kernel[(bs * HV,)](
+        checked(f"head {bk}/{warps}/{stages}", lambda i, bk=bk, w=warps, st=stages: _head_kernel[(bs * HV,)](
             states[i], a, b, ys[i], K, V, NKB=K // bk, BK=bk, BV=V, STAGES=st, num_warps=w))
 
-    # the apply pass's features one at a time (launch 1's scratch and the ring as the real step lays them out);
-    # the outputs are not checked (d is written back into the ring), only timed
+    # the passes below use launch 1's scratch and the rings as the real step lays them out; their outputs are not
+    # checked (d is written back into the ring, the checkpoint folded in place), only timed
     L, BL = 16, 16
     vec = torch.randn(bs * HV, 3 * K, device="cuda")
     win = torch.randn(bs * HV, 3 * BL, device="cuda")
@@ -385,139 +361,72 @@ def main(argv=None):
     vin = torch.randn(bs * HV, V, device="cuda", dtype=torch.bfloat16)
     beta = torch.rand(bs * HV, device="cuda")
     drs = [torch.randn(bs * HV, L, V, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    kin = torch.randn(bs * HV, K, device="cuda", dtype=torch.bfloat16)
+    ke = torch.randn(bs * HV, BL * K, device="cuda")
+    rw = 2 * floor_us                               # the read + write floor of a flush pass
     features = ((0, 0, 0, 0), (1, 0, 0, 0), (1, 1, 0, 0), (1, 1, 1, 0), (1, 1, 0, 128), (0, 1, 0, 0))
     for vb, wn, ed, nreg in () if "apply" not in forms else features:
         opts = {"maxnreg": nreg} if nreg else {}
+        line(f"apply-like vb={vb} win={wn} early_d={ed} maxnreg={nreg}", timed(
+            lambda i, vb=vb, wn=wn, ed=ed, opts=opts: _apply_like_kernel[(V // 32, bs, HV)](
+                states[i], vec, win, wrow, vin, beta, drs[i], ys[i], HV, K, V, L, BK=K, BV=32, BL=BL, VB=vb, WIN=wn,
+                EARLY_D=ed, num_warps=2, **opts)), what="of the state floor")
+    for frac in () if "apply" not in forms else (0.0, 0.5):   # skipping flush rows: none, then half of them
+        wr = torch.where(torch.rand(bs, device="cuda") < frac, L - 1, wrow).to(torch.int32)
+        us = timed(lambda i, wr=wr: _apply_like_kernel[(V // 32, bs, HV)](
+            states[i], vec, win, wr, vin, beta, drs[i], ys[i], HV, K, V, L, BK=K, BV=32, BL=BL, VB=1, WIN=1,
+            EARLY_D=0, SKIP=True, num_warps=2))
+        print(f"{f'apply-like skip, {frac:.0%} flush rows':28s} {us:8.1f} us", flush=True)
+    for frac in () if "flush" not in forms else (1.0, 0.0):   # flush-only passes: every row flushing, then none
+        wr = torch.full((bs,), L - 1 if frac else 0, device="cuda", dtype=torch.int32)
+        for bv, warps, stages in ((32, 2, 4), (32, 2, 2), (16, 1, 4), (16, 1, 2), (8, 1, 4), (16, 2, 4)):
+            line(f"flush-like {bv}/{warps}/{stages}, {frac:.0%} flush", timed(
+                lambda i, wr=wr, bv=bv, w=warps, st=stages: _flush_like_kernel[(V // bv, bs, HV)](
+                    states[i], vec, win, wr, vin, beta, kin, drs[i], ke, ys[i], HV, K, V, L, BK=K, BV=bv, BL=BL,
+                    STAGES=st, num_warps=w)), rw, "of the read+write floor")
 
-        def launch(i, vb=vb, wn=wn, ed=ed, opts=opts):
-            _apply_like_kernel[(V // 32, bs, HV)](states[i], vec, win, wrow, vin, beta, drs[i], ys[i], HV, K, V, L,
-                                                  BK=K, BV=32, BL=BL, VB=vb, WIN=wn, EARLY_D=ed, num_warps=2, **opts)
-        it = [0]
+    dots = ((32, 4, "tf32x3", 0), (64, 4, "tf32x3", 0), (32, 2, "tf32x3", 0), (32, 4, "tf32", 0),
+            (32, 4, "ieee", 0), (64, 8, "tf32x3", 0), (32, 4, "tf32x3", 1), (32, 2, "tf32x3", 1),
+            (32, 4, "tf32", 1), (32, 2, "tf32", 1), (64, 4, "tf32x3", 1), (32, 4, "ieee", 1))
+    dots = dots if "flushdot" in forms else [x for x in dots if x[3]] if "dotsep" in forms else ()
+    wr_all = torch.full((bs,), L - 1, device="cuda", dtype=torch.int32)
+    for bv, warps, prec, sep in dots:               # the fold as one dot, in a flush-only pass, every row flushing
+        line(f"flush-dot {bv}/{warps} {prec} separate={sep}", timed(
+            lambda i, bv=bv, w=warps, prec=prec, sep=sep: _flush_dot_kernel[(V // bv, bs, HV)](
+                states[i], vec, win, wr_all, vin, beta, kin, drs[i], ke, ys[i], HV, K, V, L, BK=K, BV=bv, BL=BL,
+                PREC=prec, SEPARATE=bool(sep), num_warps=w)), rw, "of the read+write floor")
 
-        def step(launch=launch):
-            launch(it[0] % copies)
-            it[0] += 1
-        us = time_graph(step, inner=8 * copies)
-        print(f"{f'apply-like vb={vb} win={wn} early_d={ed} maxnreg={nreg}':28s} {us:8.1f} us  "
-              f"{floor_us / us * 100:5.1f}% of the state floor", flush=True)
+    parts_on = "flushparts" in forms or "w4" in forms   # where a flush pass's time goes
+    for bv, warps in () if not parts_on else ((32, 4),) if "w4" in forms else ((32, 2), (8, 1), (16, 1), (32, 4)):
+        line(f"rmw {bv}/{warps}", timed(lambda i, bv=bv, w=warps: _rmw_kernel[(V // bv, bs * HV)](
+            states[i], a, K, V, BK=K, BV=bv, num_warps=w)), rw, "of the read+write floor")
+    parts = ((16, False, 32, 2, 0, 0), (16, False, 16, 1, 0, 0), (8, True, 32, 2, 0, 0), (4, True, 32, 2, 0, 0),
+             (16, True, 32, 2, 0, 0), (16, True, 64, 4, 0, 0), (16, True, 32, 2, 64, 0), (8, True, 32, 2, 64, 0),
+             (16, True, 32, 2, 0, 1), (16, True, 32, 2, 64, 1), (16, False, 32, 4, 0, 0), (16, True, 32, 4, 0, 0),
+             (16, True, 32, 4, 64, 0), (8, True, 32, 4, 0, 0))
+    parts = () if not parts_on else [x for x in parts if x[3] == 4] if "w4" in forms else parts
+    for bl, fold, bv, warps, keh, halves in parts:  # ring length = window: every record folded (w = L - 1)
+        wr = torch.full((bs,), bl - 1, device="cuda", dtype=torch.int32)
+        vec_l = torch.randn(bs * HV, 3 * K, device="cuda")
+        win_l = torch.randn(bs * HV, 3 * bl, device="cuda")
+        drs_l = [torch.randn(bs * HV, bl, V, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        line(f"flush-like {bv}/{warps} L={bl} fold={int(fold)} ke_heads={keh} halves={halves}", timed(
+            lambda i, wr=wr, bv=bv, w=warps, bl=bl, fold=fold, vec_l=vec_l, win_l=win_l, drs_l=drs_l, keh=keh,
+            halves=halves: _flush_like_kernel[(V // bv, bs, HV)](
+                states[i], vec_l, win_l, wr, vin, beta, kin, drs_l[i], ke, ys[i], HV, K, V, bl, BK=K, BV=bv, BL=bl,
+                STAGES=4, FOLD=fold, KE_HEADS=keh, HALVES=bool(halves), num_warps=w)), rw, "of the read+write floor")
 
-    if "apply" in forms:                            # a pass that skips flush rows: every row non-flush, then half
-        for frac in (0.0, 0.5):
-            wr = torch.where(torch.rand(bs, device="cuda") < frac, L - 1, wrow).to(torch.int32)
-
-            def launch(i, wr=wr):
-                _apply_like_kernel[(V // 32, bs, HV)](states[i], vec, win, wr, vin, beta, drs[i], ys[i], HV, K, V, L,
-                                                      BK=K, BV=32, BL=BL, VB=1, WIN=1, EARLY_D=0, SKIP=True,
-                                                      num_warps=2)
-            it = [0]
-
-            def step(launch=launch):
-                launch(it[0] % copies)
-                it[0] += 1
-            us = time_graph(step, inner=8 * copies)
-            print(f"{f'apply-like skip, {frac:.0%} flush rows':28s} {us:8.1f} us", flush=True)
-    if "flush" in forms:                            # flush-only passes: every row flushing, then none (early exits)
-        kin = torch.randn(bs * HV, K, device="cuda", dtype=torch.bfloat16)
-        ke = torch.randn(bs * HV, BL * K, device="cuda")
-        for frac in (1.0, 0.0):
-            wr = torch.full((bs,), L - 1 if frac else 0, device="cuda", dtype=torch.int32)
-            for bv, warps, stages in ((32, 2, 4), (32, 2, 2), (16, 1, 4), (16, 1, 2), (8, 1, 4), (16, 2, 4)):
-                def launch(i, wr=wr, bv=bv, w=warps, st=stages):
-                    _flush_like_kernel[(V // bv, bs, HV)](states[i], vec, win, wr, vin, beta, kin, drs[i], ke, ys[i],
-                                                          HV, K, V, L, BK=K, BV=bv, BL=BL, STAGES=st, num_warps=w)
-                it = [0]
-
-                def step(launch=launch):
-                    launch(it[0] % copies)
-                    it[0] += 1
-                us = time_graph(step, inner=8 * copies)
-                print(f"{f'flush-like {bv}/{warps}/{stages}, {frac:.0%} flush':28s} {us:8.1f} us  "
-                      f"{2 * floor_us / us * 100:5.1f}% of the read+write floor", flush=True)
-
-    if "flushdot" in forms or "dotsep" in forms:    # the fold as one dot, in a flush-only pass, every row flushing
-        kin = torch.randn(bs * HV, K, device="cuda", dtype=torch.bfloat16)
-        ke = torch.randn(bs * HV, BL * K, device="cuda")
-        wr = torch.full((bs,), L - 1, device="cuda", dtype=torch.int32)
-        dots = ((32, 4, "tf32x3", 0), (64, 4, "tf32x3", 0), (32, 2, "tf32x3", 0), (32, 4, "tf32", 0),
-                (32, 4, "ieee", 0), (64, 8, "tf32x3", 0), (32, 4, "tf32x3", 1), (32, 2, "tf32x3", 1),
-                (32, 4, "tf32", 1), (32, 2, "tf32", 1), (64, 4, "tf32x3", 1), (32, 4, "ieee", 1))
-        for bv, warps, prec, sep in dots if "dotsep" not in forms else [d for d in dots if d[3]]:
-            def launch(i, bv=bv, w=warps, prec=prec, sep=sep):
-                _flush_dot_kernel[(V // bv, bs, HV)](states[i], vec, win, wr, vin, beta, kin, drs[i], ke, ys[i],
-                                                     HV, K, V, L, BK=K, BV=bv, BL=BL, PREC=prec, SEPARATE=bool(sep),
-                                                     num_warps=w)
-            it = [0]
-
-            def step(launch=launch):
-                launch(it[0] % copies)
-                it[0] += 1
-            us = time_graph(step, inner=8 * copies)
-            print(f"{f'flush-dot {bv}/{warps} {prec} separate={sep}':28s} {us:8.1f} us  "
-                  f"{2 * floor_us / us * 100:5.1f}% of the read+write floor", flush=True)
-
-    if "flushparts" in forms or "w4" in forms:      # where a flush pass's time goes: RMW alone, no fold, fewer records
-        for bv, warps in ((32, 2), (8, 1), (16, 1), (32, 4)) if "w4" not in forms else ((32, 4),):
-            def launch(i, bv=bv, w=warps):
-                _rmw_kernel[(V // bv, bs * HV)](states[i], a, K, V, BK=K, BV=bv, num_warps=w)
-            it = [0]
-
-            def step(launch=launch):
-                launch(it[0] % copies)
-                it[0] += 1
-            us = time_graph(step, inner=8 * copies)
-            print(f"{f'rmw {bv}/{warps}':28s} {us:8.1f} us  {2 * floor_us / us * 100:5.1f}% of the read+write floor",
-                  flush=True)
-        kin = torch.randn(bs * HV, K, device="cuda", dtype=torch.bfloat16)
-        ke = torch.randn(bs * HV, BL * K, device="cuda")
-        parts = ((16, False, 32, 2, 0, 0), (16, False, 16, 1, 0, 0), (8, True, 32, 2, 0, 0), (4, True, 32, 2, 0, 0),
-                 (16, True, 32, 2, 0, 0), (16, True, 64, 4, 0, 0), (16, True, 32, 2, 64, 0), (8, True, 32, 2, 64, 0),
-                 (16, True, 32, 2, 0, 1), (16, True, 32, 2, 64, 1), (16, False, 32, 4, 0, 0), (16, True, 32, 4, 0, 0),
-                 (16, True, 32, 4, 64, 0), (8, True, 32, 4, 0, 0))
-        if "w4" in forms:                           # only the 4-warp rows (fla's KDA kernel runs K x 32 on 4 warps)
-            parts = [x for x in parts if x[3] == 4]
-        for bl, fold, bv, warps, keh, halves in parts:
-            lw = bl                                 # ring length = window: every record folded (w = L - 1)
-            wr = torch.full((bs,), lw - 1, device="cuda", dtype=torch.int32)
-            vec_l = torch.randn(bs * HV, 3 * K, device="cuda")
-            win_l = torch.randn(bs * HV, 3 * bl, device="cuda")
-            drs_l = [torch.randn(bs * HV, lw, V, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
-
-            def launch(i, wr=wr, bv=bv, w=warps, bl=bl, fold=fold, lw=lw, vec_l=vec_l, win_l=win_l, drs_l=drs_l,
-                       keh=keh, halves=halves):
-                _flush_like_kernel[(V // bv, bs, HV)](states[i], vec_l, win_l, wr, vin, beta, kin, drs_l[i], ke, ys[i],
-                                                      HV, K, V, lw, BK=K, BV=bv, BL=bl, STAGES=4, FOLD=fold,
-                                                      KE_HEADS=keh, HALVES=bool(halves), num_warps=w)
-            it = [0]
-
-            def step(launch=launch):
-                launch(it[0] % copies)
-                it[0] += 1
-            us = time_graph(step, inner=8 * copies)
-            print(f"{f'flush-like {bv}/{warps} L={bl} fold={int(fold)} ke_heads={keh} halves={halves}':28s} "
-                  f"{us:8.1f} us  "
-                  f"{2 * floor_us / us * 100:5.1f}% of the read+write floor", flush=True)
-
-    if "persist" in forms:                          # the flush pass as a fixed, software-pipelined grid
-        kin = torch.randn(bs * HV, K, device="cuda", dtype=torch.bfloat16)
-        ke = torch.randn(bs * HV, BL * K, device="cuda")
-        n_sm = torch.cuda.get_device_properties(0).multi_processor_count
-        for bv, warps, per_sm, stages in ((32, 2, 8, 2), (32, 2, 16, 2), (32, 2, 8, 3), (32, 2, 4, 2),
-                                          (16, 1, 16, 2), (16, 1, 32, 2), (32, 4, 8, 2), (32, 2, 8, 1)):
-            n_vb = V // bv
-
-            def launch(i, bv=bv, w=warps, per_sm=per_sm, st=stages, n_vb=n_vb):
-                _flush_persist_kernel[(n_sm * per_sm,)](states[i], vec, win, vin, beta, kin, drs[i], ke, ys[i], HV, K,
-                                                        V, L, bs * HV * n_vb, n_vb, BK=K, BV=bv, BL=BL, STAGES=st,
-                                                        num_warps=w)
-            it = [0]
-
-            def step(launch=launch):
-                launch(it[0] % copies)
-                it[0] += 1
-            us = reported(f"persist {bv}/{warps} x{per_sm}/SM stages {stages}", time_graph, step, inner=8 * copies)
-            if us is not None:
-                print(f"{f'flush-persist {bv}/{warps} {per_sm}/SM st{stages}':28s} {us:8.1f} us  "
-                      f"{2 * floor_us / us * 100:5.1f}% of the read+write floor", flush=True)
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    persists = ((32, 2, 8, 2), (32, 2, 16, 2), (32, 2, 8, 3), (32, 2, 4, 2), (16, 1, 16, 2), (16, 1, 32, 2),
+                (32, 4, 8, 2), (32, 2, 8, 1))
+    for bv, warps, per_sm, stages in () if "persist" not in forms else persists:
+        n_vb = V // bv                              # the flush pass as a fixed, software-pipelined grid
+        us = reported(f"persist {bv}/{warps} x{per_sm}/SM stages {stages}", timed,
+                      lambda i, bv=bv, w=warps, per_sm=per_sm, st=stages, n_vb=n_vb: _flush_persist_kernel[
+                          (n_sm * per_sm,)](states[i], vec, win, vin, beta, kin, drs[i], ke, ys[i], HV, K, V, L,
+                                            bs * HV * n_vb, n_vb, BK=K, BV=bv, BL=BL, STAGES=st, num_warps=w))
+        if us is not None:
+            line(f"flush-persist {bv}/{warps} {per_sm}/SM st{stages}", us, rw, "of the read+write floor")
 
 
 if __name__ == "__main__":
