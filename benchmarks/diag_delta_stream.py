@@ -195,44 +195,19 @@ def _fold_loop(s_new, ke_base, dr_base, lo, hi, n_live, offs_k, offs_v, V, BK: t
 @triton.jit
 def _flush_like_kernel(s_ptr, vec_ptr, win_ptr, wrow_ptr, v_ptr, beta_ptr, k_ptr, dr_ptr, ke_ptr, y_ptr, HV, K, V,
                        L, BK: tl.constexpr, BV: tl.constexpr, BL: tl.constexpr, STAGES: tl.constexpr,
-                       FOLD: tl.constexpr = True, KE_HEADS: tl.constexpr = 0, HALVES: tl.constexpr = False):
+                       FOLD: tl.constexpr = True, KE_HEADS: tl.constexpr = 0, HALVES: tl.constexpr = False,
+                       PREC: tl.constexpr = "", SEPARATE: tl.constexpr = False):
     """A flush-only pass (what a launch of its own for flush rows would do per ``K x BV`` slice): the readout, then
     ``exp(E_tot) ⊙ S_0 + k dᵀ + Σ_j KE_j ⊗ d_j`` from launch 1's scaled keys, stored in place. Non-flush rows return
     after reading w (the cost of the launch on a non-flush step). ``FOLD=False`` leaves the records out (the pass's
     read, readout and write alone). ``KE_HEADS > 0``: every (row, head) folds the scaled keys of (row, head) modulo
     that many (an L2-resident scratch: the fold's instructions without its DRAM traffic). ``HALVES``: the record loop
-    as two loops of ``BL / 2`` records."""
-    pid_v = tl.program_id(0)
-    row = tl.program_id(1).to(tl.int64)
-    h = tl.program_id(2).to(tl.int64)
-    w = tl.load(wrow_ptr + row)
-    if w != L - 1:
-        return
-    rh = row * HV + h
-    offs_k = tl.arange(0, BK)
-    offs_v = pid_v * BV + tl.arange(0, BV)
-    offs_l = tl.arange(0, BL)
-    st, s0, d, dec, dr_base, dw = _flush_readout(s_ptr, vec_ptr, win_ptr, v_ptr, beta_ptr, dr_ptr, y_ptr, rh, K, V, L,
-                                                 offs_k, offs_v, offs_l, offs_l < w, BK, BL)
-    k = tl.load(k_ptr + rh * K + offs_k).to(tl.float32)
-    s_new = dec[:, None] * s0 + k[:, None] * d[None, :]
-    ke_base = ke_ptr + (rh % KE_HEADS if KE_HEADS else rh) * BL * BK
-    if HALVES:
-        s_new = _fold_loop(s_new, ke_base, dr_base, 0, BL // 2, w, offs_k, offs_v, V, BK, STAGES)
-        s_new = _fold_loop(s_new, ke_base, dr_base, BL // 2, BL, w, offs_k, offs_v, V, BK, STAGES)
-    elif FOLD:
-        s_new = _fold_loop(s_new, ke_base, dr_base, 0, BL, w, offs_k, offs_v, V, BK, STAGES)
-    tl.store(st, s_new)
+    as two loops of ``BL / 2`` records.
 
-
-@triton.jit
-def _flush_dot_kernel(s_ptr, vec_ptr, win_ptr, wrow_ptr, v_ptr, beta_ptr, k_ptr, dr_ptr, ke_ptr, y_ptr, HV, K, V,
-                      L, BK: tl.constexpr, BV: tl.constexpr, BL: tl.constexpr, PREC: tl.constexpr,
-                      SEPARATE: tl.constexpr = False):
-    """:func:`_flush_like_kernel` with the fold as one ``tl.dot`` (``KEᵀ [BK, BL] x D [BL, BV]`` accumulated onto
-    ``exp(E_tot) ⊙ S_0 + k dᵀ``) in ``PREC``: in a launch of its own its layouts cannot reach a non-flush pass.
-    ``SEPARATE``: the dot alone (no accumulator), added to the slice in the slice's own layout (one layout conversion,
-    of the product, instead of the slice's there and back)."""
+    ``PREC`` (``"tf32x3"``, ``"tf32"``, ``"ieee"``): the fold as one ``tl.dot`` in that precision instead
+    (``KEᵀ [BK, BL] x D [BL, BV]`` accumulated onto ``exp(E_tot) ⊙ S_0 + k dᵀ``; in a launch of its own its layouts
+    cannot reach a non-flush pass); ``SEPARATE``: the dot alone, its product added in the slice's own layout (one
+    layout conversion, of the product, instead of the slice's there and back)."""
     pid_v = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
@@ -246,12 +221,21 @@ def _flush_dot_kernel(s_ptr, vec_ptr, win_ptr, wrow_ptr, v_ptr, beta_ptr, k_ptr,
     hist = offs_l < w
     st, s0, d, dec, dr_base, dw = _flush_readout(s_ptr, vec_ptr, win_ptr, v_ptr, beta_ptr, dr_ptr, y_ptr, rh, K, V, L,
                                                  offs_k, offs_v, offs_l, hist, BK, BL)
-    ke_t = tl.load(ke_ptr + rh * BL * BK + offs_l[None, :] * BK + offs_k[:, None], mask=hist[None, :], other=0.0)
     k = tl.load(k_ptr + rh * K + offs_k).to(tl.float32)
-    if SEPARATE:
-        s_new = dec[:, None] * s0 + k[:, None] * d[None, :] + tl.dot(ke_t, dw, input_precision=PREC)
+    ke_base = ke_ptr + (rh % KE_HEADS if KE_HEADS else rh) * BL * BK
+    if PREC != "":
+        ke_t = tl.load(ke_base + offs_l[None, :] * BK + offs_k[:, None], mask=hist[None, :], other=0.0)
+        if SEPARATE:
+            s_new = dec[:, None] * s0 + k[:, None] * d[None, :] + tl.dot(ke_t, dw, input_precision=PREC)
+        else:
+            s_new = tl.dot(ke_t, dw, acc=dec[:, None] * s0 + k[:, None] * d[None, :], input_precision=PREC)
     else:
-        s_new = tl.dot(ke_t, dw, acc=dec[:, None] * s0 + k[:, None] * d[None, :], input_precision=PREC)
+        s_new = dec[:, None] * s0 + k[:, None] * d[None, :]
+        if HALVES:
+            s_new = _fold_loop(s_new, ke_base, dr_base, 0, BL // 2, w, offs_k, offs_v, V, BK, STAGES)
+            s_new = _fold_loop(s_new, ke_base, dr_base, BL // 2, BL, w, offs_k, offs_v, V, BK, STAGES)
+        elif FOLD:
+            s_new = _fold_loop(s_new, ke_base, dr_base, 0, BL, w, offs_k, offs_v, V, BK, STAGES)
     tl.store(st, s_new)
 
 
@@ -392,9 +376,9 @@ def main(argv=None):
     wr_all = torch.full((bs,), L - 1, device="cuda", dtype=torch.int32)
     for bv, warps, prec, sep in dots:               # the fold as one dot, in a flush-only pass, every row flushing
         line(f"flush-dot {bv}/{warps} {prec} separate={sep}", timed(
-            lambda i, bv=bv, w=warps, prec=prec, sep=sep: _flush_dot_kernel[(V // bv, bs, HV)](
+            lambda i, bv=bv, w=warps, prec=prec, sep=sep: _flush_like_kernel[(V // bv, bs, HV)](
                 states[i], vec, win, wr_all, vin, beta, kin, drs[i], ke, ys[i], HV, K, V, L, BK=K, BV=bv, BL=BL,
-                PREC=prec, SEPARATE=bool(sep), num_warps=w)), rw, "of the read+write floor")
+                STAGES=4, PREC=prec, SEPARATE=bool(sep), num_warps=w)), rw, "of the read+write floor")
 
     parts_on = "flushparts" in forms or "w4" in forms   # where a flush pass's time goes
     for bv, warps in () if not parts_on else ((32, 4),) if "w4" in forms else ((32, 2), (8, 1), (16, 1), (32, 4)):
