@@ -279,7 +279,9 @@ def main(argv=None):
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--forms", default="slice,chunk,head,apply,flush,flushdot,flushparts,persist",
                    help="which of the forms above to time (also: dotsep, the separate-product dots only; w4, the "
-                        "4-warp rows of flushparts only)")
+                        "4-warp rows of flushparts only; ncu, one record-loop and two dot flushes)")
+    p.add_argument("--once", action="store_true",
+                   help="launch each form once instead of timing it (for Nsight Compute: ncu --kernel-name ...)")
     args = p.parse_args(argv)
     forms = args.forms.split(",")
     K = V = 128
@@ -297,7 +299,12 @@ def main(argv=None):
     floor_us = (states[0].numel() * 4 + 2 * a.numel() * 4 + ys[0].numel() * 4) / bw * 1e6
 
     def timed(launch):
-        """µs per call of ``launch(i)``, ``i`` rotating over the buffer sets (cold L2), inside a CUDA graph."""
+        """µs per call of ``launch(i)``, ``i`` rotating over the buffer sets (cold L2), inside a CUDA graph (NaN after
+        one plain launch with ``--once``)."""
+        if args.once:
+            launch(0)
+            torch.cuda.synchronize()
+            return float("nan")
         it = [0]
 
         def step():
@@ -373,6 +380,8 @@ def main(argv=None):
             (32, 4, "ieee", 0), (64, 8, "tf32x3", 0), (32, 4, "tf32x3", 1), (32, 2, "tf32x3", 1),
             (32, 4, "tf32", 1), (32, 2, "tf32", 1), (64, 4, "tf32x3", 1), (32, 4, "ieee", 1))
     dots = dots if "flushdot" in forms else [x for x in dots if x[3]] if "dotsep" in forms else ()
+    if "ncu" in forms:                              # one record-loop flush (below), a tf32 and a tf32x3 dot
+        dots = ((32, 4, "tf32", 1), (32, 4, "tf32x3", 1))
     wr_all = torch.full((bs,), L - 1, device="cuda", dtype=torch.int32)
     for bv, warps, prec, sep in dots:               # the fold as one dot, in a flush-only pass, every row flushing
         line(f"flush-dot {bv}/{warps} {prec} separate={sep}", timed(
@@ -389,6 +398,7 @@ def main(argv=None):
              (16, True, 32, 2, 0, 1), (16, True, 32, 2, 64, 1), (16, False, 32, 4, 0, 0), (16, True, 32, 4, 0, 0),
              (16, True, 32, 4, 64, 0), (8, True, 32, 4, 0, 0))
     parts = () if not parts_on else [x for x in parts if x[3] == 4] if "w4" in forms else parts
+    parts = ((16, True, 32, 2, 0, 0),) if "ncu" in forms else parts
     for bl, fold, bv, warps, keh, halves in parts:  # ring length = window: every record folded (w = L - 1)
         wr = torch.full((bs,), bl - 1, device="cuda", dtype=torch.int32)
         vec_l = torch.randn(bs * HV, 3 * K, device="cuda")
