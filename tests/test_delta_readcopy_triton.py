@@ -92,6 +92,31 @@ def test_kernel_matches_reference_step_by_step(kda, fmt, listed, block_v, monkey
     assert n_flush >= 4
 
 
+@pytest.mark.parametrize("kda", [False, True])
+@pytest.mark.parametrize("stages", [0, 3])
+def test_flush_of_a_full_window_matches_reference(kda, stages, monkeypatch):
+    """L = 16 fills the window axis (BLOCK_L = 16): the exact flush applies the record in its last live slot, 14
+    (the record loop runs BLOCK_L - 1 iterations). Outputs and checkpoint against the reference, every step."""
+    import replay_compile.kernels.delta_readcopy_triton as drt
+    monkeypatch.setitem(drt.TUNING, "flush_stages", stages)
+    geom = DeltaGeometry(batch=2, HV=2, Hk=1, K=8, V=16, kda=kda)
+    L = 16
+    state0, seq = delta_problem(geom, L + 1, dtype=torch.float32, seed=7 + kda)
+    spec = DeltaRingSpec(geom.HV, geom.Hk, geom.K, geom.V, L, kda=kda, read_copy="fp8_e4m3")
+    st_k, st_r = state0.clone().to(DEV), state0.clone()
+    rk, rr = spec.allocate(2, DEV), spec.allocate(2, "cpu")
+    spec.sync_copy(st_k, rk)
+    spec.sync_copy(st_r, rr)
+    for t, inp in enumerate(seq):
+        args = [inp[k].float() for k in ("q", "k", "v", "g", "beta")]
+        o_k = delta_replay_step_readcopy_triton(st_k, _enc(spec, rk), "fp8_e4m3", *rk[:5], rk[-1],
+                                                *(a.to(DEV) for a in args))
+        o_r = delta_replay_step_readcopy_reference(st_r, _enc(spec, rr), "fp8_e4m3", *rr[:5], rr[-1], *args)
+        assert rel(o_k, o_r) < 1e-4, f"step {t}: o"
+        assert rel(st_k, st_r) < 1e-5, f"step {t}: checkpoint"
+    assert int(rk[-1][0].cpu()) == 1                 # one flush, then one record
+
+
 def test_non_flush_rows_never_read_the_checkpoint():
     geom = DeltaGeometry(batch=2, HV=2, Hk=1, K=8, V=16, kda=False)
     L = 8

@@ -70,6 +70,28 @@ def _track_exact(geom, L, data):
             assert rel(state[flushed], oracle.state[flushed]) < 1e-4, f"step {t}: checkpoint after flush"
 
 
+@pytest.mark.parametrize("kda", [False, True])
+@pytest.mark.parametrize("kind", ["split", "split:window_rows=0,flush_stages=0", "fused"])
+def test_flush_folds_a_full_window(kda, kind):
+    """L = 16 fills the window axis (BLOCK_L = 16), so the flush folds a record from its last live slot, 14: the
+    split pass's record loop runs BLOCK_L - 1 iterations. Outputs every step and the checkpoint after the flush
+    against the fp64 recurrence."""
+    geom = DeltaGeometry(batch=2, HV=2, Hk=1, K=8, V=16, kda=kda)
+    L = 16
+    state0, seq = delta_problem(geom, L + 2, dtype=torch.float32, seed=11 + kda)
+    state = state0.to(DEV)
+    rg = rings(geom, L, state)
+    oracle = ExactDeltaOracle(state0)
+    slots = list(range(geom.batch))
+    with variant(kind):
+        for t, inp in enumerate(seq):
+            o = delta_replay_step_triton(state, *rg, *(inp[k].to(DEV) for k in KEYS), None)
+            assert rel(o, oracle.step(inp, slots)) < 1e-4, f"step {t}"
+            if t == L - 1:
+                assert rel(state, oracle.state) < 1e-4, "checkpoint after the flush"
+    assert int(rg[-1][0]) == 2                       # one flush, then two records
+
+
 # the L = 20 geometry (a 32-long window axis, 43 interpreted steps: ~10 s per case) with bf16 activations only; the
 # other geometries cover both activation dtypes (CI time)
 _CONTRACT = [(g, L, a) for g, L in [(DeltaGeometry(2, 4, 2, 8, 6, False), 4), (DeltaGeometry(3, 4, 4, 20, 17, True), 3),

@@ -153,13 +153,14 @@ def _delta_rc_apply_kernel(
         st_ptrs = state_ptr + slot * s_sb + h * s_sh + offs_k[:, None] * s_sk + offs_v[None, :] * s_sv
         s = tl.load(st_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
         # FLUSH_STAGES > 0: the record loop software-pipelined that deep (the record loads are L2 round trips on
-        # the critical path; the exact split flush went 570 -> 445 µs with 4 stages); 0: a plain loop
+        # the critical path; the exact split flush went 570 -> 445 µs with 4 stages); 0: a plain loop. The flush
+        # holds w = L - 1 <= BLOCK_L - 1 records: BLOCK_L - 1 iterations (a masked one still computes)
         if FLUSH_STAGES > 0:
-            for j in tl.range(BLOCK_L, num_stages=FLUSH_STAGES):
+            for j in tl.range(BLOCK_L - 1, num_stages=FLUSH_STAGES):
                 s = _exact_record(s, j, w, kr_base, vr_base, br_base, gr_base, offs_k, offs_v, mask_k, mask_v, L,
                                   s_krl, s_krk, s_vrl, s_vrv, s_brl, s_grl, s_grk, KDA)
         else:
-            for j in range(BLOCK_L):
+            for j in range(BLOCK_L - 1):
                 s = _exact_record(s, j, w, kr_base, vr_base, br_base, gr_base, offs_k, offs_v, mask_k, mask_v, L,
                                   s_krl, s_krk, s_vrl, s_vrv, s_brl, s_grl, s_grk, KDA)
         if KDA:

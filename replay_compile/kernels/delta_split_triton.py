@@ -289,12 +289,14 @@ def _delta_apply_kernel(
         ke_base = ke_ptr + (row * HV + h) * (BLOCK_L * BLOCK_K)
         # KEᵀ D as L outer products (no tl.dot here, see above). FLUSH_STAGES > 0: the record loop software-pipelined
         # with that many stages (the flush is latency-bound: an L2 round trip per record at ~12 resident warps per
-        # SM); 0: a plain loop (the compiler's default pipelining)
+        # SM); 0: a plain loop (the compiler's default pipelining). A flush holds w = L - 1 <= BLOCK_L - 1 records,
+        # so BLOCK_L - 1 iterations cover them: a masked last iteration would still issue its FMAs (1/16 of the fold
+        # at L = 16; the bound stays constexpr for the interpreter)
         if FLUSH_STAGES > 0:
-            for j in tl.range(BLOCK_L, num_stages=FLUSH_STAGES):
+            for j in tl.range(BLOCK_L - 1, num_stages=FLUSH_STAGES):
                 s_new = _fold_record(s_new, ke_base, dr_base, j, w, offs_k, offs_v, mask_v, s_drl, s_drv, BLOCK_K)
         else:
-            for j in range(BLOCK_L):
+            for j in range(BLOCK_L - 1):
                 s_new = _fold_record(s_new, ke_base, dr_base, j, w, offs_k, offs_v, mask_v, s_drl, s_drv, BLOCK_K)
         key_gate = tl.load(g_ptr + row * s_gb + h * s_gh).to(tl.float32)    # g (GDN) or g[..., 0] (KDA)
         _store_checkpoint(st_ptrs, s_new, tile_mask, key_gate, slot * HV + h,
