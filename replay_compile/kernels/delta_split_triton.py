@@ -123,10 +123,11 @@ def _delta_window_rows_kernel(
     HAS_SLOT: tl.constexpr, KDA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Launch 1 record by record (``window_rows=1``; same outputs as :func:`_delta_window_kernel`): the window's
-    key (and KDA gate) rows are separate ``[K]`` vectors, ``E_j = G_w - G_j`` one vector step each, so the 2-D
-    reductions become L vector steps, about a third of the operations for KDA. Unrolled: every row load can be in
-    flight at once. Appends ``G_w`` and ``PDL`` as :func:`_delta_window_kernel`."""
+    """Launch 1 record by record (``window_rows=1``; the outputs of :func:`_delta_window_kernel`, except that a
+    flushing row's ``KE`` slots past ``w`` stay unwritten: launch 2 reads them masked): the window's key (and KDA
+    gate) rows are separate ``[K]`` vectors, ``E_j = G_w - G_j`` one vector step each, so the 2-D reductions become
+    L vector steps, about a third of the operations for KDA, and only the ``w`` held records compute. Unrolled:
+    every row load can be in flight at once. Appends ``G_w`` and ``PDL`` as :func:`_delta_window_kernel`."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
@@ -166,10 +167,14 @@ def _delta_window_rows_kernel(
             G_j = tl.load(gr_base + j * s_grl + offs_k * s_grk, mask=live & mask_k, other=0.0).to(tl.float32)
         else:
             G_j = tl.sum(tl.where(offs_l == j, gw, 0.0), axis=0)
-        ke_j = tl.where(live, k_j * tl.exp(tl.minimum(g_sum - G_j, 0.0)), 0.0)
-        u = tl.where(offs_l == j, tl.sum(ke_j * k, axis=0), u)
-        uq = tl.where(offs_l == j, tl.sum(ke_j * q, axis=0), uq)
-        tl.store(ke_base + j * BLOCK_K + offs_k, ke_j, mask=flushing)
+        # the loads above issue unconditionally (masked: no traffic past w), the arithmetic only for held records:
+        # a non-flush step holds w = 0 .. L - 2 of them, so most of the BLOCK_L exps and reductions were for nothing.
+        # Records past w keep u_j = uq_j = 0 and leave their KE slot unwritten (the flush reads it masked to j < w)
+        if j < w:
+            ke_j = k_j * tl.exp(tl.minimum(g_sum - G_j, 0.0))
+            u = tl.where(offs_l == j, tl.sum(ke_j * k, axis=0), u)
+            uq = tl.where(offs_l == j, tl.sum(ke_j * q, axis=0), uq)
+            tl.store(ke_base + j * BLOCK_K + offs_k, ke_j, mask=flushing)
     dec = tl.exp(tl.minimum(g_sum, 0.0))                                         # KDA [BLOCK_K], GDN scalar
     _store_window(win_ptr, vec_ptr, row * HV + h, u, uq, k, q, dec, flushing, offs_l, offs_k, BLOCK_L, BLOCK_K)
     if w < L - 1:
