@@ -3,8 +3,9 @@
 # Carry .baselines (mamba_ssm source) and .wheels (pytest-xdist, execnet, fla); benchmarks/fetch_device_wheels.sh
 # rebuilds both where a checkout lacks them (git does not hold them).
 # Usage on the GPU machine:  OUT=... bash benchmarks/device_pending.sh [steps...]
-#   steps (default: tests dsweep sweep: the GPU suite, then the delta and Mamba-2 sweeps of record, as session 19
-#   ran them on its final code). The device returns at most 8 files, no more than 2
+#   steps (default: tests dsweep gdnrows sweep: the GPU suite, the delta sweep of record with session 20's two
+#   delta changes, GDN's window launch in the rows form that now skips the records past w, the Mamba-2 sweep of
+#   record). The device returns at most 8 files, no more than 2
 #   folders below $OUT: steps keep to that. Steps that run a benchmark outside pytest need the package importable:
 #   this script installs it; a bare command needs PYTHONPATH=$PWD.
 #   tests      GPU tests of every Mamba-2 / delta kernel (pytest -n 6 when pytest-xdist is carried)
@@ -108,7 +109,7 @@ if ls .wheels/pytest_xdist-*.whl >/dev/null 2>&1; then
 fi
 # Nsight Compute's command line (empty where none is installed)
 ncu_path() { command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1; }
-steps=${*:-tests dsweep sweep}
+steps=${*:-tests dsweep gdnrows sweep}
 for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
   tests) timeout 300 python3 -m pytest -q $XDIST -p no:cacheprovider tests/test_mamba2_triton_gpu.py \
            tests/test_mamba2_triton.py tests/test_mamba2_readcopy.py tests/test_delta_readcopy_triton.py --tb=line \
@@ -193,6 +194,11 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
            | tail -20 | tee "$OUT/pytest_delta.txt" ;;
   dsweep) timeout 280 python3 benchmarks/bench_delta_kernel.py --out "$OUT" 2>&1 | grep -v Warn \
            | tee "$OUT/delta_sweep.txt" ;;
+  gdnrows) # session 20: launch 1's rows form computes only the held records now; GDN keeps the tile form (session 9:
+           # rows 17 vs tile 16 µs, before the skip). Both GDN geometries, fp32, vs fla in the same call
+           timeout 200 python3 benchmarks/bench_delta_kernel.py --out /tmp/gdnrows --batches 8,64,128,256,512 \
+           --geoms qwen35_4b,qwen35_122b --configs "split;split:window_rows=1" 2>&1 | grep -v Warn \
+           | tee "$OUT/gdn_window_rows.txt" ;;
   e2e_qwen) timeout 200 replay-compile bench --models qwen35_4b --layers 8 --batches 1,256 --steps 32 \
            --modes inductor-ro,replayssm-ro --out "$OUT/e2e_qwen" 2>&1 | grep "^|" | tee "$OUT/e2e_qwen.txt" ;;
   check_mamba2) timeout 150 replay-compile bench --models mamba2_2p7b --layers 8 --check 256 --dtype float32 \
