@@ -3,9 +3,10 @@
 # Carry .baselines (mamba_ssm source) and .wheels (pytest-xdist, execnet, fla); benchmarks/fetch_device_wheels.sh
 # rebuilds both where a checkout lacks them (git does not hold them).
 # Usage on the GPU machine:  OUT=... bash benchmarks/device_pending.sh [steps...]
-#   steps (default: tests dsweep gdnrows sweep: the GPU suite, the delta sweep of record with session 20's two
-#   delta changes, GDN's window launch in the rows form that now skips the records past w, the Mamba-2 sweep of
-#   record). The device returns at most 8 files, no more than 2
+#   steps (default: gluon tests dsweep gdnrows sweep: session 20's Gluon tensor-core fold, built and never run, the
+#   GPU suite, the delta sweep of record with session 20's two delta changes, GDN's window launch in the rows form
+#   that now skips the records past w, the Mamba-2 sweep of record). The device returns at most 8 files, no more
+#   than 2
 #   folders below $OUT: steps keep to that. Steps that run a benchmark outside pytest need the package importable:
 #   this script installs it; a bare command needs PYTHONPATH=$PWD.
 #   tests      GPU tests of every Mamba-2 / delta kernel (pytest -n 6 when pytest-xdist is carried)
@@ -109,7 +110,7 @@ if ls .wheels/pytest_xdist-*.whl >/dev/null 2>&1; then
 fi
 # Nsight Compute's command line (empty where none is installed)
 ncu_path() { command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1; }
-steps=${*:-tests dsweep gdnrows sweep}
+steps=${*:-gluon tests dsweep gdnrows sweep}
 for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
   tests) timeout 300 python3 -m pytest -q $XDIST -p no:cacheprovider tests/test_mamba2_triton_gpu.py \
            tests/test_mamba2_triton.py tests/test_mamba2_readcopy.py tests/test_delta_readcopy_triton.py --tb=line \
@@ -194,6 +195,9 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
            | tail -20 | tee "$OUT/pytest_delta.txt" ;;
   dsweep) timeout 280 python3 benchmarks/bench_delta_kernel.py --out "$OUT" 2>&1 | grep -v Warn \
            | tee "$OUT/delta_sweep.txt" ;;
+  gluon)   # session 20: the KDA flush fold on the tensor cores in Gluon (mma_v2, the slice in the accumulator's layout),
+           # checked against the FMA record loop on the same inputs and timed beside it, bs256 fp32, every row flushing
+           timeout 150 python3 benchmarks/diag_delta_gluon.py 2>&1 | grep -v Warn | tee "$OUT/delta_gluon.txt" ;;
   gdnrows) # session 20: launch 1's rows form computes only the held records now; GDN keeps the tile form (session 9:
            # rows 17 vs tile 16 µs, before the skip). Both GDN geometries, fp32, vs fla in the same call
            timeout 200 python3 benchmarks/bench_delta_kernel.py --out /tmp/gdnrows --batches 8,64,128,256,512 \

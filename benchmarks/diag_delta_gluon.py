@@ -1,0 +1,190 @@
+"""The KDA flush fold on the tensor cores, written in Gluon (issue 4, KDA bs256; built in session 20, not yet run).
+
+    python benchmarks/diag_delta_gluon.py [--batch 256] [--heads 32]          # on the GPU machine (triton 3.6)
+    python benchmarks/diag_delta_gluon.py --compile-only                      # anywhere: sm_90 resources
+
+Session 20 (``benchmarks/NOTES.md``) found the flush pass's record fold issue-bound on CUDA-core fp32 (two thirds of
+its instructions; its FMAs alone ~64 µs at bs256), and ``tl.dot`` no faster: the accumulator's layout is not the
+slice's, so every program converts the slice through shared memory, and the dots stalled at 4-5 programs per SM.
+Gluon (``triton.experimental.gluon``) lets the slice be loaded and stored in the MMA accumulator's own layout and
+the operands be loaded straight into theirs, so the fold becomes ``mma_v2`` instructions with no conversion of the
+``K x BV`` slice at all. The scaled keys are fp32 (tf32 split into a high and a low part, two MMAs); the corrected
+values ``d_j`` are bf16 records, exact in tf32, so ``KEᵀ D`` comes out at about fp32 accuracy.
+
+:func:`_gl_flush_kernel` does what ``diag_delta_stream.py``'s ``_flush_like_kernel`` does (every row flushing, the
+scratch and rings laid out as there); this script checks it against that kernel on the same inputs and times both.
+A diagnostic for NOTES.md: no baseline, no speed claim. Gluon kernels do not run under the interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+@gluon.jit
+def _tf32_parts(x):
+    """``x = hi + lo`` with ``hi`` exact in tf32 (its low 13 mantissa bits cleared)."""
+    hi = (x.to(gl.uint32, bitcast=True) & 0xFFFFE000).to(gl.float32, bitcast=True)
+    return hi, x - hi
+
+
+@gluon.jit
+def _gl_flush_kernel(s_ptr, vec_ptr, win_ptr, wrow_ptr, v_ptr, beta_ptr, k_ptr, dr_ptr, ke_ptr, y_ptr, HV, K, V, L,
+                     BK: gl.constexpr, BV: gl.constexpr, BL: gl.constexpr, NW: gl.constexpr, SPLIT: gl.constexpr):
+    """One ``BK x BV`` slice of a flushing row: the readout (``o`` stored, ``d``), then
+    ``exp(E_tot) ⊙ S_0 + k dᵀ + KEᵀ D`` in the accumulator's layout, stored in place. ``SPLIT``: the scaled keys as
+    tf32 high + low parts (two MMAs; ``d`` is bf16, exact in tf32); otherwise one tf32 MMA (about 1e-3 relative)."""
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+    OPA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=1)
+    OPB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=ACC, k_width=1)
+    WIN: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
+    pid_v = gl.program_id(0)
+    row = gl.program_id(1).to(gl.int64)
+    h = gl.program_id(2).to(gl.int64)
+    w = gl.load(wrow_ptr + row)
+    if w != L - 1:
+        return
+    rh = row * HV + h
+    rows = gl.arange(0, BK, layout=gl.SliceLayout(1, ACC))
+    cols = pid_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, ACC))
+    st = s_ptr + rh * K * V + rows[:, None] * V + cols[None, :]
+    s0 = gl.load(st)                                                    # [BK, BV], the accumulator's layout
+    v = gl.load(v_ptr + rh * V + cols).to(gl.float32)
+    beta = gl.load(beta_ptr + rh)
+    ak = gl.load(vec_ptr + rh * 3 * BK + rows)
+    aq = gl.load(vec_ptr + rh * 3 * BK + BK + rows)
+    dec = gl.load(vec_ptr + rh * 3 * BK + 2 * BK + rows)
+    dr_base = dr_ptr + rh * L * V
+    # the window's sums in a plain layout (a [BV] vector converted once), the records again as the MMA's B operand
+    lw = gl.arange(0, BL, layout=gl.SliceLayout(1, WIN))
+    cw = pid_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, WIN))
+    dw = gl.load(dr_base + lw[:, None] * V + cw[None, :], mask=(lw < w)[:, None], other=0.0).to(gl.float32)
+    u = gl.load(win_ptr + rh * 3 * BL + lw)
+    uq = gl.load(win_ptr + rh * 3 * BL + BL + lw)
+    kq = gl.load(win_ptr + rh * 3 * BL + 2 * BL)
+    su = gl.convert_layout(gl.sum(u[:, None] * dw, axis=0), gl.SliceLayout(0, ACC))
+    suq = gl.convert_layout(gl.sum(uq[:, None] * dw, axis=0), gl.SliceLayout(0, ACC))
+    d = beta * (v - gl.sum(s0 * ak[:, None], axis=0) - su)
+    gl.store(y_ptr + rh * 2 * V + cols, gl.sum(s0 * aq[:, None], axis=0) + suq + d * kq)
+    k = gl.load(k_ptr + rh * K + rows).to(gl.float32)
+    acc = dec[:, None] * s0 + k[:, None] * d[None, :]
+    ka = gl.arange(0, BK, layout=gl.SliceLayout(1, OPA))
+    la = gl.arange(0, BL, layout=gl.SliceLayout(0, OPA))
+    a = gl.load(ke_ptr + rh * BL * BK + la[None, :] * BK + ka[:, None], mask=(la < w)[None, :], other=0.0)
+    lb = gl.arange(0, BL, layout=gl.SliceLayout(1, OPB))
+    cb = pid_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, OPB))
+    b = gl.load(dr_base + lb[:, None] * V + cb[None, :], mask=(lb < w)[:, None], other=0.0).to(gl.float32)
+    if SPLIT:
+        a_hi, a_lo = _tf32_parts(a)
+        acc = mma_v2(a_lo, b, acc, input_precision="tf32")
+        acc = mma_v2(a_hi, b, acc, input_precision="tf32")
+    else:
+        acc = mma_v2(a, b, acc, input_precision="tf32")
+    gl.store(st, acc)
+
+
+def compile_only(warps_list=(2, 4)):
+    """Compile the kernel for sm_90 without a GPU (Triton's bundled ptxas) and print its resources."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from diag_registers import resources, sass_census
+
+    fn = _gl_flush_kernel
+    ptrs = {"wrow_ptr": "*i32", "v_ptr": "*bf16", "k_ptr": "*bf16", "dr_ptr": "*bf16"}
+    for warps in warps_list:
+        for split in (True, False):
+            const = dict(BK=128, BV=32, BL=16, NW=warps, SPLIT=split)
+            sig = {n: "constexpr" if n in const else ptrs.get(n, "*fp32") if n.endswith("_ptr") else "i32"
+                   for n in fn.arg_names}
+            attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in const}
+            src = GluonASTSource(fn, sig, constexprs=const, attrs=attrs)
+            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+            n, ops = sass_census(kernel)
+            top = ", ".join(f"{op} {c}" for op, c in ops.most_common(12))
+            print(f"_gl_flush_kernel {warps} warps split={split}: {resources(kernel)}; {n} SASS instructions: {top}",
+                  flush=True)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--compile-only", action="store_true")
+    args = p.parse_args(argv)
+    if args.compile_only:
+        return compile_only()
+    from bench_mamba2_kernel import copy_bandwidth, reported, time_graph, warm_clocks
+    from diag_delta_stream import _flush_like_kernel
+
+    K = V = 128
+    L = BL = 16
+    bs, HV = args.batch, args.heads
+    warm_clocks()
+    bw = copy_bandwidth()
+    print(f"# {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s; fp32 state [{bs}, {HV}, {K}, {V}], "
+          f"every row flushing")
+    dev = "cuda"
+    copies = 2
+    states = [torch.randn(bs * HV, K, V, device=dev) for _ in range(copies)]
+    vec = torch.randn(bs * HV, 3 * K, device=dev)
+    win = torch.randn(bs * HV, 3 * BL, device=dev)
+    wr = torch.full((bs,), L - 1, device=dev, dtype=torch.int32)
+    vin = torch.randn(bs * HV, V, device=dev, dtype=torch.bfloat16)
+    beta = torch.rand(bs * HV, device=dev)
+    kin = torch.randn(bs * HV, K, device=dev, dtype=torch.bfloat16)
+    drs = [torch.randn(bs * HV, L, V, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
+    ke = torch.randn(bs * HV, BL * K, device=dev)
+    ys = [torch.empty(bs * HV, 2, V, device=dev) for _ in range(copies)]
+    floor_us = 2 * states[0].numel() * 4 / bw * 1e6
+
+    def loop(i):
+        _flush_like_kernel[(V // 32, bs, HV)](states[i], vec, win, wr, vin, beta, kin, drs[i], ke, ys[i], HV, K, V, L,
+                                              BK=K, BV=32, BL=BL, STAGES=4, num_warps=2)
+
+    def mma(i, warps, split, bv=32):
+        _gl_flush_kernel[(V // bv, bs, HV)](states[i], vec, win, wr, vin, beta, kin, drs[i], ke, ys[i], HV, K, V, L,
+                                            BK=K, BV=bv, BL=BL, NW=warps, SPLIT=split, num_warps=warps)
+
+    # same inputs, one flush each: the fold's result and the outputs against the FMA record loop
+    base = states[0].clone()
+    loop(0)
+    want_s, want_o = states[0].clone(), ys[0][:, 0].clone()
+    forms = {"record loop 32/2": loop}
+    for warps in (2, 4):
+        for split in (True, False):
+            forms[f"mma {warps} warps split={split}"] = lambda i, w=warps, s=split: mma(i, w, s)
+    for label, fn in list(forms.items())[1:]:
+        states[0].copy_(base)
+        try:
+            fn(0)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - reported; the other forms still run
+            print(f"  {label} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+            del forms[label]
+            continue
+        es = float((states[0] - want_s).norm() / want_s.norm())
+        eo = float((ys[0][:, 0] - want_o).norm() / want_o.norm())
+        print(f"{label:28s} rel err vs the record loop: checkpoint {es:.1e}, o {eo:.1e}", flush=True)
+    for label, fn in forms.items():
+        it = [0]
+
+        def step(fn=fn):
+            fn(it[0] % copies)
+            it[0] += 1
+        us = reported(label, time_graph, step, inner=8 * copies)
+        if us is not None:
+            print(f"{label:28s} {us:8.1f} us  {floor_us / us * 100:5.1f}% of the read+write floor", flush=True)
+
+
+if __name__ == "__main__":
+    main()
