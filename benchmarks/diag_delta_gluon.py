@@ -92,7 +92,7 @@ def _gl_flush_kernel(s_ptr, vec_ptr, win_ptr, wrow_ptr, v_ptr, beta_ptr, k_ptr, 
     gl.store(st, acc)
 
 
-def compile_only(warps_list=(2, 4)):
+def compile_only():
     """Compile the kernel for sm_90 without a GPU (Triton's bundled ptxas) and print its resources."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -101,18 +101,17 @@ def compile_only(warps_list=(2, 4)):
 
     fn = _gl_flush_kernel
     ptrs = {"wrow_ptr": "*i32", "v_ptr": "*bf16", "k_ptr": "*bf16", "dr_ptr": "*bf16"}
-    for warps in warps_list:
-        for split in (True, False):
-            const = dict(BK=128, BV=32, BL=16, NW=warps, SPLIT=split)
-            sig = {n: "constexpr" if n in const else ptrs.get(n, "*fp32") if n.endswith("_ptr") else "i32"
-                   for n in fn.arg_names}
-            attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in const}
-            src = GluonASTSource(fn, sig, constexprs=const, attrs=attrs)
-            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-            n, ops = sass_census(kernel)
-            top = ", ".join(f"{op} {c}" for op, c in ops.most_common(12))
-            print(f"_gl_flush_kernel {warps} warps split={split}: {resources(kernel)}; {n} SASS instructions: {top}",
-                  flush=True)
+    for bv, warps, split in ((32, 2, True), (32, 2, False), (32, 4, True), (32, 4, False), (64, 4, True)):
+        const = dict(BK=128, BV=bv, BL=16, NW=warps, SPLIT=split)
+        sig = {n: "constexpr" if n in const else ptrs.get(n, "*fp32") if n.endswith("_ptr") else "i32"
+               for n in fn.arg_names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in const}
+        src = GluonASTSource(fn, sig, constexprs=const, attrs=attrs)
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        n, ops = sass_census(kernel)
+        top = ", ".join(f"{op} {c}" for op, c in ops.most_common(12))
+        print(f"_gl_flush_kernel {bv} wide, {warps} warps, split={split}: {resources(kernel)}; {n} SASS "
+              f"instructions: {top}", flush=True)
 
 
 def main(argv=None):
@@ -163,6 +162,7 @@ def main(argv=None):
     for warps in (2, 4):
         for split in (True, False):
             forms[f"mma {warps} warps split={split}"] = lambda i, w=warps, s=split: mma(i, w, s)
+    forms["mma 64 wide, 4 warps split=True"] = lambda i: mma(i, 4, True, 64)
     for label, fn in list(forms.items())[1:]:
         states[0].copy_(base)
         try:
