@@ -122,8 +122,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.compile_only:
         return compile_only()
-    from bench_mamba2_kernel import copy_bandwidth, reported, time_graph, warm_clocks
-    from diag_delta_stream import _flush_like_kernel
+    from bench_mamba2_kernel import copy_bandwidth, reported, warm_clocks
+    from diag_delta_stream import _flush_like_kernel, flush_inputs, rotating_time
 
     K = V = 128
     L = BL = 16
@@ -135,14 +135,8 @@ def main(argv=None):
     dev = "cuda"
     copies = 2
     states = [torch.randn(bs * HV, K, V, device=dev) for _ in range(copies)]
-    vec = torch.randn(bs * HV, 3 * K, device=dev)
-    win = torch.randn(bs * HV, 3 * BL, device=dev)
+    vec, win, vin, beta, kin, drs, ke = flush_inputs(bs, HV, K, V, L, BL, copies, dev)
     wr = torch.full((bs,), L - 1, device=dev, dtype=torch.int32)
-    vin = torch.randn(bs * HV, V, device=dev, dtype=torch.bfloat16)
-    beta = torch.rand(bs * HV, device=dev)
-    kin = torch.randn(bs * HV, K, device=dev, dtype=torch.bfloat16)
-    drs = [torch.randn(bs * HV, L, V, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
-    ke = torch.randn(bs * HV, BL * K, device=dev)
     ys = [torch.empty(bs * HV, 2, V, device=dev) for _ in range(copies)]
     floor_us = 2 * states[0].numel() * 4 / bw * 1e6
 
@@ -163,25 +157,22 @@ def main(argv=None):
         for split in (True, False):
             forms[f"mma {warps} warps split={split}"] = lambda i, w=warps, s=split: mma(i, w, s)
     forms["mma 64 wide, 4 warps split=True"] = lambda i: mma(i, 4, True, 64)
-    for label, fn in list(forms.items())[1:]:
+    def errors(fn):
+        """Relative errors of one flush by ``fn`` from the same checkpoint, against the record loop's."""
         states[0].copy_(base)
-        try:
-            fn(0)
-            torch.cuda.synchronize()
-        except Exception as e:  # noqa: BLE001 - reported; the other forms still run
-            print(f"  {label} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+        fn(0)
+        torch.cuda.synchronize()
+        return (float((states[0] - want_s).norm() / want_s.norm()),
+                float((ys[0][:, 0] - want_o).norm() / want_o.norm()))
+
+    for label, fn in list(forms.items())[1:]:
+        err = reported(label, errors, fn)           # None: failed (reported); the other forms still run
+        if err is None:
             del forms[label]
             continue
-        es = float((states[0] - want_s).norm() / want_s.norm())
-        eo = float((ys[0][:, 0] - want_o).norm() / want_o.norm())
-        print(f"{label:28s} rel err vs the record loop: checkpoint {es:.1e}, o {eo:.1e}", flush=True)
+        print(f"{label:28s} rel err vs the record loop: checkpoint {err[0]:.1e}, o {err[1]:.1e}", flush=True)
     for label, fn in forms.items():
-        it = [0]
-
-        def step(fn=fn):
-            fn(it[0] % copies)
-            it[0] += 1
-        us = reported(label, time_graph, step, inner=8 * copies)
+        us = reported(label, rotating_time, fn, copies)
         if us is not None:
             print(f"{label:28s} {us:8.1f} us  {floor_us / us * 100:5.1f}% of the read+write floor", flush=True)
 

@@ -273,6 +273,33 @@ def _flush_persist_kernel(s_ptr, vec_ptr, win_ptr, v_ptr, beta_ptr, k_ptr, dr_pt
         tl.store(st, s_new)
 
 
+def rotating_time(launch, copies: int, once: bool = False) -> float:
+    """µs per call of ``launch(i)``, ``i`` rotating over ``copies`` buffer sets (cold L2), inside a CUDA graph; NaN
+    after one plain launch with ``once`` (for Nsight Compute)."""
+    if once:
+        launch(0)
+        torch.cuda.synchronize()
+        return float("nan")
+    it = [0]
+
+    def step():
+        launch(it[0] % copies)
+        it[0] += 1
+    return time_graph(step, inner=8 * copies)
+
+
+def flush_inputs(bs: int, HV: int, K: int, V: int, L: int, BL: int, copies: int, dev: str = "cuda"):
+    """Random stand-ins for what the split step's passes read beside the checkpoint, laid out as there: launch 1's
+    scratch ``vec [bs*HV, 3K]`` and ``win [bs*HV, 3BL]``, ``v [bs*HV, V]`` (bf16), ``beta [bs*HV]``, ``k [bs*HV, K]``
+    (bf16), ``copies`` d rings ``[bs*HV, L, V]`` (bf16) and the scaled keys ``ke [bs*HV, BL*K]``."""
+    n = bs * HV
+    return (torch.randn(n, 3 * K, device=dev), torch.randn(n, 3 * BL, device=dev),
+            torch.randn(n, V, device=dev, dtype=torch.bfloat16), torch.rand(n, device=dev),
+            torch.randn(n, K, device=dev, dtype=torch.bfloat16),
+            [torch.randn(n, L, V, device=dev, dtype=torch.bfloat16) for _ in range(copies)],
+            torch.randn(n, BL * K, device=dev))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=256)
@@ -299,18 +326,7 @@ def main(argv=None):
     floor_us = (states[0].numel() * 4 + 2 * a.numel() * 4 + ys[0].numel() * 4) / bw * 1e6
 
     def timed(launch):
-        """µs per call of ``launch(i)``, ``i`` rotating over the buffer sets (cold L2), inside a CUDA graph (NaN after
-        one plain launch with ``--once``)."""
-        if args.once:
-            launch(0)
-            torch.cuda.synchronize()
-            return float("nan")
-        it = [0]
-
-        def step():
-            launch(it[0] % copies)
-            it[0] += 1
-        return time_graph(step, inner=8 * copies)
+        return rotating_time(launch, copies, args.once)
 
     def line(label, us, floor=floor_us, what="of floor", extra=""):
         print(f"{label:28s} {us:8.1f} us  {floor / us * 100:5.1f}% {what}{extra}", flush=True)
@@ -346,14 +362,8 @@ def main(argv=None):
     # the passes below use launch 1's scratch and the rings as the real step lays them out; their outputs are not
     # checked (d is written back into the ring, the checkpoint folded in place), only timed
     L, BL = 16, 16
-    vec = torch.randn(bs * HV, 3 * K, device="cuda")
-    win = torch.randn(bs * HV, 3 * BL, device="cuda")
+    vec, win, vin, beta, kin, drs, ke = flush_inputs(bs, HV, K, V, L, BL, copies)
     wrow = torch.randint(0, L - 1, (bs,), device="cuda", dtype=torch.int32)
-    vin = torch.randn(bs * HV, V, device="cuda", dtype=torch.bfloat16)
-    beta = torch.rand(bs * HV, device="cuda")
-    drs = [torch.randn(bs * HV, L, V, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
-    kin = torch.randn(bs * HV, K, device="cuda", dtype=torch.bfloat16)
-    ke = torch.randn(bs * HV, BL * K, device="cuda")
     rw = 2 * floor_us                               # the read + write floor of a flush pass
     features = ((0, 0, 0, 0), (1, 0, 0, 0), (1, 1, 0, 0), (1, 1, 1, 0), (1, 1, 0, 128), (0, 1, 0, 0))
     for vb, wn, ed, nreg in () if "apply" not in forms else features:
