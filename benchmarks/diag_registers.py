@@ -40,12 +40,14 @@ def _cuobjdump(cubin: bytes, flag: str) -> str:
         return subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
 
 
-def compile_cuda(fn, const: dict, warps: int, ptr_types: dict, arch: int = 90, aligned: bool = False):
+def compile_cuda(fn, const: dict, warps: int, ptr_types: dict, arch: int = 90, aligned: bool = False,
+                 maxnreg: int = 0):
     """``fn`` (a ``triton.jit`` function) compiled with ``const`` for sm_``arch``: Triton's compiled kernel.
 
     ``aligned``: every pointer and every non-constant integer argument specialised as divisible by 16, as a launch
     specialises 16-byte aligned tensors and strides (give unit strides as ``const`` ``=1``, as a launch specialises
-    them too): without it loads are compiled unvectorised, which a launch on the device does not do."""
+    them too): without it loads are compiled unvectorised, which a launch on the device does not do. ``maxnreg``: the
+    register cap of a launch with that option (0: none)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -57,7 +59,7 @@ def compile_cuda(fn, const: dict, warps: int, ptr_types: dict, arch: int = 90, a
            for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in const} if aligned else {}
     return triton.compile(ASTSource(fn, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": warps})
+                          options={"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})})
 
 
 def resources(kernel) -> dict:
@@ -96,13 +98,14 @@ def main():
     ap.add_argument("--aligned", action="store_true",
                     help="pointers and integer arguments divisible by 16, as a launch specialises them (give unit "
                          "strides in --const as NAME=1)")
+    ap.add_argument("--maxnreg", type=int, default=0, help="register cap per thread, as the launch option (0: none)")
     ap.add_argument("--census", action="store_true", help="also count the SASS opcodes (barriers, loads, spills)")
     a = ap.parse_args()
     module, _, name = a.kernel.partition(":")
     fn = getattr(importlib.import_module(module), name)
     const = {k: _value(v) for k, _, v in (c.partition("=") for c in a.const)}
     ptrs = dict(p.split("=", 1) for p in a.ptr)
-    kernel = compile_cuda(fn, const, a.warps, ptrs, a.arch, a.aligned)
+    kernel = compile_cuda(fn, const, a.warps, ptrs, a.arch, a.aligned, a.maxnreg)
     r = resources(kernel)
     print(f"{name} sm_{a.arch} {a.warps} warps: {r['regs']} registers, {r['stack']} B stack, {r['shared']} B shared")
     if a.census:
