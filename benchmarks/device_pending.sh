@@ -26,7 +26,7 @@
 #   dbreak     diag_stream_ceiling.py --delta: per-kernel time of the GDN / KDA split step for $DK configs, bs256
 #   dconfigs   bench_delta_kernel.py --configs $DK: the same configs as whole steps vs fla, bs256, fp32
 #   sweep      the Mamba-2 kernel sweep (bench_mamba2_kernel.py) with the session-8 defaults
-#   inline     session 21's window inside the checkpoint pass: $IW at $IW_BATCHES, KDA and GDN-4B vs fla
+#   kdacfg     session 21: KDA bs256 split configs $KC (register cap 104-136, window warps, flush stages)
 #   dtests     the delta kernel tests only;  dsweep  the delta kernel sweep vs fla (bench_delta_kernel.py)
 #   e2e_qwen   replay-compile bench, Qwen3.5-4B dims, 8 layers, bs 1 and 256, reduce-overhead both sides
 #   check_mamba2  256-token greedy parity at fp32 of the Mamba-2-only model (issue 5)
@@ -104,10 +104,9 @@ PROF_MODES=${PROF_MODES:-inductor,replayssm}
 KS=${KS:-"fused;fused:BLOCK_V=64,num_warps=4;fused:BLOCK_V=64,num_warps=8;fused:BLOCK_V=128,num_warps=8;fused:num_warps=2"}
 SG=";window_warps=1;window_warps=1,BLOCK_V=32,num_warps=2;window_warps=2,BLOCK_V=32,num_warps=2"
 SG="$SG;window_warps=1,BLOCK_V=32,num_warps=1"
-# session 21's inline-window configurations (the default split first)
-IW=${IW:-"split;split:window_inline=1;split:window_inline=1,window_chunk=8;split:window_inline=1,window_first=1"}
-IW="$IW${IW_MORE-;split:window_inline=1,window_first=1,window_chunk=8;split:window_inline=1,maxnreg=168}"
-IW="$IW${IW_MORE2-;split:window_inline=1,window_first=1,maxnreg=0}"
+# session 21's KDA configurations (the default split first)
+KC=${KC:-"split;split:maxnreg=104;split:maxnreg=112;split:maxnreg=120;split:maxnreg=136;split:window_warps=2"}
+KC="$KC${KC_MORE-;split:flush_stages=3;split:flush_stages=5;split}"
 XDIST=""
 if ls .wheels/pytest_xdist-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-deps .wheels/pytest_xdist-*.whl .wheels/execnet-*.whl >> $INSTALL_LOG 2>&1 \
@@ -203,10 +202,11 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
   gluon)   # session 20: the KDA flush fold on the tensor cores in Gluon (mma_v2, the slice in the accumulator's layout),
            # checked against the FMA record loop on the same inputs and timed beside it, bs256 fp32, every row flushing
            timeout 150 python3 benchmarks/diag_delta_gluon.py 2>&1 | grep -v Warn | tee "$OUT/delta_gluon.txt" ;;
-  inline)  # session 21: the window inside the checkpoint pass (window_inline, delta_inline_window_triton.py): chunk
-           # size, window before the slice load, register cap; KDA and GDN-4B, fp32, vs fla in the same call ($IW)
-           timeout 330 python3 benchmarks/bench_delta_kernel.py --out /tmp/inline --batches ${IW_BATCHES:-128,256} \
-           --geoms kimi_linear,qwen35_4b --configs "$IW" 2>&1 | grep -v Warn | tee "$OUT/delta_inline.txt" ;;
+  kdacfg)  # session 21: KDA's split step at bs256 (1.5x needs ~3 µs less L-avg): the pass's register cap around 128
+           # (104 / 112: 9 programs of 2 warps per SM instead of 8; 136: 7), the window launch on 2 warps, 3 / 5 flush
+           # stages; fp32, vs fla in the same call ($KC)
+           timeout 200 python3 benchmarks/bench_delta_kernel.py --out /tmp/kdacfg --batches ${KC_BATCHES:-256} \
+           --geoms kimi_linear --configs "$KC" 2>&1 | grep -v Warn | tee "$OUT/kda_configs.txt" ;;
   gdnrows) # session 20: launch 1's rows form computes only the held records now; GDN keeps the tile form (session 9:
            # rows 17 vs tile 16 µs, before the skip). Both GDN geometries, fp32, vs fla in the same call
            timeout 200 python3 benchmarks/bench_delta_kernel.py --out /tmp/gdnrows --batches 8,64,128,256,512 \

@@ -23,13 +23,10 @@ KEYS = ("q", "k", "v", "g", "beta")
 # the one-launch kernel and the split launches (defaults: 32-wide slices), the split launches' session-3
 # configuration (16-wide slices on 1 warp, the window launch on 4 warps), 64-wide slices, the fused kernel on
 # 16-wide slices, the split launches with the record-by-record window launch (KDA's default) and 3 flush stages,
-# with the tile-form window launch (GDN's default) and the plain flush loop, and with the window computed inside
-# the checkpoint pass (4-record chunks; 8-record chunks and the plain flush loop)
+# and with the tile-form window launch (GDN's default) and the plain flush loop
 VARIANTS = ("fused", "split", "split:BLOCK_V=16,num_warps=1,window_warps=4",
             "split:BLOCK_V=64,num_warps=2", "fused:BLOCK_V=16,num_warps=2",
-            "split:window_rows=1,flush_stages=3", "split:window_rows=0,flush_stages=0",
-            "split:window_inline=1", "split:window_inline=1,window_chunk=8,flush_stages=0",
-            "split:window_inline=1,window_first=1,window_chunk=16")
+            "split:window_rows=1,flush_stages=3", "split:window_rows=0,flush_stages=0")
 
 
 def variant(name):
@@ -74,7 +71,7 @@ def _track_exact(geom, L, data):
 
 
 @pytest.mark.parametrize("kda", [False, True])
-@pytest.mark.parametrize("kind", ["split", "split:window_rows=0,flush_stages=0", "fused", "split:window_inline=1"])
+@pytest.mark.parametrize("kind", ["split", "split:window_rows=0,flush_stages=0", "fused"])
 def test_flush_folds_a_full_window(kda, kind):
     """L = 16 fills the window axis (BLOCK_L = 16), so the flush folds a record from its last live slot, 14: the
     split pass's record loop runs BLOCK_L - 1 iterations. Outputs every step and the checkpoint after the flush

@@ -33,7 +33,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .delta_inline_window_triton import launch_inline_window
 from .delta_split_triton import launch_split
 from .host_math import cdiv, memo_unless_tuned, next_pow2
 from .launch import launch
@@ -151,7 +150,7 @@ def _delta_replay_step_kernel(
 
 # Launch configuration override for benchmarks and tests (``mamba2_triton.parse_tuning`` strings):
 # {"variant": "fused"|"split", "BLOCK_V", "num_warps"; split only: "window_warps", "window_rows",
-# "flush_stages", "maxnreg", "pdl", "window_inline", "window_chunk", "window_first"}.
+# "flush_stages", "maxnreg", "pdl"}.
 # Empty in use.
 TUNING: dict = {}
 
@@ -212,13 +211,7 @@ def launch_config(b: int, HV: int, K: int, V: int, L: int, kda: bool = False, st
                      # pdl=1: launch 2 as launch 1's programmatic dependent (launch.pdl_on). Off: H200 session 12,
                      # fp32, non-flush bs256 GDN-4B 169.7 -> 173.2 µs, KDA 175.5 -> 183.3 (presumably its waiting
                      # slices hold SM slots launch 1's last programs need); Mamba-2's pre step gains 1% with it
-                     pdl=bool(TUNING.get("pdl", 0)),
-                     # window_inline=1: the checkpoint pass computes the window itself (launch 1 only snapshots the
-                     # cursor and scales the keys of flushing rows, :mod:`.delta_inline_window_triton`) in chunks of
-                     # window_chunk
-                     # records and, with window_first=1, before its checkpoint slice is loaded (fewer registers live)
-                     window_inline=bool(TUNING.get("window_inline", 0)), window_chunk=TUNING.get("window_chunk", 4),
-                     window_first=bool(TUNING.get("window_first", 0)))
+                     pdl=bool(TUNING.get("pdl", 0)))
     else:
         raise ValueError(f"replay_compile.delta: unknown kernel variant {variant!r} (fused, split)")
     return dict(variant=variant, BLOCK_K=block_k, BLOCK_V=block_v, BLOCK_L=block_l, num_warps=warps, **extra)
@@ -253,7 +246,7 @@ def delta_replay_step_triton(state, d_ring, k_ring, g_ring, cursor, q, k, v, g, 
             BLOCK_V=cfg["BLOCK_V"], STOCHASTIC_FP16=state.dtype == torch.float16, num_warps=cfg["num_warps"],
             **common)
         return o
-    # split: window once per (row, value head) into scratch, then the checkpoint pass; or the window inside the pass
-    split = launch_inline_window if cfg["window_inline"] else launch_split
-    LAST_LAUNCH["kernel"] = split(cfg, state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slot_arg, has_slot, o)
+    # split: window once per (row, value head) into scratch, then the checkpoint pass
+    LAST_LAUNCH["kernel"] = launch_split(cfg, state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slot_arg,
+                                         has_slot, o)
     return o
