@@ -26,6 +26,7 @@
 #   dbreak     diag_stream_ceiling.py --delta: per-kernel time of the GDN / KDA split step for $DK configs, bs256
 #   dconfigs   bench_delta_kernel.py --configs $DK: the same configs as whole steps vs fla, bs256, fp32
 #   sweep      the Mamba-2 kernel sweep (bench_mamba2_kernel.py) with the session-8 defaults
+#   desync     the delta step desynchronised (every row at its own ring position) and lockstep, bs 128-512 fp32
 #   kdacfg     session 21: KDA bs256 split configs $KC (register cap 104-136, window warps, flush stages)
 #   dtests     the delta kernel tests only;  dsweep  the delta kernel sweep vs fla (bench_delta_kernel.py)
 #   e2e_qwen   replay-compile bench, Qwen3.5-4B dims, 8 layers, bs 1 and 256, reduce-overhead both sides
@@ -207,6 +208,9 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
            # stages; fp32, vs fla in the same call ($KC)
            timeout 200 python3 benchmarks/bench_delta_kernel.py --out /tmp/kdacfg --batches ${KC_BATCHES:-256} \
            --geoms kimi_linear --configs "$KC" 2>&1 | grep -v Warn | tee "$OUT/kda_configs.txt" ;;
+  desync)  # the delta step with every row at its own ring position (as in serving) beside lockstep, bs 128-512 fp32
+           timeout 200 python3 benchmarks/bench_delta_kernel.py --out /tmp/desync --batches 128,256,512 --desync \
+           --geoms kimi_linear,qwen35_4b --dtypes float32 2>&1 | grep -v Warn | tee "$OUT/delta_desync.txt" ;;
   gdnrows) # session 20: launch 1's rows form computes only the held records now; GDN keeps the tile form (session 9:
            # rows 17 vs tile 16 µs, before the skip). Both GDN geometries, fp32, vs fla in the same call
            timeout 200 python3 benchmarks/bench_delta_kernel.py --out /tmp/gdnrows --batches 8,64,128,256,512 \
