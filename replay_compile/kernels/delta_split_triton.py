@@ -19,7 +19,12 @@ the tile form, 16 vs 17 µs) and the flush's record loop software-pipelined 4 de
 ``KEᵀ D`` as one ``tl.dot`` lost (IEEE: spills, 8 ms per flush step; tf32x3: flush 468 -> 534 µs and non-flush +10%,
 the dot's layout reaching the slice). Session 15: launch 1 with 2 or 4 value heads per program (one wave at bs256
 instead of two) lost too (KDA non-flush 171.2 -> 173.8-175.1 µs, GDN 162.6 -> 164.3-164.4), removed; so did a
-deeper flush record pipeline (``flush_stages=8|16``: flush 468 -> 483 µs GDN, 485 -> 501 KDA).
+deeper flush record pipeline (``flush_stages=8|16``: flush 468 -> 483 µs GDN, 485 -> 501 KDA). Session 21: the
+window computed inside launch 2 instead (each slice program repeating it in 4-16-record chunks while or before its
+slice loads; launch 1 only snapshotting the cursor and scaling a flush's keys): KDA bs256 non-flush 165 -> 229-321
+µs, GDN 159 -> 203-248, removed; the flush fold on the tensor cores (Gluon ``mma_v2``, the slice in the accumulator
+layout) moved a flush-only pass by 0.7-5% (``benchmarks/diag_delta_gluon.py``): the fold is bound by its loads'
+latency, not its FMAs.
 """
 
 from __future__ import annotations
