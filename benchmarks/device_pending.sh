@@ -3,11 +3,8 @@
 # Carry .baselines (mamba_ssm source) and .wheels (pytest-xdist, execnet, fla); benchmarks/fetch_device_wheels.sh
 # rebuilds both where a checkout lacks them (git does not hold them).
 # Usage on the GPU machine:  OUT=... bash benchmarks/device_pending.sh [steps...]
-#   steps (default: gluon tests dsweep gdnrows sweep: session 20's Gluon tensor-core fold, built and never run, the
-#   GPU suite, the delta sweep of record with session 20's two delta changes, GDN's window launch in the rows form
-#   that now skips the records past w, the Mamba-2 sweep of record). The device returns at most 8 files, no more
-#   than 2
-#   folders below $OUT: steps keep to that. Steps that run a benchmark outside pytest need the package importable:
+#   steps (default: tests dsweep sweep: the GPU suite and both sweeps of record; session 21 ran every step built
+#   before it). The device returns at most 8 files, no more than 2 folders below $OUT: steps keep to that. Steps that run a benchmark outside pytest need the package importable:
 #   this script installs it; a bare command needs PYTHONPATH=$PWD.
 #   tests      GPU tests of every Mamba-2 / delta kernel (pytest -n 6 when pytest-xdist is carried)
 #   ncu        Nsight Compute on one launch each of $NCU_SPECS ("kernel,family,geom,dtype,cursor,skip"; default: the
@@ -115,7 +112,7 @@ if ls .wheels/pytest_xdist-*.whl >/dev/null 2>&1; then
 fi
 # Nsight Compute's command line (empty where none is installed)
 ncu_path() { command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1; }
-steps=${*:-gluon tests dsweep gdnrows sweep}
+steps=${*:-tests dsweep sweep}
 for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
   tests) timeout 300 python3 -m pytest -q $XDIST -p no:cacheprovider tests/test_mamba2_triton_gpu.py \
            tests/test_mamba2_triton.py tests/test_mamba2_readcopy.py tests/test_delta_readcopy_triton.py --tb=line \
