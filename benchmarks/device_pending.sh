@@ -4,8 +4,9 @@
 # rebuilds both where a checkout lacks them (git does not hold them).
 # Usage on the GPU machine:  OUT=... bash benchmarks/device_pending.sh [steps...]
 #   steps (default: tests dsweep sweep: the GPU suite and both sweeps of record; session 21 ran every step built
-#   before it). The device returns at most 8 files, no more than 2 folders below $OUT: steps keep to that. Steps that run a benchmark outside pytest need the package importable:
-#   this script installs it; a bare command needs PYTHONPATH=$PWD.
+#   before it). The device returns at most 8 files, no more than 2 folders below $OUT: steps keep to that. Steps
+#   that run a benchmark outside pytest need the package importable: this script installs it; a bare command needs
+#   PYTHONPATH=$PWD.
 #   tests      GPU tests of every Mamba-2 / delta kernel (pytest -n 6 when pytest-xdist is carried)
 #   ncu        Nsight Compute on one launch each of $NCU_SPECS ("kernel,family,geom,dtype,cursor,skip"; default: the
 #              KDA apply / window and the Mamba-2 pass bf16 / fp32 at bs256, non-flush), benchmarks/diag_ncu_step.py
