@@ -92,6 +92,64 @@ def _gl_flush_kernel(s_ptr, vec_ptr, win_ptr, wrow_ptr, v_ptr, beta_ptr, k_ptr, 
     gl.store(st, acc)
 
 
+@gluon.jit
+def _gl_rows_flush_kernel(s_ptr, vec_ptr, win_ptr, wrow_ptr, v_ptr, beta_ptr, k_ptr, dr_ptr, kr_ptr, gr_ptr, gw_ptr,
+                          y_ptr, HV, K, V, L, BK: gl.constexpr, BV: gl.constexpr, BL: gl.constexpr, NW: gl.constexpr,
+                          FOLD: gl.constexpr):
+    """The flush-only pass with each thread owning whole rows of its ``BK x BV`` slice (``[1, BV]`` per thread, 32
+    rows per warp), so that a row's scaled key ``KE_j[r] = k_j[r] exp(G_w[r] - G_j[r])`` is computed once, by the
+    thread that folds it, straight from the rings (``kr`` bf16 and ``gr`` fp32 ``[rh, L, K]``, ``gw = G_w [rh, K]``):
+    no scaled-key scratch for launch 1 to write and this pass to read back, 2 exps per thread and record instead of
+    the row layout's 16 (each of its rows sits on 8 lanes). The readout's sums over K cross lanes instead.
+    ``FOLD=False``: the read, readout and write alone."""
+    ROWS: gl.constexpr = gl.BlockedLayout([1, BV], [32, 1], [NW, 1], [1, 0])
+    WIN: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
+    pid_v = gl.program_id(0)
+    row = gl.program_id(1).to(gl.int64)
+    h = gl.program_id(2).to(gl.int64)
+    w = gl.load(wrow_ptr + row)
+    if w != L - 1:
+        return
+    rh = row * HV + h
+    rows = gl.arange(0, BK, layout=gl.SliceLayout(1, ROWS))
+    cols = pid_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, ROWS))
+    st = s_ptr + rh * K * V + rows[:, None] * V + cols[None, :]
+    s0 = gl.load(st)                                                    # [BK, BV]: two whole rows per thread
+    v = gl.load(v_ptr + rh * V + cols).to(gl.float32)
+    beta = gl.load(beta_ptr + rh)
+    ak = gl.load(vec_ptr + rh * 3 * BK + rows)
+    aq = gl.load(vec_ptr + rh * 3 * BK + BK + rows)
+    dr_base = dr_ptr + rh * L * V
+    lw = gl.arange(0, BL, layout=gl.SliceLayout(1, WIN))
+    cw = pid_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, WIN))
+    dw = gl.load(dr_base + lw[:, None] * V + cw[None, :], mask=(lw < w)[:, None], other=0.0).to(gl.float32)
+    u = gl.load(win_ptr + rh * 3 * BL + lw)
+    uq = gl.load(win_ptr + rh * 3 * BL + BL + lw)
+    kq = gl.load(win_ptr + rh * 3 * BL + 2 * BL)
+    su = gl.convert_layout(gl.sum(u[:, None] * dw, axis=0), gl.SliceLayout(0, ROWS))
+    suq = gl.convert_layout(gl.sum(uq[:, None] * dw, axis=0), gl.SliceLayout(0, ROWS))
+    d = beta * (v - gl.sum(s0 * ak[:, None], axis=0) - su)
+    gl.store(y_ptr + rh * 2 * V + cols, gl.sum(s0 * aq[:, None], axis=0) + suq + d * kq)
+    k = gl.load(k_ptr + rh * K + rows).to(gl.float32)
+    g_w = gl.load(gw_ptr + rh * K + rows)
+    s_new = gl.exp(gl.minimum(g_w, 0.0))[:, None] * s0 + k[:, None] * d[None, :]
+    if FOLD:
+        kr_base = kr_ptr + rh * L * K
+        gr_base = gr_ptr + rh * L * K
+        for j in gl.static_range(BL - 1):
+            live = (rows * 0 + j) < w
+            k_j = gl.load(kr_base + j * K + rows, mask=live, other=0.0).to(gl.float32)
+            g_j = gl.load(gr_base + j * K + rows, mask=live, other=0.0)
+            d_j = gl.load(dr_base + j * V + cols, mask=(cols * 0 + j) < w, other=0.0).to(gl.float32)
+            ke_j = k_j * gl.exp(gl.minimum(g_w - g_j, 0.0))
+            s_new = s_new + ke_j[:, None] * d_j[None, :]
+    gl.store(st, s_new)
+
+
+# (BV, warps, fold) of the rows-layout flush timed and compiled: two whole rows per thread on 2 warps, one on 4
+ROWS_FORMS = ((32, 2, True), (32, 4, True), (64, 4, True), (16, 2, True))
+
+
 def compile_only():
     """Compile the kernel for sm_90 without a GPU (Triton's bundled ptxas) and print its resources."""
     import triton
@@ -111,6 +169,19 @@ def compile_only():
         n, ops = sass_census(kernel)
         top = ", ".join(f"{op} {c}" for op, c in ops.most_common(12))
         print(f"_gl_flush_kernel {bv} wide, {warps} warps, split={split}: {resources(kernel)}; {n} SASS "
+              f"instructions: {top}", flush=True)
+    fn = _gl_rows_flush_kernel
+    ptrs = dict(ptrs, kr_ptr="*bf16")
+    for bv, warps, fold in ROWS_FORMS + ((32, 2, False),):
+        const = dict(BK=128, BV=bv, BL=16, NW=warps, FOLD=fold)
+        sig = {n: "constexpr" if n in const else ptrs.get(n, "*fp32") if n.endswith("_ptr") else "i32"
+               for n in fn.arg_names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in const}
+        kernel = triton.compile(GluonASTSource(fn, sig, constexprs=const, attrs=attrs),
+                                target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        n, ops = sass_census(kernel)
+        top = ", ".join(f"{op} {c}" for op, c in ops.most_common(12))
+        print(f"_gl_rows_flush_kernel {bv} wide, {warps} warps, fold={fold}: {resources(kernel)}; {n} SASS "
               f"instructions: {top}", flush=True)
 
 
@@ -148,6 +219,23 @@ def main(argv=None):
         _gl_flush_kernel[(V // bv, bs, HV)](states[i], vec, win, wr, vin, beta, kin, drs[i], ke, ys[i], HV, K, V, L,
                                             BK=K, BV=bv, BL=BL, NW=warps, SPLIT=split, num_warps=warps)
 
+    # rings for the rows form, which scales the keys itself: k records, summed log-gates G_j (<= 0, decreasing) and
+    # G_w; the record loop's scaled keys and exp(E_tot) are made from the same, so both fold the same records
+    n = bs * HV
+    kr = (torch.randn(n, L, K, device=dev) / K ** 0.5).to(torch.bfloat16)
+    steps = -torch.rand(n, L + 1, K, device=dev) * 0.1
+    gcum = steps.cumsum(1)
+    gr, gw = gcum[:, :L].contiguous(), gcum[:, L - 1].contiguous()
+    held = (torch.arange(BL, device=dev) < L - 1).view(1, BL, 1)
+    ke_true = torch.where(held, kr.float() * torch.exp(torch.clamp(gw[:, None] - gr, max=0.0)), 0.0)
+    ke.copy_(ke_true.reshape(n, BL * K))
+    vec[:, 2 * K:].copy_(torch.exp(torch.clamp(gw, max=0.0)))
+
+    def rows(i, bv, warps, fold=True):
+        _gl_rows_flush_kernel[(V // bv, bs, HV)](states[i], vec, win, wr, vin, beta, kin, drs[i], kr, gr, gw, ys[i],
+                                                 HV, K, V, L, BK=K, BV=bv, BL=BL, NW=warps, FOLD=fold,
+                                                 num_warps=warps)
+
     # same inputs, one flush each: the fold's result and the outputs against the FMA record loop
     base = states[0].clone()
     loop(0)
@@ -157,6 +245,9 @@ def main(argv=None):
         for split in (True, False):
             forms[f"mma {warps} warps split={split}"] = lambda i, w=warps, s=split: mma(i, w, s)
     forms["mma 64 wide, 4 warps split=True"] = lambda i: mma(i, 4, True, 64)
+    for bv, warps, fold in ROWS_FORMS:
+        forms[f"rows {bv} wide, {warps} warps"] = lambda i, b=bv, w=warps: rows(i, b, w)
+    no_fold = {"rows 32/2 without the fold": lambda i: rows(i, 32, 2, False)}
     def errors(fn):
         """Relative errors of one flush by ``fn`` from the same checkpoint, against the record loop's."""
         states[0].copy_(base)
@@ -171,6 +262,7 @@ def main(argv=None):
             del forms[label]
             continue
         print(f"{label:28s} rel err vs the record loop: checkpoint {err[0]:.1e}, o {err[1]:.1e}", flush=True)
+    forms.update(no_fold)                          # timed only: it skips the records, so it differs by design
     for label, fn in forms.items():
         us = reported(label, rotating_time, fn, copies)
         if us is not None:
