@@ -38,6 +38,35 @@ def _tf32_parts(x):
 
 
 @gluon.jit
+def _gl_slice_readout(s_ptr, vec_ptr, win_ptr, v_ptr, beta_ptr, dr_ptr, y_ptr, rh, w, pid_v, K, V, L,
+                      BK: gl.constexpr, BV: gl.constexpr, BL: gl.constexpr, NW: gl.constexpr, LAYOUT: gl.constexpr):
+    """A flushing slice's prologue, shared by the forms below: the ``BK x BV`` slice loaded in ``LAYOUT``, the
+    readout (``o`` stored) from launch 1's window (its sums in a plain layout, a ``[BV]`` vector converted once).
+    Returns ``(slice pointers, S_0, d, row offsets, d ring base)``."""
+    WIN: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
+    rows = gl.arange(0, BK, layout=gl.SliceLayout(1, LAYOUT))
+    cols = pid_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, LAYOUT))
+    st = s_ptr + rh * K * V + rows[:, None] * V + cols[None, :]
+    s0 = gl.load(st)
+    v = gl.load(v_ptr + rh * V + cols).to(gl.float32)
+    beta = gl.load(beta_ptr + rh)
+    ak = gl.load(vec_ptr + rh * 3 * BK + rows)
+    aq = gl.load(vec_ptr + rh * 3 * BK + BK + rows)
+    dr_base = dr_ptr + rh * L * V
+    lw = gl.arange(0, BL, layout=gl.SliceLayout(1, WIN))
+    cw = pid_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, WIN))
+    dw = gl.load(dr_base + lw[:, None] * V + cw[None, :], mask=(lw < w)[:, None], other=0.0).to(gl.float32)
+    u = gl.load(win_ptr + rh * 3 * BL + lw)
+    uq = gl.load(win_ptr + rh * 3 * BL + BL + lw)
+    kq = gl.load(win_ptr + rh * 3 * BL + 2 * BL)
+    su = gl.convert_layout(gl.sum(u[:, None] * dw, axis=0), gl.SliceLayout(0, LAYOUT))
+    suq = gl.convert_layout(gl.sum(uq[:, None] * dw, axis=0), gl.SliceLayout(0, LAYOUT))
+    d = beta * (v - gl.sum(s0 * ak[:, None], axis=0) - su)
+    gl.store(y_ptr + rh * 2 * V + cols, gl.sum(s0 * aq[:, None], axis=0) + suq + d * kq)
+    return st, s0, d, rows, cols, dr_base
+
+
+@gluon.jit
 def _gl_flush_kernel(s_ptr, vec_ptr, win_ptr, wrow_ptr, v_ptr, beta_ptr, k_ptr, dr_ptr, ke_ptr, y_ptr, HV, K, V, L,
                      BK: gl.constexpr, BV: gl.constexpr, BL: gl.constexpr, NW: gl.constexpr, SPLIT: gl.constexpr):
     """One ``BK x BV`` slice of a flushing row: the readout (``o`` stored, ``d``), then
@@ -46,7 +75,6 @@ def _gl_flush_kernel(s_ptr, vec_ptr, win_ptr, wrow_ptr, v_ptr, beta_ptr, k_ptr, 
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
     OPA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=1)
     OPB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=ACC, k_width=1)
-    WIN: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
     pid_v = gl.program_id(0)
     row = gl.program_id(1).to(gl.int64)
     h = gl.program_id(2).to(gl.int64)
@@ -54,27 +82,10 @@ def _gl_flush_kernel(s_ptr, vec_ptr, win_ptr, wrow_ptr, v_ptr, beta_ptr, k_ptr, 
     if w != L - 1:
         return
     rh = row * HV + h
-    rows = gl.arange(0, BK, layout=gl.SliceLayout(1, ACC))
-    cols = pid_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, ACC))
-    st = s_ptr + rh * K * V + rows[:, None] * V + cols[None, :]
-    s0 = gl.load(st)                                                    # [BK, BV], the accumulator's layout
-    v = gl.load(v_ptr + rh * V + cols).to(gl.float32)
-    beta = gl.load(beta_ptr + rh)
-    ak = gl.load(vec_ptr + rh * 3 * BK + rows)
-    aq = gl.load(vec_ptr + rh * 3 * BK + BK + rows)
+    # the slice in the accumulator's layout; the records again below, as the MMA's B operand
+    st, s0, d, rows, cols, dr_base = _gl_slice_readout(s_ptr, vec_ptr, win_ptr, v_ptr, beta_ptr, dr_ptr, y_ptr, rh, w,
+                                                       pid_v, K, V, L, BK, BV, BL, NW, ACC)
     dec = gl.load(vec_ptr + rh * 3 * BK + 2 * BK + rows)
-    dr_base = dr_ptr + rh * L * V
-    # the window's sums in a plain layout (a [BV] vector converted once), the records again as the MMA's B operand
-    lw = gl.arange(0, BL, layout=gl.SliceLayout(1, WIN))
-    cw = pid_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, WIN))
-    dw = gl.load(dr_base + lw[:, None] * V + cw[None, :], mask=(lw < w)[:, None], other=0.0).to(gl.float32)
-    u = gl.load(win_ptr + rh * 3 * BL + lw)
-    uq = gl.load(win_ptr + rh * 3 * BL + BL + lw)
-    kq = gl.load(win_ptr + rh * 3 * BL + 2 * BL)
-    su = gl.convert_layout(gl.sum(u[:, None] * dw, axis=0), gl.SliceLayout(0, ACC))
-    suq = gl.convert_layout(gl.sum(uq[:, None] * dw, axis=0), gl.SliceLayout(0, ACC))
-    d = beta * (v - gl.sum(s0 * ak[:, None], axis=0) - su)
-    gl.store(y_ptr + rh * 2 * V + cols, gl.sum(s0 * aq[:, None], axis=0) + suq + d * kq)
     k = gl.load(k_ptr + rh * K + rows).to(gl.float32)
     acc = dec[:, None] * s0 + k[:, None] * d[None, :]
     ka = gl.arange(0, BK, layout=gl.SliceLayout(1, OPA))
@@ -105,7 +116,6 @@ def _gl_rows_flush_kernel(s_ptr, vec_ptr, win_ptr, wrow_ptr, v_ptr, beta_ptr, k_
     against the record loop's 432, and 612 µs without the fold: a warp's loads then touch 32 rows 16 bytes each and
     the readout shuffles every column across 32 lanes."""
     ROWS: gl.constexpr = gl.BlockedLayout([1, BV], [32, 1], [NW, 1], [1, 0])
-    WIN: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
     pid_v = gl.program_id(0)
     row = gl.program_id(1).to(gl.int64)
     h = gl.program_id(2).to(gl.int64)
@@ -113,25 +123,8 @@ def _gl_rows_flush_kernel(s_ptr, vec_ptr, win_ptr, wrow_ptr, v_ptr, beta_ptr, k_
     if w != L - 1:
         return
     rh = row * HV + h
-    rows = gl.arange(0, BK, layout=gl.SliceLayout(1, ROWS))
-    cols = pid_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, ROWS))
-    st = s_ptr + rh * K * V + rows[:, None] * V + cols[None, :]
-    s0 = gl.load(st)                                                    # [BK, BV]: two whole rows per thread
-    v = gl.load(v_ptr + rh * V + cols).to(gl.float32)
-    beta = gl.load(beta_ptr + rh)
-    ak = gl.load(vec_ptr + rh * 3 * BK + rows)
-    aq = gl.load(vec_ptr + rh * 3 * BK + BK + rows)
-    dr_base = dr_ptr + rh * L * V
-    lw = gl.arange(0, BL, layout=gl.SliceLayout(1, WIN))
-    cw = pid_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, WIN))
-    dw = gl.load(dr_base + lw[:, None] * V + cw[None, :], mask=(lw < w)[:, None], other=0.0).to(gl.float32)
-    u = gl.load(win_ptr + rh * 3 * BL + lw)
-    uq = gl.load(win_ptr + rh * 3 * BL + BL + lw)
-    kq = gl.load(win_ptr + rh * 3 * BL + 2 * BL)
-    su = gl.convert_layout(gl.sum(u[:, None] * dw, axis=0), gl.SliceLayout(0, ROWS))
-    suq = gl.convert_layout(gl.sum(uq[:, None] * dw, axis=0), gl.SliceLayout(0, ROWS))
-    d = beta * (v - gl.sum(s0 * ak[:, None], axis=0) - su)
-    gl.store(y_ptr + rh * 2 * V + cols, gl.sum(s0 * aq[:, None], axis=0) + suq + d * kq)
+    st, s0, d, rows, cols, dr_base = _gl_slice_readout(s_ptr, vec_ptr, win_ptr, v_ptr, beta_ptr, dr_ptr, y_ptr, rh, w,
+                                                       pid_v, K, V, L, BK, BV, BL, NW, ROWS)
     k = gl.load(k_ptr + rh * K + rows).to(gl.float32)
     g_w = gl.load(gw_ptr + rh * K + rows)
     s_new = gl.exp(gl.minimum(g_w, 0.0))[:, None] * s0 + k[:, None] * d[None, :]
