@@ -42,7 +42,7 @@ def _gl_slice_readout(s_ptr, vec_ptr, win_ptr, v_ptr, beta_ptr, dr_ptr, y_ptr, r
                       BK: gl.constexpr, BV: gl.constexpr, BL: gl.constexpr, NW: gl.constexpr, LAYOUT: gl.constexpr):
     """A flushing slice's prologue, shared by the forms below: the ``BK x BV`` slice loaded in ``LAYOUT``, the
     readout (``o`` stored) from launch 1's window (its sums in a plain layout, a ``[BV]`` vector converted once).
-    Returns ``(slice pointers, S_0, d, row offsets, d ring base)``."""
+    Returns ``(slice pointers, S_0, d, row offsets, column offsets, d ring base)``."""
     WIN: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
     rows = gl.arange(0, BK, layout=gl.SliceLayout(1, LAYOUT))
     cols = pid_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, LAYOUT))
@@ -145,39 +145,28 @@ def _gl_rows_flush_kernel(s_ptr, vec_ptr, win_ptr, wrow_ptr, v_ptr, beta_ptr, k_
 ROWS_FORMS = ((32, 2, True), (32, 4, True), (64, 4, True), (16, 2, True))
 
 
-def compile_only():
-    """Compile the kernel for sm_90 without a GPU (Triton's bundled ptxas) and print its resources."""
-    import triton
-    from triton.backends.compiler import GPUTarget
+def _compile_report(fn, const: dict, warps: int, ptrs: dict, label: str):
+    """``fn`` compiled for sm_90 without a GPU (``diag_registers.compile_cuda``, specialised as a launch
+    specialises it); prints its resources and most frequent SASS opcodes after ``label``."""
     from triton.experimental.gluon._runtime import GluonASTSource
-    from diag_registers import resources, sass_census
+    from diag_registers import compile_cuda, resources, sass_census
 
-    fn = _gl_flush_kernel
-    ptrs = {"wrow_ptr": "*i32", "v_ptr": "*bf16", "k_ptr": "*bf16", "dr_ptr": "*bf16"}
+    kernel = compile_cuda(fn, const, warps, ptrs, aligned=True, source=GluonASTSource)
+    n, ops = sass_census(kernel)
+    top = ", ".join(f"{op} {c}" for op, c in ops.most_common(12))
+    print(f"{fn.__name__} {label}: {resources(kernel)}; {n} SASS instructions: {top}", flush=True)
+
+
+def compile_only():
+    """Compile both kernels' forms for sm_90 without a GPU and print their resources."""
+    ptrs = {"wrow_ptr": "i32", "v_ptr": "bf16", "k_ptr": "bf16", "dr_ptr": "bf16"}
     for bv, warps, split in ((32, 2, True), (32, 2, False), (32, 4, True), (32, 4, False), (64, 4, True)):
-        const = dict(BK=128, BV=bv, BL=16, NW=warps, SPLIT=split)
-        sig = {n: "constexpr" if n in const else ptrs.get(n, "*fp32") if n.endswith("_ptr") else "i32"
-               for n in fn.arg_names}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in const}
-        src = GluonASTSource(fn, sig, constexprs=const, attrs=attrs)
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-        n, ops = sass_census(kernel)
-        top = ", ".join(f"{op} {c}" for op, c in ops.most_common(12))
-        print(f"_gl_flush_kernel {bv} wide, {warps} warps, split={split}: {resources(kernel)}; {n} SASS "
-              f"instructions: {top}", flush=True)
-    fn = _gl_rows_flush_kernel
-    ptrs = dict(ptrs, kr_ptr="*bf16")
+        _compile_report(_gl_flush_kernel, dict(BK=128, BV=bv, BL=16, NW=warps, SPLIT=split), warps, ptrs,
+                        f"{bv} wide, {warps} warps, split={split}")
+    ptrs = dict(ptrs, kr_ptr="bf16")
     for bv, warps, fold in ROWS_FORMS + ((32, 2, False),):
-        const = dict(BK=128, BV=bv, BL=16, NW=warps, FOLD=fold)
-        sig = {n: "constexpr" if n in const else ptrs.get(n, "*fp32") if n.endswith("_ptr") else "i32"
-               for n in fn.arg_names}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in const}
-        kernel = triton.compile(GluonASTSource(fn, sig, constexprs=const, attrs=attrs),
-                                target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-        n, ops = sass_census(kernel)
-        top = ", ".join(f"{op} {c}" for op, c in ops.most_common(12))
-        print(f"_gl_rows_flush_kernel {bv} wide, {warps} warps, fold={fold}: {resources(kernel)}; {n} SASS "
-              f"instructions: {top}", flush=True)
+        _compile_report(_gl_rows_flush_kernel, dict(BK=128, BV=bv, BL=16, NW=warps, FOLD=fold), warps, ptrs,
+                        f"{bv} wide, {warps} warps, fold={fold}")
 
 
 def main(argv=None):

@@ -41,13 +41,14 @@ def _cuobjdump(cubin: bytes, flag: str) -> str:
 
 
 def compile_cuda(fn, const: dict, warps: int, ptr_types: dict, arch: int = 90, aligned: bool = False,
-                 maxnreg: int = 0):
-    """``fn`` (a ``triton.jit`` function) compiled with ``const`` for sm_``arch``: Triton's compiled kernel.
+                 maxnreg: int = 0, source=None):
+    """``fn`` (a ``triton.jit`` or ``gluon.jit`` function) compiled with ``const`` for sm_``arch``: the compiled kernel.
 
     ``aligned``: every pointer and every non-constant integer argument specialised as divisible by 16, as a launch
     specialises 16-byte aligned tensors and strides (give unit strides as ``const`` ``=1``, as a launch specialises
     them too): without it loads are compiled unvectorised, which a launch on the device does not do. ``maxnreg``: the
-    register cap of a launch with that option (0: none)."""
+    register cap of a launch with that option (0: none). ``source``: the frontend's source class (default Triton's
+    ``ASTSource``; Gluon kernels pass ``GluonASTSource``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -58,7 +59,8 @@ def compile_cuda(fn, const: dict, warps: int, ptr_types: dict, arch: int = 90, a
     sig = {n: "constexpr" if n in const else ("*" + ptr_types.get(n, "fp32")) if n.endswith("_ptr") else "i32"
            for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in const} if aligned else {}
-    return triton.compile(ASTSource(fn, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", arch, 32),
+    return triton.compile((source or ASTSource)(fn, sig, constexprs=const, attrs=attrs),
+                          target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})})
 
 
