@@ -23,7 +23,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_mamba2_kernel import (  # noqa: E402
-    compare_configs, copy_bandwidth, graph_calls, held_records, step_times, time_graph, warm_clocks, write_results)
+    compare_configs, copy_bandwidth, desync_cells, desync_header, graph_calls, held_records, step_times, time_graph,
+    warm_clocks, write_results)
 
 # name: (Hk, HV, K, V, kda)
 GEOMS = {"qwen35_4b": (16, 32, 128, 128, False), "qwen35_122b": (16, 64, 128, 128, False),
@@ -131,7 +132,7 @@ def main(argv=None):
         return sweep_configs(bw, args.L, args.out, args.configs.split(";"), list(map(int, args.batches.split(","))),
                              args.geoms.split(","))
     print(f"{'geom':12} {'dtype':8} {'bs':>4} {'base us':>9} {'nonfl us':>9} {'%bw':>5} {'flush us':>9} "
-          f"{'L-avg us':>9} {'speedup':>7}" + (f" {'desync us':>9} {'x desync':>8}" if args.desync else ""))
+          f"{'L-avg us':>9} {'speedup':>7}" + desync_header(args.desync))
     from replay_compile.kernels.delta_triton import launch_config
 
     rows = []
@@ -150,7 +151,7 @@ def main(argv=None):
                 rows.append(row)
                 print(f"{gname:12} {dname:8} {bs:>4} {base:>9.1f} {r['nonflush_us']:>9.1f} {pct:>5.0f} "
                       f"{r['flush_us']:>9.1f} {r['lavg_us']:>9.1f} {row['speedup']:>7.2f}" +
-                      (f" {r['desync_us']:>9.1f} {base / r['desync_us']:>8.2f}" if args.desync else ""), flush=True)
+                      desync_cells(r, base, args.desync), flush=True)
     write_results(rows, args.out, "delta_kernel", args.geoms.split(","), args.dtypes.split(","),
                   "L-step average speedup vs fla fused recurrent")
 

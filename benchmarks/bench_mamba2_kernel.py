@@ -148,6 +148,16 @@ def held_records(L: int) -> float:
     return (L - 2) / 2
 
 
+def desync_header(on: bool) -> str:
+    """The sweep table's two desynchronised-step columns (``--desync``), or nothing."""
+    return f" {'desync us':>9} {'x desync':>8}" if on else ""
+
+
+def desync_cells(r: dict, base: float, on: bool) -> str:
+    """One row's desynchronised step time and its speedup over ``base`` (``--desync``), or nothing."""
+    return f" {r['desync_us']:>9.1f} {base / r['desync_us']:>8.2f}" if on else ""
+
+
 def random_step(bs, H, P, N, G, L, copies, act, dev="cuda"):
     """``copies`` ring sets (x, dt, la, B rings and cursor) with random records, and one token's random inputs
     ``(x, dt, la, B, C)``; shared by the Mamba-2 step benchmarks."""
@@ -325,7 +335,7 @@ def main(argv=None):
     rows = []
     hdr = f"{'geom':6} {'dtype':8} {'bs':>4} {'base us':>9} {'nonfl us':>9} {'%bw':>5} {'flush us':>9} " \
           f"{'L-avg us':>9} {'speedup':>7} {'floor x':>7} {'chosen':>6} {'xwhole':>6} {'xpre':>6}" + \
-          (f" {'desync us':>9} {'x desync':>8}" if args.desync else "")
+          desync_header(args.desync)
     if args.configs:
         return sweep_configs(ssu, bw, args.L, args.out, args.configs.split(";"), list(map(int, args.batches.split(","))),
                              args.geoms.split(","), args.dtypes.split(","))
@@ -356,8 +366,7 @@ def main(argv=None):
                 print(f"{gname:6} {dname:8} {bs:>4} {base:>9.1f} {r['nonflush_us']:>9.1f} {pct:>5.0f} "
                       f"{r['flush_us']:>9.1f} {r['lavg_us']:>9.1f} {row['speedup']:>7.2f} "
                       f"{row['baseline_floor_us'] / floor_l:>7.2f} {chosen:>6} {base / per['whole']['lavg_us']:>6.2f} "
-                      f"{base / per['pre']['lavg_us']:>6.2f}" +
-                      (f" {r['desync_us']:>9.1f} {base / r['desync_us']:>8.2f}" if args.desync else ""), flush=True)
+                      f"{base / per['pre']['lavg_us']:>6.2f}" + desync_cells(r, base, args.desync), flush=True)
     write_results(rows, args.out, "mamba2_kernel", args.geoms.split(","), args.dtypes.split(","),
                   "L-step average speedup vs selective_state_update")
 
