@@ -24,7 +24,6 @@
 #   dbreak     diag_stream_ceiling.py --delta: per-kernel time of the GDN / KDA split step for $DK configs, bs256
 #   dconfigs   bench_delta_kernel.py --configs $DK: the same configs as whole steps vs fla, bs256, fp32
 #   sweep      the Mamba-2 kernel sweep (bench_mamba2_kernel.py) with the session-8 defaults
-#   chunks     session 22: the delta split step in overlapping row chunks (GPU tests, KDA bs 128-512, GDN bs256)
 #   desync     the delta step desynchronised (every row at its own ring position) and lockstep, bs 128-512 fp32
 #   kdacfg     session 21: KDA bs256 split configs $KC (register cap 104-136, window warps, flush stages)
 #   dtests     the delta kernel tests only;  dsweep  the delta kernel sweep vs fla (bench_delta_kernel.py)
@@ -207,17 +206,6 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
            # stages; fp32, vs fla in the same call ($KC)
            timeout 200 python3 benchmarks/bench_delta_kernel.py --out /tmp/kdacfg --batches ${KC_BATCHES:-256} \
            --geoms kimi_linear --configs "$KC" 2>&1 | grep -v Warn | tee "$OUT/kda_configs.txt" ;;
-  chunks)  # session 22: the split step in row chunks whose window launches overlap the previous chunk's pass on CUDA
-           # streams (chunks=n; chunk_prio=1: the windows' stream at high priority). GPU tests, then fp32 vs fla
-           timeout 120 python3 -m pytest -q $XDIST -p no:cacheprovider tests/test_delta_triton.py \
-           tests/test_delta_triton_gpu.py -k chunks --tb=short 2>&1 | grep -v "warnings.warn" | tail -15 \
-           | tee "$OUT/pytest_chunks.txt"
-           timeout 330 python3 benchmarks/bench_delta_kernel.py --out /tmp/chunks --batches 128,256,512 \
-           --geoms kimi_linear --configs "${CH:-split;split:chunks=2;split:chunks=4;split:chunks=8;split:chunks=4,chunk_prio=1}" \
-           2>&1 | grep -v Warn | tee "$OUT/delta_chunks.txt"
-           timeout 150 python3 benchmarks/bench_delta_kernel.py --out /tmp/chunks --batches 256 \
-           --geoms qwen35_4b --configs "${CHG:-split;split:chunks=2;split:chunks=4;split:chunks=8}" \
-           2>&1 | grep -v Warn | tee "$OUT/gdn_chunks.txt" ;;
   desync)  # the delta step with every row at its own ring position (as in serving) beside lockstep, bs 128-512 fp32
            timeout 200 python3 benchmarks/bench_delta_kernel.py --out /tmp/desync --batches 128,256,512 --desync \
            --geoms kimi_linear,qwen35_4b --dtypes float32 2>&1 | grep -v Warn | tee "$OUT/delta_desync.txt" ;;

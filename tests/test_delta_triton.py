@@ -23,11 +23,10 @@ KEYS = ("q", "k", "v", "g", "beta")
 # the one-launch kernel and the split launches (defaults: 32-wide slices), the split launches' session-3
 # configuration (16-wide slices on 1 warp, the window launch on 4 warps), 64-wide slices, the fused kernel on
 # 16-wide slices, the split launches with the record-by-record window launch (KDA's default) and 3 flush stages,
-# with the tile-form window launch (GDN's default) and the plain flush loop, and the rows in 2 or 3 chunks
+# and with the tile-form window launch (GDN's default) and the plain flush loop
 VARIANTS = ("fused", "split", "split:BLOCK_V=16,num_warps=1,window_warps=4",
             "split:BLOCK_V=64,num_warps=2", "fused:BLOCK_V=16,num_warps=2",
-            "split:window_rows=1,flush_stages=3", "split:window_rows=0,flush_stages=0",
-            "split:chunks=2", "split:chunks=3,window_rows=0")
+            "split:window_rows=1,flush_stages=3", "split:window_rows=0,flush_stages=0")
 
 
 def variant(name):
@@ -127,36 +126,6 @@ def _contract(geom, L, act, state_dtype):
         assert torch.equal(ra[-1], rb[-1]), f"step {t}: cursor"
         for k in range(3):
             assert rel(ra[k].float(), rb[k].float()) < tol, f"step {t}: ring {k}"
-
-
-@pytest.mark.parametrize("geom, L", [(DeltaGeometry(5, 4, 2, 8, 6, False), 3), (DeltaGeometry(4, 2, 2, 20, 17, True), 2)])
-@pytest.mark.parametrize("kind", ["split:chunks=2", "split:chunks=3,window_rows=0", "split:chunks=9"])
-def test_row_chunks_match_reference_contract(geom, L, kind):
-    """The split step in row chunks (each chunk's launches on row views; with the slot index padded and permuted,
-    so a chunk's rows map to slots outside it): the reference's outputs, checkpoint, rings and cursors, step for
-    step. 9 chunks of 4-5 rows: clamped to one row per chunk."""
-    with variant(kind):
-        _contract(geom, L, torch.bfloat16, torch.float32)
-
-
-@pytest.mark.parametrize("kda", [False, True])
-def test_row_chunks_without_slot_index_track_the_recurrence(kda):
-    """Without a slot index the chunks slice the checkpoint, rings and cursors too (row i is slot i): outputs every
-    step and the checkpoint after each flush against the fp64 recurrence, uneven chunks (5 rows in 2)."""
-    geom = DeltaGeometry(batch=5, HV=2, Hk=1, K=8, V=12, kda=kda)
-    L = 3
-    state0, seq = delta_problem(geom, 2 * L + 1, dtype=torch.float32, seed=5 + kda)
-    state = state0.to(DEV)
-    rg = rings(geom, L, state)
-    oracle = ExactDeltaOracle(state0)
-    slots = list(range(geom.batch))
-    with variant("split:chunks=2"):
-        for t, inp in enumerate(seq):
-            o = delta_replay_step_triton(state, *rg, *(inp[k].to(DEV) for k in KEYS), None)
-            assert rel(o, oracle.step(inp, slots)) < 1e-4, f"step {t}"
-            if t % L == L - 1:
-                assert rel(state, oracle.state) < 1e-4, f"step {t}: checkpoint after the flush"
-    assert rg[-1].tolist() == [1] * geom.batch
 
 
 @pytest.mark.parametrize("kda", [False, True])

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from .host_math import cdiv
-from .launch import launch, pdl_on, pdl_options, reg_options, tracing
+from .launch import launch, pdl_on, pdl_options, reg_options
 from .mamba2_triton import _row_slot, _step_row, _store_checkpoint
 
 
@@ -323,125 +323,31 @@ def _delta_apply_kernel(
 
 def launch_split(cfg: dict, state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slot_arg, has_slot, o):
     """Launch the split step (launches 1-2 above) into ``o`` [b, HV, V]; ``cfg`` from
-    :func:`~.delta_triton.launch_config`. Returns launch 2's compiled kernel (``None`` under the interpreter).
-
-    ``cfg["chunks"] = n > 1``: the rows go in ``n`` chunks whose launches overlap across CUDA streams (see
-    :func:`_launch_chunks`); the same kernels on row views, so the same results."""
-    b = v.shape[0]
-    HV, bk, bl = state.shape[1], cfg["BLOCK_K"], cfg["BLOCK_L"]
+    :func:`~.delta_triton.launch_config`. Returns launch 2's compiled kernel (``None`` under the interpreter)."""
+    S, HV, K, V = state.shape
+    b, L = v.shape[0], d_ring.shape[2]
+    kda = g_ring.dim() == 4
+    bk, bl = cfg["BLOCK_K"], cfg["BLOCK_L"]
+    g_strides = tuple(g_ring.stride()) + ((0,) if not kda else ())
+    gi_strides = tuple(g.stride()) + ((0,) if not kda else ())
+    v_per_k, v_per_q = HV // k_ring.shape[1], HV // q.shape[1]
+    common = dict(HAS_SLOT=has_slot, BLOCK_K=bk, BLOCK_L=bl, PDL=pdl_on(v.device, cfg["pdl"]))
+    stochastic = state.dtype == torch.float16
     win = torch.empty((b, HV, 3 * bl), dtype=torch.float32, device=v.device)
     vec = torch.empty((b, HV, 3 * bk), dtype=torch.float32, device=v.device)
     ke = torch.empty((b, HV, bl * bk), dtype=torch.float32, device=v.device)
     wrow = torch.empty((b,), dtype=cursor.dtype, device=v.device)
-    n = max(1, min(int(cfg.get("chunks", 1)), b))
-    if n == 1 or tracing():
-        # traced (inlined into a compiled graph): one chunk, the launches in stream order as Inductor emits them
-        args = (state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slot_arg, o, win, vec, ke, wrow)
-        _launch_window(cfg, has_slot, *args)
-        return _launch_apply(cfg, has_slot, *args)
-    return _launch_chunks(cfg, n, has_slot, state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slot_arg, o,
-                          win, vec, ke, wrow)
-
-
-def _chunk_views(lo: int, hi: int, has_slot: bool, state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta,
-                 slot_arg, o, win, vec, ke, wrow) -> tuple:
-    """Rows ``lo:hi`` of the step's arguments as views (same strides, offset base pointers): the per-row inputs,
-    outputs and scratch always; the checkpoint, rings and cursor too unless a slot index maps rows to slots (row
-    ``i`` then uses slot ``slot_idx[i]``, whatever its chunk)."""
-    rows = slice(lo, hi)
-    if has_slot:
-        cache = (state, d_ring, k_ring, g_ring, cursor)
-        slot_arg = slot_arg[rows]
-    else:
-        cache = (state[rows], d_ring[rows], k_ring[rows], g_ring[rows], cursor[rows])
-    return (*cache, q[rows], k[rows], v[rows], g[rows], beta[rows], slot_arg, o[rows], win[rows], vec[rows],
-            ke[rows], wrow[rows])
-
-
-_SIDE_STREAMS: dict = {}
-
-
-def _side_streams(device: torch.device, n: int, priority: int = 0) -> list:
-    """``n`` CUDA streams of ``device`` for the chunked split step, created once per device and priority and reused
-    (capture forks them from the current stream and joins them back, so a captured graph holds the overlap)."""
-    key = (device.index if device.index is not None else torch.cuda.current_device(), priority)
-    have = _SIDE_STREAMS.setdefault(key, [])
-    while len(have) < n:
-        have.append(torch.cuda.Stream(device=device, priority=priority))
-    return have[:n]
-
-
-def _launch_chunks(cfg: dict, n: int, has_slot: bool, *args):
-    """The split step in ``n`` row chunks: chunk ``c``'s window launch (small: ~1/7 of a non-flush step at bs256)
-    runs while chunk ``c - 1``'s checkpoint pass streams, so only the first chunk's window is exposed. On CUDA the
-    windows go in order on one side stream and each chunk's pass, after its window, on one of two more (so a pass's
-    last wave overlaps the next pass's first); the current stream waits for all of them. Elsewhere (the interpreter)
-    the chunks run one after another: the same launches on the same views, which is what the CPU tests check.
-    Rows are split evenly; each chunk's window and pass see only their rows, and a row's work never spans chunks."""
-    b = args[7].shape[0]                           # v
-    bounds = [(b * c) // n for c in range(n + 1)]
-    chunks = [_chunk_views(bounds[c], bounds[c + 1], has_slot, *args) for c in range(n)]
-    device = args[7].device
-    if device.type != "cuda":
-        kernel = None
-        for views in chunks:
-            _launch_window(cfg, has_slot, *views)
-            kernel = _launch_apply(cfg, has_slot, *views)
-        return kernel
-    cur = torch.cuda.current_stream(device)
-    # chunk_prio=1: the windows' stream at the highest priority, so their programs take SM slots ahead of the
-    # running pass's remaining ones (a captured graph keeps the priority only where it is instantiated to)
-    s_win = _side_streams(device, 1, -1 if cfg.get("chunk_prio") else 0)[0]
-    s_apply = _side_streams(device, 3)[1:]
-    for s in (s_win, *s_apply):
-        s.wait_stream(cur)
-    kernel = None
-    for c, views in enumerate(chunks):
-        with torch.cuda.stream(s_win):
-            _launch_window(cfg, has_slot, *views)
-            done = torch.cuda.Event()
-            done.record(s_win)
-        s = s_apply[c % len(s_apply)]
-        s.wait_event(done)
-        with torch.cuda.stream(s):
-            kernel = _launch_apply(cfg, has_slot, *views)
-    for s in (s_win, *s_apply):
-        cur.wait_stream(s)
-    return kernel
-
-
-def _launch_window(cfg: dict, has_slot: bool, state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slot_arg, o,
-                   win, vec, ke, wrow):
-    """Launch 1 for the rows of ``v`` (grid ``(b, HV)``)."""
-    HV, K = state.shape[1], state.shape[2]
-    b, L = v.shape[0], d_ring.shape[2]
-    kda = g_ring.dim() == 4
-    g_strides = tuple(g_ring.stride()) + ((0,) if not kda else ())
-    gi_strides = tuple(g.stride()) + ((0,) if not kda else ())
-    v_per_k, v_per_q = HV // k_ring.shape[1], HV // q.shape[1]
     win_args = (cursor, k_ring, g_ring, q, k, g, slot_arg, win, vec, ke, wrow, K, L, v_per_k, v_per_q,
                 *k_ring.stride(), *g_strides, *q.stride(), *k.stride(), *gi_strides)
-    kernel = _delta_window_rows_kernel if cfg["window_rows"] else _delta_window_kernel
-    launch(kernel)[(b, HV)](*win_args, KDA=kda, num_warps=cfg["window_warps"], HAS_SLOT=has_slot,
-                            BLOCK_K=cfg["BLOCK_K"], BLOCK_L=cfg["BLOCK_L"], PDL=pdl_on(v.device, cfg["pdl"]))
-
-
-def _launch_apply(cfg: dict, has_slot: bool, state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slot_arg, o,
-                  win, vec, ke, wrow):
-    """Launch 2 for the rows of ``v`` (grid ``(cdiv(V, BLOCK_V), b, HV)``); returns its compiled kernel."""
-    HV, K, V = state.shape[1], state.shape[2], state.shape[3]
-    b, L = v.shape[0], d_ring.shape[2]
-    kda = g_ring.dim() == 4
-    g_strides = tuple(g_ring.stride()) + ((0,) if not kda else ())
-    gi_strides = tuple(g.stride()) + ((0,) if not kda else ())
-    v_per_k = HV // k_ring.shape[1]
-    pdl = pdl_on(v.device, cfg["pdl"])
+    if cfg["window_rows"]:
+        launch(_delta_window_rows_kernel)[(b, HV)](*win_args, KDA=kda, num_warps=cfg["window_warps"], **common)
+    else:
+        launch(_delta_window_kernel)[(b, HV)](*win_args, KDA=kda, num_warps=cfg["window_warps"], **common)
     n_vb = cdiv(V, cfg["BLOCK_V"])
     return launch(_delta_apply_kernel)[(n_vb, b, HV)](
         state, d_ring, k_ring, g_ring, cursor, k, v, g, beta, slot_arg, o, win, vec, ke, wrow,
         HV, K, V, L, v_per_k,
         *state.stride(), *d_ring.stride(), *k_ring.stride(), *g_strides,
         *k.stride(), *v.stride(), *gi_strides, *beta.stride(), *o.stride(),
-        HAS_SLOT=has_slot, KDA=kda, BLOCK_K=cfg["BLOCK_K"], BLOCK_V=cfg["BLOCK_V"], BLOCK_L=cfg["BLOCK_L"],
-        STOCHASTIC_FP16=state.dtype == torch.float16, FLUSH_STAGES=cfg["flush_stages"], PDL=pdl,
-        num_warps=cfg["num_warps"], **pdl_options(pdl), **reg_options(cfg["maxnreg"]))
+        KDA=kda, BLOCK_V=cfg["BLOCK_V"], STOCHASTIC_FP16=stochastic, FLUSH_STAGES=cfg["flush_stages"],
+        num_warps=cfg["num_warps"], **common, **pdl_options(common["PDL"]), **reg_options(cfg["maxnreg"]))

@@ -150,7 +150,7 @@ def _delta_replay_step_kernel(
 
 # Launch configuration override for benchmarks and tests (``mamba2_triton.parse_tuning`` strings):
 # {"variant": "fused"|"split", "BLOCK_V", "num_warps"; split only: "window_warps", "window_rows",
-# "flush_stages", "maxnreg", "pdl", "chunks"}.
+# "flush_stages", "maxnreg", "pdl"}.
 # Empty in use.
 TUNING: dict = {}
 
@@ -211,11 +211,7 @@ def launch_config(b: int, HV: int, K: int, V: int, L: int, kda: bool = False, st
                      # pdl=1: launch 2 as launch 1's programmatic dependent (launch.pdl_on). Off: H200 session 12,
                      # fp32, non-flush bs256 GDN-4B 169.7 -> 173.2 µs, KDA 175.5 -> 183.3 (presumably its waiting
                      # slices hold SM slots launch 1's last programs need); Mamba-2's pre step gains 1% with it
-                     pdl=bool(TUNING.get("pdl", 0)),
-                     # chunks=n: the rows in n chunks whose window launches overlap the previous chunk's pass on
-                     # CUDA streams (delta_split_triton._launch_chunks; eager and opaque calls, one chunk when
-                     # traced). Off until measured
-                     chunks=int(TUNING.get("chunks", 1)), chunk_prio=int(TUNING.get("chunk_prio", 0)))
+                     pdl=bool(TUNING.get("pdl", 0)))
     else:
         raise ValueError(f"replay_compile.delta: unknown kernel variant {variant!r} (fused, split)")
     return dict(variant=variant, BLOCK_K=block_k, BLOCK_V=block_v, BLOCK_L=block_l, num_warps=warps, **extra)
