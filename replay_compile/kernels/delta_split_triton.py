@@ -40,17 +40,20 @@ from .mamba2_triton import _row_slot, _step_row, _store_checkpoint
 
 @triton.jit
 def _store_window(win_ptr, vec_ptr, rh, u, uq, k, q, dec, flushing, offs_l, offs_k, BLOCK_L: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+                  BLOCK_K: tl.constexpr, SCRATCH_EVICT: tl.constexpr):
     """Launch 1's outputs for (row, value head) ``rh``: ``win = (u [L], uq [L], k·q)``, ``vec = (dec ⊙ k, dec ⊙ q)``
-    and, where ``flushing`` (a [BLOCK_K] mask), ``dec`` itself (``dec``: [BLOCK_K] for KDA, a scalar for GDN)."""
+    and, where ``flushing`` (a [BLOCK_K] mask), ``dec`` itself (``dec``: [BLOCK_K] for KDA, a scalar for GDN).
+    ``SCRATCH_EVICT``: the stores' L2 eviction hint (``"evict_last"``: kept in L2 for launch 2, see launch_split)."""
     wb = win_ptr + rh * (3 * BLOCK_L)
-    tl.store(wb + offs_l, u)
-    tl.store(wb + BLOCK_L + offs_l, uq)
-    tl.store(wb + 2 * BLOCK_L + offs_l, tl.where(offs_l == 0, tl.sum(k * q, axis=0), 0.0))
+    tl.store(wb + offs_l, u, eviction_policy=SCRATCH_EVICT)
+    tl.store(wb + BLOCK_L + offs_l, uq, eviction_policy=SCRATCH_EVICT)
+    tl.store(wb + 2 * BLOCK_L + offs_l, tl.where(offs_l == 0, tl.sum(k * q, axis=0), 0.0),
+             eviction_policy=SCRATCH_EVICT)
     vb = vec_ptr + rh * (3 * BLOCK_K)
-    tl.store(vb + offs_k, dec * k)
-    tl.store(vb + BLOCK_K + offs_k, dec * q)
-    tl.store(vb + 2 * BLOCK_K + offs_k, dec + tl.zeros([BLOCK_K], dtype=tl.float32), mask=flushing)
+    tl.store(vb + offs_k, dec * k, eviction_policy=SCRATCH_EVICT)
+    tl.store(vb + BLOCK_K + offs_k, dec * q, eviction_policy=SCRATCH_EVICT)
+    tl.store(vb + 2 * BLOCK_K + offs_k, dec + tl.zeros([BLOCK_K], dtype=tl.float32), mask=flushing,
+             eviction_policy=SCRATCH_EVICT)
 
 
 @triton.jit
@@ -60,7 +63,7 @@ def _delta_window_kernel(
     s_krb, s_krh, s_krl, s_krk, s_grb, s_grh, s_grl, s_grk,
     s_qb, s_qh, s_qk, s_kb, s_kh, s_kk, s_gb, s_gh, s_gk,
     HAS_SLOT: tl.constexpr, KDA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, SCRATCH_EVICT: tl.constexpr,
 ):
     """Launch 1, grid ``(batch, HV)``: everything of the step that does not touch the checkpoint, once per (row,
     value head) instead of once per V-block. Writes ``w`` [b] (from head 0), the window scalars
@@ -112,9 +115,10 @@ def _delta_window_kernel(
         ke = tl.where(hist[:, None], kw * tl.exp(tl.minimum(g_sum - gw, 0.0))[:, None], 0.0)
     dec = tl.exp(tl.minimum(g_sum, 0.0))                                                   # KDA [BLOCK_K]
     _store_window(win_ptr, vec_ptr, row * HV + h, tl.sum(ke * k[None, :], axis=1), tl.sum(ke * q[None, :], axis=1),
-                  k, q, dec, (offs_k * 0 + w) == L - 1, offs_l, offs_k, BLOCK_L, BLOCK_K)
+                  k, q, dec, (offs_k * 0 + w) == L - 1, offs_l, offs_k, BLOCK_L, BLOCK_K, SCRATCH_EVICT)
     if w == L - 1:
-        tl.store(ke_ptr + (row * HV + h) * (BLOCK_L * BLOCK_K) + offs_l[:, None] * BLOCK_K + offs_k[None, :], ke)
+        tl.store(ke_ptr + (row * HV + h) * (BLOCK_L * BLOCK_K) + offs_l[:, None] * BLOCK_K + offs_k[None, :], ke,
+                 eviction_policy=SCRATCH_EVICT)
     else:
         _append_gate(gr_base, w, g_sum, offs_k, mask_k, s_grl, s_grk, KDA)
 
@@ -126,7 +130,7 @@ def _delta_window_rows_kernel(
     s_krb, s_krh, s_krl, s_krk, s_grb, s_grh, s_grl, s_grk,
     s_qb, s_qh, s_qk, s_kb, s_kh, s_kk, s_gb, s_gh, s_gk,
     HAS_SLOT: tl.constexpr, KDA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, SCRATCH_EVICT: tl.constexpr,
 ):
     """Launch 1 record by record (``window_rows=1``; the outputs of :func:`_delta_window_kernel`, except that a
     flushing row's ``KE`` slots past ``w`` stay unwritten: launch 2 reads them masked): the window's key (and KDA
@@ -179,9 +183,10 @@ def _delta_window_rows_kernel(
             ke_j = k_j * tl.exp(tl.minimum(g_sum - G_j, 0.0))
             u = tl.where(offs_l == j, tl.sum(ke_j * k, axis=0), u)
             uq = tl.where(offs_l == j, tl.sum(ke_j * q, axis=0), uq)
-            tl.store(ke_base + j * BLOCK_K + offs_k, ke_j, mask=flushing)
+            tl.store(ke_base + j * BLOCK_K + offs_k, ke_j, mask=flushing, eviction_policy=SCRATCH_EVICT)
     dec = tl.exp(tl.minimum(g_sum, 0.0))                                         # KDA [BLOCK_K], GDN scalar
-    _store_window(win_ptr, vec_ptr, row * HV + h, u, uq, k, q, dec, flushing, offs_l, offs_k, BLOCK_L, BLOCK_K)
+    _store_window(win_ptr, vec_ptr, row * HV + h, u, uq, k, q, dec, flushing, offs_l, offs_k, BLOCK_L, BLOCK_K,
+                  SCRATCH_EVICT)
     if w < L - 1:
         _append_gate(gr_base, w, g_sum, offs_k, mask_k, s_grl, s_grk, KDA)
 
@@ -248,6 +253,7 @@ def _delta_apply_kernel(
     s_kb, s_kh, s_kk, s_vb, s_vh, s_vv, s_gb, s_gh, s_gk, s_bb, s_bh, s_ob, s_oh, s_ov,
     HAS_SLOT: tl.constexpr, KDA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, FLUSH_STAGES: tl.constexpr, PDL: tl.constexpr,
+    STATE_EVICT: tl.constexpr,
 ):
     """Launch 2, grid ``(cdiv(V, BLOCK_V), batch, HV)``: reads its ``K x BLOCK_V`` checkpoint slice (issued first)
     and the window's corrected values, takes the rest from launch 1::
@@ -278,7 +284,8 @@ def _delta_apply_kernel(
     mask_k = offs_k < K
     tile_mask = mask_k[:, None] & mask_v[None, :]
     st_ptrs = state_ptr + slot * s_sb + h * s_sh + offs_k[:, None] * s_sk + offs_v[None, :] * s_sv
-    s0 = tl.load(st_ptrs, mask=tile_mask, other=0.0).to(tl.float32)                      # [BLOCK_K, BLOCK_V]
+    # STATE_EVICT="evict_first": the stream's lines leave L2 first, so launch 1's scratch stays for this pass
+    s0 = tl.load(st_ptrs, mask=tile_mask, other=0.0, eviction_policy=STATE_EVICT).to(tl.float32)   # [BLOCK_K, BLOCK_V]
     v = tl.load(v_ptr + row * s_vb + h * s_vh + offs_v * s_vv, mask=mask_v, other=0.0).to(tl.float32)
     beta = tl.load(beta_ptr + row * s_bb + h * s_bh).to(tl.float32)
     dr_base = dr_ptr + slot * s_drb + h * s_drh
@@ -332,6 +339,10 @@ def launch_split(cfg: dict, state, d_ring, k_ring, g_ring, cursor, q, k, v, g, b
     gi_strides = tuple(g.stride()) + ((0,) if not kda else ())
     v_per_k, v_per_q = HV // k_ring.shape[1], HV // q.shape[1]
     common = dict(HAS_SLOT=has_slot, BLOCK_K=bk, BLOCK_L=bl, PDL=pdl_on(v.device, cfg["pdl"]))
+    # L2 eviction hints (cfg "scratch_evict", "state_evict"): launch 1's scratch (win, vec and a flush's scaled keys,
+    # 10 / 75 MB at bs256 HV = 32) written to stay in L2 and the checkpoint stream read to leave it first, so that
+    # launch 2 finds the scratch in L2 instead of DRAM behind 537 MB of streamed checkpoint
+    scratch_evict = "evict_last" if cfg.get("scratch_evict") else ""
     stochastic = state.dtype == torch.float16
     win = torch.empty((b, HV, 3 * bl), dtype=torch.float32, device=v.device)
     vec = torch.empty((b, HV, 3 * bk), dtype=torch.float32, device=v.device)
@@ -340,9 +351,11 @@ def launch_split(cfg: dict, state, d_ring, k_ring, g_ring, cursor, q, k, v, g, b
     win_args = (cursor, k_ring, g_ring, q, k, g, slot_arg, win, vec, ke, wrow, K, L, v_per_k, v_per_q,
                 *k_ring.stride(), *g_strides, *q.stride(), *k.stride(), *gi_strides)
     if cfg["window_rows"]:
-        launch(_delta_window_rows_kernel)[(b, HV)](*win_args, KDA=kda, num_warps=cfg["window_warps"], **common)
+        launch(_delta_window_rows_kernel)[(b, HV)](*win_args, KDA=kda, num_warps=cfg["window_warps"],
+                                                   SCRATCH_EVICT=scratch_evict, **common)
     else:
-        launch(_delta_window_kernel)[(b, HV)](*win_args, KDA=kda, num_warps=cfg["window_warps"], **common)
+        launch(_delta_window_kernel)[(b, HV)](*win_args, KDA=kda, num_warps=cfg["window_warps"],
+                                              SCRATCH_EVICT=scratch_evict, **common)
     n_vb = cdiv(V, cfg["BLOCK_V"])
     return launch(_delta_apply_kernel)[(n_vb, b, HV)](
         state, d_ring, k_ring, g_ring, cursor, k, v, g, beta, slot_arg, o, win, vec, ke, wrow,
@@ -350,4 +363,5 @@ def launch_split(cfg: dict, state, d_ring, k_ring, g_ring, cursor, q, k, v, g, b
         *state.stride(), *d_ring.stride(), *k_ring.stride(), *g_strides,
         *k.stride(), *v.stride(), *gi_strides, *beta.stride(), *o.stride(),
         KDA=kda, BLOCK_V=cfg["BLOCK_V"], STOCHASTIC_FP16=stochastic, FLUSH_STAGES=cfg["flush_stages"],
+        STATE_EVICT="evict_first" if cfg.get("state_evict") else "",
         num_warps=cfg["num_warps"], **common, **pdl_options(common["PDL"]), **reg_options(cfg["maxnreg"]))
