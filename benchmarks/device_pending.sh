@@ -213,10 +213,10 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
            tests/test_delta_readcopy_triton.py --tb=short 2>&1 | grep -v "warnings.warn" | tail -6 \
            | tee "$OUT/pytest_evict.txt"
            timeout 250 python3 benchmarks/bench_delta_kernel.py --out /tmp/evict --batches ${EV_BATCHES:-128,256,512} \
-           --geoms kimi_linear --configs "${EV:-split;split:scratch_evict=1;split:state_evict=1;split:scratch_evict=1,state_evict=1}" \
+           --geoms kimi_linear --configs "${EV:-split;split:scratch_evict=1;split:scratch_evict=1,state_evict=1;split:scratch_evict=1,state_evict=1,ring_evict=1;split:scratch_evict=1,state_evict=1,ring_evict=1,store_evict=1;split:scratch_evict=1,store_evict=1}" \
            2>&1 | grep -v Warn | tee "$OUT/delta_evict.txt"
            timeout 120 python3 benchmarks/bench_delta_kernel.py --out /tmp/evict --batches 256 \
-           --geoms qwen35_4b --configs "${EV:-split;split:scratch_evict=1;split:state_evict=1;split:scratch_evict=1,state_evict=1}" \
+           --geoms qwen35_4b --configs "${EV:-split;split:scratch_evict=1;split:scratch_evict=1,state_evict=1;split:scratch_evict=1,state_evict=1,ring_evict=1;split:scratch_evict=1,state_evict=1,ring_evict=1,store_evict=1;split:scratch_evict=1,store_evict=1}" \
            2>&1 | grep -v Warn | tee "$OUT/gdn_evict.txt" ;;
   desync)  # the delta step with every row at its own ring position (as in serving) beside lockstep, bs 128-512 fp32
            timeout 200 python3 benchmarks/bench_delta_kernel.py --out /tmp/desync --batches 128,256,512 --desync \

@@ -28,7 +28,8 @@ KEYS = ("q", "k", "v", "g", "beta")
 VARIANTS = ("fused", "split", "split:BLOCK_V=16,num_warps=1,window_warps=4",
             "split:BLOCK_V=64,num_warps=2", "fused:BLOCK_V=16,num_warps=2",
             "split:window_rows=1,flush_stages=3", "split:window_rows=0,flush_stages=0",
-            "split:scratch_evict=1,state_evict=1", "split:window_rows=0,scratch_evict=1,state_evict=1")
+            "split:scratch_evict=1,state_evict=1,ring_evict=1,store_evict=1",
+            "split:window_rows=0,scratch_evict=1,state_evict=1,ring_evict=1,store_evict=1")
 
 
 def variant(name):

@@ -150,7 +150,8 @@ def _delta_replay_step_kernel(
 
 # Launch configuration override for benchmarks and tests (``mamba2_triton.parse_tuning`` strings):
 # {"variant": "fused"|"split", "BLOCK_V", "num_warps"; split only: "window_warps", "window_rows",
-# "flush_stages", "maxnreg", "pdl", "scratch_evict", "state_evict"}.
+# "flush_stages", "maxnreg", "pdl", "scratch_evict", "state_evict",
+# "ring_evict", "store_evict"}.
 # Empty in use.
 TUNING: dict = {}
 
@@ -214,7 +215,8 @@ def launch_config(b: int, HV: int, K: int, V: int, L: int, kda: bool = False, st
                      pdl=bool(TUNING.get("pdl", 0)),
                      # L2 eviction hints: launch 1's scratch stores evict_last, the pass's checkpoint loads
                      # evict_first (delta_split_triton.launch_split). Off until measured
-                     scratch_evict=int(TUNING.get("scratch_evict", 0)), state_evict=int(TUNING.get("state_evict", 0)))
+                     scratch_evict=int(TUNING.get("scratch_evict", 0)), state_evict=int(TUNING.get("state_evict", 0)),
+                     ring_evict=int(TUNING.get("ring_evict", 0)), store_evict=int(TUNING.get("store_evict", 0)))
     else:
         raise ValueError(f"replay_compile.delta: unknown kernel variant {variant!r} (fused, split)")
     return dict(variant=variant, BLOCK_K=block_k, BLOCK_V=block_v, BLOCK_L=block_l, num_warps=warps, **extra)
