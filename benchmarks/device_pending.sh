@@ -24,7 +24,6 @@
 #   dbreak     diag_stream_ceiling.py --delta: per-kernel time of the GDN / KDA split step for $DK configs, bs256
 #   dconfigs   bench_delta_kernel.py --configs $DK: the same configs as whole steps vs fla, bs256, fp32
 #   sweep      the Mamba-2 kernel sweep (bench_mamba2_kernel.py) with the session-8 defaults
-#   evict      session 22: L2 eviction hints in the delta split step (GPU tests, KDA bs 128-512, GDN bs256)
 #   desync     the delta step desynchronised (every row at its own ring position) and lockstep, bs 128-512 fp32
 #   kdacfg     session 21: KDA bs256 split configs $KC (register cap 104-136, window warps, flush stages)
 #   dtests     the delta kernel tests only;  dsweep  the delta kernel sweep vs fla (bench_delta_kernel.py)
@@ -207,17 +206,6 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
            # stages; fp32, vs fla in the same call ($KC)
            timeout 200 python3 benchmarks/bench_delta_kernel.py --out /tmp/kdacfg --batches ${KC_BATCHES:-256} \
            --geoms kimi_linear --configs "$KC" 2>&1 | grep -v Warn | tee "$OUT/kda_configs.txt" ;;
-  evict)   # session 22: L2 eviction hints in the delta split step (launch 1's scratch stores evict_last, the pass's
-           # checkpoint loads evict_first), GPU tests of the delta kernels with them, then fp32 vs fla ($EV)
-           timeout 150 python3 -m pytest -q $XDIST -p no:cacheprovider tests/test_delta_triton.py \
-           tests/test_delta_readcopy_triton.py --tb=short 2>&1 | grep -v "warnings.warn" | tail -6 \
-           | tee "$OUT/pytest_evict.txt"
-           timeout 250 python3 benchmarks/bench_delta_kernel.py --out /tmp/evict --batches ${EV_BATCHES:-128,256,512} \
-           --geoms kimi_linear --configs "${EV:-split;split:scratch_evict=1;split:scratch_evict=1,state_evict=1;split:scratch_evict=1,state_evict=1,ring_evict=1;split:scratch_evict=1,state_evict=1,ring_evict=1,store_evict=1;split:scratch_evict=1,store_evict=1}" \
-           2>&1 | grep -v Warn | tee "$OUT/delta_evict.txt"
-           timeout 120 python3 benchmarks/bench_delta_kernel.py --out /tmp/evict --batches 256 \
-           --geoms qwen35_4b --configs "${EV:-split;split:scratch_evict=1;split:scratch_evict=1,state_evict=1;split:scratch_evict=1,state_evict=1,ring_evict=1;split:scratch_evict=1,state_evict=1,ring_evict=1,store_evict=1;split:scratch_evict=1,store_evict=1}" \
-           2>&1 | grep -v Warn | tee "$OUT/gdn_evict.txt" ;;
   desync)  # the delta step with every row at its own ring position (as in serving) beside lockstep, bs 128-512 fp32
            timeout 200 python3 benchmarks/bench_delta_kernel.py --out /tmp/desync --batches 128,256,512 --desync \
            --geoms kimi_linear,qwen35_4b --dtypes float32 2>&1 | grep -v Warn | tee "$OUT/delta_desync.txt" ;;

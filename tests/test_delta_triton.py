@@ -23,13 +23,12 @@ KEYS = ("q", "k", "v", "g", "beta")
 # the one-launch kernel and the split launches (defaults: 32-wide slices), the split launches' session-3
 # configuration (16-wide slices on 1 warp, the window launch on 4 warps), 64-wide slices, the fused kernel on
 # 16-wide slices, the split launches with the record-by-record window launch (KDA's default) and 3 flush stages,
-# with the tile-form window launch (GDN's default) and the plain flush loop, and both forms with the L2 eviction
-# hints (launch 1's scratch kept, the checkpoint stream evicted first)
+# with the tile-form window launch (GDN's default) and the plain flush loop, and both window forms without the L2
+# eviction hint on launch 1's scratch
 VARIANTS = ("fused", "split", "split:BLOCK_V=16,num_warps=1,window_warps=4",
             "split:BLOCK_V=64,num_warps=2", "fused:BLOCK_V=16,num_warps=2",
             "split:window_rows=1,flush_stages=3", "split:window_rows=0,flush_stages=0",
-            "split:scratch_evict=1,state_evict=1,ring_evict=1,store_evict=1",
-            "split:window_rows=0,scratch_evict=1,state_evict=1,ring_evict=1,store_evict=1")
+            "split:scratch_evict=0", "split:window_rows=0,scratch_evict=0")
 
 
 def variant(name):

@@ -24,7 +24,9 @@ window computed inside launch 2 instead (each slice program repeating it in 4-16
 slice loads; launch 1 only snapshotting the cursor and scaling a flush's keys): KDA bs256 non-flush 165 -> 229-321
 µs, GDN 159 -> 203-248, removed; the flush fold on the tensor cores (Gluon ``mma_v2``, the slice in the accumulator
 layout) moved a flush-only pass by 0.7-5% (``benchmarks/diag_delta_gluon.py``): the fold is bound by its loads'
-latency, not its FMAs.
+latency, not its FMAs. Session 22: launch 1's scratch stored ``evict_last`` (KDA bs256 L-avg -3.7 to -3.9 µs, GDN -3
+µs; the default); the rows in 2-8 chunks whose window launches overlap the previous chunk's pass on CUDA streams lost
+at every point (KDA bs256 +7 to +49 µs: the step is bound by its total bytes, not by the window's latency).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import triton.language as tl
 
 from .host_math import cdiv
 from .launch import launch, pdl_on, pdl_options, reg_options
-from .mamba2_triton import _round_checkpoint, _row_slot, _step_row
+from .mamba2_triton import _row_slot, _step_row, _store_checkpoint
 
 
 @triton.jit
@@ -63,7 +65,7 @@ def _delta_window_kernel(
     s_krb, s_krh, s_krl, s_krk, s_grb, s_grh, s_grl, s_grk,
     s_qb, s_qh, s_qk, s_kb, s_kh, s_kk, s_gb, s_gh, s_gk,
     HAS_SLOT: tl.constexpr, KDA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
-    PDL: tl.constexpr, SCRATCH_EVICT: tl.constexpr, RING_EVICT: tl.constexpr,
+    PDL: tl.constexpr, SCRATCH_EVICT: tl.constexpr,
 ):
     """Launch 1, grid ``(batch, HV)``: everything of the step that does not touch the checkpoint, once per (row,
     value head) instead of once per V-block. Writes ``w`` [b] (from head 0), the window scalars
@@ -98,13 +100,11 @@ def _delta_window_kernel(
         g_cur = tl.load(g_ptr + row * s_gb + h * s_gh).to(tl.float32)
     w = tl.load(cursor_ptr + slot)
     hist = offs_l < w
-    kw = tl.load(kr_ptrs, mask=hist[:, None] & mask_k[None, :], other=0.0,
-                 eviction_policy=RING_EVICT).to(tl.float32)                                  # [BLOCK_L, BLOCK_K]
+    kw = tl.load(kr_ptrs, mask=hist[:, None] & mask_k[None, :], other=0.0).to(tl.float32)       # [BLOCK_L, BLOCK_K]
     if KDA:
-        gw = tl.load(gr_ptrs, mask=hist[:, None] & mask_k[None, :], other=0.0, eviction_policy=RING_EVICT).to(
-            tl.float32)
+        gw = tl.load(gr_ptrs, mask=hist[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
     else:
-        gw = tl.load(gr_ptrs, mask=hist, other=0.0, eviction_policy=RING_EVICT).to(tl.float32)
+        gw = tl.load(gr_ptrs, mask=hist, other=0.0).to(tl.float32)
     if h == 0:
         tl.store(wrow_ptr + row, w)
     last = offs_l == w - 1
@@ -122,7 +122,7 @@ def _delta_window_kernel(
         tl.store(ke_ptr + (row * HV + h) * (BLOCK_L * BLOCK_K) + offs_l[:, None] * BLOCK_K + offs_k[None, :], ke,
                  eviction_policy=SCRATCH_EVICT)
     else:
-        _append_gate(gr_base, w, g_sum, offs_k, mask_k, s_grl, s_grk, KDA, RING_EVICT)
+        _append_gate(gr_base, w, g_sum, offs_k, mask_k, s_grl, s_grk, KDA)
 
 
 @triton.jit
@@ -132,7 +132,7 @@ def _delta_window_rows_kernel(
     s_krb, s_krh, s_krl, s_krk, s_grb, s_grh, s_grl, s_grk,
     s_qb, s_qh, s_qk, s_kb, s_kh, s_kk, s_gb, s_gh, s_gk,
     HAS_SLOT: tl.constexpr, KDA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
-    PDL: tl.constexpr, SCRATCH_EVICT: tl.constexpr, RING_EVICT: tl.constexpr,
+    PDL: tl.constexpr, SCRATCH_EVICT: tl.constexpr,
 ):
     """Launch 1 record by record (``window_rows=1``; the outputs of :func:`_delta_window_kernel`, except that a
     flushing row's ``KE`` slots past ``w`` stay unwritten: launch 2 reads them masked): the window's key (and KDA
@@ -173,11 +173,9 @@ def _delta_window_rows_kernel(
     ke_base = ke_ptr + (row * HV + h) * (BLOCK_L * BLOCK_K)
     for j in tl.static_range(BLOCK_L):
         live = (offs_k * 0 + j) < w                # vector masks (the interpreter rejects scalar loop-index ones)
-        k_j = tl.load(kr_base + j * s_krl + offs_k * s_krk, mask=live & mask_k, other=0.0,
-                      eviction_policy=RING_EVICT).to(tl.float32)
+        k_j = tl.load(kr_base + j * s_krl + offs_k * s_krk, mask=live & mask_k, other=0.0).to(tl.float32)
         if KDA:
-            G_j = tl.load(gr_base + j * s_grl + offs_k * s_grk, mask=live & mask_k, other=0.0,
-                          eviction_policy=RING_EVICT).to(tl.float32)
+            G_j = tl.load(gr_base + j * s_grl + offs_k * s_grk, mask=live & mask_k, other=0.0).to(tl.float32)
         else:
             G_j = tl.sum(tl.where(offs_l == j, gw, 0.0), axis=0)
         # the loads above issue unconditionally (masked: no traffic past w), the arithmetic only for held records:
@@ -192,18 +190,17 @@ def _delta_window_rows_kernel(
     _store_window(win_ptr, vec_ptr, row * HV + h, u, uq, k, q, dec, flushing, offs_l, offs_k, BLOCK_L, BLOCK_K,
                   SCRATCH_EVICT)
     if w < L - 1:
-        _append_gate(gr_base, w, g_sum, offs_k, mask_k, s_grl, s_grk, KDA, RING_EVICT)
+        _append_gate(gr_base, w, g_sum, offs_k, mask_k, s_grl, s_grk, KDA)
 
 
 @triton.jit
-def _append_gate(gr_base, w, g_sum, offs_k, mask_k, s_grl, s_grk, KDA: tl.constexpr,
-                 RING_EVICT: tl.constexpr = ""):
+def _append_gate(gr_base, w, g_sum, offs_k, mask_k, s_grl, s_grk, KDA: tl.constexpr):
     """A non-flush row's gate record at ring position ``w``: its summed log-gate ``G_w`` ([K] for KDA). Launch 1
     writes it (one program per row and value head, after reading the slots before ``w``)."""
     if KDA:
-        tl.store(gr_base + w * s_grl + offs_k * s_grk, g_sum, mask=mask_k, eviction_policy=RING_EVICT)
+        tl.store(gr_base + w * s_grl + offs_k * s_grk, g_sum, mask=mask_k)
     else:
-        tl.store(gr_base + w * s_grl, g_sum, eviction_policy=RING_EVICT)
+        tl.store(gr_base + w * s_grl, g_sum)
 
 
 @triton.jit
@@ -217,13 +214,13 @@ def _fold_record(s_new, ke_base, dr_base, j, w, offs_k, offs_v, mask_v, s_drl, s
 
 @triton.jit
 def _window_readout(s0, v, beta, w, win_ptr, vec_ptr, rh, dr_base, offs_l, offs_k, offs_v, mask_v, s_drl, s_drv,
-                    BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr, RING_EVICT: tl.constexpr = ""):
+                    BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr):
     """A non-flush readout of one ``K x BLOCK_V`` slice from its checkpoint term ``s0`` (the checkpoint, or the
     decoded read copy) and launch 1's window for (row, value head) ``rh``::
 
         S'ᵀk_t = s0ᵀ(exp(E_tot) ⊙ k_t) + Σ_{j<w} u_j d_j ;  S'ᵀq_t likewise with uq_j ;  d = β (v − S'ᵀk_t)
 
-    Returns ``(d, o)`` [BLOCK_V], ``o = S'ᵀq_t + d (k_t·q_t)``. ``RING_EVICT``: the d window's L2 eviction hint."""
+    Returns ``(d, o)`` [BLOCK_V], ``o = S'ᵀq_t + d (k_t·q_t)``."""
     wb = win_ptr + rh * (3 * BLOCK_L)
     u = tl.load(wb + offs_l)
     uq = tl.load(wb + BLOCK_L + offs_l)
@@ -233,7 +230,7 @@ def _window_readout(s0, v, beta, w, win_ptr, vec_ptr, rh, dr_base, offs_l, offs_
     aq = tl.load(vb + BLOCK_K + offs_k)
     hist = offs_l < w
     dw = tl.load(dr_base + offs_l[:, None] * s_drl + offs_v[None, :] * s_drv,
-                 mask=hist[:, None] & mask_v[None, :], other=0.0, eviction_policy=RING_EVICT).to(tl.float32)
+                 mask=hist[:, None] & mask_v[None, :], other=0.0).to(tl.float32)          # [BLOCK_L, BLOCK_V]
     sk = tl.sum(s0 * ak[:, None], axis=0) + tl.sum(u[:, None] * dw, axis=0)
     sq = tl.sum(s0 * aq[:, None], axis=0) + tl.sum(uq[:, None] * dw, axis=0)
     d = beta * (v - sk)
@@ -241,13 +238,12 @@ def _window_readout(s0, v, beta, w, win_ptr, vec_ptr, rh, dr_base, offs_l, offs_
 
 
 @triton.jit
-def _append_key(k_ptrs, kr_base, w, h, v_per_k, offs_k, mask_k, s_krl, s_krk, RING_EVICT: tl.constexpr = ""):
+def _append_key(k_ptrs, kr_base, w, h, v_per_k, offs_k, mask_k, s_krl, s_krk):
     """A non-flush row's key record ``k_t`` (``k_ptrs``: the step's ``k_t``) at ring position ``w``, from one value
     head per key head. (Its gate record ``G_w`` was appended by launch 1.)"""
     if h % v_per_k == 0:                           # one program per key head appends k_t
         k_raw = tl.load(k_ptrs, mask=mask_k, other=0.0)
-        tl.store(kr_base + w * s_krl + offs_k * s_krk, k_raw.to(kr_base.dtype.element_ty), mask=mask_k,
-                 eviction_policy=RING_EVICT)
+        tl.store(kr_base + w * s_krl + offs_k * s_krk, k_raw.to(kr_base.dtype.element_ty), mask=mask_k)
 
 
 @triton.jit
@@ -259,7 +255,6 @@ def _delta_apply_kernel(
     s_kb, s_kh, s_kk, s_vb, s_vh, s_vv, s_gb, s_gh, s_gk, s_bb, s_bh, s_ob, s_oh, s_ov,
     HAS_SLOT: tl.constexpr, KDA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, FLUSH_STAGES: tl.constexpr, PDL: tl.constexpr,
-    STATE_EVICT: tl.constexpr, RING_EVICT: tl.constexpr, STORE_EVICT: tl.constexpr,
 ):
     """Launch 2, grid ``(cdiv(V, BLOCK_V), batch, HV)``: reads its ``K x BLOCK_V`` checkpoint slice (issued first)
     and the window's corrected values, takes the rest from launch 1::
@@ -290,8 +285,7 @@ def _delta_apply_kernel(
     mask_k = offs_k < K
     tile_mask = mask_k[:, None] & mask_v[None, :]
     st_ptrs = state_ptr + slot * s_sb + h * s_sh + offs_k[:, None] * s_sk + offs_v[None, :] * s_sv
-    # STATE_EVICT="evict_first": the stream's lines leave L2 first, so launch 1's scratch stays for this pass
-    s0 = tl.load(st_ptrs, mask=tile_mask, other=0.0, eviction_policy=STATE_EVICT).to(tl.float32)   # [BLOCK_K, BLOCK_V]
+    s0 = tl.load(st_ptrs, mask=tile_mask, other=0.0).to(tl.float32)                      # [BLOCK_K, BLOCK_V]
     v = tl.load(v_ptr + row * s_vb + h * s_vh + offs_v * s_vv, mask=mask_v, other=0.0).to(tl.float32)
     beta = tl.load(beta_ptr + row * s_bb + h * s_bh).to(tl.float32)
     dr_base = dr_ptr + slot * s_drb + h * s_drh
@@ -299,7 +293,7 @@ def _delta_apply_kernel(
         tl.extra.cuda.gdc_wait()                   # launch 1 complete: its outputs are visible from here on
     w = tl.load(wrow_ptr + row)
     d, o = _window_readout(s0, v, beta, w, win_ptr, vec_ptr, row * HV + h, dr_base, offs_l, offs_k, offs_v, mask_v,
-                           s_drl, s_drv, BLOCK_L, BLOCK_K, RING_EVICT)
+                           s_drl, s_drv, BLOCK_L, BLOCK_K)
     tl.store(o_ptrs, o, mask=mask_v)
 
     hk = h // v_per_k
@@ -322,17 +316,14 @@ def _delta_apply_kernel(
             for j in range(BLOCK_L - 1):
                 s_new = _fold_record(s_new, ke_base, dr_base, j, w, offs_k, offs_v, mask_v, s_drl, s_drv, BLOCK_K)
         key_gate = tl.load(g_ptr + row * s_gb + h * s_gh).to(tl.float32)    # g (GDN) or g[..., 0] (KDA)
-        # STORE_EVICT="evict_first": the new checkpoint's lines leave L2 before launch 1's scaled keys do
-        tl.store(st_ptrs, _round_checkpoint(s_new, st_ptrs, key_gate, slot * HV + h,
-                                            offs_k[:, None] * V + offs_v[None, :], STOCHASTIC_FP16),
-                 mask=tile_mask, eviction_policy=STORE_EVICT)
+        _store_checkpoint(st_ptrs, s_new, tile_mask, key_gate, slot * HV + h,
+                          offs_k[:, None] * V + offs_v[None, :], STOCHASTIC_FP16)
         if (pid_v == 0) & (h == 0):
             tl.store(cursor_ptr + slot, 0)
     else:
-        tl.store(dr_base + w * s_drl + offs_v * s_drv, d.to(dr_ptr.dtype.element_ty), mask=mask_v,
-                 eviction_policy=RING_EVICT)
+        tl.store(dr_base + w * s_drl + offs_v * s_drv, d.to(dr_ptr.dtype.element_ty), mask=mask_v)
         if pid_v == 0:
-            _append_key(k_ptrs, kr_base, w, h, v_per_k, offs_k, mask_k, s_krl, s_krk, RING_EVICT)
+            _append_key(k_ptrs, kr_base, w, h, v_per_k, offs_k, mask_k, s_krl, s_krk)
             if h == 0:
                 tl.store(cursor_ptr + slot, w + 1)
 
@@ -348,15 +339,10 @@ def launch_split(cfg: dict, state, d_ring, k_ring, g_ring, cursor, q, k, v, g, b
     gi_strides = tuple(g.stride()) + ((0,) if not kda else ())
     v_per_k, v_per_q = HV // k_ring.shape[1], HV // q.shape[1]
     common = dict(HAS_SLOT=has_slot, BLOCK_K=bk, BLOCK_L=bl, PDL=pdl_on(v.device, cfg["pdl"]))
-    # L2 eviction hints (cfg "scratch_evict", "state_evict"): launch 1's scratch (win, vec and a flush's scaled keys,
-    # 10 / 75 MB at bs256 HV = 32) written to stay in L2 and the checkpoint stream read to leave it first, so that
-    # launch 2 finds the scratch in L2 instead of DRAM behind 537 MB of streamed checkpoint
-    scratch_evict = "evict_last" if cfg.get("scratch_evict") else ""
-    # "ring_evict": the ring records evict_first too, where they are read and where they are appended (a record is
-    # next read in a later step: in a model, after every other layer has streamed its state through L2; and with the
-    # stream evicted first, a benchmark of one layer would otherwise find the last step's records still there).
-    # "store_evict": a flush's checkpoint stores evict_first
-    ring_evict = "evict_first" if cfg.get("ring_evict") else ""
+    # launch 1 writes its scratch (win, vec and a flush's scaled keys: 14 / 77 MB at bs256, HV = 32) evict_last, so
+    # that launch 2 finds it in L2 instead of in DRAM behind the checkpoint it has streamed since (cfg
+    # "scratch_evict", on by default; see delta_triton.launch_config)
+    scratch_evict = "evict_last" if cfg["scratch_evict"] else ""
     stochastic = state.dtype == torch.float16
     win = torch.empty((b, HV, 3 * bl), dtype=torch.float32, device=v.device)
     vec = torch.empty((b, HV, 3 * bk), dtype=torch.float32, device=v.device)
@@ -366,10 +352,10 @@ def launch_split(cfg: dict, state, d_ring, k_ring, g_ring, cursor, q, k, v, g, b
                 *k_ring.stride(), *g_strides, *q.stride(), *k.stride(), *gi_strides)
     if cfg["window_rows"]:
         launch(_delta_window_rows_kernel)[(b, HV)](*win_args, KDA=kda, num_warps=cfg["window_warps"],
-                                                   SCRATCH_EVICT=scratch_evict, RING_EVICT=ring_evict, **common)
+                                                   SCRATCH_EVICT=scratch_evict, **common)
     else:
         launch(_delta_window_kernel)[(b, HV)](*win_args, KDA=kda, num_warps=cfg["window_warps"],
-                                              SCRATCH_EVICT=scratch_evict, RING_EVICT=ring_evict, **common)
+                                              SCRATCH_EVICT=scratch_evict, **common)
     n_vb = cdiv(V, cfg["BLOCK_V"])
     return launch(_delta_apply_kernel)[(n_vb, b, HV)](
         state, d_ring, k_ring, g_ring, cursor, k, v, g, beta, slot_arg, o, win, vec, ke, wrow,
@@ -377,6 +363,4 @@ def launch_split(cfg: dict, state, d_ring, k_ring, g_ring, cursor, q, k, v, g, b
         *state.stride(), *d_ring.stride(), *k_ring.stride(), *g_strides,
         *k.stride(), *v.stride(), *gi_strides, *beta.stride(), *o.stride(),
         KDA=kda, BLOCK_V=cfg["BLOCK_V"], STOCHASTIC_FP16=stochastic, FLUSH_STAGES=cfg["flush_stages"],
-        STATE_EVICT="evict_first" if cfg.get("state_evict") else "", RING_EVICT=ring_evict,
-        STORE_EVICT="evict_first" if cfg.get("store_evict") else "",
         num_warps=cfg["num_warps"], **common, **pdl_options(common["PDL"]), **reg_options(cfg["maxnreg"]))
