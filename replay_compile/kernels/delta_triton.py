@@ -201,7 +201,7 @@ def launch_config(b: int, HV: int, K: int, V: int, L: int, kda: bool = False, st
                      # H200 session 9, bs256 fp32: KDA's launch 1 record by record (window 46 -> 22 µs, L-avg 1.24 ->
                      # 1.38x of fla; GDN's window 16 -> 17 µs, so GDN keeps the tile form), and the flush's record
                      # loop pipelined 4 deep (flush apply 570 -> 445 µs, both; 2 stages: 563)
-                     window_rows=bool(TUNING.get("window_rows", kda)), flush_stages=TUNING.get("flush_stages", 4),
+                     window_rows=bool(TUNING.get("window_rows", kda)), flush_stages=TUNING.get("flush_stages", 5),
                      # from 8192 rows x value heads the checkpoint pass is capped at 128 registers per thread
                      # (``maxnreg=0``: uncapped, 161 with triton 3.6). H200 session 18, fp32, same calls, KDA / GDN:
                      # flush step at bs256 485.6 -> 457.8 / 468.9 -> 433.8 µs, L-avg 1.40 -> 1.42x / 2.00 -> 2.02x,
