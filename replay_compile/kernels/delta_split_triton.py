@@ -25,8 +25,9 @@ slice loads; launch 1 only snapshotting the cursor and scaling a flush's keys): 
 µs, GDN 159 -> 203-248, removed; the flush fold on the tensor cores (Gluon ``mma_v2``, the slice in the accumulator
 layout) moved a flush-only pass by 0.7-5% (``benchmarks/diag_delta_gluon.py``): the fold is bound by its loads'
 latency, not its FMAs. Session 22: launch 1's scratch stored ``evict_last`` (KDA bs256 L-avg -3.7 to -3.9 µs, GDN -3
-µs; the default); the rows in 2-8 chunks whose window launches overlap the previous chunk's pass on CUDA streams lost
-at every point (KDA bs256 +7 to +49 µs: the step is bound by its total bytes, not by the window's latency).
+µs) and the flush's record loop 5 stages deep instead of 4 (flush step -8 to -23 µs at bs 256-512), both defaults;
+the rows in 2-8 chunks whose window launches overlap the previous chunk's pass on CUDA streams lost at every point
+(KDA bs256 +7 to +49 µs: the step is bound by its total bytes, not by the window's latency).
 """
 
 from __future__ import annotations

@@ -200,7 +200,9 @@ def launch_config(b: int, HV: int, K: int, V: int, L: int, kda: bool = False, st
         extra = dict(window_warps=TUNING.get("window_warps") or 1,
                      # H200 session 9, bs256 fp32: KDA's launch 1 record by record (window 46 -> 22 µs, L-avg 1.24 ->
                      # 1.38x of fla; GDN's window 16 -> 17 µs, so GDN keeps the tile form), and the flush's record
-                     # loop pipelined 4 deep (flush apply 570 -> 445 µs, both; 2 stages: 563)
+                     # loop pipelined (4 deep: flush apply 570 -> 445 µs, both; 2 stages: 563). 5 deep since session
+                     # 22 (launch 1's scaled keys now come from L2): flush step -8 to -23 µs at bs 256-512 for KDA
+                     # and GDN, equal at bs128, two rounds in one call (KDA bs256 L-avg 178.7 -> 178.2 µs)
                      window_rows=bool(TUNING.get("window_rows", kda)), flush_stages=TUNING.get("flush_stages", 5),
                      # from 8192 rows x value heads the checkpoint pass is capped at 128 registers per thread
                      # (``maxnreg=0``: uncapped, 161 with triton 3.6). H200 session 18, fp32, same calls, KDA / GDN:
