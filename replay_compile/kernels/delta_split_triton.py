@@ -342,7 +342,8 @@ def launch_split(cfg: dict, state, d_ring, k_ring, g_ring, cursor, q, k, v, g, b
     common = dict(HAS_SLOT=has_slot, BLOCK_K=bk, BLOCK_L=bl, PDL=pdl_on(v.device, cfg["pdl"]))
     # launch 1 writes its scratch (win, vec and a flush's scaled keys: 14 / 77 MB at bs256, HV = 32) evict_last, so
     # that launch 2 finds it in L2 instead of in DRAM behind the checkpoint it has streamed since (cfg
-    # "scratch_evict", on by default; see delta_triton.launch_config)
+    # "scratch_evict", on by default; see delta_triton.launch_config). Every line stored so is read back by launch 2
+    # with plain loads (the default, evict_normal, policy), so none keeps its evict_last priority past the step
     scratch_evict = "evict_last" if cfg["scratch_evict"] else ""
     stochastic = state.dtype == torch.float16
     win = torch.empty((b, HV, 3 * bl), dtype=torch.float32, device=v.device)
