@@ -531,7 +531,12 @@ def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
                    apply_early_x=bool(TUNING.get("apply_early_x", 1)), fold_advance=bool(TUNING.get("fold_advance", 1)),
                    flush_programs_per_sm=TUNING.get("flush_per_sm"), pdl=bool(TUNING.get("pdl", 1)),
                    zero_pdl=bool(TUNING.get("zero_pdl", 1)), rows_outer=bool(TUNING.get("rows_outer", not p64)),
-                   held_x=bool(TUNING.get("held_x", 1)))
+                   held_x=bool(TUNING.get("held_x", 1)),
+                   # p_chunks=n: each checkpoint-pass program streams n consecutive tiles of one head (Nano: 5 x 16
+                   # rows, one program per head), its tile loop pipelined chunk_stages deep. Built in session 22 for
+                   # issue 3's bf16 cells (Nano's bare stream of 16-row programs reads 88% of copy bandwidth at
+                   # bs128); not measured yet, off
+                   p_chunks=max(1, int(TUNING.get("p_chunks", 1))), chunk_stages=int(TUNING.get("chunk_stages", 3)))
         # (Capping the pass's registers for more programs per SM lost: ncu showed 6 programs, 12 warps per SM at
         # 158 / 140 registers, but 128 spilled and made Super's non-flush steps 14-33% slower; H200 session 18)
     else:
