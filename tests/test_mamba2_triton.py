@@ -213,7 +213,7 @@ def _padded_rows():
     assert all(torch.equal(a, b) for a, b in zip(before, (state, *rg)))
 
 
-@pytest.mark.parametrize("kind", VARIANTS)
+@pytest.mark.parametrize("kind", VARIANTS[:3])                 # p_chunks changes the non-flush pass only (CI time)
 def test_fp16_flush_stochastic_rounding_is_bit_identical_to_the_reference(kind):
     with variant(kind):
         _fp16_stochastic()
