@@ -71,7 +71,7 @@ def _track_exact(geom, L, data):
                                      (Mamba2Geometry(1, 2, 3, 40, 1, 2), 1), (Mamba2Geometry(2, 2, 8, 8, 2, 2), 20)])
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("kind", VARIANTS[:3:2])                     # whole, pre (tiled: no longer a default, CI time)
+@pytest.mark.parametrize("kind", [v for v in VARIANTS[:3] if v != "tiled"])    # tiled: no longer a default (CI time)
 def test_kernel_matches_reference_bitwise_contract(geom, L, act, state_dtype, kind):
     """Same outputs, same checkpoint, same rings and cursors as the reference, step for step."""
     with variant(kind):
