@@ -18,10 +18,8 @@ from replay_compile.testing.strategies import (  # noqa: E402
     ExactMamba2Oracle, Mamba2Geometry, mamba2_geometries, mamba2_problem, step_schedules)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-# pre with small flush tiles so that the interpreter's shapes take several of them, and pre with 2-row pass tiles
-# streamed up to 3 per program (p_chunks, clamped to the tiles of a head: a ragged last program wherever 6 does not
-# divide P)
-VARIANTS = ("whole", "tiled", "pre:FLUSH_P=16,FLUSH_N=32", "pre:BLOCK_P=2,p_chunks=3,FLUSH_P=16,FLUSH_N=32")
+# pre with small flush tiles so that the interpreter's shapes take several of them
+VARIANTS = ("whole", "tiled", "pre:FLUSH_P=16,FLUSH_N=32")
 
 
 def variant(name):
@@ -83,8 +81,7 @@ def test_kernel_matches_reference_bitwise_contract(geom, L, act, state_dtype, ki
 @pytest.mark.parametrize("kind", ["pre:route=0", "pre:route=0,early_tile=1", "pre:flush_list=0,win_heads=1",
                                   "pre:flush_per_sm=1,FLUSH_P=16,FLUSH_N=16,win_early=0,window_full=1",
                                   "pre:held_x=0,apply_early_x=0,fold_advance=0,flush_per_sm=1", "pre:zero_pdl=0",
-                                  "pre:rows_outer=0,held_x=0", "pre:BLOCK_P=2,p_chunks=2",
-                                  "pre:BLOCK_P=4,p_chunks=3,chunk_stages=1,rows_outer=0"])
+                                  "pre:rows_outer=0,held_x=0", "pre:tile_cg=1,scratch_evict=1"])
 def test_pre_variant_launch_options(geom, L, state_dtype, kind):
     """``pre`` with ``route=0`` (the checkpoint pass folds flush rows itself instead of a third launch); with the
     flush launch over the whole grid instead of the listed rows and one head per window program; with 4 flush
@@ -93,8 +90,8 @@ def test_pre_variant_launch_options(geom, L, state_dtype, kind):
     and the cursor advanced by a launch of its own (the defaults fold it into the flush walk); with the PDL chain's
     launches (the list zeroed by ``torch.zeros`` instead of only its count by a launch of ours; PDL itself is off in
     the interpreter); with the checkpoint pass's grid in the other order (these geometries' P takes ``(n_pb, H,
-    b)`` by default) and the whole x window read before the cursor (the default reads only the held records); with
-    2 pass tiles per program (``p_chunks``: at P = 5 the second program's second tile lies past P, masked)."""
+    b)`` by default) and the whole x window read before the cursor (the default reads only the held records); and
+    with the cache hints on (the interpreter ignores them: this checks the launch passes them)."""
     with variant(kind):
         _match_reference(geom, L, torch.float32, state_dtype)
 
@@ -166,6 +163,16 @@ def test_window_heads_share_one_group_and_bound_the_window():
 def test_launch_config_picks_whole_for_small_batches_and_pre_above():
     assert kt.launch_config(8, 128, 64, 128, 16)["variant"] == "whole"
     assert kt.launch_config(9, 128, 64, 128, 16)["variant"] == "pre"
+    assert kt.launch_config(8, 128, 64, 128, 16, 2)["variant"] == "whole"
+
+
+@pytest.mark.parametrize("P, state_bytes, tile", [(64, 4, (64, 2)), (80, 4, (16, 1)), (64, 2, (32, 1)), (80, 2, (32, 1))])
+def test_pre_pass_tile_follows_the_checkpoint_width(P, state_bytes, tile):
+    """The checkpoint pass's tile and warps (H200 sweeps): whole 64-row heads on 2 warps where 64 divides P and
+    16 rows on 1 warp elsewhere for fp32 checkpoints; 32 rows on 1 warp for 2-byte ones at both."""
+    cfg = kt.launch_config(256, 96, P, 128, 16, state_bytes)
+    assert (cfg["variant"], cfg["BLOCK_P"], cfg["num_warps"]) == ("pre", *tile)
+    assert cfg["scratch_evict"] and not cfg["tile_cg"]
     with variant("bogus"), pytest.raises(ValueError, match="unknown kernel variant 'bogus'"):
         kt.launch_config(1, 1, 1, 1, 1)
 
@@ -213,7 +220,7 @@ def _padded_rows():
     assert all(torch.equal(a, b) for a, b in zip(before, (state, *rg)))
 
 
-@pytest.mark.parametrize("kind", VARIANTS[:3])                 # p_chunks changes the non-flush pass only (CI time)
+@pytest.mark.parametrize("kind", VARIANTS)
 def test_fp16_flush_stochastic_rounding_is_bit_identical_to_the_reference(kind):
     with variant(kind):
         _fp16_stochastic()
@@ -247,17 +254,3 @@ def _fp16_stochastic():
             assert float(ulp.max()) <= 2.0**-10, "more than one fp16 ulp from the exact fold"
             assert not torch.equal(sb, sc.to(torch.float16)), "stochastic rounding was not applied"
             assert not torch.equal(sb, state), "the fold must have changed the state"
-
-
-@pytest.mark.parametrize("kind", ["pre:BLOCK_P=4,p_chunks=2,route=0", "pre:BLOCK_P=4,p_chunks=2,held_x=0",
-                                  "pre:BLOCK_P=4,p_chunks=2,early_tile=1"])
-def test_pre_chunked_pass_refuses_other_pass_forms(kind):
-    """``p_chunks > 1`` exists for the default pass only (route 1, held x records, tile after the cursor); any other
-    form is refused before a launch, never run with the chunk loop silently dropped."""
-    geom = Mamba2Geometry(2, 2, 8, 8, 2, 2)
-    st0, seq = mamba2_problem(geom, 1, dtype=torch.float32, seed=1)
-    state = st0.to(DEV)
-    rg = rings(geom, 4, torch.float32, state)
-    i = {k: v.to(DEV) for k, v in seq[0].items()}
-    with variant(kind), pytest.raises(ValueError, match="p_chunks"):
-        replay_step_triton(state, *rg, i["x"], i["dt"], i["la"], i["B"], i["C"], None)

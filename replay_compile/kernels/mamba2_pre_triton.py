@@ -69,7 +69,7 @@ def _mamba2_prepass_window_kernel(
     s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn, s_cb, s_cg, s_cn,
     HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
     HB: tl.constexpr, WORKLIST: tl.constexpr, EARLY: tl.constexpr, CB_ONLY: tl.constexpr, PDL: tl.constexpr,
-    HPP: tl.constexpr, PDL_WAIT: tl.constexpr,
+    HPP: tl.constexpr, PDL_WAIT: tl.constexpr, SCRATCH_EVICT: tl.constexpr,
 ):
     """``pre`` variant, launch 1, grid ``(batch, H // HPP)``: the window's contribution for ``HPP`` heads of one
     group (they share ``B_j·C``, computed once), ``win[h, p] = Σ_j coef_hj (B_j·C) x_hj[p]`` and ``decay_h =
@@ -157,7 +157,7 @@ def _mamba2_prepass_window_kernel(
     bc = tl.sum(bw * c[None, :], axis=1)                                             # [BLOCK_L]
     if CB_ONLY:
         tl.store(win_ptr + (row * H + lane_h[:, None]) * BLOCK_L + offs_l[None, :], coef * bc[None, :],
-                 mask=mask_h[:, None])
+                 mask=mask_h[:, None], eviction_policy=SCRATCH_EVICT)
     else:
         xw = tl.where(hist[None, :, None], xw.to(tl.float32), 0.0)
         xw = tl.where(cur[None, :, None], x_cur.to(tl.float32)[:, None, :], xw)
@@ -166,7 +166,7 @@ def _mamba2_prepass_window_kernel(
                  mask=mask_h[:, None] & mask_p[None, :])
         tl.store(xr_ptr + slot * s_xrb + lane_h[:, None] * s_xrh + w * s_xrl + offs_p[None, :] * s_xrp,
                  x_cur.to(xr_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_p[None, :])
-    tl.store(dec_ptr + row * H + lane_h, decay, mask=mask_h)
+    tl.store(dec_ptr + row * H + lane_h, decay, mask=mask_h, eviction_policy=SCRATCH_EVICT)
     tl.store(dtr_ptr + slot * s_drb + lane_h * s_drh + w * s_drl, dt_cur, mask=mask_h)
     tl.store(lar_ptr + slot * s_lrb + lane_h * s_lrh + w * s_lrl, la_cur, mask=mask_h)
     if h0 % heads_per_g == 0:                         # one program per group appends B_t
@@ -196,11 +196,12 @@ def window_heads(H: int, G: int, Gc: int, P: int, block_l: int) -> tuple[int, in
 
 
 def launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, has_slot, block_n, block_l,
-                  work=None, cb_only=False, pdl=False, pdl_wait=False):
+                  work=None, cb_only=False, pdl=False, pdl_wait=False, scratch_evict=False):
     """Launch 1 of the ``pre`` variants (the fp32 step and the read-copy step): returns fp32 scratch ``win [b, H,
     P]`` (``cb_only``: the per-record weights ``cb [b, H, block_l]``, the fp32 step's default) and ``dec [b, H]``;
     flush rows are appended to ``work`` when given. ``pdl``: the next launch is its programmatic dependent (the
-    ``cb_only`` form's checkpoint pass); ``pdl_wait``: it is itself the dependent of :func:`_zero_count_kernel`."""
+    ``cb_only`` form's checkpoint pass); ``pdl_wait``: it is itself the dependent of :func:`_zero_count_kernel`;
+    ``scratch_evict``: the scratch is stored ``evict_last`` (kept in L2 for the pass through the tile stream)."""
     b, H, P = x.shape
     N = B.shape[-1]
     G, Gc = B_ring.shape[1], C.shape[1]
@@ -216,7 +217,8 @@ def launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slo
         *x.stride(), *dt.stride(), *la.stride(), *B.stride(), *C.stride(),
         HAS_SLOT=has_slot, BLOCK_P=bpw, BLOCK_N=block_n, BLOCK_L=block_l, HB=hb, WORKLIST=work is not None,
         EARLY=cb_only or bool(base.TUNING.get("win_early", 1)), CB_ONLY=cb_only, PDL=pdl, HPP=hpp,
-        PDL_WAIT=pdl_wait, num_warps=warps, **pdl_options(pdl_wait))
+        PDL_WAIT=pdl_wait, SCRATCH_EVICT="evict_last" if scratch_evict else "", num_warps=warps,
+        **pdl_options(pdl_wait))
     return win, dec
 
 
@@ -252,7 +254,7 @@ def _mamba2_prepass_apply_kernel(
     s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
     HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
     STOCHASTIC_FP16: tl.constexpr, ROUTE: tl.constexpr, EARLY_TILE: tl.constexpr, WIN_X: tl.constexpr,
-    PDL: tl.constexpr, ROWS_OUTER: tl.constexpr, P_CHUNKS: tl.constexpr, CHUNK_STAGES: tl.constexpr,
+    PDL: tl.constexpr, ROWS_OUTER: tl.constexpr, TILE_CACHE: tl.constexpr,
 ):
     """``pre`` variant, launch 2, grid ``(cdiv(P, BLOCK_P), batch, H)``: a ``BLOCK_P x N`` checkpoint tile, loaded
     after the cursor (``EARLY_TILE``: before it; 18-20% slower at Super bf16, H200 session 17). Non-flush rows:
@@ -271,11 +273,9 @@ def _mamba2_prepass_apply_kernel(
 
     ``ROWS_OUTER``: grid ``(n_pb, H, b)``, consecutive programs walk a row's heads in memory order (the default for
     16-row tiles: Nano non-flush -1 to -9 µs at bs 128-512, H200 session 17; Super's whole-head tiles lost 0-3 µs).
-
-    ``P_CHUNKS > 1`` (``p_chunks``; only with ``ROUTE=1`` and ``WIN_X=3``): each program streams ``P_CHUNKS``
-    consecutive ``BLOCK_P x N`` tiles of one head in a loop software-pipelined ``CHUNK_STAGES`` deep
-    (:func:`_prepass_apply_chunks`), so the grid's first axis is ``cdiv(n_pb, P_CHUNKS)``: Nano's five 16-row tiles
-    in one program per head instead of five programs that each read the cursor, ``C``, ``cb`` and the decay."""
+    (Nano's five tiles of a head streamed by one program in a pipelined loop lost: bf16 bs128 non-flush 75.6 ->
+    80-91 µs; and so did this pass computing its head's window weights itself, with no launch 1: Super bf16 bs256
+    155.5 -> 229 µs, the window's loads and reductions in every program's critical path; H200 session 23.)"""
     pid_p = tl.program_id(0)
     if ROWS_OUTER:                                  # grid (n_pb, H, b): programs in a row's memory order
         row = tl.program_id(2).to(tl.int64)
@@ -283,12 +283,6 @@ def _mamba2_prepass_apply_kernel(
     else:                                           # grid (n_pb, b, H)
         row = tl.program_id(1).to(tl.int64)
         h = tl.program_id(2).to(tl.int64)
-    if P_CHUNKS > 1:
-        _prepass_apply_chunks(state_ptr, xr_ptr, cursor_ptr, x_ptr, C_ptr, slot_ptr, y_ptr, win_ptr, dec_ptr,
-                              row, h, pid_p, H, P, N, L, heads_per_gc, s_sb, s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl,
-                              s_xrp, s_xb, s_xh, s_xp, s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
-                              HAS_SLOT, BLOCK_P, BLOCK_N, BLOCK_L, PDL, P_CHUNKS, CHUNK_STAGES)
-        return
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     mask_p = offs_p < P
     y_ptrs = y_ptr + row * s_yb + h * s_yh + offs_p * s_yp
@@ -300,7 +294,8 @@ def _mamba2_prepass_apply_kernel(
     tile_mask = mask_p[:, None] & mask_n[None, :]
     s_ptrs = state_ptr + slot * s_sb + h * s_sh + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
     if EARLY_TILE:
-        s0 = tl.load(s_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
+        s0 = tl.load(s_ptrs, mask=tile_mask, other=0.0,
+                     cache_modifier=TILE_CACHE).to(tl.float32)
     gc = h // heads_per_gc
     c = tl.load(C_ptr + row * s_cb + gc * s_cg + offs_n * s_cn, mask=mask_n, other=0.0).to(tl.float32)
     offs_l = tl.arange(0, BLOCK_L)
@@ -313,7 +308,8 @@ def _mamba2_prepass_apply_kernel(
         if w == L - 1:
             return
     if not EARLY_TILE:
-        s0 = tl.load(s_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
+        s0 = tl.load(s_ptrs, mask=tile_mask, other=0.0,
+                     cache_modifier=TILE_CACHE).to(tl.float32)
     if WIN_X == 3:      # only the held records, issued with the tile, before the wait (launch 1 writes no x here)
         xw, x_cur = _x_slice(xr_base, x_ptrs, w, offs_l, offs_p, mask_p, s_xrl, s_xrp)
     if PDL:
@@ -346,53 +342,6 @@ def _mamba2_prepass_apply_kernel(
         else:
             win = tl.load(win_ptr + (row * H + h) * P + offs_p, mask=mask_p, other=0.0)
         tl.store(y_ptrs, decay * tl.sum(s0 * c[None, :], axis=1) + win, mask=mask_p)
-
-
-@triton.jit
-def _prepass_apply_chunks(state_ptr, xr_ptr, cursor_ptr, x_ptr, C_ptr, slot_ptr, y_ptr, win_ptr, dec_ptr,
-                          row, h, pid_p, H, P, N, L, heads_per_gc, s_sb, s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp,
-                          s_xb, s_xh, s_xp, s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
-                          HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_L: tl.constexpr, PDL: tl.constexpr, P_CHUNKS: tl.constexpr,
-                          CHUNK_STAGES: tl.constexpr):
-    """The checkpoint pass's non-flush work (``ROUTE=1``, held x records) for ``P_CHUNKS`` consecutive tiles of one
-    (row, head), starting at tile ``pid_p * P_CHUNKS``: the cursor, ``C``, ``cb`` and the decay read once, then per
-    tile ``y = decay (S_0 C) + Σ_j cb_j x_j`` and the ``x`` append, as :func:`_mamba2_prepass_apply_kernel` does for
-    one. The tile loop is pipelined ``CHUNK_STAGES`` deep: its loads (checkpoint tiles, held x records) never alias
-    its stores (``y``, the x ring's slot ``w``, never read here). A padding row stores zero outputs for its tiles."""
-    offs_c = tl.arange(0, BLOCK_P)
-    offs_n = tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    offs_l = tl.arange(0, BLOCK_L)
-    p0 = pid_p * (P_CHUNKS * BLOCK_P)
-    slot = _row_slot(slot_ptr, row, HAS_SLOT)
-    if slot < 0:                                   # padding row: zero output, touch nothing else
-        for c in tl.static_range(P_CHUNKS):
-            offs_p = p0 + c * BLOCK_P + offs_c
-            tl.store(y_ptr + row * s_yb + h * s_yh + offs_p * s_yp, tl.zeros([BLOCK_P], dtype=tl.float32),
-                     mask=offs_p < P)
-        return
-    c_vec = tl.load(C_ptr + row * s_cb + (h // heads_per_gc) * s_cg + offs_n * s_cn, mask=mask_n,
-                    other=0.0).to(tl.float32)
-    w = tl.load(cursor_ptr + slot)                  # advanced afterwards (by the listed flush launch)
-    if w == L - 1:                                  # flush rows are the listed flush launch's
-        return
-    if PDL:
-        tl.extra.cuda.gdc_wait()                    # launch 1 complete: cb and the decay are visible from here on
-    cbv = tl.load(win_ptr + (row * H + h) * BLOCK_L + offs_l)                        # zero past w
-    decay = tl.load(dec_ptr + row * H + h)
-    st_base = state_ptr + slot * s_sb + h * s_sh
-    xr_base = xr_ptr + slot * s_xrb + h * s_xrh
-    for c in tl.range(0, P_CHUNKS, num_stages=CHUNK_STAGES):
-        offs_p = p0 + c * BLOCK_P + offs_c
-        mask_p = offs_p < P
-        s0 = tl.load(st_base + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn,
-                     mask=mask_p[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-        xw, x_cur = _x_slice(xr_base, x_ptr + row * s_xb + h * s_xh + offs_p * s_xp, w, offs_l, offs_p, mask_p,
-                             s_xrl, s_xrp)
-        win = _cb_window(cbv, xw, x_cur, w, offs_l, xr_base + w * s_xrl + offs_p * s_xrp, mask_p)
-        tl.store(y_ptr + row * s_yb + h * s_yh + offs_p * s_yp, decay * tl.sum(s0 * c_vec[None, :], axis=1) + win,
-                 mask=mask_p)
 
 
 @triton.jit
@@ -487,18 +436,14 @@ def replay_step_pre(cfg: dict, args: tuple, common: dict, has_slot: bool, slot_a
         cfg["route"] == 1 else 0
     pdl = pdl_on(x.device, cfg["pdl"] and win_x > 0)   # launch 2 as launch 1's programmatic dependent
     win, dec = launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, has_slot,
-                             cfg["BLOCK_N"], cfg["BLOCK_L"], work, cb_only=win_x > 0, pdl=pdl, pdl_wait=zero_pdl)
+                             cfg["BLOCK_N"], cfg["BLOCK_L"], work, cb_only=win_x > 0, pdl=pdl, pdl_wait=zero_pdl,
+                             scratch_evict=cfg["scratch_evict"])
     rows_outer = cfg["rows_outer"] and b < 1 << 16                 # the grid's z axis holds at most 65535 rows
-    chunks = min(cfg["p_chunks"], n_pb)                               # never a program of masked tiles only
-    if chunks > 1 and not (win_x == 3 and cfg["route"] == 1 and not cfg["early_tile"]):
-        raise ValueError("replay_compile.mamba2: p_chunks > 1 needs the default pass (route=1, held_x=1, "
-                         "window=coef, early_tile=0)")
-    n_pp = cdiv(n_pb, chunks)                                         # programs per (row, head)
-    k = launch(_mamba2_prepass_apply_kernel)[(n_pp, H, b) if rows_outer else (n_pp, b, H)](
+    k = launch(_mamba2_prepass_apply_kernel)[(n_pb, H, b) if rows_outer else (n_pb, b, H)](
         *args[:13], win, dec, *args[13:19], *args[20:],
         HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_P"], BLOCK_N=cfg["BLOCK_N"], BLOCK_L=cfg["BLOCK_L"],
         STOCHASTIC_FP16=common["STOCHASTIC_FP16"], ROUTE=cfg["route"], EARLY_TILE=cfg["early_tile"],
-        WIN_X=win_x, PDL=pdl, ROWS_OUTER=rows_outer, P_CHUNKS=chunks, CHUNK_STAGES=cfg["chunk_stages"],
+        WIN_X=win_x, PDL=pdl, ROWS_OUTER=rows_outer, TILE_CACHE=".cg" if cfg["tile_cg"] else "",
         num_warps=cfg["num_warps"], **pdl_options(pdl))
     if cfg["route"] == 1:
         fl = dict(common, BLOCK_P=cfg["FLUSH_P"], BLOCK_N=cfg["FLUSH_N"], num_warps=cfg["flush_warps"],

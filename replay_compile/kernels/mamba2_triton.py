@@ -477,7 +477,7 @@ def fixed_grid(items: int, warps: int, device: torch.device, per_sm: int | None 
 
 
 @memo_unless_tuned(TUNING)
-def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
+def launch_config(b: int, H: int, P: int, N: int, L: int, state_bytes: int = 4) -> dict:
     """Kernel variant and launch configuration for a step of ``b`` rows (H200 sweeps: benchmarks/NOTES.md).
 
     * ``whole`` (latency, ``b * H <= WHOLE_MAX_ROW_HEADS``): ``BLOCK_P`` = 16 rows of P (or 32), all of N in one
@@ -498,7 +498,9 @@ def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
       launch of ours whose dependent is launch 1. ``rows_outer`` (default where 64 does not divide P): launch 2's
       grid is ``(n_pb, H, b)``, programs in memory order. ``win_pad=1`` (default): launch 1 covers a whole
       group of heads whose count is not a power of two on a padded axis (``mamba2_pre_triton.window_heads``).
-      Launch 2's tiles are 64 x N on 2 warps where 64 divides P (Super), else 16 x N on 1 warp.
+      Launch 2's tiles are 64 x N on 2 warps where 64 divides P (Super), else 16 x N on 1 warp; for 2-byte
+      checkpoints (``state_bytes``) 32 x N on 1 warp. ``scratch_evict=1`` (default): launch 1 stores ``cb`` and
+      the decay ``evict_last``, kept in L2 through the tile stream for the pass.
     * ``tiled`` (the session-2 body, kept for comparisons): one launch streams ``BLOCK_P x BLOCK_N`` tiles for both
       kinds of row, then the cursor advance.
     ``tl.dot`` needs every dim >= 16; the window sits on a power-of-two axis >= 16.
@@ -518,10 +520,14 @@ def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
     elif variant == "pre":
         # the checkpoint pass's tile: 64 x N on 2 warps where 64 divides P (H200 session 13, Super bs256: fp32
         # L-avg 319.0 -> 311.6 µs, mostly fewer programs that return at the flush; bf16 194.0 -> 187.8), else
-        # 16 x N on 1 warp (Nano's P = 80: 64-row tiles leave 48 rows masked, 3-6% slower)
+        # 16 x N on 1 warp (Nano's P = 80: 64-row tiles leave 48 rows masked, 3-6% slower). 2-byte checkpoints:
+        # 32 x N on 1 warp at both (H200 session 23, bf16 bs 128 / 256 / 512: Super non-flush 82.2 -> 80.4 /
+        # 155.5 -> 152.3 / 305.1 -> 295.6 µs, its flush 3-5% slower, L-avg 1-1.5% lower; Nano non-flush equal,
+        # flush 3-4% faster, L-avg 1% lower; fp32 checkpoints lost 2-10% with it)
         p64 = P % 64 == 0
-        cfg = dict(BLOCK_P=TUNING.get("BLOCK_P") or (64 if p64 else 16), BLOCK_N=block_n_whole,
-                   num_warps=TUNING.get("num_warps") or (2 if p64 else 1),
+        narrow = state_bytes <= 2
+        cfg = dict(BLOCK_P=TUNING.get("BLOCK_P") or (32 if narrow else 64 if p64 else 16), BLOCK_N=block_n_whole,
+                   num_warps=TUNING.get("num_warps") or (2 if p64 and not narrow else 1),
                    window_warps=TUNING.get("window_warps") or 1, route=TUNING.get("route", 1),
                    early_tile=bool(TUNING.get("early_tile", 0)),
                    FLUSH_P=TUNING.get("FLUSH_P") or tiled_p, FLUSH_N=TUNING.get("FLUSH_N") or tiled_n,
@@ -532,11 +538,12 @@ def launch_config(b: int, H: int, P: int, N: int, L: int) -> dict:
                    flush_programs_per_sm=TUNING.get("flush_per_sm"), pdl=bool(TUNING.get("pdl", 1)),
                    zero_pdl=bool(TUNING.get("zero_pdl", 1)), rows_outer=bool(TUNING.get("rows_outer", not p64)),
                    held_x=bool(TUNING.get("held_x", 1)),
-                   # p_chunks=n: each checkpoint-pass program streams n consecutive tiles of one head (Nano: 5 x 16
-                   # rows, one program per head), its tile loop pipelined chunk_stages deep. Built in session 22 for
-                   # issue 3's bf16 cells (Nano's bare stream of 16-row programs reads 88% of copy bandwidth at
-                   # bs128); not measured yet, off
-                   p_chunks=max(1, int(TUNING.get("p_chunks", 1))), chunk_stages=int(TUNING.get("chunk_stages", 3)))
+                   # cache hints: the window's scratch kept in L2 for the pass (scratch_evict, default: non-flush
+                   # 0-1.9 µs faster at bs 128-512, never slower beyond noise; H200 session 23); the pass's tile
+                   # loads through L2 only (tile_cg=1: within 0.5 µs everywhere, off). No evict_first on the tile
+                   # stream: in a one-layer benchmark it keeps the last step's ring records in L2, which a model's
+                   # other layers would evict (NOTES, session 22)
+                   tile_cg=bool(TUNING.get("tile_cg", 0)), scratch_evict=bool(TUNING.get("scratch_evict", 1)))
         # (Capping the pass's registers for more programs per SM lost: ncu showed 6 programs, 12 warps per SM at
         # 158 / 140 registers, but 128 spilled and made Super's non-flush steps 14-33% slower; H200 session 18)
     else:
@@ -564,7 +571,7 @@ def replay_step_triton(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, l
     y = torch.empty((b, H, P), dtype=torch.float32, device=x.device)
     if b == 0:
         return y
-    cfg = launch_config(b, H, P, N, L)
+    cfg = launch_config(b, H, P, N, L, state.element_size())
     n_pb = cdiv(P, cfg["BLOCK_P"])
     if n_pb * H >= 1 << 15 or L >= _ARRIVAL:
         raise ValueError(f"replay_compile.mamba2: {H} heads x {n_pb} P-blocks (or L={L}) exceed the cursor word's "
