@@ -12,8 +12,8 @@ Launches, all routed on the device from the cursor (one captured CUDA graph serv
    a``, ``B`` records; lists flushing rows in ``work = [count, rows...]``. (``window_full=1``: it also reads the x
    window and writes ``win`` instead; the read-copy step's ``win_cb=0`` form.)
 2. :func:`_mamba2_prepass_apply_kernel`, grid ``(cdiv(P, BLOCK_P), b, H)`` (``(.., H, b)`` for 16-row tiles):
-   streams the ``BLOCK_P x N`` checkpoint tile of non-flush rows (64 rows on 2 warps where 64 divides P, else 16
-   on 1 warp), ``y = decay (S_0 C) + Σ_j cb_j x_j``, appends ``x``. A read-only stream of an fp32 checkpoint on the
+   streams the ``BLOCK_P x N`` checkpoint tile of non-flush rows (fp32: 64 rows on 2 warps where 64 divides P,
+   else 16 on 1 warp; 2-byte checkpoints: 32 rows on 1 warp), ``y = decay (S_0 C) + Σ_j cb_j x_j``, appends ``x``. A read-only stream of an fp32 checkpoint on the
    H200 reaches 97-100% of copy bandwidth; this pass alone runs there (benchmarks/NOTES.md, session 7). A bf16
    checkpoint's stream reaches 88-93% at bs128 (NOTES, session 17). (A persistent form of this pass, a fixed grid
    looping over the tiles with loads pipelined through shared memory, lost at every point measured: NOTES
@@ -96,6 +96,10 @@ def _mamba2_prepass_window_kernel(
     ``HPP`` heads per program on an ``HB``-long (power-of-two) head axis: ``HPP == HB`` but where the group size is
     not a power of two and the window is padded (``win_pad=1``, the default: Nano's 12 heads per group on a 16-long
     axis, one program per group instead of three of 4 heads); padded lanes are masked everywhere.
+
+    ``SCRATCH_EVICT`` (``"evict_last"`` with ``scratch_evict=1``, the fp32 step's default): the ``cb`` and decay
+    stores are kept in L2 while the checkpoint pass streams its tiles through it (non-flush 0-1.9 µs faster at
+    bs 128-512, H200 session 23); ``""`` for the read copy's window, where it is unmeasured.
     """
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
