@@ -31,7 +31,7 @@
 #   check_mamba2  256-token greedy parity at fp32 of the Mamba-2-only model (issue 5)
 #   ksmall     small-batch configs $KS of the delta kernels (KDA bs1 0.88x, bs2-8 0.68-0.80x of fla)
 #   m2tests    the Mamba-2 GPU tests only (kernels, read copy, the mamba_ssm anchor, inline kernels)
-#   m2hints    session 23: cache hints on the Mamba-2 pass's tile loads and the window's scratch, bs 128-512
+#   m2hints    session 23: the Mamba-2 window scratch's L2 hint on and off, bs 128-512
 #   (m2chunks, m2inline: session 23 measured p_chunks and window_inline, both lost and were removed;
 #   results/s23/)
 #   m2bs128    Mamba-2 pre-step tile / warp configs at bs128 (non-flush at 85% of the floor; issue 3 asks 90%)
@@ -417,13 +417,13 @@ for s in $steps; do echo "== step $s at ${SECONDS}s"; case $s in
   m2bs128) timeout 200 python3 benchmarks/bench_mamba2_kernel.py --out /tmp/m2bs128 --batches 128 \
            --configs "pre;pre:BLOCK_P=32,num_warps=2;pre:BLOCK_P=32,num_warps=1;pre:BLOCK_P=8;pre:win_heads=8" 2>&1 \
            | grep -v Warn | tee "$OUT/mamba2_bs128.txt" ;;
-  m2hints) # session 23 (issue 3's bf16 cells): cache hints on the pass's tile stream and the window's scratch
-           # ($M2H), bs 128 / 256 / 512, bf16 and fp32; the Mamba-2 GPU tests with the hints forced first
+  m2hints) # session 23 (issue 3's bf16 cells): the window scratch's L2 hint, default now, against it off ($M2H;
+           # tiles as BLOCK_P / num_warps configs), bs 128 / 256 / 512, bf16 and fp32; GPU tests first
            timeout 120 python3 -m pytest -q $XDIST -p no:cacheprovider \
            tests/test_mamba2_triton.py -k "launch_options or bitwise" --tb=short 2>&1 | grep -v "warnings.warn" \
            | tail -4 | tee "$OUT/pytest_m2hints.txt"
            timeout 400 python3 benchmarks/bench_mamba2_kernel.py --out /tmp/m2hints --batches 128,256,512 \
-           --dtypes bfloat16,float32 --configs "${M2H:-pre;pre:scratch_evict=1;pre:tile_cg=1;pre:tile_cg=1,scratch_evict=1;pre:BLOCK_P=16,num_warps=1,scratch_evict=1;pre:BLOCK_P=32,num_warps=1,scratch_evict=1;pre}" \
+           --dtypes bfloat16,float32 --configs "${M2H:-pre;pre:scratch_evict=0;pre}" \
            2>&1 | grep -v Warn | tee "$OUT/mamba2_hints.txt" ;;
   m2tests) timeout 200 python3 -m pytest -q $XDIST -p no:cacheprovider tests/test_mamba2_triton_gpu.py \
            tests/test_mamba2_triton.py tests/test_mamba2_readcopy.py tests/test_kernel_call_anchor.py \

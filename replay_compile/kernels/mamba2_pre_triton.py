@@ -13,8 +13,9 @@ Launches, all routed on the device from the cursor (one captured CUDA graph serv
    window and writes ``win`` instead; the read-copy step's ``win_cb=0`` form.)
 2. :func:`_mamba2_prepass_apply_kernel`, grid ``(cdiv(P, BLOCK_P), b, H)`` (``(.., H, b)`` for 16-row tiles):
    streams the ``BLOCK_P x N`` checkpoint tile of non-flush rows (fp32: 64 rows on 2 warps where 64 divides P,
-   else 16 on 1 warp; 2-byte checkpoints: 32 rows on 1 warp), ``y = decay (S_0 C) + Σ_j cb_j x_j``, appends ``x``. A read-only stream of an fp32 checkpoint on the
-   H200 reaches 97-100% of copy bandwidth; this pass alone runs there (benchmarks/NOTES.md, session 7). A bf16
+   else 16 on 1 warp; 2-byte checkpoints: 32 rows on 1 warp), ``y = decay (S_0 C) + Σ_j cb_j x_j``, appends ``x``.
+   A read-only stream of an fp32 checkpoint on the H200 reaches 97-100% of copy bandwidth; this pass alone runs
+   there (benchmarks/NOTES.md, session 7). A bf16
    checkpoint's stream reaches 88-93% at bs128 (NOTES, session 17). (A persistent form of this pass, a fixed grid
    looping over the tiles with loads pipelined through shared memory, lost at every point measured: NOTES
    "Session 15".)
@@ -258,7 +259,7 @@ def _mamba2_prepass_apply_kernel(
     s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
     HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
     STOCHASTIC_FP16: tl.constexpr, ROUTE: tl.constexpr, EARLY_TILE: tl.constexpr, WIN_X: tl.constexpr,
-    PDL: tl.constexpr, ROWS_OUTER: tl.constexpr, TILE_CACHE: tl.constexpr,
+    PDL: tl.constexpr, ROWS_OUTER: tl.constexpr,
 ):
     """``pre`` variant, launch 2, grid ``(cdiv(P, BLOCK_P), batch, H)``: a ``BLOCK_P x N`` checkpoint tile, loaded
     after the cursor (``EARLY_TILE``: before it; 18-20% slower at Super bf16, H200 session 17). Non-flush rows:
@@ -298,8 +299,7 @@ def _mamba2_prepass_apply_kernel(
     tile_mask = mask_p[:, None] & mask_n[None, :]
     s_ptrs = state_ptr + slot * s_sb + h * s_sh + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
     if EARLY_TILE:
-        s0 = tl.load(s_ptrs, mask=tile_mask, other=0.0,
-                     cache_modifier=TILE_CACHE).to(tl.float32)
+        s0 = tl.load(s_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
     gc = h // heads_per_gc
     c = tl.load(C_ptr + row * s_cb + gc * s_cg + offs_n * s_cn, mask=mask_n, other=0.0).to(tl.float32)
     offs_l = tl.arange(0, BLOCK_L)
@@ -312,8 +312,7 @@ def _mamba2_prepass_apply_kernel(
         if w == L - 1:
             return
     if not EARLY_TILE:
-        s0 = tl.load(s_ptrs, mask=tile_mask, other=0.0,
-                     cache_modifier=TILE_CACHE).to(tl.float32)
+        s0 = tl.load(s_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
     if WIN_X == 3:      # only the held records, issued with the tile, before the wait (launch 1 writes no x here)
         xw, x_cur = _x_slice(xr_base, x_ptrs, w, offs_l, offs_p, mask_p, s_xrl, s_xrp)
     if PDL:
@@ -447,8 +446,7 @@ def replay_step_pre(cfg: dict, args: tuple, common: dict, has_slot: bool, slot_a
         *args[:13], win, dec, *args[13:19], *args[20:],
         HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_P"], BLOCK_N=cfg["BLOCK_N"], BLOCK_L=cfg["BLOCK_L"],
         STOCHASTIC_FP16=common["STOCHASTIC_FP16"], ROUTE=cfg["route"], EARLY_TILE=cfg["early_tile"],
-        WIN_X=win_x, PDL=pdl, ROWS_OUTER=rows_outer, TILE_CACHE=".cg" if cfg["tile_cg"] else "",
-        num_warps=cfg["num_warps"], **pdl_options(pdl))
+        WIN_X=win_x, PDL=pdl, ROWS_OUTER=rows_outer, num_warps=cfg["num_warps"], **pdl_options(pdl))
     if cfg["route"] == 1:
         fl = dict(common, BLOCK_P=cfg["FLUSH_P"], BLOCK_N=cfg["FLUSH_N"], num_warps=cfg["flush_warps"],
                   N_TILES=cdiv(N, cfg["FLUSH_N"]))

@@ -538,12 +538,12 @@ def launch_config(b: int, H: int, P: int, N: int, L: int, state_bytes: int = 4) 
                    flush_programs_per_sm=TUNING.get("flush_per_sm"), pdl=bool(TUNING.get("pdl", 1)),
                    zero_pdl=bool(TUNING.get("zero_pdl", 1)), rows_outer=bool(TUNING.get("rows_outer", not p64)),
                    held_x=bool(TUNING.get("held_x", 1)),
-                   # cache hints: the window's scratch kept in L2 for the pass (scratch_evict, default: non-flush
-                   # 0-1.9 µs faster at bs 128-512, never slower beyond noise; H200 session 23); the pass's tile
-                   # loads through L2 only (tile_cg=1: within 0.5 µs everywhere, off). No evict_first on the tile
+                   # the window's scratch kept in L2 for the pass (scratch_evict, default: non-flush 0-1.9 µs
+                   # faster at bs 128-512, never slower beyond noise; H200 session 23). (The pass's tile loads
+                   # through L2 only, ld.global.cg, moved nothing beyond 0.5 µs: removed. No evict_first on the tile
                    # stream: in a one-layer benchmark it keeps the last step's ring records in L2, which a model's
-                   # other layers would evict (NOTES, session 22)
-                   tile_cg=bool(TUNING.get("tile_cg", 0)), scratch_evict=bool(TUNING.get("scratch_evict", 1)))
+                   # other layers would evict; NOTES, session 22)
+                   scratch_evict=bool(TUNING.get("scratch_evict", 1)))
         # (Capping the pass's registers for more programs per SM lost: ncu showed 6 programs, 12 warps per SM at
         # 158 / 140 registers, but 128 spilled and made Super's non-flush steps 14-33% slower; H200 session 18)
     else:
