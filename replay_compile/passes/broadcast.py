@@ -19,7 +19,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from .graph_utils import CAST_LIKE, example, is_static_int, op_name, shape
+from .graph_utils import CAST_LIKE, example, is_static_int, op_name, shape, writers
 
 FULL = -1
 
@@ -155,6 +155,8 @@ class BroadcastAnalysis:
         shp = shape(n)
         if shp is None:
             return []
+        if writers(n):
+            return _default(shp)        # written in place later: a read may not see the value computed here
         name = op_name(n)
         try:
             if name in ELEMENTWISE:

@@ -27,8 +27,8 @@ import torch.fx as fx
 from ..kernels.delta_reference import delta_exact_step
 from ..state import DeltaRingSpec
 from .broadcast import FULL, same_size
-from .graph_utils import CAST_LIKE, depends_on, dtype, flatten, module_path, op_name, real_users, shape, strip
-from .graph_utils import is_static_int
+from .graph_utils import (CAST_LIKE, depends_on, dtype, flatten, is_static_int, is_value_cast, module_path, op_name,
+                          real_users, shape, strip, writers)
 from .mamba2 import (B_, H_, N_, P_, STATE_DTYPES, Mamba2Matcher, NoMatch, Recipe, SiteMatch, _extractor, _promote,
                      _static_or_minus_one)
 
@@ -70,8 +70,8 @@ def _adds_dims_only(n: fx.Node) -> bool:
 
 def _base(n):
     """Strip casts and pure views (the compact value a broadcast factor was made from)."""
-    while isinstance(n, fx.Node) and n.args and (op_name(n) in CAST_LIKE | (_VIEWS - {"getitem"})
-                                                 or (op_name(n) == "getitem" and _adds_dims_only(n))):
+    while isinstance(n, fx.Node) and n.args and not writers(n) and (
+            op_name(n) in CAST_LIKE | (_VIEWS - {"getitem"}) or (op_name(n) == "getitem" and _adds_dims_only(n))):
         n = n.args[0]
     return n
 
@@ -254,7 +254,7 @@ class DeltaMatcher(Mamba2Matcher):
         """The decayed state may feed only the new state and S'ᵀk: anything else would read the checkpoint."""
         for u in real_users(s1):
             n = u
-            while n not in (new, kvm_mul) and op_name(n) in CAST_LIKE and len(real_users(n)) == 1:
+            while n not in (new, kvm_mul) and is_value_cast(n) and len(real_users(n)) == 1:
                 n = real_users(n)[0]
             if n is new or n is kvm_mul or (op_name(n) == "add" and n in flatten_users(new)):
                 continue

@@ -22,11 +22,18 @@ _OPERATORS = {
     operator.neg: "neg", operator.getitem: "getitem", operator.matmul: "matmul", operator.pow: "pow",
 }
 
-# value-preserving up to rounding: casts, device moves, copies
+# value-preserving up to rounding: casts, device moves, copies (unless the result is written in place later:
+# see :func:`writers`)
 CAST_LIKE = {"to", "float", "double", "half", "bfloat16", "type", "type_as", "contiguous", "clone", "detach"}
 # metadata-only uses of a tensor (reading them cannot observe stale values)
 METADATA = {"size", "dim", "numel", "stride", "shape", "dtype", "device", "is_contiguous", "data_ptr"}
 VIEW_LIKE = {"view", "reshape", "unsqueeze", "squeeze", "expand", "getitem", "flatten", "unflatten"}
+# results that may share memory with their first operand: a write to the result writes the operand too. Casts and
+# reshapes return their operand itself when nothing changes; only clone always copies.
+ALIASING = (VIEW_LIKE | CAST_LIKE | {
+    "transpose", "swapaxes", "permute", "t", "narrow", "select", "as_strided", "view_as", "expand_as", "movedim",
+    "diagonal", "split", "split_with_sizes", "chunk", "unbind", "unfold", "view_as_real", "view_as_complex",
+    "real", "imag", "squeeze_", "unsqueeze_"}) - {"clone"}
 
 
 def op_name(n: Any) -> str | None:
@@ -89,9 +96,68 @@ def dtype(n: Any) -> torch.dtype | None:
     return v.dtype if isinstance(v, torch.Tensor) else None
 
 
+def _mutable_args(target) -> list[tuple[int, str]]:
+    """(position, name) of the arguments a custom or aten op's schema declares written (``Tensor(a!)``)."""
+    if isinstance(target, torch._ops.OpOverload):
+        overloads = [target]
+    elif isinstance(target, torch._ops.OpOverloadPacket):
+        overloads = [getattr(target, o) for o in target.overloads()]
+    else:
+        return []
+    return [(i, a.name) for ov in overloads for i, a in enumerate(ov._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write]
+
+
+def _writes_operand(u: fx.Node, a: fx.Node) -> bool:
+    """Whether the call ``u`` may write the memory of its operand ``a``."""
+    name = op_name(u)
+    if name is None:
+        return False
+    if (is_inplace(u) or name == "setitem" or u.kwargs.get("inplace") is True) and u.args and u.args[0] is a:
+        return True
+    out = u.kwargs.get("out")
+    if out is a or (isinstance(out, (tuple, list)) and a in out):
+        return True
+    if u.op != "call_function":
+        return False
+    t = u.target
+    if isinstance(t, torch._ops.HigherOrderOperator):
+        # a Triton launch writes any tensor it takes; other higher-order ops run subgraphs we do not inspect
+        return True
+    for i, arg_name in _mutable_args(t):
+        if (i < len(u.args) and u.args[i] is a) or u.kwargs.get(arg_name) is a:
+            return True
+    return False
+
+
+def writers(n: Any) -> list[fx.Node]:
+    """The calls that may write ``n``'s memory after it is computed: in-place methods and functions, ``setitem``,
+    ``out=`` and ``inplace=True`` arguments, ops whose schema writes an argument and higher-order ops (Triton
+    launches), applied to ``n`` or to a view of it. Reads of ``n`` after one of them do not see the value ``n``
+    was computed as, so such a node is never taken as value-preserving."""
+    if not isinstance(n, fx.Node):
+        return []
+    out, seen, todo = [], {n}, [n]
+    while todo:
+        a = todo.pop()
+        for u in a.users:
+            if _writes_operand(u, a):
+                out.append(u)
+            elif op_name(u) in ALIASING and u.args and u.args[0] is a and u not in seen:
+                seen.add(u)
+                todo.append(u)
+    return out
+
+
+def is_value_cast(n: Any) -> bool:
+    """A cast, device move or copy whose result is never written afterwards: its value is its operand's."""
+    return isinstance(n, fx.Node) and op_name(n) in CAST_LIKE and bool(n.args) and not writers(n)
+
+
 def strip(n: Any) -> Any:
-    """Follow single-input casts and copies back to the value they came from."""
-    while isinstance(n, fx.Node) and op_name(n) in CAST_LIKE and n.args:
+    """Follow single-input casts and copies back to the value they came from (a copy that is updated in place
+    afterwards, such as ``t = S.clone(); t.mul_(a)``, holds another value: it is not followed)."""
+    while is_value_cast(n):
         n = n.args[0]
     return n
 

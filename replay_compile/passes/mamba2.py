@@ -28,8 +28,8 @@ import torch.fx as fx
 
 from ..state import Mamba2RingSpec
 from .broadcast import FULL, BroadcastAnalysis, same_size
-from .graph_utils import (CAST_LIKE, depends_on, dtype, flatten, module_path, op_name, real_users, shape,
-                          strip, is_static_int)
+from .graph_utils import (CAST_LIKE, depends_on, dtype, flatten, is_static_int, is_value_cast, module_path, op_name,
+                          real_users, shape, strip, writers)
 
 FAMILY = "mamba2"
 B_, H_, P_, N_ = 0, 1, 2, 3          # dims of the state frame [b, H, P, N]
@@ -286,7 +286,7 @@ class Mamba2Matcher:
         """Find ``exp(arg)`` under views/casts; return (arg node, fn re-applying the views, rep of decay)."""
         chain, d = [], decay
         while isinstance(d, fx.Node) and op_name(d) in (CAST_LIKE | {"view", "reshape", "unsqueeze", "expand",
-                                                                    "getitem", "squeeze"}):
+                                                                    "getitem", "squeeze"}) and not writers(d):
             chain.append(d)
             d = d.args[0]
         if not (isinstance(d, fx.Node) and op_name(d) == "exp"):
@@ -328,7 +328,7 @@ class Mamba2Matcher:
             if u is cp:
                 continue
             n = u
-            while n is not state_term and op_name(n) in CAST_LIKE and len(real_users(n)) == 1:
+            while n is not state_term and is_value_cast(n) and len(real_users(n)) == 1:
                 n = real_users(n)[0]
             if n is state_term:
                 continue
@@ -341,7 +341,7 @@ class Mamba2Matcher:
         while todo:
             n = todo.pop()
             for u in real_users(n):
-                if op_name(u) in CAST_LIKE | {"view", "reshape"} and u.args[0] is n:
+                if op_name(u) in CAST_LIKE | {"view", "reshape"} and u.args[0] is n and not writers(u):
                     out.append(u)
                     todo.append(u)
         return out

@@ -21,7 +21,7 @@ from torch._dynamo.utils import counters
 from .._logging import log, timed_phase
 from ..config import ReplayConfig
 from ..errors import ReplayCompileError
-from . import broadcast, delta, graph_utils, mamba2, mamba2_kernel_call as kernel_call, rewrite, validate
+from . import broadcast, delta, graph_utils, mamba2, mamba2_kernel_call as kernel_call, rewrite, state_writes, validate
 from .delta import DeltaMatcher
 from .mamba2 import Mamba2Matcher, NoMatch
 
@@ -42,7 +42,7 @@ class Rewrite:
 class Skip:
     layer: str
     reason: str
-    quiet: bool = False     # a write that is plainly not a decode step (prefill, chunked scan)
+    quiet: bool = False     # a write that is plainly not a recurrent-state step (state_writes.not_a_recurrence)
 
     def __str__(self):
         return f"{self.layer}: left unchanged: {self.reason}"
@@ -91,10 +91,6 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     return new_gm
 
 
-# reasons raised before the update is known to be "decay * state + update" are not worth a warning
-_QUIET_PREFIXES = ("new state is a sum of", "no term of the form", "the value written")
-
-
 class ReplaySSMPass:
     """Rewrites recurrent-state updates into ReplaySSM ops. Stateless apart from its config."""
 
@@ -104,7 +100,7 @@ class ReplaySSMPass:
     def uuid(self) -> str:
         """Changes whenever the pass's code or config does (for FX graph caches)."""
         h = hashlib.sha256(repr(self.config).encode())
-        for mod in (broadcast, delta, graph_utils, mamba2, kernel_call, rewrite, validate):
+        for mod in (broadcast, delta, graph_utils, mamba2, kernel_call, rewrite, state_writes, validate):
             h.update(inspect.getsource(mod).encode())
         return h.hexdigest()
 
@@ -117,17 +113,29 @@ class ReplaySSMPass:
             return res
         if not Mamba2Matcher.anchors(gm) and not ("mamba2" in families and kernel_call.anchors(gm)):
             return res
-        gm = res.gm = copy_graph_module(gm)
+        gm = copy_graph_module(gm)
+        forwarded, refused = state_writes.forward_clone_writebacks(gm.graph)
+        if forwarded:
+            gm.recompile()
+            log.debug("replay_compile: updates of cloned states moved onto %s", ", ".join(forwarded))
         m2, dm = Mamba2Matcher(gm), DeltaMatcher(gm)
         matches = []
         for cp in Mamba2Matcher.anchors(gm):
+            layer = graph_utils.module_path(cp, default=f"state input `{cp.args[0].name}`")
             try:
+                if cp in refused:
+                    raise NoMatch(f"the state is updated in a copy that is then copied back, and the update cannot "
+                                  f"be moved onto the state: {refused[cp]}")
                 if graph_utils.real_users(cp):
                     raise NoMatch("the result of the state write is used")
                 matches.append(self._match(cp, m2, dm, families))
             except NoMatch as e:
-                self._skip(res, graph_utils.module_path(cp, default=f"state input `{cp.args[0].name}`"), str(e))
+                why = None if cp in refused else state_writes.not_a_recurrence(cp)
+                self._skip(res, layer, why or str(e), quiet=why is not None)
+        refused_clones = {wb.args[1] for wb in refused}
         for call in kernel_call.anchors(gm) if "mamba2" in families else ():   # mamba_ssm's kernel, launched
+            if refused_clones & set(call.all_input_nodes):
+                continue            # it updates a cloned state: skipped above, at its write-back, with the reason
             try:
                 matches.append(kernel_call.match(call))
             except NoMatch as e:
@@ -157,12 +165,14 @@ class ReplaySSMPass:
             res.rewrites.append(rw)
             counters["replay_compile"][m.family] += 1
             log.info("replay_compile: rewrote %s", rw)
-        if matches:
-            gm.graph.lint()
-            gm.recompile()
-            res.ops_after = count_ops(gm)
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("replay_compile: graph after rewrite:\n%s", gm.code)
+        if not matches:
+            return res              # res.gm is still the graph Dynamo gave us: nothing rewritten, nothing changed
+        res.gm = gm
+        gm.graph.lint()
+        gm.recompile()
+        res.ops_after = count_ops(gm)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("replay_compile: graph after rewrite:\n%s", gm.code)
         return res
 
     @staticmethod
@@ -187,8 +197,7 @@ class ReplaySSMPass:
                     err = e
         raise err
 
-    def _skip(self, res: PassResult, layer: str, reason: str) -> None:
-        quiet = reason.startswith(_QUIET_PREFIXES)
+    def _skip(self, res: PassResult, layer: str, reason: str, quiet: bool = False) -> None:
         sk = Skip(layer, reason, quiet)
         res.skipped.append(sk)
         counters["replay_compile"]["skipped"] += 1

@@ -1,0 +1,164 @@
+"""How a graph writes a cache tensor, before any family's matcher looks at it.
+
+Two questions every family shares:
+
+* **Clone write-backs.** A step that must not update the cache in place before it is done clones the state, updates
+  the clone, then copies it back (transformers 5.25 and later, for every Mamba-2 mixer)::
+
+      T = S.clone()                      # reads of T here are reads of S
+      T.copy_(S * dA + dBx)              # or a kernel launch that updates T in place
+      y = readout(...)
+      S.copy_(T)                         # the write-back
+
+  :func:`forward_clone_writebacks` moves the update onto ``S`` itself (``S.copy_(S * dA + dBx)``, the kernel
+  launched on ``S``) and drops the clone and the write-back, which is what the matchers know, wherever doing so
+  provably changes no value the graph reads; otherwise it leaves the graph alone and says why.
+
+* **Is this write a recurrence?** :func:`not_a_recurrence` tells the writes that are plainly not a recurrent-state
+  step (a reset, a shift of a KV or convolution window, a scan over several tokens) from the ones that are, so a
+  state update the pass cannot rewrite is reported loudly and the rest quietly.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from .graph_utils import ALIASING, is_call, op_name, writers
+
+
+def _aliases(n: fx.Node) -> set[fx.Node]:
+    """``n`` and every node that may share its memory through views and no-op casts."""
+    out, todo = {n}, [n]
+    while todo:
+        a = todo.pop()
+        for u in a.users:
+            if op_name(u) in ALIASING and u.args and u.args[0] is a and u not in out:
+                out.add(u)
+                todo.append(u)
+    return out
+
+
+def _readers(nodes: set[fx.Node]) -> list[fx.Node]:
+    """Calls that take one of ``nodes`` as an operand (views among ``nodes`` excluded)."""
+    return [u for a in nodes for u in a.users if u not in nodes]
+
+
+def _refusal(wb: fx.Node, clone: fx.Node, order: dict) -> str | None:
+    """Why ``wb = S.copy_(clone)`` with ``clone = S.clone()`` cannot be folded into in-place updates of ``S``."""
+    state = wb.args[0]
+    writes = writers(clone)
+    if not writes:
+        return None
+    first, at_wb = min(order[w] for w in writes), order[wb]
+    if any(order[w] > at_wb for w in writes):
+        return f"`{clone.name}` is written again after it is copied back into the state"
+    mine = _aliases(clone)
+    if any(u.op == "output" for u in _readers(mine)):
+        return f"`{clone.name}` is also an output of the graph"
+    theirs = _aliases(state)
+    for u in _readers(theirs):
+        if u is clone or u is wb:
+            continue
+        if order[clone] < order[u] < at_wb and u in writers(state):
+            return f"the state is written by `{u.name}` while `{clone.name}` holds a copy of it"
+        if first < order[u] < at_wb:
+            return (f"the state is read by `{u.name}` ({op_name(u)}) after `{clone.name}` is updated and before it "
+                    f"is copied back: it would see the new value instead of the old one")
+    if any(order[w] > at_wb for w in writers(state)) and any(order[u] > at_wb for u in _readers(mine)):
+        return f"`{clone.name}` is read after the state is written again"
+    return None
+
+
+def forward_clone_writebacks(graph: fx.Graph) -> tuple[list[str], dict[fx.Node, str]]:
+    """Fold every ``T = S.clone(); <in-place updates of T>; S.copy_(T)`` of ``graph`` into updates of ``S``.
+
+    Only where no value the graph reads changes: ``S`` is neither read nor written between the first update of
+    ``T`` and the write-back (until then ``T`` and ``S`` hold the same values), ``T`` is not written after the
+    write-back nor returned. ``T``'s uses become uses of ``S``, then the write-back ``S.copy_(S)`` and the clone
+    are erased; ``T.copy_(v)`` becomes ``S.copy_(v)``, a launch that updated ``T`` updates ``S``.
+
+    Returns the names of the states forwarded, and for each write-back left alone (the copy node, which stays in
+    the graph) the reason.
+    """
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    done, refused = [], {}
+    for wb in list(graph.nodes):
+        if op_name(wb) != "copy_" or len(wb.args) < 2 or wb.kwargs:
+            continue
+        state, clone = wb.args[0], wb.args[1]
+        if not (isinstance(state, fx.Node) and is_call(clone, "clone") and clone.args and clone.args[0] is state):
+            continue
+        why = _refusal(wb, clone, order)
+        if why is not None:
+            refused[wb] = why
+            continue
+        if not writers(clone):
+            continue            # S.copy_(S.clone()): a no-op the matchers already see through
+        clone.replace_all_uses_with(state)          # also turns the write-back into S.copy_(S)
+        wb.replace_all_uses_with(state)
+        graph.erase_node(wb)
+        graph.erase_node(clone)
+        done.append(state.name)
+    return done, refused
+
+
+_SCANS = {"cumsum", "cumprod", "logcumsumexp", "cummax", "cummin"}
+# ops that move or select values without computing new ones
+_DATA_MOVES = ALIASING | {"clone", "cat", "concat", "concatenate", "stack", "roll", "flip", "index_select",
+                          "gather", "take_along_dim", "pad", "constant_pad_nd", "setitem", "copy_", "index_copy_",
+                          "index_copy", "index_put_", "index_put", "scatter", "scatter_", "masked_fill",
+                          "masked_fill_", "where", "zeros_like", "empty_like", "full_like", "ones_like"}
+
+
+def _value_inputs(n: fx.Node) -> list[fx.Node]:
+    """The nodes ``n``'s value is made of: its operands, and what is written into it in place afterwards."""
+    out = list(n.all_input_nodes)
+    for w in writers(n):
+        out.extend(x for x in w.all_input_nodes if x is not n)
+    return out
+
+
+def not_a_recurrence(cp: fx.Node) -> str | None:
+    """Why the write ``cp = S.copy_(v)`` is plainly not a recurrent-state step, or None if it may be one.
+
+    Not a recurrence: ``v`` does not depend on ``S`` (a reset, an initialisation); ``v`` is made from ``S`` by data
+    movement alone (a KV cache or convolution window shifted, concatenated or indexed); ``v`` comes out of a scan
+    over a sequence axis (``cumsum`` and kin: a prefill or chunked scan, which writes the state once per forward).
+    """
+    state, value = cp.args[0], cp.args[1]
+    if not isinstance(value, fx.Node):
+        return "the state is filled with a constant (a reset)"
+    inputs: dict[fx.Node, list] = {}            # the value's ancestors (not through the state), their inputs
+    todo = [value]
+    while todo:
+        x = todo.pop()
+        if x in inputs or x is state:
+            continue
+        inputs[x] = _value_inputs(x)
+        todo.extend(inputs[x])
+    if any(op_name(x) in _SCANS for x in inputs):
+        return "the value written comes out of a scan over several tokens (a prefill or chunked scan)"
+    from_state = _computed_from(state, inputs)
+    if not from_state and value.op != "placeholder":
+        return "the value written does not depend on the state (a reset or an initialisation)"
+    if from_state and all(op_name(x) in _DATA_MOVES for x in from_state):
+        return "the value written is the state moved or indexed, not updated (a KV or convolution window)"
+    return None
+
+
+def _computed_from(state: fx.Node, inputs: dict[fx.Node, list]) -> set[fx.Node]:
+    """The nodes of ``inputs`` (node -> value inputs, a closed set of ancestors) whose value depends on ``state``.
+
+    A fixed point in graph order: in-place writes make edges that point backwards (and cycles, ``T.copy_(T * a)``),
+    which a further sweep picks up."""
+    order = {n: i for i, n in enumerate(state.graph.nodes)}
+    nodes = sorted(inputs, key=order.__getitem__)
+    hit: set[fx.Node] = set()
+    grew = True
+    while grew:
+        grew = False
+        for x in nodes:
+            if x not in hit and any(i is state or i in hit for i in inputs[x]):
+                hit.add(x)
+                grew = True
+    return hit
