@@ -138,3 +138,22 @@ def test_near_misses_stay_unchanged_and_say_why(case, reason, caplog):
     assert not rewrites
     assert len(skipped) == 1 and reason in skipped[0].reason, skipped
     assert any(reason in r.getMessage() for r in caplog.records)
+
+
+class ClonedDeltaStep(DeltaStep):
+    """The step on a copy of the cache that is copied back afterwards (transformers' out-of-place cache update)."""
+
+    def forward(self, state, q, k, v, a, b):
+        t = state.clone()
+        o = super().forward(t, q, k, v, a, b)
+        state.copy_(t)
+        return o
+
+
+@pytest.mark.parametrize("kda", [False, True])
+@pytest.mark.parametrize("spelling", ["hf", "einsum"])
+def test_cloned_state_update_is_rewritten(kda, spelling):
+    from replay_compile.testing.strategies import DeltaGeometry
+    geom = DeltaGeometry(batch=2, HV=4, Hk=2, K=5, V=3, kda=kda)
+    rewrites, skipped = run_both(ClonedDeltaStep(4, 2, 5, 3, kda, spelling), geom, L=3)
+    assert len(rewrites) == 1 and rewrites[0].family == ("kda" if kda else "gdn"), skipped

@@ -97,8 +97,9 @@ def ssu(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False, 
 class KernelStep(torch.nn.Module):
     """A Mamba-2 decode step as transformers writes it when mamba_ssm is installed (per-head parameters expanded)."""
 
-    def __init__(self, gate: bool, tie_hdim: bool = True):
+    def __init__(self, gate: bool, tie_hdim: bool = True, cloned: bool = False):
         super().__init__()
+        self.cloned = cloned        # launched on a copy of the cache that is copied back (transformers >= 5.25)
         g = torch.Generator().manual_seed(1)
         self.A_log = torch.nn.Parameter(torch.rand(H, generator=g))
         self.D = torch.nn.Parameter(torch.randn(H, generator=g))
@@ -107,9 +108,12 @@ class KernelStep(torch.nn.Module):
 
     def forward(self, state, x, dt, B, C, z):
         A = -torch.exp(self.A_log.float())
+        cache, state = state, (state.clone() if self.cloned else state)
         y = ssu(state, x, dt[:, :, None].expand(b, H, P), A[:, None, None].expand(H, P, N), B, C,
                 D=self.D[:, None].expand(H, P), z=z if self.gate else None,
                 dt_bias=self.dt_bias[:, None].expand(H, P), dt_softplus=True, tie_hdim=self.tie_hdim)
+        if self.cloned:
+            cache.copy_(state)
         return y * 1.5
 
 
@@ -149,9 +153,9 @@ def triton_visible_to_dynamo(monkeypatch):
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("gate", [False, True])
-def test_kernel_launch_is_rewritten_and_tracks_the_exact_recurrence(triton_visible_to_dynamo, gate):
-    mod = KernelStep(gate)
+@pytest.mark.parametrize("gate, cloned", [(False, False), (True, False), (True, True)])
+def test_kernel_launch_is_rewritten_and_tracks_the_exact_recurrence(triton_visible_to_dynamo, gate, cloned):
+    mod = KernelStep(gate, cloned=cloned)
     cmod = torch.compile(mod, backend="replayssm", options={"buffer_len": L, "lower": "eager"})
     state = torch.randn(b, H, P, N)
     oracle = state.double().clone()

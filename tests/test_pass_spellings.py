@@ -377,3 +377,119 @@ def test_validation_unwraps_arguments_only_where_a_dtensor_can_appear(monkeypatc
         tree_map=lambda *a, **k: calls.append(1) or real.tree_map(*a, **k)))
     rep = only_report(run_both(HFStyle()))
     assert rep.rewrites and not calls
+
+
+# --- a cloned state, updated, then copied back (transformers 5.25 and later) -------------------------------------
+
+class CloneWriteback(torch.nn.Module):
+    """``T = S.clone(); y = step(T); S.copy_(T)``: the step updates a copy of the cache, which is then copied back."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, state, *args):
+        t = state.clone()
+        y = self.inner(t, *args)
+        state.copy_(t)
+        return y
+
+
+@pytest.mark.parametrize("case, form, per_head_B", [
+    (lambda: HFStyle(), "bmm/grouped", False),
+    (lambda: EinsumRepeatInterleave(), "einsum/grouped", False),
+    (lambda: MethodsAndSum(), "mul-sum", True),
+    (lambda: MatmulReadout(), "matmul", False),
+])
+def test_cloned_state_updates_are_rewritten_and_match_eager(case, form, per_head_B):
+    rep = only_report(run_both(CloneWriteback(case()), per_head_B=per_head_B))
+    assert [r.form for r in rep.rewrites] == [form], [str(s) for s in rep.skipped]
+    assert not rep.skipped
+    assert rep.ops_after["clone"] == 0 and rep.ops_after["copy_"] == 0 and rep.ops_after["mamba2_step"] == 1
+
+
+class ReadBetweenUpdateAndWriteback(CloneWriteback):
+    def forward(self, state, *args):
+        t = state.clone()
+        y = self.inner(t, *args)
+        old = state.sum(-1)                  # the old state, read after the copy was updated
+        state.copy_(t)
+        return y + old
+
+
+class CloneWrittenAfterWriteback(CloneWriteback):
+    def forward(self, state, *args):
+        t = state.clone()
+        y = self.inner(t, *args)
+        state.copy_(t)
+        t.mul_(2.0)
+        return y + t.sum(-1)
+
+
+class CloneUpdatedInPlace(torch.nn.Module):
+    def forward(self, state, x, dt, B, C):
+        t = state.clone()
+        t.mul_(torch.exp(-dt.abs())[:, :, None, None]).add_(x[..., None] * B.repeat_interleave(2, 1)[:, :, None])
+        y = torch.einsum("bhpn,bhn->bhp", t, C.repeat_interleave(2, 1))
+        state.copy_(t)
+        return y
+
+
+class MutatedCloneAsDecayedState(torch.nn.Module):
+    """The update reads a copy of the state that was scaled in place: the copy is not the state (taking it for
+    the state would drop the scaling)."""
+
+    def forward(self, state, x, dt, B, C):
+        t = state.clone()
+        t.mul_(0.5)
+        new = t * torch.exp(-dt.abs())[:, :, None, None] + x[..., None] * B.repeat_interleave(2, 1)[:, :, None]
+        state.copy_(new)
+        return torch.einsum("bhpn,bhn->bhp", new, C.repeat_interleave(2, 1))
+
+
+@pytest.mark.parametrize("case, reason", [
+    (lambda: ReadBetweenUpdateAndWriteback(EinsumRepeatInterleave()), "would see the new value"),
+    (lambda: CloneWrittenAfterWriteback(EinsumRepeatInterleave()), "written again after it is copied back"),
+    (CloneUpdatedInPlace, "only a copy_ of the new value"),
+    (MutatedCloneAsDecayedState, "no term of the form state * decay"),
+])
+def test_cloned_states_that_cannot_be_followed_stay_unchanged_and_say_why(case, reason):
+    rep = only_report(run_both(case()))
+    assert not rep.rewrites
+    assert len(rep.skipped) == 1 and reason in rep.skipped[0].reason, [str(s) for s in rep.skipped]
+    assert not rep.skipped[0].quiet
+
+
+def _skips_of(f, *shapes):
+    replay_compile.clear_reports()
+    torch.compile(f, backend="replayssm", options={"lower": "eager"})(*(torch.randn(*s) for s in shapes))
+    return [s for r in replay_compile.reports() for s in r.skipped]
+
+
+def test_cache_writes_that_are_not_recurrences_are_quiet():
+    def kv_shift(cache, k):
+        cache.copy_(torch.cat([cache[:, :, 1:], k], dim=2))
+        return cache.sum()
+
+    def reset(state, x):
+        state.copy_(torch.zeros_like(state))
+        return x * 2
+
+    def scan(state, x):
+        state.copy_(state * torch.exp(x.cumsum(-1))[..., None, :])
+        return x * 2
+
+    for f, shapes, why in [(kv_shift, [(2, 3, 5, 4), (2, 3, 1, 4)], "moved or indexed"),
+                           (reset, [(2, 3, 5, 4), (2,)], "does not depend on the state"),
+                           (scan, [(2, 3, 5, 4), (2, 3, 4)], "scan over several tokens")]:
+        skips = _skips_of(f, *shapes)
+        assert len(skips) == 1 and skips[0].quiet and why in skips[0].reason, (f.__name__, [str(s) for s in skips])
+
+
+def test_an_unrecognised_recurrence_is_reported_loudly():
+    def f(state, x):
+        state.copy_(torch.tanh(state) + x[..., None])
+        return state.sum(-1)
+
+    skips = _skips_of(f, (2, 3, 5, 4), (2, 3, 5))
+    assert len(skips) == 1 and not skips[0].quiet, [str(s) for s in skips]

@@ -141,9 +141,12 @@ def writers(n: Any) -> list[fx.Node]:
     while todo:
         a = todo.pop()
         for u in a.users:
-            if _writes_operand(u, a):
+            writes = _writes_operand(u, a)
+            if writes:
                 out.append(u)
-            elif op_name(u) in ALIASING and u.args and u.args[0] is a and u not in seen:
+            # an in-place method returns its operand: ``t.mul_(a).add_(b)`` writes t twice
+            if (op_name(u) in ALIASING or (writes and is_inplace(u))) and u.args and u.args[0] is a \
+                    and u not in seen:
                 seen.add(u)
                 todo.append(u)
     return out

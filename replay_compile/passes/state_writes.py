@@ -21,9 +21,10 @@ Two questions every family shares:
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
-from .graph_utils import ALIASING, is_call, op_name, writers
+from .graph_utils import ALIASING, METADATA, is_call, op_name, writers
 
 
 def _aliases(n: fx.Node) -> set[fx.Node]:
@@ -52,6 +53,11 @@ def _refusal(wb: fx.Node, clone: fx.Node, order: dict) -> str | None:
     first, at_wb = min(order[w] for w in writes), order[wb]
     if any(order[w] > at_wb for w in writes):
         return f"`{clone.name}` is written again after it is copied back into the state"
+    other = [w for w in writes if not (op_name(w) == "copy_" and w.args[0] is clone) and not _is_launch(w)]
+    if other:
+        names = ", ".join(f"`{w.name}` ({op_name(w)})" for w in other)
+        return (f"`{clone.name}` is updated in place by {names}; only a copy_ of the new value into it or a kernel "
+                f"launch on it is followed")
     mine = _aliases(clone)
     if any(u.op == "output" for u in _readers(mine)):
         return f"`{clone.name}` is also an output of the graph"
@@ -67,6 +73,10 @@ def _refusal(wb: fx.Node, clone: fx.Node, order: dict) -> str | None:
     if any(order[w] > at_wb for w in writers(state)) and any(order[u] > at_wb for u in _readers(mine)):
         return f"`{clone.name}` is read after the state is written again"
     return None
+
+
+def _is_launch(n: fx.Node) -> bool:
+    return n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator)
 
 
 def forward_clone_writebacks(graph: fx.Graph) -> tuple[list[str], dict[fx.Node, str]]:
@@ -102,17 +112,22 @@ def forward_clone_writebacks(graph: fx.Graph) -> tuple[list[str], dict[fx.Node, 
     return done, refused
 
 
+# ops that read only the shape, dtype and device of their first operand
+_SHAPE_OF_FIRST = METADATA | {"zeros_like", "empty_like", "ones_like", "full_like", "rand_like", "randn_like",
+                              "new_zeros", "new_ones", "new_empty", "new_full"}
 _SCANS = {"cumsum", "cumprod", "logcumsumexp", "cummax", "cummin"}
 # ops that move or select values without computing new ones
 _DATA_MOVES = ALIASING | {"clone", "cat", "concat", "concatenate", "stack", "roll", "flip", "index_select",
                           "gather", "take_along_dim", "pad", "constant_pad_nd", "setitem", "copy_", "index_copy_",
                           "index_copy", "index_put_", "index_put", "scatter", "scatter_", "masked_fill",
-                          "masked_fill_", "where", "zeros_like", "empty_like", "full_like", "ones_like"}
+                          "masked_fill_", "where"} | _SHAPE_OF_FIRST
 
 
 def _value_inputs(n: fx.Node) -> list[fx.Node]:
     """The nodes ``n``'s value is made of: its operands, and what is written into it in place afterwards."""
     out = list(n.all_input_nodes)
+    if op_name(n) in _SHAPE_OF_FIRST and n.args and isinstance(n.args[0], fx.Node):
+        out.remove(n.args[0])
     for w in writers(n):
         out.extend(x for x in w.all_input_nodes if x is not n)
     return out
