@@ -83,7 +83,7 @@ def _run_check(args, title: str) -> int:
 def explain_model(model, ids, buffer_len: int = 16) -> dict:
     """Compile ``model`` with the replayssm backend (eager lowering), run a prefill and two decode steps, and say
     per layer what the pass did: ``{layer: (verdict, detail)}`` with verdict "rewritten", "left unchanged" or
-    "prefill" (state writes of prompt processing, never rewritten by design)."""
+    "not a recurrence" (resets, window shifts and multi-token scans such as prefill: never rewritten by design)."""
     import torch
 
     from . import backend
@@ -107,7 +107,7 @@ def explain_model(model, ids, buffer_len: int = 16) -> dict:
             if sk.layer in verdicts and verdicts[sk.layer][0] == "rewritten":
                 continue
             if sk.quiet:
-                verdicts.setdefault(sk.layer, ("prefill", sk.reason))
+                verdicts.setdefault(sk.layer, ("not a recurrence", sk.reason))
             else:
                 verdicts[sk.layer] = ("left unchanged", sk.reason)
     return verdicts
@@ -125,7 +125,7 @@ def _explain(args) -> int:
     width = max(len(k) for k in verdicts)
     for layer in sorted(verdicts, key=_layer_key):
         verdict, detail = verdicts[layer]
-        print(f"  {layer:<{width}}  {verdict:<14}  {detail}")
+        print(f"  {layer:<{width}}  {verdict:<16}  {detail}")
     n = sum(1 for v, _ in verdicts.values() if v == "rewritten")
     print(f"  {n} of {len(verdicts)} state-writing layers rewritten")
     return 0
