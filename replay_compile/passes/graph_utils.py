@@ -130,26 +130,28 @@ def _writes_operand(u: fx.Node, a: fx.Node) -> bool:
     return False
 
 
-def writers(n: Any) -> list[fx.Node]:
-    """The calls that may write ``n``'s memory after it is computed: in-place methods and functions, ``setitem``,
-    ``out=`` and ``inplace=True`` arguments, ops whose schema writes an argument and higher-order ops (Triton
-    launches), applied to ``n`` or to a view of it. Reads of ``n`` after one of them do not see the value ``n``
-    was computed as, so such a node is never taken as value-preserving."""
-    if not isinstance(n, fx.Node):
-        return []
-    out, seen, todo = [], {n}, [n]
+def aliases(n: fx.Node) -> set[fx.Node]:
+    """``n`` and every node that may share its memory: views, no-op casts, and in-place results (an in-place
+    method returns its operand, so ``t.mul_(a).add_(b)`` writes ``t`` twice)."""
+    out, todo = {n}, [n]
     while todo:
         a = todo.pop()
         for u in a.users:
-            writes = _writes_operand(u, a)
-            if writes:
-                out.append(u)
-            # an in-place method returns its operand: ``t.mul_(a).add_(b)`` writes t twice
-            if (op_name(u) in ALIASING or (writes and is_inplace(u))) and u.args and u.args[0] is a \
-                    and u not in seen:
-                seen.add(u)
+            if u not in out and u.args and u.args[0] is a and (
+                    op_name(u) in ALIASING or (is_inplace(u) and _writes_operand(u, a))):
+                out.add(u)
                 todo.append(u)
     return out
+
+
+def writers(n: Any) -> list[fx.Node]:
+    """The calls that may write ``n``'s memory after it is computed: in-place methods and functions, ``setitem``,
+    ``out=`` and ``inplace=True`` arguments, ops whose schema writes an argument and higher-order ops (Triton
+    launches), applied to ``n`` or to one of its :func:`aliases`. Reads of ``n`` after one of them do not see the
+    value ``n`` was computed as, so such a node is never taken as value-preserving."""
+    if not isinstance(n, fx.Node):
+        return []
+    return [u for a in aliases(n) for u in a.users if _writes_operand(u, a)]
 
 
 def is_value_cast(n: Any) -> bool:

@@ -24,19 +24,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .graph_utils import ALIASING, METADATA, is_call, op_name, writers
-
-
-def _aliases(n: fx.Node) -> set[fx.Node]:
-    """``n`` and every node that may share its memory through views and no-op casts."""
-    out, todo = {n}, [n]
-    while todo:
-        a = todo.pop()
-        for u in a.users:
-            if op_name(u) in ALIASING and u.args and u.args[0] is a and u not in out:
-                out.add(u)
-                todo.append(u)
-    return out
+from .graph_utils import ALIASING, METADATA, aliases, is_call, op_name, writers
 
 
 def _readers(nodes: set[fx.Node]) -> list[fx.Node]:
@@ -44,12 +32,10 @@ def _readers(nodes: set[fx.Node]) -> list[fx.Node]:
     return [u for a in nodes for u in a.users if u not in nodes]
 
 
-def _refusal(wb: fx.Node, clone: fx.Node, order: dict) -> str | None:
-    """Why ``wb = S.copy_(clone)`` with ``clone = S.clone()`` cannot be folded into in-place updates of ``S``."""
+def _refusal(wb: fx.Node, clone: fx.Node, writes: list[fx.Node], order: dict) -> str | None:
+    """Why ``wb = S.copy_(clone)``, with ``clone = S.clone()`` written by ``writes``, cannot be folded into
+    in-place updates of ``S``."""
     state = wb.args[0]
-    writes = writers(clone)
-    if not writes:
-        return None
     first, at_wb = min(order[w] for w in writes), order[wb]
     if any(order[w] > at_wb for w in writes):
         return f"`{clone.name}` is written again after it is copied back into the state"
@@ -58,19 +44,19 @@ def _refusal(wb: fx.Node, clone: fx.Node, order: dict) -> str | None:
         names = ", ".join(f"`{w.name}` ({op_name(w)})" for w in other)
         return (f"`{clone.name}` is updated in place by {names}; only a copy_ of the new value into it or a kernel "
                 f"launch on it is followed")
-    mine = _aliases(clone)
+    mine = aliases(clone)
     if any(u.op == "output" for u in _readers(mine)):
         return f"`{clone.name}` is also an output of the graph"
-    theirs = _aliases(state)
-    for u in _readers(theirs):
+    state_writers = set(writers(state))
+    for u in _readers(aliases(state)):
         if u is clone or u is wb:
             continue
-        if order[clone] < order[u] < at_wb and u in writers(state):
+        if order[clone] < order[u] < at_wb and u in state_writers:
             return f"the state is written by `{u.name}` while `{clone.name}` holds a copy of it"
         if first < order[u] < at_wb:
             return (f"the state is read by `{u.name}` ({op_name(u)}) after `{clone.name}` is updated and before it "
                     f"is copied back: it would see the new value instead of the old one")
-    if any(order[w] > at_wb for w in writers(state)) and any(order[u] > at_wb for u in _readers(mine)):
+    if any(order[w] > at_wb for w in state_writers) and any(order[u] > at_wb for u in _readers(mine)):
         return f"`{clone.name}` is read after the state is written again"
     return None
 
@@ -98,12 +84,13 @@ def forward_clone_writebacks(graph: fx.Graph) -> tuple[list[str], dict[fx.Node, 
         state, clone = wb.args[0], wb.args[1]
         if not (isinstance(state, fx.Node) and is_call(clone, "clone") and clone.args and clone.args[0] is state):
             continue
-        why = _refusal(wb, clone, order)
+        writes = writers(clone)
+        if not writes:
+            continue            # S.copy_(S.clone()): a no-op the matchers already see through
+        why = _refusal(wb, clone, writes, order)
         if why is not None:
             refused[wb] = why
             continue
-        if not writers(clone):
-            continue            # S.copy_(S.clone()): a no-op the matchers already see through
         clone.replace_all_uses_with(state)          # also turns the write-back into S.copy_(S)
         wb.replace_all_uses_with(state)
         graph.erase_node(wb)
