@@ -32,7 +32,7 @@ def _torch_setup(threads: int | None):
 def _build(args):
     import torch
 
-    from .testing.hf_models import DELTA_FAMILY, MAMBA2_FAMILY, make_inputs
+    from .testing.hf_models import DELTA_FAMILY, MAMBA2_FAMILY, available, make_inputs
     builders = {**MAMBA2_FAMILY, **DELTA_FAMILY}
 
     dtype = getattr(torch, args.dtype)
@@ -46,6 +46,10 @@ def _build(args):
     else:
         if args.family not in builders:
             raise SystemExit(f"replay-compile: unknown family {args.family!r}; choose from {sorted(builders)}")
+        if not available(args.family):
+            import transformers
+            raise SystemExit(f"replay-compile: family {args.family!r} is not in the installed transformers "
+                             f"{transformers.__version__}; upgrade transformers or choose another family")
         model = builders[args.family](dtype=dtype, seed=args.seed)
         name = f"tiny {type(model).__name__} (embedded config, random weights, seed {args.seed})"
     ids = make_inputs(model, batch=args.batch, prompt_len=args.prompt_len, seed=args.seed)

@@ -6,6 +6,8 @@ pytest.importorskip("transformers")
 
 from replay_compile.cli import main  # noqa: E402
 
+pytestmark = pytest.mark.hf
+
 
 def test_verify_passes_on_a_supported_model(capsys):
     assert main(["verify", "--family", "mamba2", "--lower", "eager", "--tokens", "33", "--buffer-len", "8"]) == 0

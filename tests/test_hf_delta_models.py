@@ -11,6 +11,8 @@ import replay_compile  # noqa: E402
 from replay_compile.testing import check_equivalence  # noqa: E402
 from replay_compile.testing.hf_models import DELTA_FAMILY, make_inputs  # noqa: E402
 
+pytestmark = pytest.mark.hf
+
 EXPECT = {  # family, key heads (4 value heads in every tiny config)
     "qwen3_next": ("gdn", 2), "qwen3_5": ("gdn", 2), "qwen3_5_moe": ("gdn", 2), "kimi_linear": ("kda", 4),
 }

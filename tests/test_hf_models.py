@@ -33,18 +33,13 @@ import replay_compile.kernels.mamba2_reference as mamba2_reference  # noqa: E402
 from replay_compile import state as replay_state  # noqa: E402
 from replay_compile.integrations import hf as hf_integration  # noqa: E402
 from replay_compile.bench import cache_kwarg  # noqa: E402
-from replay_compile.testing.hf_models import MAMBA2_FAMILY, make_inputs  # noqa: E402
+from replay_compile.testing.hf_models import MAMBA2_FAMILY, available, make_inputs  # noqa: E402
 
-# transformers >= 5.2x takes the cache as ``cache=`` everywhere; older 5.x names it per model (past_key_values,
-# cache_params). Forward calls below look the name up; tests that hand a cache to ``generate`` need the new API.
-NEW_CACHE_API = "cache" in __import__("inspect").signature(GenerationMixin.generate).parameters or \
-    "cache" in __import__("inspect").signature(transformers.Mamba2ForCausalLM.forward).parameters
-needs_cache_kwarg = pytest.mark.skipif(not NEW_CACHE_API, reason=f"transformers {transformers.__version__} names the "
-                                       "cache argument per model; these tests pass cache= to generate (needs >= 5.2x)")
 
 pytestmark = pytest.mark.hf
 
-FAMILIES = sorted(MAMBA2_FAMILY)
+FAMILIES = [pytest.param(f, marks=pytest.mark.skipif(not available(f), reason=f"{f} is not in transformers "
+                                                    f"{transformers.__version__}")) for f in sorted(MAMBA2_FAMILY)]
 L = 16                  # buffer length: the default, passed explicitly (REPLAY_COMPILE_BUFFER_LEN cannot change it)
 NEW = 40                # >= 2L + 1 new tokens: two flushes inside generate, records held at the end
 DECODE_STEPS = NEW - 1  # the first new token comes from the prefill
@@ -70,7 +65,12 @@ def compile_forward(model, lower="inductor"):
     return model
 
 
-def generate(model, input_ids, **kw):
+def generate(model, input_ids, cache=None, **kw):
+    """Greedy ``generate``; ``cache`` is handed over under the name this transformers version's forward takes
+    (``cache`` from 5.2x on, ``past_key_values`` / ``cache_params`` before), which is also the name ``generate``
+    looks for."""
+    if cache is not None:
+        kw[cache_kwarg(model)] = cache
     kw.setdefault("max_new_tokens", NEW)
     kw.setdefault("return_dict_in_generate", True)
     with torch.no_grad():
@@ -254,7 +254,6 @@ def test_bf16_tolerance_catches_a_10_percent_decay_error(bf16_reference, monkeyp
 # StaticLayer (nemotron_h: also a DummyLayer for its MLP block). The three families below cover every layer kind.
 # On CPU, generate does not auto-compile with a static cache (it only does on cuda/xpu/... devices).
 
-@needs_cache_kwarg
 @pytest.mark.parametrize("family", ["mamba2", "nemotron_h", "falcon_h1"])
 def test_static_cache_generate_matches_eager(family):
     ref, model = build(family), build(family)
@@ -309,7 +308,6 @@ def test_static_cache_with_transformers_auto_compile():
 
 # -- 4. caches reused by transformers --------------------------------------------------------------------------------
 
-@needs_cache_kwarg
 def test_continue_generate_from_returned_cache():
     """``generate(out1.sequences, cache=out1.cache)``. HF infers padding from pad tokens (id 0) in the prompt, and
     these models do generate 0, so the all-ones mask is passed explicitly. With an attention layer HF then feeds
@@ -364,7 +362,6 @@ def _uninstall_hf_integration(monkeypatch):
                 monkeypatch.setattr(owner, name, fn.__wrapped__)
 
 
-@needs_cache_kwarg
 def test_first_compiled_generate_of_a_process_leaves_the_true_state(monkeypatch):
     """The integration is installed by the first compile, i.e. inside the first compiled ``generate``, after that
     call entered the unwrapped ``generate``. The cache it returns (or the one the user passed in) must still hold the
@@ -383,7 +380,6 @@ def test_first_compiled_generate_of_a_process_leaves_the_true_state(monkeypatch)
     assert_states_close(mine, returned_cache(want))
 
 
-@needs_cache_kwarg
 @pytest.mark.slow
 def test_cache_reset_then_new_prefill_on_the_same_cache():
     """``cache.reset()`` zeroes the state tensors in place and a new prompt is prefilled into the same objects; the
@@ -404,7 +400,11 @@ def test_cache_reset_then_new_prefill_on_the_same_cache():
         assert all(a is b for a, b in zip(recurrent_states(cache), tensors))
         return out1, out2
 
-    (want1, want2), (got1, got2) = run(ref), run(model)
+    try:
+        want1, want2 = run(ref)
+    except RuntimeError as e:   # transformers 5.17's reset() keeps the attention length: the new prompt is cut to 0
+        pytest.skip(f"transformers {transformers.__version__} itself cannot prefill a reset cache eagerly: {e}")
+    got1, got2 = run(model)
     assert torch.equal(got1.sequences, want1.sequences)
     assert torch.equal(got2.sequences, want2.sequences)
     assert not torch.equal(got2.sequences[:, 5:], got1.sequences[:, 5:])

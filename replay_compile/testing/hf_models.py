@@ -177,6 +177,29 @@ def _builder(cfg_fn: Callable[[], Any]) -> Callable[..., torch.nn.Module]:
     return build
 
 
+def _build_nemotron_h_omni(dtype: torch.dtype = torch.float32, seed: int = 0, initializer_range: float = 0.5,
+                           **overrides) -> torch.nn.Module:
+    """Build a tiny random NemotronH-Omni (the NemotronH language model above behind a one-layer RADIO vision tower,
+    no audio tower; eval mode). Text-only prompts decode through its NemotronH language model. ``overrides`` go to
+    the text config."""
+    import transformers
+    cfg_cls = getattr(transformers, "NemotronH_Omni_Reasoning_V3_Config", None)
+    if cfg_cls is None:
+        raise RuntimeError(f"nemotron_h_omni is not in transformers {transformers.__version__} (it is from 5.2x on)")
+    _, text = _nemotron_h_cfg()
+    vision = dict(model_type="radio", hidden_size=16, num_hidden_layers=1, num_attention_heads=2, patch_size=4,
+                  image_size=16, max_img_size=32, video_temporal_patch_size=2)
+    config = cfg_cls(text_config=dict(model_type="nemotron_h", **{**text, "initializer_range": initializer_range,
+                                                                   **overrides}),
+                     vision_config=vision, projector_hidden_size=16, vision_hidden_size=16)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.NemotronH_Omni_Reasoning_V3(config)
+    _perturb_ssm(model, seed)
+    model.generation_config.eos_token_id = None
+    return model.to(dtype).eval()
+
+
 MAMBA2_FAMILY: Dict[str, Callable[..., torch.nn.Module]] = {
     "mamba2": _builder(_mamba2_cfg),
     "bamba": _builder(_bamba_cfg),
@@ -184,13 +207,30 @@ MAMBA2_FAMILY: Dict[str, Callable[..., torch.nn.Module]] = {
     "falcon_h1": _builder(_falcon_h1_cfg),
     "zamba2": _builder(_zamba2_cfg),
     "granitemoehybrid": _builder(_granitemoehybrid_cfg),
+    "nemotron_h_omni": _build_nemotron_h_omni,
 }
+
+# The transformers class each family needs: families newer than the oldest supported transformers are built only
+# where their class exists (``available``).
+_FAMILY_CLASS = {"nemotron_h_omni": "NemotronH_Omni_Reasoning_V3"}
+
+
+def available(family: str) -> bool:
+    """Whether the installed transformers has ``family`` (all but the newest families are in every supported
+    version)."""
+    import transformers
+    return hasattr(transformers, _FAMILY_CLASS.get(family, "PreTrainedModel"))
+
+
+def vocab_size(model) -> int:
+    """The model's vocabulary size (a multimodal model keeps it in its text config)."""
+    return model.config.get_text_config().vocab_size
 
 
 def make_inputs(model, batch: int = 2, prompt_len: int = 5, seed: int = 0) -> torch.Tensor:
     """Random prompt ids in [3, vocab) (avoids pad/bos/eos), shape [batch, prompt_len]."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, model.config.vocab_size, (batch, prompt_len), generator=g)
+    return torch.randint(3, vocab_size(model), (batch, prompt_len), generator=g)
 
 
 # --- delta-rule families (Gated DeltaNet: Qwen3-Next, Qwen3.5 dense/MoE; KDA: Kimi-Linear) -----------------------
