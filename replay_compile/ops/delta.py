@@ -23,7 +23,8 @@ from torch import Tensor
 
 from ..kernels import delta_reference as ref
 from .library import replay_op
-from .mamba2 import _STATE_DTYPES, check_token_args, use_triton
+from .checks import STATE_DTYPES, check_cursor_values, check_float_rings, check_token_args
+from .mamba2 import use_triton
 
 
 def _fail(msg: str):
@@ -34,8 +35,9 @@ def check_ring_args(state, d_ring, k_ring, g_ring, cursor):
     """Validate the persistent tensors; raise a ValueError naming the tensor, its shape and the fix."""
     if state.dim() != 4:
         _fail(f"state must be [S, HV, K, V], got shape {tuple(state.shape)}")
-    if state.dtype not in _STATE_DTYPES:
-        _fail(f"state dtype {state.dtype} unsupported; use one of {_STATE_DTYPES}")
+    if state.dtype not in STATE_DTYPES:
+        _fail(f"state dtype {state.dtype} unsupported; use one of {STATE_DTYPES}")
+    check_float_rings((("d_ring", d_ring), ("k_ring", k_ring)), _fail)
     S, HV, K, V = state.shape
     if d_ring.dim() != 4 or tuple(d_ring.shape[:2]) != (S, HV) or d_ring.shape[3] != V:
         _fail(f"d_ring must be [S={S}, HV={HV}, L, V={V}], got {tuple(d_ring.shape)}")
@@ -72,6 +74,7 @@ def check_step_args(state, d_ring, k_ring, g_ring, cursor, q, k, v, g, beta, slo
     if tuple(beta.shape) != (b, HV):
         _fail(f"beta must be [b={b}, HV={HV}], got {tuple(beta.shape)}")
     check_token_args((("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)), slot_idx, b, S, _fail)
+    check_cursor_values(cursor, d_ring.shape[2], slot_idx, S, _fail)
 
 
 @replay_op("replay_compile::delta_step", mutates_args=("state", "d_ring", "k_ring", "g_ring", "cursor"))
@@ -115,6 +118,7 @@ def delta_flush(state: Tensor, d_ring: Tensor, k_ring: Tensor, g_ring: Tensor, c
                 slot_idx: Optional[Tensor] = None) -> None:
     """Fold every held record into the checkpoint and reset the cursor (see :func:`delta_replay_flush_reference`)."""
     check_ring_args(state, d_ring, k_ring, g_ring, cursor)
+    check_cursor_values(cursor, d_ring.shape[2], slot_idx, state.shape[0], _fail)
     ref.delta_replay_flush_reference(state, d_ring, k_ring, g_ring, cursor, slot_idx)
 
 
@@ -128,6 +132,7 @@ def delta_materialize(state: Tensor, d_ring: Tensor, k_ring: Tensor, g_ring: Ten
                       count: Optional[Tensor] = None, slot_idx: Optional[Tensor] = None) -> Tensor:
     """The true state after ``count`` records per row, out of place (see :func:`delta_replay_materialize_reference`)."""
     check_ring_args(state, d_ring, k_ring, g_ring, cursor)
+    check_cursor_values(cursor, d_ring.shape[2], slot_idx, state.shape[0], _fail, count)
     return ref.delta_replay_materialize_reference(state, d_ring, k_ring, g_ring, cursor, count, slot_idx)
 
 

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from ..kernels import delta_readcopy_reference as rcref
 from ..kernels.mamba2_reference import _compute_dtype
+from .checks import check_cursor_values
 from .delta import _fail, check_ring_args, check_step_args, use_triton
 from .library import replay_op
 from .mamba2_readcopy import as_copy
@@ -83,6 +84,7 @@ def delta_flush_rc(
 ) -> None:
     """Exact fold of every held record (raw rings), the copy rewritten, cursor to 0."""
     check_ring_args(state, d_ring, k_ring, g_ring, cursor)
+    check_cursor_values(cursor, d_ring.shape[2], slot_idx, state.shape[0], _fail)
     _check_raw(state, d_ring, v_ring, beta_ring)
     enc = as_copy(fmt, state, (copy0, copy1, copy2), _fail)
     rcref.delta_flush_readcopy_reference(state, enc, fmt, d_ring, k_ring, g_ring, v_ring, beta_ring, cursor, slot_idx)
@@ -100,6 +102,7 @@ def delta_materialize_rc(
 ) -> Tensor:
     """The true state after ``count`` records per row (exact, from the raw rings), out of place."""
     check_ring_args(state, d_ring, k_ring, g_ring, cursor)
+    check_cursor_values(cursor, d_ring.shape[2], slot_idx, state.shape[0], _fail, count)
     _check_raw(state, d_ring, v_ring, beta_ring)
     return rcref.delta_materialize_readcopy_reference(state, d_ring, k_ring, g_ring, v_ring, beta_ring, cursor,
                                                       count, slot_idx)

@@ -189,8 +189,19 @@ class ReplayOp:
         torch.library.register_torch_dispatch(f"{NAMESPACE}::{self.name}", FunctionalTensorMode, rule, lib=_LIB)
 
     def register_fake(self, fn: Callable) -> Callable:
-        """Decorator: the shape / dtype function used under FakeTensor (tracing, torch.compile)."""
-        torch.library.register_fake(f"{NAMESPACE}::{self.name}", fn, lib=_LIB)
+        """Decorator: the shape / dtype function used under FakeTensor (tracing, torch.compile). torch also runs it
+        for real meta tensors, which it refuses: a meta tensor has no data for the op to read or write (a fake
+        tensor reports the device it stands for, never ``meta``)."""
+        params, name = self._params, self.name
+
+        def fake(*args, **kwargs):
+            for pname, a in [*zip(params, args), *kwargs.items()]:
+                if isinstance(a, torch.Tensor) and a.device.type == "meta":
+                    raise ValueError(f"replay_compile.{name}: {pname} is a meta tensor (no data); run the op on real "
+                                     "tensors, or trace shapes under FakeTensorMode / torch.compile")
+            return fn(*args, **kwargs)
+
+        torch.library.register_fake(f"{NAMESPACE}::{self.name}", fake, lib=_LIB)
         return fn
 
     def __call__(self, *args, **kwargs):

@@ -20,10 +20,8 @@ import torch
 from torch import Tensor
 
 from ..kernels import mamba2_reference as ref
+from .checks import STATE_DTYPES, check_cursor_values, check_float_rings, check_token_args
 from .library import replay_op
-
-_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-_STATE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def use_triton() -> bool:
@@ -39,8 +37,9 @@ def check_ring_args(state, x_ring, dt_ring, la_ring, B_ring, cursor):
     """Validate the persistent tensors; raise a ValueError naming the tensor, its shape and the fix."""
     if state.dim() != 4:
         _fail(f"state must be [S, H, P, N], got shape {tuple(state.shape)}")
-    if state.dtype not in _STATE_DTYPES:
-        _fail(f"state dtype {state.dtype} unsupported; use one of {_STATE_DTYPES}")
+    if state.dtype not in STATE_DTYPES:
+        _fail(f"state dtype {state.dtype} unsupported; use one of {STATE_DTYPES}")
+    check_float_rings((("x_ring", x_ring), ("B_ring", B_ring)), _fail)
     S, H, P, N = state.shape
     if x_ring.dim() != 4 or tuple(x_ring.shape[:2]) != (S, H) or x_ring.shape[3] != P:
         _fail(f"x_ring must be [S={S}, H={H}, L, P={P}], got {tuple(x_ring.shape)}")
@@ -75,19 +74,7 @@ def check_step_args(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, 
     if C.dim() != 3 or C.shape[0] != b or C.shape[2] != N or H % C.shape[1]:
         _fail(f"C must be [b={b}, Gc, N={N}] with H % Gc == 0, got {tuple(C.shape)}")
     check_token_args((("x", x), ("dt", dt), ("la", la), ("B", B), ("C", C)), slot_idx, b, S, _fail)
-
-
-def check_token_args(named, slot_idx, b: int, S: int, fail) -> None:
-    """Per-token tensors are floats; ``slot_idx`` is int32/int64 [b], or absent with b == S. ``fail`` raises with
-    the family's prefix. Shared by the families' op checks."""
-    for name, t in named:
-        if t.dtype not in _FLOATS:
-            fail(f"{name} dtype {t.dtype} unsupported")
-    if slot_idx is None:
-        if b != S:
-            fail(f"without slot_idx the batch ({b}) must equal the number of state slots ({S})")
-    elif tuple(slot_idx.shape) != (b,) or slot_idx.dtype not in (torch.int32, torch.int64):
-        fail(f"slot_idx must be int32/int64 [b={b}], got {slot_idx.dtype} {tuple(slot_idx.shape)}")
+    check_cursor_values(cursor, x_ring.shape[2], slot_idx, S, _fail)
 
 
 @replay_op(
@@ -135,6 +122,7 @@ def mamba2_flush(
 ) -> None:
     """Fold every held record into the checkpoint and reset the cursor (see :func:`replay_flush_reference`)."""
     check_ring_args(state, x_ring, dt_ring, la_ring, B_ring, cursor)
+    check_cursor_values(cursor, x_ring.shape[2], slot_idx, state.shape[0], _fail)
     ref.replay_flush_reference(state, x_ring, dt_ring, la_ring, B_ring, cursor, slot_idx)
 
 
@@ -150,6 +138,7 @@ def mamba2_materialize(
 ) -> Tensor:
     """The true state after ``count`` records per row, out of place (see :func:`replay_materialize_reference`)."""
     check_ring_args(state, x_ring, dt_ring, la_ring, B_ring, cursor)
+    check_cursor_values(cursor, x_ring.shape[2], slot_idx, state.shape[0], _fail, count)
     return ref.replay_materialize_reference(state, x_ring, dt_ring, la_ring, B_ring, cursor, count, slot_idx)
 
 
