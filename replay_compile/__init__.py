@@ -3,7 +3,8 @@
     import torch, replay_compile
     model.forward = torch.compile(model.forward, backend="replayssm")
 
-Public API: :class:`ReplayConfig`, :func:`flush`, :func:`reset`, :func:`materialize`, :func:`replayssm_backend`.
+Public API: :class:`ReplayConfig`, :class:`ReplayTensor`, :func:`protect`, :func:`flush`, :func:`reset`,
+:func:`materialize`, :func:`replayssm_backend`.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from . import ops  # noqa: F401 - registers torch.ops.replay_compile.*
 from .backend import clear_reports, replayssm_backend, reports
 from .config import ReplayConfig
 from .errors import ReplayCompileError
-from .state import flush, materialize, reset
+from .replay_tensor import ReplayTensor
+from .state import flush, materialize, protect, reset
 
 __version__ = "0.1.0"
-__all__ = ["ReplayConfig", "ReplayCompileError", "clear_reports", "flush", "materialize", "replayssm_backend",
-           "reports", "reset"]
+__all__ = ["ReplayConfig", "ReplayCompileError", "ReplayTensor", "clear_reports", "flush", "materialize", "protect",
+           "replayssm_backend", "reports", "reset"]
 
 
 def _register_backend() -> None:

@@ -20,7 +20,8 @@ from . import ops  # noqa: F401 - registers the custom ops
 from . import state as replay_state
 from ._logging import log, timed_phase
 from .config import ReplayConfig, env_flag
-from .passes.replay_pass import PassResult, ReplaySSMPass
+from .passes.replay_pass import PassResult, ReplaySSMPass, copy_graph_module
+from .replay_tensor import ReplayTensor
 
 
 _REPORTS: collections.deque = collections.deque(maxlen=256)
@@ -42,15 +43,21 @@ class ReplayRunner:
     if the tensor was written by someone else since our last step, and append its rings to the arguments. States
     this graph reads without stepping them are flushed first, so it sees the true state. When the same tensors come
     back unwritten (a decode loop), the last call's states are reused without looking them up (:meth:`_fast_path`).
+
+    A cache state that is a :class:`~replay_compile.replay_tensor.ReplayTensor` reaches the compiled graph as its
+    checkpoint (``wrapped_idxs``): the graph was lowered for plain tensors, so the wrapper costs nothing per step
+    beyond one attribute read, and a wrapper this graph does not step is folded first like any other read state.
     """
 
-    def __init__(self, compiled, result: PassResult, reader_idxs: list[int], owner_ids: set[int]):
+    def __init__(self, compiled, result: PassResult, reader_idxs: list[int], wrapped_idxs: list[int] = ()):
         self.compiled = compiled
         self.sites = list(result.sites)
         self.rewrites = list(result.rewrites)
         self.skipped = list(result.skipped)
         self.reader_idxs = reader_idxs
-        self.owner_ids = owner_ids
+        self.wrapped_idxs = list(wrapped_idxs)
+        stepped = {s.state_index for s in self.sites}
+        self.wrapped_readers = [i for i in self.wrapped_idxs if i not in stepped]
 
     def __call__(self, *args):
         fast = self._fast_path(args) if self._generation == replay_state.generation() else None
@@ -60,10 +67,21 @@ class ReplayRunner:
                 rs = replay_state.lookup(args[i])
                 if rs is not None and rs.dirty:
                     rs.flush()
-        out = self.compiled(*args, *extra)     # Dynamo calls backends' results unboxed, so do we
-        for i, rs in states:
-            rs.version = replay_state.tensor_version(args[i])
-            rs.dirty = True
+        for i in self.wrapped_readers:
+            args[i].fold()
+        if self.wrapped_idxs:
+            args = list(args)
+            for i in self.wrapped_idxs:
+                args[i] = args[i].checkpoint
+        try:
+            out = self.compiled(*args, *extra)     # Dynamo calls backends' results unboxed, so do we
+        finally:
+            # also when the step raised (an interrupt, an out-of-memory error in a later layer): the layers whose
+            # op ran have written their own state, which must not be taken for an outside write at the next step
+            for i, rs in states:
+                rs.version = replay_state.tensor_version(args[i])
+                rs.dirty = True
+        for _, rs in states:
             rs.steps += 1
         return out
 
@@ -71,14 +89,17 @@ class ReplayRunner:
         """The slow path: find (or create) each site's replay state and reset it after an external write; remember
         ``[(arg index, replay state)]`` for :meth:`_fast_path`. Returns them and the ring arguments."""
         extra, states = [], []
+        # the parameters of the call, not of the example inputs: one compiled graph serves every instance of a
+        # model class, and flush(model) finds a state through the model that stepped it
+        owners = {id(a) for a in args if isinstance(a, torch.nn.Parameter)}
         for site in self.sites:
             st = args[site.state_index]
             rs = replay_state.lookup(st)
             if rs is None or rs.spec != site.spec:
                 rs = replay_state.bind(st, site.spec, site.layer)
-                rs.owners |= self.owner_ids
             else:
-                rs.check_external_write(st)
+                rs.check_external_write(st.checkpoint if isinstance(st, ReplayTensor) else st)
+            rs.owners |= owners
             extra.extend(rs.rings)
             states.append((site.state_index, rs))
         # held strongly, but a state whose cache tensor died has dropped its rings (state.bind): a finished
@@ -94,6 +115,10 @@ class ReplayRunner:
         extra = []
         for i, rs in self._bound:
             t = args[i]
+            if type(t) is ReplayTensor:
+                if t.replay is not rs:
+                    return None
+                t = t.checkpoint
             if rs._state() is not t or replay_state.tensor_version(t) != rs.version:
                 return None
             extra += rs.rings
@@ -110,15 +135,41 @@ def _inductor_has(option: str) -> bool:
     return hasattr(inductor_config, option)
 
 
-def _owner_ids(example_inputs: Sequence) -> set[int]:
-    return {id(t) for t in example_inputs if isinstance(t, torch.nn.Parameter)}
-
-
 def _reader_idxs(example_inputs: Sequence, result: PassResult) -> list[int]:
+    """Plain inputs that may be cache states the graph reads without stepping (wrapped states are known exactly)."""
     stepped = {s.state_index for s in result.sites}
     return [i for i, t in enumerate(example_inputs)
-            if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter) and t.dim() >= 3
+            if isinstance(t, torch.Tensor) and not isinstance(t, (torch.nn.Parameter, ReplayTensor)) and t.dim() >= 3
             and t.is_floating_point() and i not in stepped]
+
+
+def _unwrap_inputs(gm: fx.GraphModule, example_inputs: list, result: PassResult) -> tuple[fx.GraphModule, list]:
+    """Make the graph take each ``ReplayTensor`` input as its checkpoint: the placeholder's example value becomes
+    the checkpoint's (fake, in Dynamo's fake mode), keeping its static-address mark for CUDA graphs."""
+    idxs = [i for i, t in enumerate(example_inputs) if isinstance(t, ReplayTensor)]
+    if not idxs:
+        return gm, example_inputs
+    if not result.sites:            # the pass returned Dynamo's own graph: change a copy
+        gm = copy_graph_module(gm)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    fake_mode = torch._guards.detect_fake_mode()
+    inputs = list(example_inputs)
+    for i in idxs:
+        ckpt = inputs[i].checkpoint
+        if fake_mode is not None:
+            # a fresh fake with static sizes, not ``from_tensor(ckpt)``: Dynamo already fakified the checkpoint as
+            # the wrapper's inner tensor, possibly with symbolic sizes, and the fake mode would return that one
+            with fake_mode:
+                ckpt = torch.empty_strided(ckpt.shape, ckpt.stride(), dtype=ckpt.dtype, device=ckpt.device)
+        inputs[i] = ckpt
+        node = placeholders[i]
+        node.meta["example_value"] = ckpt
+        node.meta["tensor_dict"] = {**node.meta.get("tensor_dict", {}),
+                                    "_dynamo_static_input_type": "unguarded"}
+        if "val" in node.meta:
+            node.meta["val"] = node.meta["example_value"]
+    gm.recompile()
+    return gm, inputs
 
 
 def _lower(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig, mode: str | None, lower_opts: dict):
@@ -180,10 +231,12 @@ def replayssm_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | 
         # µs; Inductor's combo kernels launch such independent kernels as one (H200, Qwen3.5-4B dims, 8 layers,
         # bs1: 0.90x -> 0.97x of plain torch.compile; Mamba-2 1.28x -> 1.52x). A user's own setting wins.
         lower_opts.setdefault("combo_kernels", True)
-    compiled = _lower(gm, list(example_inputs) + result.fake_inputs, cfg, mode, lower_opts)
+    gm, inputs = _unwrap_inputs(gm, list(example_inputs), result)
+    wrapped = [i for i, t in enumerate(example_inputs) if isinstance(t, ReplayTensor)]
+    compiled = _lower(gm, inputs + result.fake_inputs, cfg, mode, lower_opts)
     readers = _reader_idxs(example_inputs, result)
-    if not result.sites and not readers:
+    if not result.sites and not readers and not wrapped:
         return compiled
-    log.debug("replay_compile: graph with %d rewrites, %d skipped, %d possible state readers",
-              len(result.rewrites), len(result.skipped), len(readers))
-    return ReplayRunner(compiled, result, readers, _owner_ids(example_inputs))
+    log.debug("replay_compile: graph with %d rewrites, %d skipped, %d possible state readers, %d wrapped states",
+              len(result.rewrites), len(result.skipped), len(readers), len(wrapped))
+    return ReplayRunner(compiled, result, readers, wrapped)

@@ -5,7 +5,10 @@ steps that tensor and is shared by every graph that steps it afterwards (recompi
 several ``generate`` calls), because it is keyed by the tensor itself, not by the graph. A new cache object has new
 tensors and so gets fresh rings: nothing stale can leak from one cache to the next.
 
-Between flushes the cache tensor holds the *checkpoint*, not the current state. Three rules keep that invisible:
+Between flushes the cache tensor holds the *checkpoint*, not the current state. A cache whose states are
+:class:`~replay_compile.replay_tensor.ReplayTensor`s (``generate``'s, or any after :func:`protect`) makes that
+invisible by itself: the wrapper carries this replay state and folds it in before any other use. For plain state
+tensors three rules apply:
 
 * a write to the cache by anyone else (``cache.reset()``, a new prefill) bumps the tensor's version counter; the
   next step sees it and drops the held records (the new contents are the truth);
@@ -17,6 +20,7 @@ Between flushes the cache tensor holds the *checkpoint*, not the current state. 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
 from typing import Any, Iterator, Optional
@@ -202,13 +206,23 @@ class ReplayState:
     def cursor(self) -> torch.Tensor:
         return self.rings[-1]
 
+    def _mode(self):
+        """Inference mode where the state or its rings were made in it: writing them in place is then allowed only
+        inside inference mode, and a fold or reset called from outside it (the user's own code after a decode under
+        ``torch.inference_mode()``) must still complete, never stop halfway."""
+        st = self.state
+        inference = any(t.is_inference() for t in (st, *self.rings) if t is not None)
+        return torch.inference_mode() if inference else contextlib.nullcontext()
+
     def reset(self) -> None:
         """Drop the held records: the cache tensor is the truth again (after an external write)."""
-        self.cursor.zero_()
+        with self._mode():
+            self.cursor.zero_()
+            st = self.state
+            if st is not None:
+                self.spec.sync_copy(st, self.rings)
         self.dirty = False
-        st = self.state
         if st is not None:
-            self.spec.sync_copy(st, self.rings)
             self.version = tensor_version(st)
 
     def flush(self) -> None:
@@ -223,7 +237,8 @@ class ReplayState:
         self.check_external_write(st)
         if not self.dirty:
             return
-        self.spec.flush(st, self.rings)
+        with self._mode():
+            self.spec.flush(st, self.rings)
         self.dirty = False
         self.version = tensor_version(st)
 
@@ -250,12 +265,23 @@ def generation() -> int:
 
 
 def lookup(t: torch.Tensor) -> ReplayState | None:
+    """The replay state of cache tensor ``t`` (a plain state tensor, or a ``ReplayTensor``), or None."""
+    from .replay_tensor import ReplayTensor
+
+    if isinstance(t, ReplayTensor):
+        return t.replay
     rs = _BY_ID.get(id(t))
     return rs if rs is not None and rs.state is t else None
 
 
 def bind(t: torch.Tensor, spec, layer: str) -> ReplayState:
-    """The replay state of ``t``, created (zeroed rings, cursor 0) on first use."""
+    """The replay state of ``t``, created (zeroed rings, cursor 0) on first use. For a ``ReplayTensor`` the state is
+    kept on the wrapper as well as registered for its checkpoint."""
+    from .replay_tensor import ReplayTensor
+
+    if isinstance(t, ReplayTensor):
+        t.replay = bind(t.checkpoint, spec, layer)
+        return t.replay
     rs = lookup(t)
     if rs is not None:
         if rs.spec == spec:
@@ -339,6 +365,25 @@ def reset(obj: Any = None) -> int:
 
 
 def materialize(t: torch.Tensor) -> torch.Tensor:
-    """The true current state of cache tensor ``t`` without changing anything (``t`` itself if never stepped)."""
+    """The true current state of cache tensor ``t``, as a new plain tensor, without changing anything. Records held
+    from before a write that bypassed the compiled step (the version counter moved) are not folded into the new
+    contents: the contents are the truth."""
+    from .replay_tensor import ReplayTensor
+
     rs = lookup(t)
-    return t.clone() if rs is None or not rs.dirty else rs.materialize()
+    base = t.checkpoint if isinstance(t, ReplayTensor) else t
+    if rs is None or not rs.dirty:
+        return base.clone()
+    rs.check_external_write(base)
+    return base.clone() if not rs.dirty else rs.materialize()
+
+
+def protect(obj: Any) -> int:
+    """Make every recurrent state held by ``obj`` (a transformers cache, or any object whose ``layers[i].
+    recurrent_states`` dicts hold the states) a :class:`~replay_compile.replay_tensor.ReplayTensor`, so that any
+    later read or write of it, by any path, sees or makes the current state. ``generate`` does this by itself from
+    its first decode step; call it for a cache stepped in a hand-written loop, after the prefill. Returns the number
+    of states wrapped."""
+    from .integrations.hf import protect as protect_cache
+
+    return protect_cache(obj)

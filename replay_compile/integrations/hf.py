@@ -1,23 +1,26 @@
-"""transformers integration: flush replay state wherever transformers reads a cache outside compiled code.
+"""transformers integration: the recurrent states of transformers' caches become ``ReplayTensor``s.
 
 Installed once: by ``import replay_compile`` when transformers is already imported, else the first time the backend
 compiles a graph while transformers is imported. It wraps:
 
-* ``GenerationMixin.generate``: flush every stepped cache when it returns, so ``past_key_values`` read by the user,
-  or passed into the next ``generate``, holds the true state;
-* ``GenerationMixin._has_unfinished_sequences`` (the loop condition of every decoding method): flush every stepped
-  cache when it answers False, i.e. when the decoding loop ends. The ``generate`` wrapper cannot do this for a call
-  that is already running when the integration gets installed (installed by the first compile, which happens inside
-  the first compiled ``generate``, after that call entered the unwrapped function); the loop condition is looked up
-  afresh on every iteration, so this wrapper also covers that call;
+* ``GenerationMixin._update_model_kwargs_for_generation`` (called by every decoding method after every forward,
+  outside compiled code): each recurrent state of the cache that is still a plain tensor is replaced in the cache by
+  a :class:`~replay_compile.replay_tensor.ReplayTensor` over it (the replay state it already has, if any, goes with
+  it). From then on any path that touches the state -- an eager fallback, the user's own code, another thread's
+  ``generate`` ending -- sees or writes the current state (see :mod:`replay_compile.replay_tensor`). The first
+  compiled ``generate`` of a process gets its wrappers from its first decode step on, because the method is looked
+  up afresh on every step;
+* ``GenerationMixin.generate``: flush the caches of that call (the one passed in and the one returned) when it
+  returns, so they hold the true state as plain storage too; never another call's cache;
 * ``Cache.reorder_cache`` / ``batch_select_indices`` / ``batch_repeat_interleave`` / ``crop`` / ``offload``: flush
   that cache first (beam search and friends copy rows of the state);
 * ``Cache.reset`` and the linear-attention layers' ``reset``: drop the held records of that cache (the zeroed
   tensor is the truth; folding the records of the old sequence into it at a later flush would corrupt it). A flush
   also notices the write through the tensor's version counter, but inference-mode tensors have none.
 
-Other callers that read a cache tensor outside a graph compiled by this backend must call
-``replay_compile.flush(cache)`` first.
+A cache whose states are plain tensors (one that ``generate`` never handled, stepped in a hand-written loop) keeps
+the registry's rules: call :func:`replay_compile.protect` on it after the prefill to get the same guarantees, or
+``replay_compile.flush(cache)`` before reading it outside compiled code.
 """
 
 from __future__ import annotations
@@ -56,29 +59,68 @@ def _resetting_method(fn):
     return wrapper
 
 
+_CACHE_KWARGS = ("cache", "past_key_values", "cache_params")
+
+
+def _caches_of(kwargs: dict, result=None) -> list:
+    found = [kwargs.get(k) for k in _CACHE_KWARGS]
+    found += [getattr(result, k, None) for k in _CACHE_KWARGS] if result is not None else []
+    out = []
+    for c in found:
+        if c is not None and all(c is not o for o in out):
+            out.append(c)
+    return out
+
+
 def _flushing_generate(fn):
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
+        result = None
         try:
-            return fn(self, *args, **kwargs)
+            result = fn(self, *args, **kwargs)
+            return result
         finally:
             if replay_state.registered():
-                replay_state.flush(None)
+                for cache in _caches_of(kwargs, result):
+                    replay_state.flush(cache)
 
     wrapper._replay_compile_wrapped = True
     return wrapper
 
 
-def _flushing_loop_condition(fn):
+def _protecting_kwargs_update(fn):
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
-        more = fn(self, *args, **kwargs)
-        if not more and replay_state.registered():
-            replay_state.flush(None)
-        return more
+        model_kwargs = fn(self, *args, **kwargs)
+        for cache in _caches_of(model_kwargs):
+            protect(cache)
+        return model_kwargs
 
     wrapper._replay_compile_wrapped = True
     return wrapper
+
+
+def protect(cache) -> int:
+    """Replace every recurrent state tensor held by ``cache`` (a transformers cache: ``cache.layers[i].
+    recurrent_states``) by a ``ReplayTensor`` over it; returns how many were replaced. States already wrapped are
+    left alone. The wrapped checkpoint keeps its static address, so CUDA graphs are unaffected."""
+    import torch
+
+    from ..replay_tensor import ReplayTensor
+
+    n = 0
+    for layer in getattr(cache, "layers", ()):
+        states = getattr(layer, "recurrent_states", None)
+        if not isinstance(states, dict):
+            continue
+        for key, t in states.items():
+            if isinstance(t, torch.Tensor) and not isinstance(t, ReplayTensor) and t.dim() >= 3:
+                rt = ReplayTensor(t, replay_state.lookup(t))
+                if getattr(t, "_dynamo_static_input_type", None):
+                    torch._dynamo.mark_static_address(rt)
+                states[key] = rt
+                n += 1
+    return n
 
 
 def _wrap(owner, name: str, wrap) -> None:
@@ -99,7 +141,7 @@ def install() -> None:
         log.debug("replay_compile: transformers integration not installed: %s", e)
         return
     _wrap(GenerationMixin, "generate", _flushing_generate)
-    _wrap(GenerationMixin, "_has_unfinished_sequences", _flushing_loop_condition)
+    _wrap(GenerationMixin, "_update_model_kwargs_for_generation", _protecting_kwargs_update)
     for name in _CACHE_METHODS:
         _wrap(cache_utils.Cache, name, _flushing_method)
     _wrap(cache_utils.Cache, "reset", _resetting_method)

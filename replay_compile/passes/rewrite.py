@@ -36,8 +36,11 @@ def ring_spec(m, L: int, read_copy: str | None = None):
 
 
 def _fake_rings(m, spec) -> tuple:
-    """Fake ring tensors whose slot count is the state's own (possibly symbolic) batch size."""
-    sv = m.state.meta["example_value"]
+    """Fake ring tensors whose slot count is the state's own (possibly symbolic) batch size. A ``ReplayTensor``
+    state's fake is a wrapper around a fake checkpoint: the fake mode is the checkpoint's."""
+    from ..replay_tensor import checkpoint_of
+
+    sv = checkpoint_of(m.state.meta["example_value"])
     mode = getattr(sv, "fake_mode", None)
     if mode is None:
         return spec.allocate(sv.shape[0], sv.device)

@@ -116,7 +116,7 @@ def check_equivalence(model, input_ids: torch.Tensor, *, max_new_tokens: int | N
     pairs = [(a, b) for a, b in zip(out_t, ref_t) if a.shape == b.shape]
     state_diff = max((rel_err(a, b) for a, b in pairs if a.numel()), default=float("inf")) if first is None else float("inf")
     reps = _backend.reports()
-    stepped = [rs for rs in replay_state.all_states() if any(rs.state is t for t in out_t)]
+    stepped = list({id(rs): rs for rs in map(replay_state.lookup, out_t) if rs is not None}.values())
     return EquivalenceReport(
         steps=steps, buffer_len=buffer_len, tokens_match=first is None and ref.sequences.shape == out.sequences.shape,
         first_token_mismatch=first, max_logit_diff=max_logit, logit_scale=scale, max_state_diff=state_diff,
