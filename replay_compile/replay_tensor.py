@@ -58,7 +58,21 @@ class ReplayTensor(torch.Tensor):
 
     def __init__(self, checkpoint: torch.Tensor, replay=None):
         self.checkpoint = checkpoint
-        self.replay = replay
+        self._replay = replay
+
+    @property
+    def replay(self):
+        """The replay state: the one given, or the one a compiled step bound to the checkpoint since (through this
+        wrapper or an alias of it)."""
+        if self._replay is None:
+            from .state import lookup
+
+            self._replay = lookup(self.checkpoint)
+        return self._replay
+
+    @replay.setter
+    def replay(self, rs) -> None:
+        self._replay = rs
 
     # -- the replay state ------------------------------------------------------------------------------------------
 
@@ -109,6 +123,14 @@ class ReplayTensor(torch.Tensor):
             func(dst.checkpoint, *([src] if src is not None else []), *args[2:], **kwargs)
             dst._synced()
             return dst
+        if func in _ALIASES and isinstance(dst, ReplayTensor):
+            view = func(dst.checkpoint, *args[1:], **kwargs)
+            if isinstance(view, torch.Tensor) and _same_view(view, dst.checkpoint):
+                # the same elements: the same checkpoint object and replay state, nothing to fold (a view made
+                # here would carry no autograd view link to the checkpoint, so it could not be told apart)
+                return ReplayTensor(dst.checkpoint, dst.replay)
+            dst.fold()                                      # a part of it: a plain view of the current state
+            return view
         wrappers: list[ReplayTensor] = []
 
         def unwrap(t: ReplayTensor) -> torch.Tensor:
@@ -118,9 +140,6 @@ class ReplayTensor(torch.Tensor):
         out = func(*tree_map_only(ReplayTensor, unwrap, args), **tree_map_only(ReplayTensor, unwrap, kwargs))
         for w in wrappers:
             w._synced()
-        if func in _ALIASES and isinstance(dst, ReplayTensor) and isinstance(out, torch.Tensor) \
-                and _same_view(out, dst.checkpoint):
-            return ReplayTensor(out, dst.replay)
         return out
 
     def _synced(self) -> None:

@@ -260,6 +260,16 @@ _BY_ID: dict[int, ReplayState] = {}
 _GENERATION = [0]
 
 
+def whole_base(t: torch.Tensor) -> torch.Tensor:
+    """The tensor ``t`` is a view of all of (``t[:]``, ``t.view(t.shape)``), else ``t``: a cache that hands the step
+    a fresh alias of its state each call still has one replay state."""
+    base = t._base
+    if base is not None and base.shape == t.shape and base.stride() == t.stride() \
+            and base.storage_offset() == t.storage_offset():
+        return base
+    return t
+
+
 def generation() -> int:
     return _GENERATION[0]
 
@@ -270,6 +280,7 @@ def lookup(t: torch.Tensor) -> ReplayState | None:
 
     if isinstance(t, ReplayTensor):
         return t.replay
+    t = whole_base(t)
     rs = _BY_ID.get(id(t))
     return rs if rs is not None and rs.state is t else None
 
@@ -282,6 +293,7 @@ def bind(t: torch.Tensor, spec, layer: str) -> ReplayState:
     if isinstance(t, ReplayTensor):
         t.replay = bind(t.checkpoint, spec, layer)
         return t.replay
+    t = whole_base(t)
     rs = lookup(t)
     if rs is not None:
         if rs.spec == spec:

@@ -84,6 +84,21 @@ def test_aliases_of_the_whole_state_share_its_replay_state(step):
     close(part, exact[1])
 
 
+@pytest.mark.parametrize("wrapped", [True, False])
+def test_a_fresh_alias_of_the_state_each_step_keeps_one_replay_state(step, wrapped):
+    """A cache that hands the compiled step ``state[:]`` (a new tensor object every call)."""
+    module, compiled = step
+    exact = torch.randn(b, H, P, N, generator=torch.Generator().manual_seed(1))
+    state = ReplayTensor(exact.clone()) if wrapped else exact.clone()
+    for i in range(2 * L + 3):
+        inp = inputs(i)
+        close(compiled(state[:], *inp), module(exact, *inp))
+    assert replay_state.lookup(state).steps == 2 * L + 3
+    assert replay_state.lookup(state).cursor.tolist() == [3] * b      # records held: no fold on taking an alias
+    replay_compile.flush(state)
+    close(state * 1, exact)
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "save", "numpy", "tolist", "repr"])
 def test_every_way_out_sees_the_current_state(step, how):
     rt, exact = stepped(step)
