@@ -15,9 +15,10 @@ with its :class:`~replay_compile.state.ReplayState` (rings, cursor), and every o
 * ``copy.deepcopy``, pickling and ``torch.save`` see the current state, as a plain tensor.
 
 The decode step compiled by this library never sees the wrapper: its runner hands the graph the checkpoint and the
-rings (``backend.ReplayRunner``), so the compiled step costs what it cost on a plain tensor. Graphs compiled by
-anything else trace the wrapper (it is a traceable subclass) and fold in the graph: slower, never wrong. An eager
-fallback (Dynamo's recompile limit, ``set_stance("force_eager")``) folds on its first read: slower, never wrong.
+rings (``backend.ReplayRunner``), so the compiled step costs what it cost on a plain tensor. Dynamo traces the
+wrapper like a plain tensor (a traceable subclass: no graph break). Another Inductor-based backend is refused when
+AOTAutograd traces the wrapper, since its graph would read the checkpoint. An eager fallback (Dynamo's recompile
+limit, ``set_stance("force_eager")``) or Dynamo's ``eager`` backend folds on the first read: slower, never wrong.
 
 Limit: a plain view or NumPy array taken from a ``ReplayTensor`` aliases the checkpoint as it was when taken; read
 it at once, or take it again after later compiled steps.
@@ -115,7 +116,7 @@ class ReplayTensor(torch.Tensor):
         if func in _OVERWRITES and isinstance(dst, ReplayTensor):
             if func is _aten.copy_.default and isinstance(args[1], ReplayTensor):
                 if args[1].replay is dst.replay and dst.replay is not None:
-                    return dst              # a copy onto itself (AOTAutograd's write-back of an in-place op)
+                    return dst              # a copy onto itself or an alias of itself: nothing changes
                 src = args[1].fold()
             else:
                 src = args[1] if len(args) > 1 else None
