@@ -8,10 +8,11 @@ with its :class:`~replay_compile.state.ReplayState` (rings, cursor), and every o
 * a whole-tensor overwrite (``copy_``, ``zero_``, ``fill_``: a reset, a new prefill) drops the held records and then
   writes the checkpoint: the new contents are the truth;
 * any other operation first folds the held records into the checkpoint (cursor to 0) and then runs on it, so a read
-  sees the current state and a write (of the whole tensor or of some rows) lands on it; rows are independent, so
-  folding every row before writing one leaves the others exactly as they were;
+  sees the current state and a write (of the whole tensor or of some rows) lands on it;
+* slots are independent: selecting or slicing slots along dim 0 (``t[i]``, ``t[a:b]``, as a server does to reuse a
+  slot) folds only those slots' records and gives a plain view of them; the other slots keep their records;
 * an alias of the whole tensor (``detach``, ``.data``, ``t[:]``, ``view`` of the same shape) is another
-  ``ReplayTensor`` over the same replay state; a partial view (a row) is a plain view of the folded checkpoint;
+  ``ReplayTensor`` over the same replay state; any other partial view is a plain view of the folded checkpoint;
 * ``copy.deepcopy``, pickling and ``torch.save`` see the current state, as a plain tensor.
 
 The decode step compiled by this library never sees the wrapper: its runner hands the graph the checkpoint and the
@@ -77,12 +78,18 @@ class ReplayTensor(torch.Tensor):
 
     # -- the replay state ------------------------------------------------------------------------------------------
 
-    def fold(self) -> torch.Tensor:
-        """Fold the held records into the checkpoint (which then holds the current state); returns it."""
+    def fold(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Fold the held records into the checkpoint, which then holds the current state; of the slots ``rows``
+        [n] only, if given (the other slots keep their records). Returns the checkpoint."""
         rs = self.replay
         if rs is not None and rs.dirty:
-            rs.flush()
+            rs.flush(None if rows is None else rows.to(rs.cursor.device))
         return self.checkpoint
+
+    def holds_records(self) -> bool:
+        """Whether records may be held beside the checkpoint (host-side: no device synchronisation)."""
+        rs = self.replay
+        return rs is not None and rs.dirty
 
     def drop(self) -> None:
         """Forget the held records: the checkpoint is about to be overwritten and becomes the truth."""
@@ -130,8 +137,13 @@ class ReplayTensor(torch.Tensor):
                 # the same elements: the same checkpoint object and replay state, nothing to fold (a view made
                 # here would carry no autograd view link to the checkpoint, so it could not be told apart)
                 return ReplayTensor(dst.checkpoint, dst.replay)
-            dst.fold()                                      # a part of it: a plain view of the current state
+            if dst.holds_records():                     # a part of it: a plain view of the current state
+                dst.fold(_rows(func, args, dst.shape[0]))
             return view
+        if func is _aten.select.int and isinstance(dst, ReplayTensor):
+            if dst.holds_records():                         # one slot: only its records are folded
+                dst.fold(_rows(func, args, dst.shape[0]))
+            return func(dst.checkpoint, *args[1:], **kwargs)
         wrappers: list[ReplayTensor] = []
 
         def unwrap(t: ReplayTensor) -> torch.Tensor:
@@ -168,6 +180,19 @@ class ReplayTensor(torch.Tensor):
     def __repr__(self, *, tensor_contents=None):
         held = 0 if self.replay is None else self.replay.steps
         return f"ReplayTensor({self.fold()!r}, stepped={held})"
+
+
+def _rows(func, args, n: int) -> torch.Tensor | None:
+    """The slots (dim 0 indices) a ``select`` / ``slice`` of a state reaches, or None (a view across slots)."""
+    dim = args[1] if len(args) > 1 else 0
+    if dim not in (0, -len(args[0].shape)):
+        return None
+    if func is _aten.select.int:
+        return torch.tensor([args[2] % n])
+    if func is _aten.slice.Tensor:
+        start, end, step = (list(args[2:5]) + [None, None, 1])[:3]
+        return torch.arange(n)[slice(start, end, step)]
+    return None
 
 
 def _functionalizing() -> bool:

@@ -77,9 +77,10 @@ class Mamba2RingSpec:
         """(x_ring, dt_ring, la_ring, B_ring, cursor): what the flush / materialize ops take."""
         return (*rings[:4], rings[-1])
 
-    def flush(self, state: torch.Tensor, rings: tuple) -> None:
-        """Fold the held records into ``state`` (cursor to 0) and rewrite the read copy."""
-        torch.ops.replay_compile.mamba2_flush(state, *self.core(rings))
+    def flush(self, state: torch.Tensor, rings: tuple, slots: torch.Tensor | None = None) -> None:
+        """Fold the held records of every slot, or of ``slots`` [n], into ``state`` (their cursors to 0) and
+        rewrite the read copy."""
+        torch.ops.replay_compile.mamba2_flush(state, *self.core(rings), slots)
         self.sync_copy(state, rings)
 
     def materialize(self, state: torch.Tensor, rings: tuple) -> torch.Tensor:
@@ -151,13 +152,13 @@ class DeltaRingSpec:
             from .ops.mamba2_readcopy import encode_copy
             encode_copy(self.read_copy, state, rings[5:8])
 
-    def flush(self, state: torch.Tensor, rings: tuple) -> None:
-        """Fold the held records into ``state`` (cursor to 0); with a read copy exactly from the raw rings, the
-        copy rewritten."""
+    def flush(self, state: torch.Tensor, rings: tuple, slots: torch.Tensor | None = None) -> None:
+        """Fold the held records of every slot, or of ``slots`` [n], into ``state`` (their cursors to 0); with a
+        read copy exactly from the raw rings, the copy rewritten."""
         if self.read_copy:
-            torch.ops.replay_compile.delta_flush_rc(state, *rings, self.read_copy)
+            torch.ops.replay_compile.delta_flush_rc(state, *rings, self.read_copy, slots)
         else:
-            torch.ops.replay_compile.delta_flush(state, *rings)
+            torch.ops.replay_compile.delta_flush(state, *rings, slots)
 
     def materialize(self, state: torch.Tensor, rings: tuple) -> torch.Tensor:
         if self.read_copy:
@@ -225,8 +226,9 @@ class ReplayState:
         if st is not None:
             self.version = tensor_version(st)
 
-    def flush(self) -> None:
-        """Fold held records into the cache tensor (it then holds the true state).
+    def flush(self, slots: torch.Tensor | None = None) -> None:
+        """Fold held records into the cache tensor (it then holds the true state): of every slot, or of ``slots``
+        [n] only (a read or write of those rows; the other rows keep their records).
 
         If the tensor was written by someone else since our last step (a reset, a new prefill), its contents are the
         truth and the held records belong to the old sequence: they are dropped, never folded into the new contents.
@@ -238,8 +240,8 @@ class ReplayState:
         if not self.dirty:
             return
         with self._mode():
-            self.spec.flush(st, self.rings)
-        self.dirty = False
+            self.spec.flush(st, self.rings, slots)
+        self.dirty = slots is not None     # other slots may still hold records
         self.version = tensor_version(st)
 
     def materialize(self) -> torch.Tensor:

@@ -84,6 +84,21 @@ def test_aliases_of_the_whole_state_share_its_replay_state(step):
     close(part, exact[1])
 
 
+def test_a_write_to_one_slot_folds_only_that_slot(step):
+    module, compiled = step
+    rt, exact = stepped(step, n=6)
+    rt[1].mul_(0.5)
+    exact[1].mul_(0.5)
+    assert rt.replay.cursor.tolist() == [2, 0, 2]      # the other slots keep their records
+    rt[0:2].add_(1.0)
+    exact[0:2].add_(1.0)
+    assert rt.replay.cursor.tolist() == [0, 0, 2]
+    for i in range(3):
+        inp = inputs(50 + i)
+        close(compiled(rt, *inp), module(exact, *inp))
+    close(rt * 1, exact)
+
+
 @pytest.mark.parametrize("wrapped", [True, False])
 def test_a_fresh_alias_of_the_state_each_step_keeps_one_replay_state(step, wrapped):
     """A cache that hands the compiled step ``state[:]`` (a new tensor object every call)."""
