@@ -135,6 +135,10 @@ def _worker(rank: int, world: int, port: int, family: str, device_type: str, ste
             result[f"tp{world}"]["rewrites_per_rank"] = rewrites
             with open(result_path, "w") as f:
                 json.dump(result, f, indent=1)
+        # every rank past its last collective before any rank tears the group down: gloo closes its connections at
+        # destroy, and a rank still receiving the last all_gather then dies in gloo's thread (SIGABRT, "terminate
+        # called without an active exception"), seen once under CI's load
+        dist.barrier()
     finally:
         faulthandler.cancel_dump_traceback_later()
         dist.destroy_process_group()
