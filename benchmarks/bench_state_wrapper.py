@@ -17,6 +17,7 @@ import json
 import torch
 
 from replay_compile import bench
+from replay_compile import state as replay_state
 
 FIELDS = ("model", "layers", "batch", "mode", "variant", "rep", "step_ms", "median_step_ms", "nonflush_ms",
           "flush_ms", "rewrites")
@@ -35,21 +36,21 @@ def main() -> None:
     args = p.parse_args()
 
     model = bench.build_model(args.model, getattr(torch, args.dtype), "cuda", layers=args.layers)
-    wrap = bench.protect_states
+    wrap = replay_state.protect             # bench_one calls it after the prefill; "plain" replaces it
     rows = []
     for batch in map(int, args.batches.split(",")):
         for mode in args.modes.split(","):
             for rep in range(args.reps):
                 for variant in ("wrapped", "plain"):
-                    bench.protect_states = wrap if variant == "wrapped" else (lambda cache: 0)
+                    replay_state.protect = wrap if variant == "wrapped" else (lambda cache: 0)
                     r = bench.bench_one(model, batch, mode, args.steps, 16)
                     r.update(model=args.model, layers=args.layers, variant=variant, rep=rep)
                     rows.append({k: r[k] for k in FIELDS})
                     print(json.dumps(rows[-1]), flush=True)
     for variant in ("wrapped", "plain"):
-        bench.protect_states = wrap if variant == "wrapped" else (lambda cache: 0)
+        replay_state.protect = wrap if variant == "wrapped" else (lambda cache: 0)
         print(json.dumps({"parity": variant, **bench.parity(model, 8, 40, 16)}), flush=True)
-    bench.protect_states = wrap
+    replay_state.protect = wrap
     if args.out:
         with open(args.out, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=FIELDS)

@@ -21,7 +21,7 @@ from . import state as replay_state
 from ._logging import log, timed_phase
 from .config import ReplayConfig, env_flag
 from .passes.replay_pass import PassResult, ReplaySSMPass, copy_graph_module
-from .replay_tensor import ReplayTensor
+from .replay_tensor import ReplayTensor, checkpoint_of
 
 
 _REPORTS: collections.deque = collections.deque(maxlen=256)
@@ -98,7 +98,7 @@ class ReplayRunner:
             if rs is None or rs.spec != site.spec:
                 rs = replay_state.bind(st, site.spec, site.layer)
             else:
-                rs.check_external_write(st.checkpoint if isinstance(st, ReplayTensor) else st)
+                rs.check_external_write(checkpoint_of(st))
             rs.owners |= owners
             extra.extend(rs.rings)
             states.append((site.state_index, rs))
@@ -143,12 +143,14 @@ def _reader_idxs(example_inputs: Sequence, result: PassResult) -> list[int]:
             and t.is_floating_point() and i not in stepped]
 
 
-def _unwrap_inputs(gm: fx.GraphModule, example_inputs: list, result: PassResult) -> tuple[fx.GraphModule, list]:
+def _unwrap_inputs(gm: fx.GraphModule, example_inputs: list,
+                   result: PassResult) -> tuple[fx.GraphModule, list, list[int]]:
     """Make the graph take each ``ReplayTensor`` input as its checkpoint: the placeholder's example value becomes
-    the checkpoint's (fake, in Dynamo's fake mode), keeping its static-address mark for CUDA graphs."""
+    the checkpoint's (fake, in Dynamo's fake mode), keeping its static-address mark for CUDA graphs. Returns the
+    graph, the inputs to lower it with and the indices of the wrapped inputs."""
     idxs = [i for i, t in enumerate(example_inputs) if isinstance(t, ReplayTensor)]
     if not idxs:
-        return gm, example_inputs
+        return gm, example_inputs, idxs
     if not result.sites:            # the pass returned Dynamo's own graph: change a copy
         gm = copy_graph_module(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -167,9 +169,9 @@ def _unwrap_inputs(gm: fx.GraphModule, example_inputs: list, result: PassResult)
         node.meta["tensor_dict"] = {**node.meta.get("tensor_dict", {}),
                                     "_dynamo_static_input_type": "unguarded"}
         if "val" in node.meta:
-            node.meta["val"] = node.meta["example_value"]
+            node.meta["val"] = ckpt
     gm.recompile()
-    return gm, inputs
+    return gm, inputs, idxs
 
 
 def _lower(gm: fx.GraphModule, example_inputs: list, cfg: ReplayConfig, mode: str | None, lower_opts: dict):
@@ -231,8 +233,7 @@ def replayssm_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | 
         # µs; Inductor's combo kernels launch such independent kernels as one (H200, Qwen3.5-4B dims, 8 layers,
         # bs1: 0.90x -> 0.97x of plain torch.compile; Mamba-2 1.28x -> 1.52x). A user's own setting wins.
         lower_opts.setdefault("combo_kernels", True)
-    gm, inputs = _unwrap_inputs(gm, list(example_inputs), result)
-    wrapped = [i for i, t in enumerate(example_inputs) if isinstance(t, ReplayTensor)]
+    gm, inputs, wrapped = _unwrap_inputs(gm, list(example_inputs), result)
     compiled = _lower(gm, inputs + result.fake_inputs, cfg, mode, lower_opts)
     readers = _reader_idxs(example_inputs, result)
     if not result.sites and not readers and not wrapped:

@@ -206,13 +206,6 @@ def cache_kwarg(model) -> str:
     return name
 
 
-def protect_states(cache) -> int:
-    """The cache's recurrent states made ``ReplayTensor``s (:func:`replay_compile.protect`)."""
-    from .state import protect
-
-    return protect(cache)
-
-
 WARM_STEPS = 3          # steps left out of the statistics: compile, CUDA-graph warm-up, CUDA-graph recording
 
 
@@ -240,7 +233,7 @@ def bench_one(model, batch: int, mode: str, steps: int, L: int, prompt_len: int 
     with torch.no_grad():
         out = model(ids, use_cache=True, cache_position=torch.arange(prompt_len, device=device), **{ck: cache})
         if mode.startswith("replayssm"):
-            protect_states(cache)            # what generate does after its prefill
+            rs.protect(cache)                # what generate does after its prefill
         tok = out.logits[:, -1:].argmax(-1)
         for t in range(steps + 1):
             pos = torch.tensor([prompt_len + t], device=device)
@@ -297,7 +290,7 @@ def parity(model, batch: int, steps: int, L: int, mode: str = "replayssm-ro", pr
         outs = [model(ids, use_cache=True, cache_position=torch.arange(prompt_len, device=device), **{ck: c})
                 for c in caches]
         if mode.startswith("replayssm"):
-            protect_states(caches[1])
+            rs.protect(caches[1])
         tok = outs[0].logits[:, -1:].argmax(-1)
         for t in range(steps):
             pos = torch.tensor([prompt_len + t], device=device)

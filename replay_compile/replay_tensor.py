@@ -133,7 +133,7 @@ class ReplayTensor(torch.Tensor):
             return dst
         if func in _ALIASES and isinstance(dst, ReplayTensor):
             view = func(dst.checkpoint, *args[1:], **kwargs)
-            if isinstance(view, torch.Tensor) and _same_view(view, dst.checkpoint):
+            if isinstance(view, torch.Tensor) and same_view(view, dst.checkpoint):
                 # the same elements: the same checkpoint object and replay state, nothing to fold (a view made
                 # here would carry no autograd view link to the checkpoint, so it could not be told apart)
                 return ReplayTensor(dst.checkpoint, dst.replay)
@@ -201,7 +201,7 @@ def _functionalizing() -> bool:
     return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FUNCTIONAL) is not None
 
 
-def _same_view(out: torch.Tensor, base: torch.Tensor) -> bool:
+def same_view(out: torch.Tensor, base: torch.Tensor) -> bool:
     """``out`` aliases all of ``base`` element for element (same storage, offset, shape and strides)."""
     try:
         return (out.shape == base.shape and out.stride() == base.stride()

@@ -28,6 +28,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from ._logging import log
+from .replay_tensor import ReplayTensor, checkpoint_of, same_view
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,10 +267,7 @@ def whole_base(t: torch.Tensor) -> torch.Tensor:
     """The tensor ``t`` is a view of all of (``t[:]``, ``t.view(t.shape)``), else ``t``: a cache that hands the step
     a fresh alias of its state each call still has one replay state."""
     base = t._base
-    if base is not None and base.shape == t.shape and base.stride() == t.stride() \
-            and base.storage_offset() == t.storage_offset():
-        return base
-    return t
+    return base if base is not None and same_view(t, base) else t
 
 
 def generation() -> int:
@@ -278,8 +276,6 @@ def generation() -> int:
 
 def lookup(t: torch.Tensor) -> ReplayState | None:
     """The replay state of cache tensor ``t`` (a plain state tensor, or a ``ReplayTensor``), or None."""
-    from .replay_tensor import ReplayTensor
-
     if isinstance(t, ReplayTensor):
         return t.replay
     t = whole_base(t)
@@ -290,8 +286,6 @@ def lookup(t: torch.Tensor) -> ReplayState | None:
 def bind(t: torch.Tensor, spec, layer: str) -> ReplayState:
     """The replay state of ``t``, created (zeroed rings, cursor 0) on first use. For a ``ReplayTensor`` the state is
     kept on the wrapper as well as registered for its checkpoint."""
-    from .replay_tensor import ReplayTensor
-
     if isinstance(t, ReplayTensor):
         t.replay = bind(t.checkpoint, spec, layer)
         return t.replay
@@ -382,10 +376,8 @@ def materialize(t: torch.Tensor) -> torch.Tensor:
     """The true current state of cache tensor ``t``, as a new plain tensor, without changing anything. Records held
     from before a write that bypassed the compiled step (the version counter moved) are not folded into the new
     contents: the contents are the truth."""
-    from .replay_tensor import ReplayTensor
-
     rs = lookup(t)
-    base = t.checkpoint if isinstance(t, ReplayTensor) else t
+    base = checkpoint_of(t)
     if rs is None or not rs.dirty:
         return base.clone()
     rs.check_external_write(base)

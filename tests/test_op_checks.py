@@ -55,7 +55,11 @@ def snapshot(p):
     return [t.clone() for t in (p["state"], *p["rings"])]
 
 
-def assert_untouched(p, before):
+def assert_refused(p, op, match, **kw):
+    """``op`` raises a ValueError matching ``match`` and leaves the checkpoint, rings and cursor bit-identical."""
+    before = snapshot(p)
+    with pytest.raises(ValueError, match=match):
+        call(p, op, **kw)
     after = (p["state"], *p["rings"])
     assert all(torch.equal(a, b) for a, b in zip(before, after)), "a refused call wrote something"
 
@@ -65,30 +69,20 @@ def assert_untouched(p, before):
 @pytest.mark.parametrize("bad", [-1, L, 100])
 def test_a_cursor_out_of_range_is_refused_before_anything_is_written(family, op, bad):
     p = PROBLEMS[family](cursor=(L - 1, bad, 1))    # rows 0 and 2 valid: a step would flush row 0 first
-    before = snapshot(p)
-    with pytest.raises(ValueError, match=rf"cursor values must be in \[0, L={L}\)"):
-        call(p, op)
-    assert_untouched(p, before)
+    assert_refused(p, op, rf"cursor values must be in \[0, L={L}\)")
 
 
 @pytest.mark.parametrize("family", sorted(PROBLEMS))
 @pytest.mark.parametrize("op", ["step", "flush", "materialize"])
 def test_a_slot_named_twice_is_refused(family, op):
     p = PROBLEMS[family](cursor=(3, 3, 1))      # slot 0 would flush twice
-    before = snapshot(p)
-    with pytest.raises(ValueError, match="slot_idx names 1 slot"):
-        call(p, op, slot_idx=torch.tensor([0, 0, 2]))
-    assert_untouched(p, before)
+    assert_refused(p, op, "slot_idx names 1 slot", slot_idx=torch.tensor([0, 0, 2]))
 
 
 @pytest.mark.parametrize("family", sorted(PROBLEMS))
 @pytest.mark.parametrize("op", ["step", "flush", "materialize"])
 def test_a_slot_past_the_end_is_refused(family, op):
-    p = PROBLEMS[family]()
-    before = snapshot(p)
-    with pytest.raises(ValueError, match="slot_idx values must be below S=3"):
-        call(p, op, slot_idx=torch.tensor([0, 3, 1]))
-    assert_untouched(p, before)
+    assert_refused(PROBLEMS[family](), op, "slot_idx values must be below S=3", slot_idx=torch.tensor([0, 3, 1]))
 
 
 @pytest.mark.parametrize("family", sorted(PROBLEMS))
@@ -111,10 +105,7 @@ def test_materialize_count_beyond_the_held_records_is_refused(family):
 def test_an_integer_ring_is_refused(family, ring, name, op):
     p = PROBLEMS[family]()
     p["rings"][ring] = p["rings"][ring].to(torch.int32)
-    before = snapshot(p)
-    with pytest.raises(ValueError, match=f"{name} must be a floating-point tensor"):
-        call(p, op)
-    assert_untouched(p, before)
+    assert_refused(p, op, f"{name} must be a floating-point tensor")
 
 
 @pytest.mark.parametrize("family", sorted(PROBLEMS))

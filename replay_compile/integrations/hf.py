@@ -115,7 +115,7 @@ def protect(cache) -> int:
             continue
         for key, t in states.items():
             if isinstance(t, torch.Tensor) and not isinstance(t, ReplayTensor) and t.dim() >= 3:
-                rt = ReplayTensor(t, replay_state.lookup(t))
+                rt = ReplayTensor(t)        # finds the replay state a compiled step bound to t, if any
                 if getattr(t, "_dynamo_static_input_type", None):
                     torch._dynamo.mark_static_address(rt)
                 states[key] = rt
