@@ -54,16 +54,13 @@ def delta_exact_fold(state, k_ring, g_ring, v_ring, beta_ring, slots, n, cdt, or
     rows = torch.arange(slots.numel(), device=slots.device)
     start = origin[slots].long() if origin is not None else torch.zeros_like(slots)
     zeros_q = torch.zeros(slots.numel(), Hk, K, dtype=cdt, device=state.device)
-    g_prev = torch.zeros((), dtype=cdt)
     for j in range(int(n.max())):
         pos = (start + j) % buf
 
         def at(ring):                                # [r, H, ...] at each row's ring index
             return ring[slots][rows, :, pos].to(cdt)
         nxt = S.clone()
-        G_j = at(g_ring)                             # the ring holds G_j = Σ_{i<=j} g_i: g_j = G_j - G_{j-1}
-        delta_exact_step(nxt, zeros_q, at(k_ring), at(v_ring), G_j - g_prev, at(beta_ring))
-        g_prev = G_j
+        delta_exact_step(nxt, zeros_q, at(k_ring), at(v_ring), at(g_ring), at(beta_ring))
         S = torch.where((n > j)[:, None, None, None], nxt, S)
     return S
 

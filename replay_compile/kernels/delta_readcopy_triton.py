@@ -99,13 +99,10 @@ def _exact_record(s, j, w, kr_base, vr_base, br_base, gr_base, offs_k, offs_v, m
     k_j = tl.load(kr_base + jj * s_krl + offs_k * s_krk, mask=mask_k, other=0.0).to(tl.float32)
     v_j = tl.load(vr_base + jj * s_vrl + offs_v * s_vrv, mask=mask_v, other=0.0).to(tl.float32)
     b_j = tl.load(br_base + jj * s_brl).to(tl.float32)
-    jp = tl.maximum(jj - 1, 0)                     # the ring holds G_j = Σ_{i<=j} g_i: g_j = G_j - G_{j-1}
     if KDA:
-        g_j = tl.load(gr_base + jj * s_grl + offs_k * s_grk, mask=mask_k, other=0.0) - \
-            tl.load(gr_base + jp * s_grl + offs_k * s_grk, mask=mask_k & ((offs_k * 0 + j) > 0), other=0.0)
+        g_j = tl.load(gr_base + jj * s_grl + offs_k * s_grk, mask=mask_k, other=0.0).to(tl.float32)
     else:
-        g_j = tl.load(gr_base + jj * s_grl).to(tl.float32) - \
-            tl.where(j > 0, tl.load(gr_base + jp * s_grl).to(tl.float32), 0.0)
+        g_j = tl.load(gr_base + jj * s_grl).to(tl.float32)
     dec_j = tl.exp(g_j)
     return tl.where(act[:, None], _exact_token(s, k_j, dec_j, v_j, b_j, KDA), s)
 

@@ -15,23 +15,24 @@ Notation (per sequence row, value head ``h``, key head ``kh(h) = h // (HV // Hk)
     S_t = S' + k_t d_tᵀ                      linear in S once d_t is known
     o_t = S_tᵀ q_t = S'ᵀ q_t + d_t (k_t·q_t)
 
-ReplaySSM keeps the checkpoint ``S_0`` and a ring of the last ``w < L`` records ``(d_j, k_j, G_j)``, where ``G_j =
-Σ_{i<=j} g_i`` is the log-gate summed since the checkpoint (the ring holds the running sum, not ``g_j``: every
-exponent below is then one difference, with no scan over the window). With the current token at index ``w``,
-``G_w = G_{w-1} + g_w`` and ``E_j = G_w - G_j = Σ_{j<i<=w} g_i`` (every exponent <= 0; clamped there)::
+ReplaySSM keeps the checkpoint ``S_0`` and a ring of the last ``w < L`` records ``(d_j, k_j, g_j)``. With the
+current token at index ``w`` and ``E_j = Σ_{j<i<=w} g_i`` (every exponent <= 0; clamped there)::
 
-    S'ᵀ x = S_0ᵀ (exp(E_tot) ⊙ x) + Σ_{j<w} d_j ((k_j ⊙ exp(E_j)) · x),     E_tot = G_w = Σ_{i<=w} g_i
+    S'ᵀ x = S_0ᵀ (exp(E_tot) ⊙ x) + Σ_{j<w} d_j ((k_j ⊙ exp(E_j)) · x),     E_tot = Σ_{i<=w} g_i
 
 for ``x = k_t`` and ``x = q_t``: one read of ``S_0`` gives both, so GDN/KDA read the checkpoint every step and skip
 only the write. The record stores the corrected value ``d`` (not ``v``), which is what makes the update linear and
-the replay parallel over the window.
+the replay parallel over the window. It stores each token's own log-gate ``g_j``, not a running sum: every ``E_j`` is
+then a sum of the gates after ``j`` alone. A running sum ``G_j`` would give ``E_j = G_w - G_j``, a difference of two
+large numbers once a gate near -1e5 sits in the window (1% relative error in fp32 where the exact step is exact to
+1e-7) and ``-inf - -inf = NaN`` for a gate of -inf; suffix sums of gates that are all <= 0 never cancel.
 
 Ring layout (``S`` slots, ``L`` the buffer length)::
 
     state  [S, HV, K, V]   checkpoint, fp32 / bf16 / fp16 (fp64 in tests)
     d_ring [S, HV, L, V]   corrected values (record dtype, fp32 by default)
     k_ring [S, Hk, L, K]   normalised keys, one copy per key head
-    g_ring [S, HV, L]      summed log-gates G_j, fp32 (GDN)   or   [S, HV, L, K] (KDA, per key channel)
+    g_ring [S, HV, L]      log-gates g_j, fp32 (GDN)   or   [S, HV, L, K] (KDA, per key channel)
     cursor [S]             int32, records held (0 <= w < L)
 
 A step with ``w == L-1`` is a flush: it folds the ``L-1`` records and the current token into the checkpoint and
@@ -80,38 +81,50 @@ def delta_exact_step(state, q, k, v, g, beta):
     return torch.einsum("bhkv,bhk->bhv", s, qh)
 
 
+def _suffix_after(g):
+    """``E_j = Σ_{i>j} g_i`` along dim 2 of ``g`` [r, HV, L(, K)] (zeros where a record is absent), ``E_tot = Σ_i g_i``.
+
+    Suffix sums, never a difference: the gates are <= 0, so no term cancels another whatever their size (a gate of
+    -1e5 or -inf in the window leaves the exponents of the records after it exact).
+    """
+    incl = g.flip(2).cumsum(2).flip(2)                                  # Σ_{i>=j}
+    after = torch.cat([incl[:, :, 1:], torch.zeros_like(incl[:, :, :1])], dim=2)
+    return incl[:, :, 0], after
+
+
 def _window(g_ring_rows, g_cur, w, L, cdt):
-    """Log-gates of the window with the current token at index ``w``; returns (G_w, E, hist).
+    """Log-gates of the window with the current token at index ``w``; returns (E_tot, E, hist).
 
     Args:
-        g_ring_rows: [r, HV, L] or [r, HV, L, K] ring contents ``G_j`` (garbage at j >= w); g_cur: [r, HV] or
+        g_ring_rows: [r, HV, L] or [r, HV, L, K] ring contents ``g_j`` (garbage at j >= w); g_cur: [r, HV] or
             [r, HV, K]. w: [r] cursors.
     Returns:
-        G_w: [r, HV(, K)] = G_{w-1} + g_w = Σ_{i<=w} g_i (what the step appends); E: [r, HV, L(, K)] = min(G_w - G_j,
-        0) (0 where j >= w); hist: [r, L] bool, j < w.
+        E_tot: [r, HV(, K)] = Σ_{i<=w} g_i; E: [r, HV, L(, K)] = min(Σ_{j<i<=w} g_i, 0) (0 where j >= w);
+        hist: [r, L] bool, j < w.
     """
     r = w.shape[0]
-    ar = torch.arange(L, device=w.device)
-    hist = ar[None, :] < w[:, None]                                     # [r, L]
-    shape = (r, 1, L) + ((1,) if g_ring_rows.dim() == 4 else ())
-    G = torch.where(hist.view(shape), g_ring_rows.to(cdt), torch.zeros((), dtype=cdt))
-    prev = G[torch.arange(r, device=w.device), :, (w - 1).clamp(min=0)]                  # G_{w-1}; 0 when w == 0
-    G_w = prev + g_cur.to(cdt)
-    E = torch.where(hist.view(shape), (G_w.unsqueeze(2) - G).clamp(max=0), torch.zeros((), dtype=cdt))
-    return G_w, E, hist
+    ar = torch.arange(L + 1, device=w.device)
+    shape = (r, 1, L + 1) + ((1,) if g_ring_rows.dim() == 4 else ())
+    padded = torch.cat([g_ring_rows.to(cdt), torch.zeros_like(g_ring_rows[:, :, :1], dtype=cdt)], dim=2)
+    padded = torch.where((ar[None, :] < w[:, None]).view(shape), padded, torch.zeros((), dtype=cdt))
+    padded = torch.where((ar[None, :] == w[:, None]).view(shape), g_cur.to(cdt).unsqueeze(2), padded)
+    E_tot, after = _suffix_after(padded)                                # the current token at index w
+    hist = ar[None, :L] < w[:, None]                                    # [r, L]
+    E = torch.where(hist.view((r, 1, L) + shape[3:]), after[:, :, :L].clamp(max=0), torch.zeros((), dtype=cdt))
+    return E_tot, E, hist
 
 
 def _fold_window(g_ring_rows, n, L, cdt):
-    """(G_{n-1}, E, valid) of a fold of the first ``n`` records (token ``n - 1`` the last): ``E_j = min(G_{n-1} -
-    G_j, 0)`` for j < n, else 0; ``G_{n-1}`` is 0 where n == 0."""
+    """(E_tot, E, valid) of a fold of the first ``n`` records (token ``n - 1`` the last): ``E_j = min(Σ_{j<i<n} g_i,
+    0)`` for j < n, else 0; ``E_tot = Σ_{i<n} g_i`` (0 where n == 0)."""
     r = n.shape[0]
     ar = torch.arange(L, device=n.device)
     valid = ar[None, :] < n[:, None]
     shape = (r, 1, L) + ((1,) if g_ring_rows.dim() == 4 else ())
     G = torch.where(valid.view(shape), g_ring_rows.to(cdt), torch.zeros((), dtype=cdt))
-    last = G[torch.arange(r, device=n.device), :, (n - 1).clamp(min=0)]
-    E = torch.where(valid.view(shape), (last.unsqueeze(2) - G).clamp(max=0), torch.zeros((), dtype=cdt))
-    return last, E, valid
+    E_tot, after = _suffix_after(G)
+    E = torch.where(valid.view(shape), after.clamp(max=0), torch.zeros((), dtype=cdt))
+    return E_tot, E, valid
 
 
 def _scale_keys(E, Kh):
@@ -145,8 +158,8 @@ def delta_replay_step_reference(state, d_ring, k_ring, g_ring, cursor, q, k, v, 
     if rows.numel() == 0:
         return o
     w = cursor[slots].long()
-    G_w, E, hist = _window(g_ring[slots], g[rows], w, L, cdt)
-    E_tot = G_w.clamp(max=0)
+    E_tot, E, hist = _window(g_ring[slots], g[rows], w, L, cdt)
+    E_tot = E_tot.clamp(max=0)
     D = torch.where(hist[:, None, :, None], d_ring[slots].to(cdt), torch.zeros((), dtype=cdt))      # [r, HV, L, V]
     KE = _scale_keys(E, _per_value_head(k_ring[slots].to(cdt), HV))                                 # [r, HV, L, K]
     KE = torch.where(hist[:, None, :, None], KE, torch.zeros((), dtype=cdt))
@@ -173,7 +186,7 @@ def delta_replay_step_reference(state, d_ring, k_ring, g_ring, cursor, q, k, v, 
         s, wn, rn = slots[nf], w[nf], rows[nf]
         d_ring[s, :, wn] = d[nf].to(d_ring.dtype)
         k_ring[s, :, wn] = k[rn].to(k_ring.dtype)
-        g_ring[s, :, wn] = G_w[nf].to(g_ring.dtype)                   # the summed log-gate, not g
+        g_ring[s, :, wn] = g[rn].to(g_ring.dtype)
     cursor[slots] = torch.where(flush, torch.zeros_like(w), w + 1).to(cursor.dtype)
     o[rows] = out
     return o
@@ -187,11 +200,11 @@ def _fold(state, d_ring, k_ring, g_ring, cursor, count, slot_idx):
     if rows.numel() == 0:
         return rows, slots, state.new_zeros((0,) + tuple(state.shape[1:]), dtype=cdt)
     # the window of the first n records, as if token n-1 were the last one
-    G_last, after, valid = _fold_window(g_ring[slots], n, L, cdt)
+    E_tot, after, valid = _fold_window(g_ring[slots], n, L, cdt)
     D = torch.where(valid[:, None, :, None], d_ring[slots].to(cdt), torch.zeros((), dtype=cdt))
     KE = torch.where(valid[:, None, :, None], _scale_keys(after, _per_value_head(k_ring[slots].to(cdt), HV)),
                      torch.zeros((), dtype=cdt))
-    dec = torch.exp(G_last.clamp(max=0))
+    dec = torch.exp(E_tot.clamp(max=0))
     dec = dec[..., None, None] if dec.dim() == 2 else dec[..., None]
     S0 = state[slots].to(cdt)
     S = dec * S0 + torch.einsum("rhlk,rhlv->rhkv", KE, D)
@@ -223,6 +236,6 @@ def delta_replay_flush_reference(state, d_ring, k_ring, g_ring, cursor, slot_idx
     _, _, S = _fold(state, d_ring, k_ring, g_ring, cursor, None, slots)
     last = cursor[slots].long() - 1
     key = g_ring[slots, :, last]                                         # [r, HV] (GDN) or [r, HV, K] (KDA)
-    key = key if key.dim() == 2 else key[..., 0]                        # stochastic-rounding key: last record's G
+    key = key if key.dim() == 2 else key[..., 0]                        # stochastic-rounding key: last record's g
     _store_checkpoint(state, slots, S, key)
     cursor[slots] = 0

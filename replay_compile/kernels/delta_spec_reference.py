@@ -25,12 +25,9 @@ def delta_spec_materialize_reference(state, d_ring, k_ring, g_ring, w, origin, s
     buf = d_ring.shape[2]
     HV = state.shape[1]
     S = state[slot].to(cdt)
-    g_prev = torch.zeros((), dtype=cdt)
     for j in range(int(w[slot])):
         p = (int(origin[slot]) + j) & (buf - 1)
-        G_j = g_ring[slot, :, p].to(cdt)                     # the ring holds G_j = Σ_{i<=j} g_i
-        a = torch.exp(G_j - g_prev)
-        g_prev = G_j
+        a = torch.exp(g_ring[slot, :, p].to(cdt))
         a = a[:, None, None] if g_ring.dim() == 3 else a[..., None]
         kh = _per_value_head(k_ring[slot:slot + 1, :, p].to(cdt), HV)[0]            # [HV, K]
         S = a * S + kh[..., :, None] * d_ring[slot, :, p].to(cdt)[..., None, :]
@@ -78,10 +75,6 @@ def delta_spec_verify_reference(state, d_ring, k_ring, g_ring, w, origin, is_flu
             if copy:
                 read_state[s] = read_format(S).to(read_state.dtype)
         S = S[None].clone()
-        # the new records' summed log-gates continue the history's, or restart at a flush (the new checkpoint)
-        g_sum = torch.zeros((), dtype=cdt)
-        if ww > 0 and not bool(is_flush[s]):
-            g_sum = g_ring[s, :, (org + ww - 1) & mask].to(cdt)
         for t in range(T):
             before = S.clone()
             pick = lambda x: x[r:r + 1, t].to(cdt)  # noqa: E731
@@ -94,8 +87,7 @@ def delta_spec_verify_reference(state, d_ring, k_ring, g_ring, w, origin, is_flu
             p = (org + ww + t) & mask
             d_ring[s, :, p] = dvec.to(d_ring.dtype)
             k_ring[s, :, p] = k[r, t].to(k_ring.dtype)
-            g_sum = (g_sum + g[r, t].to(cdt)).to(g_ring.dtype).to(cdt)     # rounded per token, as a kernel sums
-            g_ring[s, :, p] = g_sum.to(g_ring.dtype)
+            g_ring[s, :, p] = g[r, t].to(g_ring.dtype)
             if copy:
                 v_ring[s, :, p] = v[r, t].to(v_ring.dtype)
                 beta_ring[s, :, p] = beta[r, t].to(beta_ring.dtype)

@@ -5,8 +5,10 @@
 
 Two launches. Launch 1, grid ``(batch, HV)``, computes what does not touch the checkpoint once per (row, value
 head): for token ``t`` at window position ``m = w + t`` (the committed history ``j < w`` and this verify's tokens
-on one power-of-two axis ``BLOCK_W >= buf``; the history's gates ``g_j = G_j - G_{j-1}`` from the ring's summed
-log-gates), with ``E_j = Σ_{j<i<=m} g_i`` (suffix sums over the live window, every exponent <= 0) and ``KE_j = k_j ⊙ exp(E_j)``, the coefficients ``ck[t, j] = KE_j · k_t`` (j < m),
+on one power-of-two axis ``BLOCK_W >= buf``, the history's gates from the ring beside the new ones), with
+``E_j = Σ_{j<i<=m} g_i`` (suffix sums over the live window, every exponent <= 0, never a difference: the gates are
+loaded a second time one position ahead, so the exclusive sum is a plain reverse cumulative sum) and
+``KE_j = k_j ⊙ exp(E_j)``, the coefficients ``ck[t, j] = KE_j · k_t`` (j < m),
 ``cq[t, j] = KE_j · q_t`` (``cq[t, m] = k_t · q_t``) and the checkpoint's decay ``exp(Σ_{lo<=i<=m} g_i)`` (a vector
 over K for KDA), into a small scratch. Launch 2, grid ``(cdiv(V, BLOCK_V), batch, HV)``: the corrected values are
 independent across value columns, so a program reads its ``K x BLOCK_V`` slice of the checkpoint once for all
@@ -35,6 +37,22 @@ from .host_math import cdiv, next_pow2
 from .launch import launch
 from .mamba2_spec_triton import _spec_apply_row, _spec_row
 from .mamba2_triton import _store_checkpoint
+
+
+@triton.jit
+def _spec_gates(gr_h, g_row, hist, new, ring_j, t_j, offs_k, mask_k, s_grl, s_grk, s_gt, s_gk, KDA: tl.constexpr):
+    """The log-gates of window positions ``j`` ([BLOCK_W], or [BLOCK_W, BLOCK_K] for KDA): the ring's record at
+    ``ring_j`` where ``hist``, the verify's token ``t_j`` where ``new``, 0 elsewhere."""
+    if KDA:
+        gh = tl.load(gr_h + ring_j[:, None] * s_grl + offs_k[None, :] * s_grk, mask=hist[:, None] & mask_k[None, :],
+                     other=0.0).to(tl.float32)
+        gn = tl.load(g_row + t_j[:, None] * s_gt + offs_k[None, :] * s_gk, mask=new[:, None] & mask_k[None, :],
+                     other=0.0).to(tl.float32)
+        return tl.where(hist[:, None], gh, gn)
+    else:
+        gh = tl.load(gr_h + ring_j * s_grl, mask=hist, other=0.0).to(tl.float32)
+        gn = tl.load(g_row + t_j * s_gt, mask=new, other=0.0).to(tl.float32)
+        return tl.where(hist, gh, gn)
 
 
 @triton.jit
@@ -78,21 +96,16 @@ def _delta_spec_window_kernel(
     kn = tl.load(k_ptr + row * s_kb + t_j[:, None] * s_kt + hk * s_kh + offs_k[None, :] * s_kk,
                  mask=new[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
     kw = tl.where(hist[:, None], kh, kn)                                                   # [BLOCK_W, BLOCK_K]
-    # the history's gates from the ring's summed log-gates, g_j = G_j - G_{j-1} (G_{-1} = 0), beside the new ones
-    ring_p = (org + offs_j - 1) & (BUF - 1)
-    had = hist & (offs_j > 0)
-    if KDA:
-        gr_h = gr_ptr + slot * s_grb + h * s_grh + offs_k[None, :] * s_grk
-        gh = tl.load(gr_h + ring_j[:, None] * s_grl, mask=hist[:, None] & mask_k[None, :], other=0.0) - \
-            tl.load(gr_h + ring_p[:, None] * s_grl, mask=had[:, None] & mask_k[None, :], other=0.0)
-        gn = tl.load(g_ptr + row * s_gb + t_j[:, None] * s_gt + h * s_gh + offs_k[None, :] * s_gk,
-                     mask=new[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-        gw = tl.where(hist[:, None], gh, gn)                                               # [BLOCK_W, BLOCK_K]
-    else:
-        gr_h = gr_ptr + slot * s_grb + h * s_grh
-        gh = tl.load(gr_h + ring_j * s_grl, mask=hist, other=0.0) - tl.load(gr_h + ring_p * s_grl, mask=had, other=0.0)
-        gn = tl.load(g_ptr + row * s_gb + t_j * s_gt + h * s_gh, mask=new, other=0.0).to(tl.float32)
-        gw = tl.where(hist, gh, gn)                                                        # [BLOCK_W]
+    # the window's gates at position j (history from the ring, then the new tokens), and again at j + 1
+    nxt = offs_j + 1
+    hist_n = nxt < w
+    new_n = (nxt >= w) & (nxt < w + T)
+    ring_n = (org + nxt) & (BUF - 1)
+    t_n = tl.where(new_n, nxt - w, 0)
+    gw = _spec_gates(gr_ptr + slot * s_grb + h * s_grh, g_ptr + row * s_gb + h * s_gh, hist, new, ring_j, t_j,
+                     offs_k, mask_k, s_grl, s_grk, s_gt, s_gk, KDA)
+    gw_next = _spec_gates(gr_ptr + slot * s_grb + h * s_grh, g_ptr + row * s_gb + h * s_gh, hist_n, new_n, ring_n,
+                          t_n, offs_k, mask_k, s_grl, s_grk, s_gt, s_gk, KDA)
     lo = tl.where(fl, w, 0)
     base_idx = row * HV + h
     for t in range(BLOCK_T):
@@ -104,17 +117,17 @@ def _delta_spec_window_kernel(
                           other=0.0).to(tl.float32)
             k_t = tl.load(k_ptr + row * s_kb + t * s_kt + hk * s_kh + offs_k * s_kk, mask=mask_k,
                           other=0.0).to(tl.float32)
+            live_n = (nxt >= lo) & (nxt <= m)
             if KDA:
-                g_t = tl.where(live[:, None], gw, 0.0)
-                after = tl.minimum(tl.cumsum(g_t, axis=0, reverse=True) - g_t, 0.0)          # Σ_{j<i<=m}
+                after = tl.minimum(tl.cumsum(tl.where(live_n[:, None], gw_next, 0.0), axis=0, reverse=True), 0.0)
                 ke = tl.where(prior[:, None], kw * tl.exp(after), 0.0)                       # [BLOCK_W, BLOCK_K]
                 tl.store(dec_ptr + (base_idx * BLOCK_T + t) * BLOCK_K + offs_k,
-                         tl.exp(tl.minimum(tl.sum(g_t, axis=0), 0.0)))
+                         tl.exp(tl.minimum(tl.sum(tl.where(live[:, None], gw, 0.0), axis=0), 0.0)))
             else:
-                g_t = tl.where(live, gw, 0.0)
-                after = tl.minimum(tl.cumsum(g_t, axis=0, reverse=True) - g_t, 0.0)
+                after = tl.minimum(tl.cumsum(tl.where(live_n, gw_next, 0.0), axis=0, reverse=True), 0.0)
                 ke = tl.where(prior[:, None], kw * tl.exp(after)[:, None], 0.0)
-                tl.store(dec_ptr + base_idx * BLOCK_T + t, tl.exp(tl.minimum(tl.sum(g_t, axis=0), 0.0)))
+                tl.store(dec_ptr + base_idx * BLOCK_T + t, tl.exp(tl.minimum(tl.sum(tl.where(live, gw, 0.0), axis=0),
+                                                                              0.0)))
             c_off = (base_idx * BLOCK_T + t) * BLOCK_W + offs_j
             tl.store(ck_ptr + c_off, tl.sum(ke * k_t[None, :], axis=1))
             tl.store(cq_ptr + c_off, tl.sum(ke * q_t[None, :], axis=1) +
@@ -171,12 +184,7 @@ def _delta_spec_apply_kernel(
     if fl:
         # fold the history into the checkpoint, record by record (the recurrence S = a_j ⊙_K S + k_j d_jᵀ itself; no
         # tl.dot, whose shared memory would cost every program occupancy); written once
-        # (the ring holds summed log-gates: each record decays by exp(G_j - G_{j-1}))
         key_gate = w.to(tl.float32) * 0.0
-        if KDA:
-            g_prev = tl.zeros([BLOCK_K], dtype=tl.float32)
-        else:
-            g_prev = key_gate
         for j in range(BLOCK_W):
             if j < w:
                 rj = (org + j) & (BUF - 1)
@@ -185,15 +193,14 @@ def _delta_spec_apply_kernel(
                 d_j = tl.load(dr_ptr + slot * s_drb + h * s_drh + rj * s_drl + offs_v * s_drv, mask=mask_v,
                               other=0.0).to(tl.float32)
                 if KDA:
-                    G_j = tl.load(gr_ptr + slot * s_grb + h * s_grh + rj * s_grl + offs_k * s_grk, mask=mask_k,
+                    g_j = tl.load(gr_ptr + slot * s_grb + h * s_grh + rj * s_grl + offs_k * s_grk, mask=mask_k,
                                   other=0.0).to(tl.float32)
-                    base = tl.exp(G_j - g_prev)[:, None] * base + k_j[:, None] * d_j[None, :]
-                    key_gate = tl.sum(tl.where(offs_k == 0, G_j, 0.0), axis=0)   # last record's G[..., 0]
+                    base = tl.exp(g_j)[:, None] * base + k_j[:, None] * d_j[None, :]
+                    key_gate = tl.sum(tl.where(offs_k == 0, g_j, 0.0), axis=0)   # last record's g[..., 0]
                 else:
-                    G_j = tl.load(gr_ptr + slot * s_grb + h * s_grh + rj * s_grl).to(tl.float32)
-                    base = tl.exp(G_j - g_prev) * base + k_j[:, None] * d_j[None, :]
-                    key_gate = G_j
-                g_prev = G_j
+                    g_j = tl.load(gr_ptr + slot * s_grb + h * s_grh + rj * s_grl).to(tl.float32)
+                    base = tl.exp(g_j) * base + k_j[:, None] * d_j[None, :]
+                    key_gate = g_j
         if w > 0:
             _store_checkpoint(st_ptrs, base, tile_mask, key_gate, slot * HV + h,
                               offs_k[:, None] * V + offs_v[None, :], STOCHASTIC_FP16)
@@ -227,28 +234,16 @@ def _delta_spec_apply_kernel(
     slot_t = (org + w + offs_t) & (BUF - 1)
     tk = tt[:, None] & mask_k[None, :]
     if pid_v == 0:
-        # summed log-gates, token by token: from the history's last (G_{w-1}), or from 0 on a flush row (whose
-        # checkpoint now holds the history)
         gr_h = gr_ptr + slot * s_grb + h * s_grh
-        carry = (w > 0) & (fl == 0)
-        last = (org + w - 1) & (BUF - 1)
         if KDA:
-            g_sum = tl.load(gr_h + last * s_grl + offs_k * s_grk, mask=mask_k & ((offs_k * 0 + carry) != 0),
-                            other=0.0).to(tl.float32)
+            tg = tt[:, None] & mask_k[None, :]
+            g_new = tl.load(g_ptr + row * s_gb + offs_t[:, None] * s_gt + h * s_gh + offs_k[None, :] * s_gk, mask=tg,
+                            other=0.0)
+            tl.store(gr_h + slot_t[:, None] * s_grl + offs_k[None, :] * s_grk, g_new.to(gr_ptr.dtype.element_ty),
+                     mask=tg)
         else:
-            g_sum = tl.where(carry, tl.load(gr_h + last * s_grl).to(tl.float32), 0.0)
-        for tn in tl.static_range(BLOCK_T):  # (``t`` is the runtime loop's above)
-            live = (offs_k * 0 + tn) < T            # vector masks (the interpreter rejects scalar loop-index ones)
-            p = (org + w + tn) & (BUF - 1)
-            if KDA:
-                g_sum += tl.load(g_ptr + row * s_gb + tn * s_gt + h * s_gh + offs_k * s_gk, mask=live & mask_k,
-                                 other=0.0).to(tl.float32)
-                tl.store(gr_h + p * s_grl + offs_k * s_grk, g_sum.to(gr_ptr.dtype.element_ty), mask=live & mask_k)
-            else:                                  # one live lane of a [BLOCK_T] vector: a scalar, masked
-                lane = (offs_t == 0) & ((offs_t * 0 + tn) < T)
-                g_sum += tl.sum(tl.load(g_ptr + row * s_gb + tn * s_gt + h * s_gh + offs_t * 0, mask=lane,
-                                        other=0.0).to(tl.float32), axis=0)
-                tl.store(gr_h + p * s_grl + offs_t * 0, (g_sum + offs_t * 0.0).to(gr_ptr.dtype.element_ty), mask=lane)
+            g_new = tl.load(g_ptr + row * s_gb + offs_t * s_gt + h * s_gh, mask=tt, other=0.0)
+            tl.store(gr_h + slot_t * s_grl, g_new.to(gr_ptr.dtype.element_ty), mask=tt)
         if h % v_per_k == 0:                       # one program per key head appends k
             k_new = tl.load(k_ptr + row * s_kb + offs_t[:, None] * s_kt + hk * s_kh + offs_k[None, :] * s_kk,
                             mask=tk, other=0.0)

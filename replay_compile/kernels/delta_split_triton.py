@@ -60,6 +60,26 @@ def _store_window(win_ptr, vec_ptr, rh, u, uq, k, q, dec, flushing, offs_l, offs
 
 
 @triton.jit
+def _gate_window(g_next, g_first, g_cur, w, offs_l, KDA: tl.constexpr):
+    """The window's exponents from the ring's per-record log-gates, with the current token at index ``w``.
+
+    ``g_next`` [BLOCK_L] (GDN) or [BLOCK_L, BLOCK_K] (KDA): the ring loaded one record ahead (``g_{j+1}`` at ``j``),
+    ``g_first``: the ring's ``g_0``, ``g_cur``: this token's gate. Returns ``E`` (same shape) ``= min(Σ_{j<i<=w} g_i,
+    0)`` (callers mask it to ``j < w``) and ``dec = exp(min(Σ_{i<=w} g_i, 0))``. Both are suffix sums of the gates,
+    never a difference of running sums: every gate is <= 0, so nothing cancels, a gate of -1e5 or -inf in the window
+    leaves the later records' exponents exact, and no ``-inf - -inf`` makes a NaN.
+    """
+    nxt = offs_l + 1
+    if KDA:
+        h = tl.where((nxt < w)[:, None], g_next, tl.where((nxt == w)[:, None], g_cur[None, :], 0.0))
+    else:
+        h = tl.where(nxt < w, g_next, tl.where(nxt == w, g_cur, 0.0))
+    E = tl.minimum(tl.cumsum(h, axis=0, reverse=True), 0.0)
+    total = tl.where(w > 0, g_first + tl.sum(h, axis=0), g_cur)
+    return E, tl.exp(tl.minimum(total, 0.0))
+
+
+@triton.jit
 def _delta_window_kernel(
     cursor_ptr, kr_ptr, gr_ptr, q_ptr, k_ptr, g_ptr, slot_ptr, win_ptr, vec_ptr, ke_ptr, wrow_ptr,
     K, L, v_per_k, v_per_q,
@@ -72,9 +92,9 @@ def _delta_window_kernel(
     value head) instead of once per V-block. Writes ``w`` [b] (from head 0), the window scalars
     ``win[row, h] = (u_j = KE_j·k_t, v_j = KE_j·q_t, k_t·q_t)``, the decayed vectors
     ``vec[row, h] = (exp(E_tot) ⊙ k_t, exp(E_tot) ⊙ q_t, exp(E_tot))`` and, for flushing rows only, the scaled keys
-    ``ke[row, h] = KE [BLOCK_L, BLOCK_K]`` (zero past the window). The ring holds summed log-gates ``G_j``, so
-    ``G_w = G_{w-1} + g_t`` and ``E_j = G_w - G_j``; a non-flush row's ``G_w`` is appended here (one program per
-    row and value head; nothing else reads or writes that slot in this step). Reads the cursor. ``PDL``: launch 2
+    ``ke[row, h] = KE [BLOCK_L, BLOCK_K]`` (zero past the window). The ring holds each record's log-gate ``g_j``
+    (:func:`_gate_window`); a non-flush row's ``g_t`` is appended here (one program per row and value head; nothing
+    else reads or writes that slot in this step). Reads the cursor. ``PDL``: launch 2
     is this launch's programmatic dependent and may start at once (:func:`_delta_apply_kernel` waits for this grid
     before it reads anything written here)."""
     if PDL:
@@ -93,37 +113,36 @@ def _delta_window_kernel(
     q = tl.load(q_ptr + row * s_qb + hq * s_qh + offs_k * s_qk, mask=mask_k, other=0.0).to(tl.float32)
     k = tl.load(k_ptr + row * s_kb + hk * s_kh + offs_k * s_kk, mask=mask_k, other=0.0).to(tl.float32)
     kr_ptrs = kr_ptr + slot * s_krb + hk * s_krh + offs_l[:, None] * s_krl + offs_k[None, :] * s_krk
+    gr_base = gr_ptr + slot * s_grb + h * s_grh
+    nxt = offs_l + 1
     if KDA:
-        gr_ptrs = gr_ptr + slot * s_grb + h * s_grh + offs_l[:, None] * s_grl + offs_k[None, :] * s_grk
         g_cur = tl.load(g_ptr + row * s_gb + h * s_gh + offs_k * s_gk, mask=mask_k, other=0.0).to(tl.float32)
     else:
-        gr_ptrs = gr_ptr + slot * s_grb + h * s_grh + offs_l * s_grl
         g_cur = tl.load(g_ptr + row * s_gb + h * s_gh).to(tl.float32)
     w = tl.load(cursor_ptr + slot)
     hist = offs_l < w
     kw = tl.load(kr_ptrs, mask=hist[:, None] & mask_k[None, :], other=0.0).to(tl.float32)       # [BLOCK_L, BLOCK_K]
     if KDA:
-        gw = tl.load(gr_ptrs, mask=hist[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+        g_next = tl.load(gr_base + nxt[:, None] * s_grl + offs_k[None, :] * s_grk,
+                         mask=(nxt < w)[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+        g_first = tl.load(gr_base + offs_k * s_grk, mask=mask_k & ((offs_k * 0 + w) > 0), other=0.0).to(tl.float32)
     else:
-        gw = tl.load(gr_ptrs, mask=hist, other=0.0).to(tl.float32)
+        g_next = tl.load(gr_base + nxt * s_grl, mask=nxt < w, other=0.0).to(tl.float32)
+        g_first = tl.load(gr_base, mask=w > 0, other=0.0).to(tl.float32)
     if h == 0:
         tl.store(wrow_ptr + row, w)
-    last = offs_l == w - 1
-    gr_base = gr_ptr + slot * s_grb + h * s_grh
+    E, dec = _gate_window(g_next, g_first, g_cur, w, offs_l, KDA)                        # dec: KDA [BLOCK_K]
     if KDA:
-        g_sum = tl.sum(tl.where(last[:, None], gw, 0.0), axis=0) + g_cur                   # G_w [BLOCK_K]
-        ke = tl.where(hist[:, None], kw * tl.exp(tl.minimum(g_sum[None, :] - gw, 0.0)), 0.0)
+        ke = tl.where(hist[:, None], kw * tl.exp(E), 0.0)
     else:
-        g_sum = tl.sum(tl.where(last, gw, 0.0), axis=0) + g_cur
-        ke = tl.where(hist[:, None], kw * tl.exp(tl.minimum(g_sum - gw, 0.0))[:, None], 0.0)
-    dec = tl.exp(tl.minimum(g_sum, 0.0))                                                   # KDA [BLOCK_K]
+        ke = tl.where(hist[:, None], kw * tl.exp(E)[:, None], 0.0)
     _store_window(win_ptr, vec_ptr, row * HV + h, tl.sum(ke * k[None, :], axis=1), tl.sum(ke * q[None, :], axis=1),
                   k, q, dec, (offs_k * 0 + w) == L - 1, offs_l, offs_k, BLOCK_L, BLOCK_K, SCRATCH_EVICT)
     if w == L - 1:
         tl.store(ke_ptr + (row * HV + h) * (BLOCK_L * BLOCK_K) + offs_l[:, None] * BLOCK_K + offs_k[None, :], ke,
                  eviction_policy=SCRATCH_EVICT)
     else:
-        _append_gate(gr_base, w, g_sum, offs_k, mask_k, s_grl, s_grk, KDA)
+        _append_gate(gr_base, w, g_cur, offs_k, mask_k, s_grl, s_grk, KDA)
 
 
 @triton.jit
@@ -137,9 +156,10 @@ def _delta_window_rows_kernel(
 ):
     """Launch 1 record by record (``window_rows=1``; the outputs of :func:`_delta_window_kernel`, except that a
     flushing row's ``KE`` slots past ``w`` stay unwritten: launch 2 reads them masked): the window's key (and KDA
-    gate) rows are separate ``[K]`` vectors, ``E_j = G_w - G_j`` one vector step each, so the 2-D reductions become
-    L vector steps, about a third of the operations for KDA, and only the ``w`` held records compute. Unrolled:
-    every row load can be in flight at once. Appends ``G_w`` and ``PDL`` as :func:`_delta_window_kernel`."""
+    gate) rows are separate ``[K]`` vectors, walked from the newest record back: ``E_j = Σ_{j<i<=w} g_i`` is then
+    one running sum (a vector add per record, never a difference), so the 2-D reductions become L vector steps,
+    about a third of the operations for KDA, and only the ``w`` held records compute. Unrolled: every row load can
+    be in flight at once. Appends ``g_t`` and ``PDL`` as :func:`_delta_window_kernel`."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
@@ -160,48 +180,48 @@ def _delta_window_rows_kernel(
         tl.store(wrow_ptr + row, w)
     kr_base = kr_ptr + slot * s_krb + hk * s_krh
     gr_base = gr_ptr + slot * s_grb + h * s_grh
-    if KDA:                                        # G_w = G_{w-1} + g_t (G_{-1} = 0)
-        g_sum = tl.load(gr_base + (w - 1) * s_grl + offs_k * s_grk, mask=mask_k & ((offs_k * 0 + w) > 0),
-                        other=0.0).to(tl.float32)
-        g_sum += tl.load(g_ptr + row * s_gb + h * s_gh + offs_k * s_gk, mask=mask_k, other=0.0).to(tl.float32)
+    if KDA:
+        g_cur = tl.load(g_ptr + row * s_gb + h * s_gh + offs_k * s_gk, mask=mask_k, other=0.0).to(tl.float32)
     else:
         gw = tl.load(gr_base + offs_l * s_grl, mask=offs_l < w, other=0.0).to(tl.float32)          # [BLOCK_L]
-        g_sum = tl.sum(tl.where(offs_l == w - 1, gw, 0.0), axis=0) + tl.load(g_ptr + row * s_gb + h * s_gh).to(
-            tl.float32)
+        g_cur = tl.load(g_ptr + row * s_gb + h * s_gh).to(tl.float32)
+    after = g_cur                                  # Σ_{j<i<=w} g_i for the record j about to be visited
     u = tl.zeros([BLOCK_L], dtype=tl.float32)
     uq = tl.zeros([BLOCK_L], dtype=tl.float32)
     flushing = (offs_k * 0 + w) == L - 1
     ke_base = ke_ptr + (row * HV + h) * (BLOCK_L * BLOCK_K)
-    for j in tl.static_range(BLOCK_L):
+    for i in tl.static_range(BLOCK_L):
+        j = BLOCK_L - 1 - i                        # newest first
         live = (offs_k * 0 + j) < w                # vector masks (the interpreter rejects scalar loop-index ones)
         k_j = tl.load(kr_base + j * s_krl + offs_k * s_krk, mask=live & mask_k, other=0.0).to(tl.float32)
         if KDA:
-            G_j = tl.load(gr_base + j * s_grl + offs_k * s_grk, mask=live & mask_k, other=0.0).to(tl.float32)
+            g_j = tl.load(gr_base + j * s_grl + offs_k * s_grk, mask=live & mask_k, other=0.0).to(tl.float32)
         else:
-            G_j = tl.sum(tl.where(offs_l == j, gw, 0.0), axis=0)
+            g_j = tl.sum(tl.where(offs_l == j, gw, 0.0), axis=0)
         # the loads above issue unconditionally (masked: no traffic past w), the arithmetic only for held records:
         # a non-flush step holds w = 0 .. L - 2 of them, so most of the BLOCK_L exps and reductions were for nothing.
         # Records past w keep u_j = uq_j = 0 and leave their KE slot unwritten (the flush reads it masked to j < w)
         if j < w:
-            ke_j = k_j * tl.exp(tl.minimum(g_sum - G_j, 0.0))
+            ke_j = k_j * tl.exp(tl.minimum(after, 0.0))
             u = tl.where(offs_l == j, tl.sum(ke_j * k, axis=0), u)
             uq = tl.where(offs_l == j, tl.sum(ke_j * q, axis=0), uq)
             tl.store(ke_base + j * BLOCK_K + offs_k, ke_j, mask=flushing, eviction_policy=SCRATCH_EVICT)
-    dec = tl.exp(tl.minimum(g_sum, 0.0))                                         # KDA [BLOCK_K], GDN scalar
+        after = after + g_j                        # zero past w (masked loads)
+    dec = tl.exp(tl.minimum(after, 0.0))           # Σ_{i<=w} g_i; KDA [BLOCK_K], GDN scalar
     _store_window(win_ptr, vec_ptr, row * HV + h, u, uq, k, q, dec, flushing, offs_l, offs_k, BLOCK_L, BLOCK_K,
                   SCRATCH_EVICT)
     if w < L - 1:
-        _append_gate(gr_base, w, g_sum, offs_k, mask_k, s_grl, s_grk, KDA)
+        _append_gate(gr_base, w, g_cur, offs_k, mask_k, s_grl, s_grk, KDA)
 
 
 @triton.jit
-def _append_gate(gr_base, w, g_sum, offs_k, mask_k, s_grl, s_grk, KDA: tl.constexpr):
-    """A non-flush row's gate record at ring position ``w``: its summed log-gate ``G_w`` ([K] for KDA). Launch 1
-    writes it (one program per row and value head, after reading the slots before ``w``)."""
+def _append_gate(gr_base, w, g_cur, offs_k, mask_k, s_grl, s_grk, KDA: tl.constexpr):
+    """A non-flush row's gate record at ring position ``w``: its log-gate ``g_t`` ([K] for KDA). Launch 1 writes it
+    (one program per row and value head, after reading the slots before ``w``)."""
     if KDA:
-        tl.store(gr_base + w * s_grl + offs_k * s_grk, g_sum, mask=mask_k)
+        tl.store(gr_base + w * s_grl + offs_k * s_grk, g_cur, mask=mask_k)
     else:
-        tl.store(gr_base + w * s_grl, g_sum)
+        tl.store(gr_base + w * s_grl, g_cur)
 
 
 @triton.jit
@@ -241,7 +261,7 @@ def _window_readout(s0, v, beta, w, win_ptr, vec_ptr, rh, dr_base, offs_l, offs_
 @triton.jit
 def _append_key(k_ptrs, kr_base, w, h, v_per_k, offs_k, mask_k, s_krl, s_krk):
     """A non-flush row's key record ``k_t`` (``k_ptrs``: the step's ``k_t``) at ring position ``w``, from one value
-    head per key head. (Its gate record ``G_w`` was appended by launch 1.)"""
+    head per key head. (Its gate record ``g_t`` was appended by launch 1.)"""
     if h % v_per_k == 0:                           # one program per key head appends k_t
         k_raw = tl.load(k_ptrs, mask=mask_k, other=0.0)
         tl.store(kr_base + w * s_krl + offs_k * s_krk, k_raw.to(kr_base.dtype.element_ty), mask=mask_k)

@@ -7,9 +7,9 @@ route); what replay saves is the write: non-flush steps append ``(d, k, g)`` and
 
 Grid ``(cdiv(V, BLOCK_V), batch, HV)``. A program holds the checkpoint's ``K x BLOCK_V`` slice (K padded to a power
 of two >= 16) and the window of up to ``L`` records on a power-of-two axis ``BLOCK_L >= 16``: keys ``[BLOCK_L, K]``
-of its key head, its slice of the corrected values ``[BLOCK_L, BLOCK_V]``, summed log-gates ``G_j`` ``[BLOCK_L]``
-(GDN) or ``[BLOCK_L, K]`` (KDA). With ``G_w = G_{w-1} + g_t``, ``E_j = G_w - G_j = Σ_{j<i<=w} g_i`` (<= 0; one
-difference each, no scan: the scan was ~0.6 µs of KDA's 5.3 µs bs1 step on the H200), ``E_tot = G_w`` and
+of its key head, its slice of the corrected values ``[BLOCK_L, BLOCK_V]``, the per-record log-gates ``g_j``
+``[BLOCK_L]`` (GDN) or ``[BLOCK_L, BLOCK_K]`` (KDA), loaded one record ahead so that ``E_j = Σ_{j<i<=w} g_i`` is a
+reverse cumulative sum (<= 0; :func:`~.delta_split_triton._gate_window`), ``E_tot = Σ_{i<=w} g_i`` and
 ``KE_j = k_j ⊙ exp(E_j)``::
 
     S'ᵀx = S_0ᵀ (exp(E_tot) ⊙ x) + Σ_{j<w} d_j (KE_j · x)        for x = k_t and x = q_t
@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .delta_split_triton import launch_split
+from .delta_split_triton import _gate_window, launch_split
 from .host_math import cdiv, memo_unless_tuned, next_pow2
 from .launch import launch
 from .mamba2_triton import _ARRIVAL, _arrive, _step_row, _store_checkpoint
@@ -83,11 +83,15 @@ def _delta_replay_step_kernel(
                  mask=in_ring[:, None] & mask_k[None, :], other=0.0).to(tl.float32)          # [BLOCK_L, BLOCK_K]
     dw = tl.load(dr_ptr + slot * s_drb + h * s_drh + offs_l[:, None] * s_drl + offs_v[None, :] * s_drv,
                  mask=in_ring[:, None] & mask_v[None, :], other=0.0).to(tl.float32)          # [BLOCK_L, BLOCK_V]
+    gr_base = gr_ptr + slot * s_grb + h * s_grh
+    nxt = offs_l + 1                               # the gates one record ahead (see _gate_window)
     if KDA:
-        gw = tl.load(gr_ptr + slot * s_grb + h * s_grh + offs_l[:, None] * s_grl + offs_k[None, :] * s_grk,
-                     mask=in_ring[:, None] & mask_k[None, :], other=0.0).to(tl.float32)      # [BLOCK_L, BLOCK_K]
+        g_next = tl.load(gr_base + nxt[:, None] * s_grl + offs_k[None, :] * s_grk,
+                         mask=(nxt < L)[:, None] & mask_k[None, :], other=0.0).to(tl.float32)  # [BLOCK_L, BLOCK_K]
+        g_first = tl.load(gr_base + offs_k * s_grk, mask=mask_k, other=0.0).to(tl.float32)
     else:
-        gw = tl.load(gr_ptr + slot * s_grb + h * s_grh + offs_l * s_grl, mask=in_ring, other=0.0).to(tl.float32)
+        g_next = tl.load(gr_base + nxt * s_grl, mask=nxt < L, other=0.0).to(tl.float32)
+        g_first = tl.load(gr_base).to(tl.float32)
     v = tl.load(v_ptr + row * s_vb + h * s_vh + offs_v * s_vv, mask=mask_v, other=0.0).to(tl.float32)
     beta = tl.load(beta_ptr + row * s_bb + h * s_bh).to(tl.float32)
     q = tl.load(q_ptr + row * s_qb + hq * s_qh + offs_k * s_qk, mask=mask_k, other=0.0).to(tl.float32)
@@ -101,17 +105,14 @@ def _delta_replay_step_kernel(
     # then overlaps the loads instead of preceding them
     w = _arrive(cursor_ptr, slot, arrivals, L)
 
-    # the window: records j < w hold G_j (the log-gate summed since the checkpoint), so this token's G_w = G_{w-1} +
-    # g_t and every exponent is one difference, E_j = G_w - G_j (no scan); stale slots never leak (where, not multiply)
+    # the window: records j < w, this token at j == w; exponents are suffix sums of per-record gates (stale ring
+    # slots never leak: where, not multiply)
     hist = offs_l < w
-    last = offs_l == w - 1
+    E, dec = _gate_window(g_next, g_first, g_cur, w, offs_l, KDA)                           # dec: KDA [BLOCK_K]
     if KDA:
-        g_sum = tl.sum(tl.where(last[:, None], gw, 0.0), axis=0) + g_cur                    # G_w [BLOCK_K]
-        ke = tl.where(hist[:, None], kw * tl.exp(tl.minimum(g_sum[None, :] - gw, 0.0)), 0.0)  # [BLOCK_L, BLOCK_K]
+        ke = tl.where(hist[:, None], kw * tl.exp(E), 0.0)                                   # [BLOCK_L, BLOCK_K]
     else:
-        g_sum = tl.sum(tl.where(last, gw, 0.0), axis=0) + g_cur
-        ke = tl.where(hist[:, None], kw * tl.exp(tl.minimum(g_sum - gw, 0.0))[:, None], 0.0)
-    dec = tl.exp(tl.minimum(g_sum, 0.0))                                                     # KDA [BLOCK_K]
+        ke = tl.where(hist[:, None], kw * tl.exp(E)[:, None], 0.0)
     ak = dec * k
     aq = dec * q
     dw = tl.where(hist[:, None], dw, 0.0)
@@ -140,9 +141,9 @@ def _delta_replay_step_kernel(
                  d.to(dr_ptr.dtype.element_ty), mask=mask_v)
         if pid_v == 0:
             if KDA:
-                tl.store(gr_ptr + slot * s_grb + h * s_grh + w * s_grl + offs_k * s_grk, g_sum, mask=mask_k)
+                tl.store(gr_base + w * s_grl + offs_k * s_grk, g_cur, mask=mask_k)
             else:
-                tl.store(gr_ptr + slot * s_grb + h * s_grh + w * s_grl, g_sum)
+                tl.store(gr_base + w * s_grl, g_cur)
             if h % v_per_k == 0:                       # one program per key head appends k_t
                 tl.store(kr_ptr + slot * s_krb + hk * s_krh + w * s_krl + offs_k * s_krk,
                          k_raw.to(kr_ptr.dtype.element_ty), mask=mask_k)
@@ -166,7 +167,7 @@ CAPPED_MIN_ROW_HEADS = 8192
 
 
 @memo_unless_tuned(TUNING)
-def launch_config(b: int, HV: int, K: int, V: int, L: int, kda: bool = False, state_bytes: int = 4) -> dict:
+def launch_config(b: int, HV: int, K: int, V: int, L: int, kda: bool = False) -> dict:
     """Kernel variant and launch configuration for a step of ``b`` rows.
 
     * ``fused`` (latency, small batch): one launch; each program recomputes the window for its V-block.
@@ -174,24 +175,19 @@ def launch_config(b: int, HV: int, K: int, V: int, L: int, kda: bool = False, st
       value head); launch 2 streams the checkpoint in ``K x BLOCK_V`` slices (as fla's fused recurrent kernel
       does) with little else live, so many programs fit per SM.
     K is held whole (padded to a power of two >= 16); the window sits on a power-of-two axis >= 16. ``kda``: the
-    step has per-key-channel gates (launch 1 of the split variant then runs record by record). ``state_bytes``: the
-    checkpoint's element size (KDA's narrow fused slices are for fp32 checkpoints only).
+    step has per-key-channel gates (launch 1 of the split variant then runs record by record).
     """
     block_k = max(16, next_pow2(K))
     block_l = max(16, next_pow2(L))
     variant = TUNING.get("variant") or ("fused" if b * HV <= FUSED_MAX_ROW_HEADS else "split")
     extra = {}
     if variant == "fused":
-        # KDA: 16-wide slices on 2 warps (H200 session 19, two runs, bs1 / bs2 L-avg 4.9-5.0 -> 4.8 / 6.8 -> 6.6 µs;
-        # GDN equal either way; 8-wide slices or 4-8 warps on 16: 0.6-2.9 µs slower: more programs per SM, each
-        # recomputing the window). Only where the window fits 2 warps (L <= 16, K <= 128) and for fp32 checkpoints
-        # (a bf16 one ran 5.6 -> 8.2 µs at bs1 with them)
-        kda_narrow = kda and block_l <= 16 and block_k <= 128 and state_bytes == 4
-        block_v = TUNING.get("BLOCK_V") or (16 if kda_narrow or V <= 16 else 32)
-        # 4 warps for a 128 x 32 slice (H200 session 8, bs1: GDN 4.2 -> 3.9 µs L-avg, KDA 7.8 -> 5.3 with the gate
-        # scan of the time as a dot; at bs8 4 warps lost, but bs8 runs split)
-        warps = TUNING.get("num_warps") or (
-            2 if kda_narrow else max(1, min(8, max(block_k * block_v, block_l * block_k) // (32 * 32))))
+        block_v = TUNING.get("BLOCK_V") or (16 if V <= 16 else 32)
+        # 4 warps for a 128 x 32 slice (H200, bs1: GDN 4.2 -> 3.9 µs L-avg). KDA ran 16-wide slices on 2 warps while
+        # its window exponents were differences of summed gates (4.8 µs at bs1); with the per-record gates' suffix
+        # scan those lost to 32-wide slices on 4 warps (one run: bs1 6.1 vs 5.5 µs, bs2 8.3 vs 7.8; 1 warp, or 8- to
+        # 16-wide slices on 1-4 warps, 6.5-8.8 µs at bs1)
+        warps = TUNING.get("num_warps") or max(1, min(8, max(block_k * block_v, block_l * block_k) // (32 * 32)))
     elif variant == "split":
         # H200 session 8: 32-wide slices on 2 warps (16 on 1 warp: GDN bs256 non-flush 206 -> 168 µs), the window
         # launch on 1 warp (4: GDN window 24 -> 16 µs, KDA 91 -> 54)
@@ -233,7 +229,7 @@ def delta_replay_step_triton(state, d_ring, k_ring, g_ring, cursor, q, k, v, g, 
     o = torch.empty((b, HV, V), dtype=torch.float32, device=v.device)
     if b == 0:
         return o
-    cfg = launch_config(b, HV, K, V, L, kda=kda, state_bytes=state.element_size())
+    cfg = launch_config(b, HV, K, V, L, kda=kda)
     n_vb = cdiv(V, cfg["BLOCK_V"])
     if n_vb * HV >= 1 << 15 or L >= _ARRIVAL:
         raise ValueError(f"replay_compile.delta: {HV} heads x {n_vb} V-blocks (or L={L}) exceed the cursor word's "

@@ -130,6 +130,9 @@ def _mamba2_prepass_window_kernel(
         in_l = offs_l < w
     la_w = tl.load(lar_ptr + slot * s_lrb + lane_h[:, None] * s_lrh + offs_l[None, :] * s_lrl,
                    mask=mask_h[:, None] & in_l[None, :], other=0.0).to(tl.float32)   # [HB, BLOCK_L]
+    nxt = offs_l + 1                                # one record ahead (mamba2_triton._suffix_after)
+    la_next = tl.load(lar_ptr + slot * s_lrb + lane_h[:, None] * s_lrh + nxt[None, :] * s_lrl,
+                      mask=mask_h[:, None] & (nxt < L)[None, :], other=0.0).to(tl.float32)
     dt_w = tl.load(dtr_ptr + slot * s_drb + lane_h[:, None] * s_drh + offs_l[None, :] * s_drl,
                    mask=mask_h[:, None] & in_l[None, :], other=0.0).to(tl.float32)
     if not CB_ONLY:
@@ -155,7 +158,10 @@ def _mamba2_prepass_window_kernel(
     cur = offs_l == w
     la_w = tl.where(cur[None, :], la_cur.to(tl.float32)[:, None], tl.where(hist[None, :], la_w, 0.0))
     dt_w = tl.where(cur[None, :], dt_cur.to(tl.float32)[:, None], tl.where(hist[None, :], dt_w, 0.0))
-    after = tl.minimum(tl.cumsum(la_w, axis=1, reverse=True) - la_w, 0.0)
+    # Σ_{j<i<=w} per head: a reverse cumulative sum of the decays one record ahead (mamba2_triton._suffix_after)
+    la_next = tl.where((nxt < w)[None, :], la_next,
+                       tl.where((nxt == w)[None, :], la_cur.to(tl.float32)[:, None], 0.0))
+    after = tl.minimum(tl.cumsum(la_next, axis=1, reverse=True), 0.0)
     coef = tl.where((offs_l <= w)[None, :], dt_w * tl.exp(after), 0.0)              # [HB, BLOCK_L]
     decay = tl.exp(tl.minimum(tl.sum(la_w, axis=1), 0.0))                           # [HB]
     bw = tl.where(cur[:, None], b_cur.to(tl.float32)[None, :], tl.where(hist[:, None], bw, 0.0))

@@ -97,6 +97,11 @@ def _mamba2_spec_window_kernel(
                  mask=new[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
     bw = tl.where(hist[:, None], bh, bn)                                                    # [BLOCK_W, BLOCK_N]
     lo = tl.where(fl, w, 0)
+    nxt = offs_k + 1                               # window positions one ahead, for the suffix sums
+    hist_n = nxt < w
+    new_n = (nxt >= w) & (nxt < w + T)
+    ring_n = (o + nxt) & (BUF - 1)
+    t_n = tl.where(new_n, nxt - w, 0)
     for t in range(BLOCK_T):
         if t < T:
             c = tl.load(C_ptr + row * s_cb + t * s_ct + gc * s_cg + offs_n * s_cn, mask=mask_n,
@@ -112,7 +117,13 @@ def _mamba2_spec_window_kernel(
                                               other=0.0),
                                 tl.load(dt_ptr + row * s_db + t_k * s_dt + h * s_dh, mask=new, other=0.0))
                 la_t = tl.where(live, la_w.to(tl.float32), 0.0)
-                after = tl.minimum(tl.cumsum(la_t, axis=0, reverse=True) - la_t, 0.0)  # Σ_{k<i<=w+t}
+                # Σ_{k<i<=w+t}: a reverse cumulative sum of the decays one position ahead, never a difference
+                # (mamba2_triton._suffix_after)
+                la_n = tl.where(hist_n, tl.load(lar_ptr + slot * s_lrb + h * s_lrh + ring_n * s_lrl, mask=hist_n,
+                                                other=0.0),
+                                tl.load(la_ptr + row * s_lb + t_n * s_lt + h * s_lh, mask=new_n, other=0.0))
+                after = tl.minimum(tl.cumsum(tl.where((nxt >= lo) & (nxt <= w + t), la_n.to(tl.float32), 0.0),
+                                             axis=0, reverse=True), 0.0)
                 coef = tl.where(live, dt_w.to(tl.float32) * tl.exp(after), 0.0)
                 base_idx = row * H + h
                 tl.store(wgt_ptr + (base_idx * BLOCK_T + t) * BLOCK_W + offs_k, coef * bc)

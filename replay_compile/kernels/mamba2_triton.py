@@ -101,6 +101,19 @@ def _row_slot(slot_ptr, row, HAS_SLOT: tl.constexpr):
 
 
 @triton.jit
+def _suffix_after(la_next, la_cur, w, offs):
+    """``min(Σ_{j<i<=w} la_i, 0)`` for every ``j`` of a window whose current token sits at index ``w``
+    (``offs``: the window's arange), from the ring's log-decays loaded one record ahead (``la_next[j]`` = ring
+    ``j + 1``) and the token's ``la_cur``: a reverse cumulative sum of them. The inclusive scan minus ``la_j`` gives
+    the same sum as a difference: the log-decays are <= 0, so the sum never cancels, but ``(la_j + s) - la_j``
+    loses ``s`` to rounding once ``la_j`` is large (a -1e5 decay left ~1% error in the record's weight) and is NaN
+    for ``la_j = -inf``."""
+    nxt = offs + 1
+    h = tl.where(nxt < w, la_next, tl.where(nxt == w, la_cur, 0.0))
+    return tl.minimum(tl.cumsum(h, axis=0, reverse=True), 0.0)
+
+
+@triton.jit
 def _step_row(slot_ptr, row, out_ptrs, out_mask, HAS_SLOT: tl.constexpr, BLOCK: tl.constexpr):
     """:func:`_row_slot` for a program that owns ``BLOCK`` outputs of the row: a padding row gets zeros there; the
     caller then returns (a padding row touches nothing else)."""
@@ -208,6 +221,8 @@ def _mamba2_replay_whole_kernel(
     xw = tl.load(xr_ptr + slot * s_xrb + h * s_xrh + offs_l[:, None] * s_xrl + offs_p[None, :] * s_xrp,
                  mask=in_ring[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
     la_w = tl.load(lar_ptr + slot * s_lrb + h * s_lrh + offs_l * s_lrl, mask=in_ring, other=0.0).to(tl.float32)
+    la_next = tl.load(lar_ptr + slot * s_lrb + h * s_lrh + (offs_l + 1) * s_lrl, mask=offs_l + 1 < L,
+                      other=0.0).to(tl.float32)
     dt_w = tl.load(dtr_ptr + slot * s_drb + h * s_drh + offs_l * s_drl, mask=in_ring, other=0.0).to(tl.float32)
     # the cursor only after every load is issued: the atomic's round trip (and the barrier that shares its result)
     # then overlaps the loads instead of preceding them
@@ -221,7 +236,7 @@ def _mamba2_replay_whole_kernel(
     bw = tl.where(cur[:, None], b_cur.to(tl.float32)[None, :], tl.where(hist[:, None], bw, 0.0))
     xw = tl.where(cur[:, None], x_cur.to(tl.float32)[None, :], tl.where(hist[:, None], xw, 0.0))
     total = tl.sum(la_w, axis=0)
-    after = tl.minimum(tl.cumsum(la_w, axis=0, reverse=True) - la_w, 0.0)   # Σ_{j<i<=w}: small terms only
+    after = _suffix_after(la_next, la_cur.to(tl.float32), w, offs_l)       # Σ_{j<i<=w}
     coef = tl.where(offs_l <= w, dt_w * tl.exp(after), 0.0)                # [BLOCK_L]
     decay = tl.exp(tl.minimum(total, 0.0))
 
@@ -257,11 +272,13 @@ def _step_window(lar_ptr, dtr_ptr, xr_ptr, la_ptr, dt_ptr, x_ptr, slot, row, h, 
     la_cur = tl.load(la_ptr + row * s_lb + h * s_lh)
     dt_cur = tl.load(dt_ptr + row * s_db + h * s_dh)
     la_w = tl.load(lar_ptr + slot * s_lrb + h * s_lrh + offs_l * s_lrl, mask=hist, other=0.0).to(tl.float32)
+    la_next = tl.load(lar_ptr + slot * s_lrb + h * s_lrh + (offs_l + 1) * s_lrl, mask=offs_l + 1 < w,
+                      other=0.0).to(tl.float32)
     dt_w = tl.load(dtr_ptr + slot * s_drb + h * s_drh + offs_l * s_drl, mask=hist, other=0.0).to(tl.float32)
     la_w = tl.where(cur, la_cur.to(tl.float32), la_w)
     dt_w = tl.where(cur, dt_cur.to(tl.float32), dt_w)
     total = tl.sum(la_w, axis=0)
-    after = tl.minimum(tl.cumsum(la_w, axis=0, reverse=True) - la_w, 0.0)
+    after = _suffix_after(la_next, la_cur.to(tl.float32), w, offs_l)
     coef = tl.where(offs_l <= w, dt_w * tl.exp(after), 0.0)
     decay = tl.exp(tl.minimum(total, 0.0))
 

@@ -49,7 +49,8 @@ def check_ring_args(state, d_ring, k_ring, g_ring, cursor):
     if tuple(g_ring.shape) not in ((S, HV, L), (S, HV, L, K)):
         _fail(f"g_ring must be [S={S}, HV={HV}, L={L}] (GDN) or [S, HV, L, K={K}] (KDA), got {tuple(g_ring.shape)}")
     if g_ring.dtype not in (torch.float32, torch.float64):
-        _fail(f"g_ring must be float32 (or float64), got {g_ring.dtype}: log-gates summed in low precision drift")
+        _fail(f"g_ring must be float32 (or float64), got {g_ring.dtype}: decays exp(Σ g) of low-precision gates "
+              "drift from the exact step")
     if tuple(cursor.shape) != (S,) or cursor.dtype != torch.int32:
         _fail(f"cursor must be int32 [S={S}], got {cursor.dtype} {tuple(cursor.shape)}")
     devs = {t.device for t in (state, d_ring, k_ring, g_ring, cursor)}
