@@ -63,11 +63,9 @@ class SpecLayer:
         dev = self.w.device
         n_acc = (n.to(device=dev, dtype=torch.int32) if isinstance(n, torch.Tensor)
                  else torch.full((b,), n, dtype=torch.int32, device=dev))
-        slots = self.slot_idx
-        idle = n_acc == 0
-        if bool(idle.any()):                    # the eager loop's host sync; rows with nothing accepted stay put
-            base = slots if slots is not None else torch.arange(b, dtype=torch.int32, device=dev)
-            slots = torch.where(idle, -1, base.to(torch.int32))
+        # rows with nothing accepted stay put (slot -1); a where, not a branch: no host synchronisation
+        base = self.slot_idx if self.slot_idx is not None else torch.arange(b, dtype=torch.int32, device=dev)
+        slots = torch.where(n_acc == 0, -1, base.to(torch.int32))
         torch.ops.replay_compile.spec_commit(self.w, self.origin, self.is_flush, n_acc.clamp(min=1), self.B, self.T,
                                              slots)
         K = self.conv_state.shape[-1]

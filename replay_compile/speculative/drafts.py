@@ -22,8 +22,31 @@ class PromptLookup:
         self.ngram, self.min_ngram = ngram, min_ngram
 
     def __call__(self, tokens: torch.Tensor, k: int) -> torch.Tensor:
+        """Drafts [b, k] for ``tokens`` [b, n]: tensor operations of fixed shape on ``tokens``' device, no host
+        synchronisation (a compiled round or a CUDA graph can hold it). :meth:`reference` is the same rule, row by
+        row in Python."""
+        b, n_tok = tokens.shape
+        last = torch.full((b, k), n_tok - 1, dtype=torch.long, device=tokens.device)
+        if k == 0 or n_tok < 2:
+            return tokens.gather(1, last[:, :k]) if n_tok else tokens.new_zeros((b, k))
+        pick = last                                        # no match: repeat the last token
+        found = torch.zeros(b, dtype=torch.bool, device=tokens.device)
+        for n in range(min(self.ngram, n_tok - 1), self.min_ngram - 1, -1):     # longest n-gram first
+            tail = tokens[:, n_tok - n:]                                         # [b, n]
+            windows = tokens[:, :n_tok - 1].unfold(1, n, 1)                      # starts 0 .. n_tok - n - 1
+            hit = (windows == tail[:, None, :]).all(-1)                          # [b, n_tok - n]
+            starts = torch.arange(hit.shape[1], device=tokens.device)
+            latest = torch.where(hit, starts, -1).amax(-1)                       # latest earlier occurrence
+            take = ~found & (latest >= 0)
+            follow = (latest[:, None] + n + torch.arange(k, device=tokens.device)).clamp(max=n_tok - 1)
+            pick = torch.where(take[:, None], follow, pick)                      # short follow: repeat its last
+            found |= take
+        return tokens.gather(1, pick)
+
+    def reference(self, tokens: torch.Tensor, k: int) -> torch.Tensor:
+        """The rule of :meth:`__call__`, row by row on the host (the oracle its tests compare against)."""
         rows = [self._row(seq, k) for seq in tokens.tolist()]
-        return torch.tensor(rows, dtype=torch.long, device=tokens.device)
+        return torch.tensor(rows, dtype=torch.long, device=tokens.device).reshape(tokens.shape[0], k)
 
     def _row(self, seq: list, k: int) -> list:
         n_tok = len(seq)
