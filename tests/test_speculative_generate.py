@@ -6,7 +6,7 @@ every round), a seeded mix (random acceptance counts), and prompt lookup on a re
 with 4-token verifies makes the rings flush every round or two, across ring wrap. The output must equal greedy
 ``generate`` token for token, and the cache left behind must hold the same recurrent and conv states.
 
-The GDN builds get slower gates first (:func:`_slow_gates`): with the stock init (``A`` up to 16, ``dt_bias`` 1) the
+The GDN builds get slower gates first (:func:`~replay_compile.testing.hf_models.build_for_speculation`): with the stock init (``A`` up to 16, ``dt_bias`` 1) the
 median per-step decay is ~0, so the state hardly matters (zeroing it changes the next logits by 1-11%); after it the
 decays are ~0.4-0.9 and zeroing the state changes them by 48-114%. Kimi-Linear's stock gates already keep memory
 (median decay ~0.9, 110%).
@@ -25,7 +25,8 @@ pytestmark = [pytest.mark.hf]
 
 from replay_compile import ReplayCompileError  # noqa: E402
 from replay_compile.speculative import PromptLookup, generate_speculative  # noqa: E402
-from replay_compile.testing.hf_models import DELTA_FAMILY, MAMBA2_FAMILY, make_inputs  # noqa: E402
+from replay_compile.testing.hf_models import (  # noqa: E402
+    DELTA_FAMILY, MAMBA2_FAMILY, build_for_speculation, make_inputs)
 from replay_compile.integrations.hf_modules import is_gated_deltanet, output_cache  # noqa: E402
 from replay_compile.passes.validate import rel_err  # noqa: E402
 from replay_compile.testing.tp_parity import _recurrent_states  # noqa: E402
@@ -41,30 +42,8 @@ def _conv_states(cache):
     return out
 
 
-@torch.no_grad()
-def _slow_gates(model, seed: int = 0) -> None:
-    """Redraw every GDN layer's gates as the Mamba-2 builds do: -A ~ U[0.5, 2], softplus(dt_bias) ~ U[0.05, 0.4],
-    and the ``a`` rows of the input projection (Qwen3-Next: inside ``in_proj_ba``, per key-head group ``[b | a]``)
-    rescaled to a pre-activation std ~0.5."""
-    g = torch.Generator().manual_seed(20_000 + seed)
-    for m in model.modules():
-        if not is_gated_deltanet(m):
-            continue
-        HV, Hk = m.num_v_heads, m.num_k_heads
-        u = lambda lo, hi: lo + (hi - lo) * torch.rand(HV, generator=g)  # noqa: E731
-        m.A_log.copy_(torch.log(u(0.5, 2.0)))
-        dt = u(0.05, 0.4)
-        m.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))                      # softplus^-1
-        w = m.in_proj_a.weight if hasattr(m, "in_proj_a") else m.in_proj_ba.weight.view(Hk, 2, HV // Hk, -1)[:, 1]
-        w *= 0.5 / (w.std() * math.sqrt(w.shape[-1]) + 1e-6)
-
-
 def _build(family):
-    if family in DELTA_FAMILY:
-        model = DELTA_FAMILY[family]()
-        _slow_gates(model)
-        return model
-    return MAMBA2_FAMILY[family]()
+    return build_for_speculation(family)
 
 
 @pytest.fixture(scope="module", params=["nemotron_h", "bamba", "mamba2", "zamba2", "granitemoehybrid",

@@ -31,6 +31,7 @@ from ..integrations.hf_modules import (cache_kwarg, is_gated_deltanet, is_kimi_d
 from .base import SpecLayer
 from .delta_layer import SpecDeltaLayer
 from .mamba2_layer import SpecMamba2Layer
+from .rounds import Rounds
 
 
 @dataclasses.dataclass
@@ -128,7 +129,9 @@ def _step_kwargs(model) -> tuple[str, bool]:
 
 
 def generate_speculative(model, input_ids: torch.Tensor, max_new_tokens: int, *, num_draft: int = 3,
-                         draft: Callable | None = None, buffer_len: int = 16, per_row: bool = True) -> SpeculativeOutput:
+                         draft: Callable | None = None, buffer_len: int = 16, per_row: bool = True,
+                         compile: bool | None = None, backend: str = "replayssm",
+                         mode: str | None = None) -> SpeculativeOutput:
     """Greedy-decode ``max_new_tokens`` tokens with drafts verified ``num_draft`` at a time.
 
     Args:
@@ -142,6 +145,10 @@ def generate_speculative(model, input_ids: torch.Tensor, max_new_tokens: int, *,
         per_row: every row keeps its own accepted count (the SSM layers commit per row; the attention caches keep
             the rejected positions, masked out through the attention mask). ``False``: every row commits the
             batch's smallest count and the attention caches drop the rest (the layout ``generate`` leaves).
+        compile: run each round as one compiled function (:mod:`.rounds`: fixed shapes, a ``StaticCache``, drafts
+            proposed on the device, one host read per round); default: on CUDA. The draft proposer must then be
+            made of tensor operations (:class:`PromptLookup` is). ``backend`` / ``mode``: ``torch.compile``'s
+            (``mode`` default: ``"reduce-overhead"`` on CUDA: CUDA graphs). Needs ``per_row``.
     Returns:
         :class:`SpeculativeOutput`; ``sequences`` equals ``model.generate(input_ids, max_new_tokens=...,
         do_sample=False)``'s, and ``cache`` holds the SSM state after every fed token, as ``generate``'s does (with
@@ -151,6 +158,16 @@ def generate_speculative(model, input_ids: torch.Tensor, max_new_tokens: int, *,
         raise ValueError(f"generate_speculative: need max_new_tokens >= 1 and num_draft >= 1, got {max_new_tokens}, "
                          f"{num_draft}")
     draft = draft or PromptLookup()
+    if compile is None:
+        compile = input_ids.is_cuda
+    if compile:
+        if not per_row:
+            raise ValueError("generate_speculative: compile=True runs per-row rounds; per_row=False is eager only")
+        if mode is None and input_ids.is_cuda:
+            mode = "reduce-overhead"
+        return generate_rounds(model, input_ids, max_new_tokens, num_draft=num_draft, draft=draft,
+                               buffer_len=buffer_len,
+                               compiler=lambda fn: torch.compile(fn, backend=backend, mode=mode))
     T = num_draft + 1
     with torch.no_grad():
         out = model(input_ids, use_cache=True)
@@ -168,6 +185,35 @@ def generate_speculative(model, input_ids: torch.Tensor, max_new_tokens: int, *,
         for layer in layers:
             layer.finish()
     return res
+
+
+def generate_rounds(model, input_ids: torch.Tensor, max_new_tokens: int, *, num_draft: int, draft: Callable,
+                    buffer_len: int, compiler: Callable | None) -> SpeculativeOutput:
+    """:func:`generate_speculative` through :class:`~.rounds.Rounds`: prefill into a ``StaticCache`` sized for the
+    rounds, then rounds until every row has its tokens; each round runs as ``compiler(rounds.step)`` (``None``:
+    eagerly, the same code). ``attention_mask`` of the result marks each row's valid cache positions."""
+    from transformers import StaticCache
+
+    T = num_draft + 1
+    b, prompt = input_ids.shape
+    ck, _ = _step_kwargs(model)
+    cache = StaticCache(config=model.config, max_cache_len=prompt + max_new_tokens + 2 * T)
+    with torch.no_grad():
+        out = model(input_ids, use_cache=True, cache_position=torch.arange(prompt, device=input_ids.device),
+                    **{ck: cache})
+        first = out.logits[:, -1].argmax(-1, keepdim=True)
+        layers = _spec_layers(model, cache, buffer_len, T)
+        rounds = Rounds(model, cache, layers, input_ids, first, max_new_tokens, num_draft, draft)
+        step = rounds.step if compiler is None else compiler(rounds.step)
+        accepted = []
+        with _verify_forwards(layers):
+            while not rounds.done():
+                accepted.append(step().clone())          # CUDA-graph outputs are overwritten by the next replay
+        for layer in layers:
+            layer.finish()
+    counts = torch.stack(accepted).tolist() if accepted else []
+    return SpeculativeOutput(sequences=rounds.sequences(), cache=cache, rounds=len(counts), accepted=counts,
+                             attention_mask=rounds.attention_mask())
 
 
 def _checked(drafts, b: int, k: int) -> torch.Tensor:

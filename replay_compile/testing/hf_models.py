@@ -80,6 +80,8 @@ from typing import Any, Callable, Dict
 
 import torch
 
+from ..integrations.hf_modules import is_gated_deltanet
+
 VOCAB = 128
 HIDDEN = 32
 N_HEADS, HEAD_DIM, N_GROUPS, D_STATE = 4, 16, 2, 16  # expand 2: 4 * 16 == 2 * 32
@@ -288,3 +290,32 @@ DELTA_FAMILY: Dict[str, Callable[..., torch.nn.Module]] = {
     "qwen3_5_moe": _delta_builder(_qwen3_5_moe_cfg, "Qwen3_5MoeForCausalLM"),
     "kimi_linear": _delta_builder(_kimi_linear_cfg, "KimiLinearForCausalLM"),
 }
+
+
+@torch.no_grad()
+def slow_gdn_gates(model, seed: int = 0) -> None:
+    """Redraw every GDN layer's gates as the Mamba-2 builds do: -A ~ U[0.5, 2], softplus(dt_bias) ~ U[0.05, 0.4],
+    and the ``a`` rows of the input projection (Qwen3-Next: inside ``in_proj_ba``, per key-head group ``[b | a]``)
+    rescaled to a pre-activation std ~0.5."""
+    g = torch.Generator().manual_seed(20_000 + seed)
+    for m in model.modules():
+        if not is_gated_deltanet(m):
+            continue
+        HV, Hk = m.num_v_heads, m.num_k_heads
+        u = lambda lo, hi: lo + (hi - lo) * torch.rand(HV, generator=g)  # noqa: E731
+        m.A_log.copy_(torch.log(u(0.5, 2.0)))
+        dt = u(0.05, 0.4)
+        m.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))                      # softplus^-1
+        w = m.in_proj_a.weight if hasattr(m, "in_proj_a") else m.in_proj_ba.weight.view(Hk, 2, HV // Hk, -1)[:, 1]
+        w *= 0.5 / (w.std() * math.sqrt(w.shape[-1]) + 1e-6)
+
+
+def build_for_speculation(family: str) -> torch.nn.Module:
+    """A tiny model of ``family`` whose greedy decode is a fair speculative test: the GDN builds get
+    :func:`slow_gdn_gates` (with the stock init their gates forget almost everything each token, so drafts verified
+    in one forward and tokens decoded one by one would agree for the wrong reason)."""
+    if family in DELTA_FAMILY:
+        model = DELTA_FAMILY[family]()
+        slow_gdn_gates(model)
+        return model
+    return MAMBA2_FAMILY[family]()

@@ -1,0 +1,146 @@
+"""Speculative rounds with fixed shapes and no host synchronisation, so that one round compiles into one graph (and,
+on CUDA with ``mode="reduce-overhead"``, one CUDA graph replay).
+
+A round proposes ``k`` drafts per row on the device (:class:`~.drafts.PromptLookup`), verifies ``[last token, d_1 ..
+d_k]`` in one forward of the model (SSM layers through their verify ops, :mod:`.mamba2_layer` / :mod:`.delta_layer`),
+accepts per row the drafts that match the model's own greedy choices, and commits: SSM layers move cursors, conv
+states advance by the accepted inputs, attention caches keep the accepted keys and values.
+
+Attention caches. A ``StaticCache`` of ``M`` positions holds each row's accepted tokens compactly at ``[0, fed)``
+(``fed``: tokens of the row already in the cache) and a scratch window at ``[M - T, M)``. Every verify writes its
+``T`` keys and values into the scratch window (``cache_position`` is the same every round), attends to ``[0, fed)``
+and the window causally (the attention mask), and the commit copies the window to ``[fed, fed + T)`` of each row;
+positions past a row's new ``fed`` hold rejected entries that the mask hides and the next commit overwrites. RoPE
+positions are per row (``position_ids = fed + t``). So the cache needs ``prompt + max_new + 2T`` positions whatever
+the acceptance, and every tensor shape is the same every round.
+
+Rows that have all their tokens sit the remaining rounds out: their slot is -1 for the SSM layers (nothing of their
+state is read or written) and nothing of theirs is committed. The host reads back one flag per round (whether every
+row is done).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from ..integrations.hf_modules import cache_kwarg
+from .base import SpecLayer
+
+
+def attention_layers(cache) -> list:
+    """The attention layers of a ``StaticCache`` (``keys`` / ``values`` [b, heads, M, head_dim])."""
+    return [layer for layer in getattr(cache, "layers", [])
+            if isinstance(getattr(layer, "keys", None), torch.Tensor) and layer.keys.dim() == 4
+            and isinstance(getattr(layer, "values", None), torch.Tensor)]
+
+
+def _write_at(layer, position: int) -> None:
+    """Make a static attention layer write its next keys at ``position``: transformers from 5.2x counts positions in
+    the layer (``cumulative_length``, also the mask's query offset); older ones take ``cache_position`` (passed too)."""
+    count = getattr(layer, "cumulative_length", None)
+    if isinstance(count, torch.Tensor):
+        count.fill_(position)
+    elif count is not None:
+        layer.cumulative_length = position
+
+
+class Rounds:
+    """The state of greedy speculative rounds over one batch, and :meth:`step`, one round.
+
+    Args:
+        model: the HF model (its SSM mixers already routed to the layers' verify forwards by the caller).
+        cache: a ``StaticCache`` of ``M >= prompt + max_new + 2T`` positions holding the prefilled prompt.
+        layers: the spec layers of ``model`` (cursors, rings, conv inputs).
+        input_ids: [b, prompt]; first: [b, 1] the token the prefill emitted (not yet fed).
+        max_new: tokens to emit per row (``first`` included); num_draft: ``k``, ``T = k + 1``; draft: a proposer
+            ``(tokens [b, n] right-aligned, left-padded with -1, k) -> [b, k]`` made of tensor operations.
+    """
+
+    def __init__(self, model, cache, layers: list[SpecLayer], input_ids: torch.Tensor, first: torch.Tensor,
+                 max_new: int, num_draft: int, draft):
+        b, prompt = input_ids.shape
+        dev = input_ids.device
+        self.model, self.cache, self.layers, self.draft = model, cache, layers, draft
+        self.b, self.prompt, self.max_new, self.k, self.T = b, prompt, max_new, num_draft, num_draft + 1
+        self.ck = cache_kwarg(model)
+        self.takes_positions = "position_ids" in inspect.signature(model.forward).parameters
+        self.attn = attention_layers(cache)
+        self.M = int(getattr(cache, "max_cache_len", 0) or (self.attn[0].keys.shape[2] if self.attn else 0))
+        need = prompt + max_new + 2 * self.T
+        if self.attn and self.M < need:
+            raise ValueError(f"replay_compile.speculative: the StaticCache holds {self.M} positions; speculative rounds "
+                             f"of T={self.T} after a {prompt}-token prompt for {max_new} new tokens need {need}")
+        W = prompt + max_new + self.T                  # token columns; the last one takes writes of rejected tokens
+        self.tokens = torch.full((b, W), -1, dtype=torch.long, device=dev)
+        self.tokens[:, :prompt] = input_ids
+        self.tokens[:, prompt] = first[:, 0]
+        self.length = torch.full((b,), prompt + 1, dtype=torch.long, device=dev)   # tokens per row, last unfed
+        self.rows = torch.arange(b, device=dev)
+        self.cols = torch.arange(W, device=dev)
+        self.window_cols = torch.arange(self.T, device=dev)
+        self.positions = torch.arange(max(self.M, 1), device=dev)
+        self.scratch = torch.arange(self.M - self.T, self.M, device=dev)            # the verify's cache positions
+
+    def static_tensors(self) -> list[torch.Tensor]:
+        """Every tensor a round mutates (marked static for CUDA graphs by the caller)."""
+        out = [self.tokens, self.length]
+        for layer in self.layers:
+            out += [layer.state, layer.conv_state, layer.w, layer.origin, layer.is_flush, *layer.rings]
+        for layer in self.attn:
+            out += [layer.keys, layer.values]
+            if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
+                out.append(layer.cumulative_length)
+        return out
+
+    def attention_mask(self) -> torch.Tensor:
+        """[b, M]: each row's accepted tokens and the scratch window."""
+        fed = (self.length - 1)[:, None]
+        return ((self.positions[None, :] < fed) | (self.positions[None, :] >= self.M - self.T)).to(torch.long)
+
+    def step(self) -> torch.Tensor:
+        """One round; returns the tokens each row emitted ([b], 0 for rows that were done)."""
+        b, T, k = self.b, self.T, self.k
+        W = self.tokens.shape[1]
+        # each row's tokens right-aligned, left-padded with -1, for the proposer
+        src = self.cols[None, :] - (W - self.length)[:, None]
+        view = torch.where(src >= 0, self.tokens.gather(1, src.clamp(min=0)), -1)
+        drafts = self.draft(view, k).to(self.tokens.dtype)                          # [b, k]
+        last = self.tokens.gather(1, (self.length - 1)[:, None])
+        window = torch.cat([last, drafts], dim=1)                                    # [b, T]
+        fed = self.length - 1
+        remaining = self.max_new - (self.length - self.prompt)
+        active = remaining > 0
+        slots = torch.where(active, self.rows, -1).to(torch.int32)
+        for layer in self.layers:                    # the verify forward and the commit see the same slots
+            layer.slot_idx = slots
+        for layer in self.attn:                      # the window's keys go to the scratch positions
+            _write_at(layer, self.M - T)
+        extra = {"position_ids": fed[:, None] + self.window_cols[None, :]} if self.takes_positions else {}
+        logits = self.model(window, **{self.ck: self.cache}, attention_mask=self.attention_mask(),
+                            cache_position=self.scratch, use_cache=True, **extra).logits
+        pred = logits.argmax(-1)                                                     # [b, T]
+        ok = (drafts == pred[:, :k]).to(torch.int32).cumprod(-1).sum(-1)
+        n = torch.minimum(ok.long() + 1, remaining).clamp(min=0)                     # 0 for rows that sat out
+        for layer in self.layers:
+            layer.commit(n)
+            layer.slot_idx = None
+        dst = (fed[:, None] + self.window_cols[None, :])                             # [b, T] cache positions
+        for layer in self.attn:
+            for t in (layer.keys, layer.values):
+                idx = dst[:, None, :, None].expand(b, t.shape[1], T, t.shape[3])
+                t.scatter_(2, idx, t[:, :, self.M - T:].clone())
+        keep = self.window_cols[None, :] < n[:, None]
+        at = torch.where(keep, self.length[:, None] + self.window_cols[None, :], W - 1)
+        self.tokens.scatter_(1, at, torch.where(keep, pred, -1))
+        self.length += n
+        return n
+
+    def done(self) -> bool:
+        """Whether every row has all its tokens (one host read)."""
+        return bool((self.length - self.prompt >= self.max_new).all())
+
+    def sequences(self) -> torch.Tensor:
+        """[b, prompt + max_new] prompt and emitted tokens."""
+        return self.tokens[:, :self.prompt + self.max_new]

@@ -1,0 +1,110 @@
+"""Speculative rounds compiled (``generate_speculative(..., compile=True)``) against ``model.generate`` on the tiny
+HF models of every supported family, fp32, greedy.
+
+Drafts come from tensor operations (so that they compile into the round): the true continuation with a
+deterministic share of mistakes, different per row, so that rows accept different counts, run ahead of each other
+and finish in different rounds; and prompt lookup on a repetitive prompt. The output must equal greedy ``generate``
+token for token, the recurrent and conv states left behind must equal its cache's, and the round must compile into
+one graph with no graph break. ``buffer_len=8`` with 4-token verifies flushes the rings every round or two.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+pytest.importorskip("transformers")
+
+from replay_compile.integrations.hf_modules import output_cache  # noqa: E402
+from replay_compile.passes.validate import rel_err  # noqa: E402
+from replay_compile.speculative import PromptLookup, generate_speculative  # noqa: E402
+from replay_compile.speculative.generate import generate_rounds  # noqa: E402
+from replay_compile.testing.hf_models import build_for_speculation, make_inputs  # noqa: E402
+from replay_compile.testing.tp_parity import _recurrent_states  # noqa: E402
+
+NEW = 24
+# the families under every transformers version CI runs (the attention cache's position bookkeeping changed between
+# them); the others under the newest only
+_EVERY_VERSION = ("nemotron_h", "qwen3_5", "kimi_linear")
+FAMILIES = [pytest.param(f, marks=[pytest.mark.hf] if f in _EVERY_VERSION else [])
+            for f in ("nemotron_h", "bamba", "mamba2", "zamba2", "granitemoehybrid", "qwen3_next", "qwen3_5",
+                      "qwen3_5_moe", "kimi_linear")]
+
+
+def _truth_with_mistakes(ref_sequences: torch.Tensor, every: int):
+    """Drafts from the true continuation, made of tensor operations: a row's draft ``j`` is wrong where ``(row + n +
+    j) % every == 0`` (``n``: the row's token count), else right; ``every=0``: never wrong."""
+    seq = torch.cat([ref_sequences, torch.full((ref_sequences.shape[0], 8), 3)], dim=1)
+
+    def propose(tokens: torch.Tensor, k: int) -> torch.Tensor:
+        n = (tokens >= 0).sum(1)
+        at = n[:, None] + torch.arange(k, device=tokens.device)[None, :]
+        good = seq.to(tokens.device).gather(1, at.clamp(max=seq.shape[1] - 1))
+        if not every:
+            return good
+        rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
+        return torch.where((rows + at) % every == 0, (good + 1 - 3) % 125 + 3, good)
+    return propose
+
+
+def _conv_states(cache):
+    out = []
+    for layer in cache.layers:
+        cs = getattr(layer, "conv_states", None)
+        out += [t for t in (cs.values() if isinstance(cs, dict) else []) if isinstance(t, torch.Tensor)]
+    return out
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def reference(request):
+    model = build_for_speculation(request.param)
+    ids = make_inputs(model, batch=3, prompt_len=6, seed=1)
+    ids = torch.cat([ids, ids[:, :4], ids], dim=1)                      # repetitive: prompt lookup finds matches
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True)
+    return request.param, model, ids, ref
+
+
+def test_compiled_rounds_match_generate_in_one_graph(reference):
+    family, model, ids, ref = reference
+    torch._dynamo.reset()
+    counters.clear()
+    out = generate_speculative(model, ids, NEW, num_draft=3, draft=_truth_with_mistakes(ref.sequences, 5),
+                               buffer_len=8, compile=True)
+    assert torch.equal(out.sequences, ref.sequences), (family, out.accepted)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1
+    counts = [n for rnd in out.accepted for n in rnd]
+    assert max(counts) == 4 and len(set(counts)) >= 3, out.accepted          # full, partial and no acceptance
+    assert any(len(set(rnd)) > 1 for rnd in out.accepted)                     # rows ran ahead of each other
+    assert any(0 in rnd for rnd in out.accepted), out.accepted                # and finished in different rounds
+    for row in range(ids.shape[0]):                                          # the first token: the prefill's
+        assert sum(rnd[row] for rnd in out.accepted) == NEW - 1
+    # the states left behind: after every fed token, as generate's (the last emitted token is not fed)
+    ref_cache = output_cache(ref)
+    for a, b in zip(_recurrent_states(out.cache) + _conv_states(out.cache),
+                    _recurrent_states(ref_cache) + _conv_states(ref_cache), strict=True):
+        assert a.shape == b.shape and rel_err(a, b) < 1e-4, (family, rel_err(a, b))
+
+
+@pytest.mark.parametrize("every", [0, 2])
+def test_eager_rounds_match_generate(reference, every):
+    """The same rounds run eagerly (the code a compiled round traces): every draft right, or every other one wrong."""
+    family, model, ids, ref = reference
+    out = generate_rounds(model, ids, NEW, num_draft=3, draft=_truth_with_mistakes(ref.sequences, every),
+                          buffer_len=8, compiler=None)
+    assert torch.equal(out.sequences, ref.sequences), (family, out.accepted)
+    if every == 0:
+        assert out.rounds <= -(-(NEW - 1) // 4) + 1
+
+
+def test_prompt_lookup_rounds_match_generate(reference):
+    family, model, ids, ref = reference
+    out = generate_rounds(model, ids, NEW, num_draft=3, draft=PromptLookup(ngram=3), buffer_len=8, compiler=None)
+    assert torch.equal(out.sequences, ref.sequences), (family, out.accepted)
+
+
+def test_compile_needs_per_row():
+    with pytest.raises(ValueError, match="per_row"):
+        generate_speculative(None, torch.zeros(1, 3, dtype=torch.long), 4, compile=True, per_row=False)
