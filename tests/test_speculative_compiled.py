@@ -35,7 +35,7 @@ FAMILIES = [pytest.param(f, marks=[pytest.mark.hf] if f in _EVERY_VERSION else [
 def _truth_with_mistakes(ref_sequences: torch.Tensor, every: int):
     """Drafts from the true continuation, made of tensor operations: a row's draft ``j`` is wrong where ``(row + n +
     j) % every == 0`` (``n``: the row's token count), else right; ``every=0``: never wrong."""
-    seq = torch.cat([ref_sequences, torch.full((ref_sequences.shape[0], 8), 3)], dim=1)
+    seq = torch.cat([ref_sequences, ref_sequences.new_full((ref_sequences.shape[0], 8), 3)], dim=1)
 
     def propose(tokens: torch.Tensor, k: int) -> torch.Tensor:
         n = (tokens >= 0).sum(1)

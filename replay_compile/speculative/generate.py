@@ -204,6 +204,9 @@ def generate_rounds(model, input_ids: torch.Tensor, max_new_tokens: int, *, num_
         first = out.logits[:, -1].argmax(-1, keepdim=True)
         layers = _spec_layers(model, cache, buffer_len, T)
         rounds = Rounds(model, cache, layers, input_ids, first, max_new_tokens, num_draft, draft)
+        if compiler is not None and input_ids.is_cuda:
+            for t in rounds.static_tensors():    # mutated in place every round: CUDA graphs keep their addresses
+                torch._dynamo.mark_static_address(t)
         step = rounds.step if compiler is None else compiler(rounds.step)
         accepted = []
         with _verify_forwards(layers):
