@@ -16,6 +16,7 @@ from torch._dynamo.utils import counters
 
 pytest.importorskip("transformers")
 
+from replay_compile import ReplayCompileError  # noqa: E402
 from replay_compile.integrations.hf_modules import output_cache  # noqa: E402
 from replay_compile.passes.validate import rel_err  # noqa: E402
 from replay_compile.speculative import PromptLookup, generate_speculative  # noqa: E402
@@ -108,3 +109,65 @@ def test_prompt_lookup_rounds_match_generate(reference):
 def test_compile_needs_per_row():
     with pytest.raises(ValueError, match="per_row"):
         generate_speculative(None, torch.zeros(1, 3, dtype=torch.long), 4, compile=True, per_row=False)
+
+
+@pytest.mark.parametrize("how", ["compiled", "eager", "batch_min"])
+def test_rows_end_at_their_end_of_sequence_token_as_generate(reference, how):
+    """An end-of-sequence id that one row emits early: that row ends there (padding after), the others go on, and
+    the output equals ``generate``'s with the same ids."""
+    family, model, ids, ref = reference
+    if how == "compiled" and family not in _EVERY_VERSION:
+        pytest.skip("compiled end-of-sequence handling: checked on three families")
+    new = ref.sequences[:, ids.shape[1]:]
+    eos = int(new[0, 5])                                # row 0 emits it at its 6th token (or earlier)
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    kw = dict(num_draft=3, draft=_truth_with_mistakes(ref.sequences, 5), buffer_len=8, eos_token_id=eos,
+              pad_token_id=0)
+    if how == "batch_min":
+        kw["draft"] = lambda t, k: _truth_with_mistakes(ref.sequences, 5)(t, k)
+    out = generate_speculative(model, ids, NEW, compile=how == "compiled", per_row=how != "batch_min", **kw)
+    assert torch.equal(out.sequences, want), (family, out.sequences, want)
+
+
+def test_bad_drafts_raise_naming_the_source_and_commit_nothing(reference):
+    family, model, ids, ref = reference
+    vocab = model.get_input_embeddings().num_embeddings
+
+    def out_of_vocab(tokens, k):
+        return torch.full((tokens.shape[0], k), vocab + 5, dtype=torch.long)
+
+    def wrong_shape(tokens, k):
+        return torch.zeros(tokens.shape[0], k + 1, dtype=torch.long)
+
+    def floats(tokens, k):
+        return torch.zeros(tokens.shape[0], k)
+
+    prefilled = generate_speculative(model, ids, 1, compile=False, eos_token_id=[])      # the state after prefill
+    for draft, match in ((out_of_vocab, "out_of_vocab.*outside the vocabulary"),
+                         (wrong_shape, r"wrong_shape must return \[b=3, k=3\]"), (floats, "floats must return")):
+        with pytest.raises(ReplayCompileError, match=match):
+            generate_speculative(model, ids, NEW, num_draft=3, draft=draft, compile=False)
+    # the error left the cache holding the state after the prefill: a generation that fails on its first round
+    # leaves what a one-token generation leaves
+    got = {}
+
+    def keep(tokens, k):
+        return out_of_vocab(tokens, k)
+
+    from replay_compile.speculative import generate as gen
+    real = gen.Rounds
+
+    class Spy(real):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            got["cache"] = self.cache
+    gen.Rounds = Spy
+    try:
+        with pytest.raises(ReplayCompileError):
+            generate_speculative(model, ids, NEW, num_draft=3, draft=keep, compile=False)
+    finally:
+        gen.Rounds = real
+    for a, b in zip(_recurrent_states(got["cache"]) + _conv_states(got["cache"]),
+                    _recurrent_states(prefilled.cache) + _conv_states(prefilled.cache), strict=True):
+        assert torch.equal(a, b), family

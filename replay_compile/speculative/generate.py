@@ -4,8 +4,8 @@ Each round verifies ``[last token, d_1 .. d_k]`` in one forward: SSM layers thro
 (Mamba-2 mixers: :mod:`.mamba2_layer`, ``mamba2_spec_verify``; Gated DeltaNet and Kimi Delta Attention:
 :mod:`.delta_layer`, ``delta_spec_verify``), attention layers as the model does it. The drafts that match the
 model's own greedy choices are accepted; the SSM layers commit by moving cursors. Each row keeps its own accepted
-count (the attention caches keep the rejected positions, masked out by the attention mask; ``per_row=False``: every
-row commits the batch's smallest count and the attention caches drop the rest). Either way the output of every row is
+count and ends on its own (the rounds of :mod:`.rounds`, compiled on CUDA; ``per_row=False``: every row commits the
+batch's smallest count and the attention caches drop the rest, eagerly). Either way the output of every row is
 exactly its greedy decode.
 
 Supported (checked against ``model.generate`` in transformers 5.24): NemotronH, Mamba2, Bamba, Zamba2,
@@ -40,7 +40,7 @@ class SpeculativeOutput:
     cache: object                    # the model's cache, holding the true state of every fed token
     rounds: int                      # verify forwards
     accepted: list                   # per round, tokens emitted per row (1 .. num_draft + 1; 0: the row was done)
-    attention_mask: torch.Tensor | None = None   # per_row: [b, cache positions], 0 where a rejected draft sits
+    attention_mask: torch.Tensor | None = None   # per_row: [b, cache positions], 1 where a row's token sits
 
     @property
     def tokens_per_round(self) -> float:
@@ -130,44 +130,49 @@ def _step_kwargs(model) -> tuple[str, bool]:
 
 def generate_speculative(model, input_ids: torch.Tensor, max_new_tokens: int, *, num_draft: int = 3,
                          draft: Callable | None = None, buffer_len: int = 16, per_row: bool = True,
-                         compile: bool | None = None, backend: str = "replayssm",
-                         mode: str | None = None) -> SpeculativeOutput:
+                         compile: bool | None = None, backend: str = "replayssm", mode: str | None = None,
+                         eos_token_id: int | list[int] | None = None,
+                         pad_token_id: int | None = None) -> SpeculativeOutput:
     """Greedy-decode ``max_new_tokens`` tokens with drafts verified ``num_draft`` at a time.
 
     Args:
         model: an HF causal LM whose SSM layers are Mamba-2 mixers, Gated DeltaNet or KDA layers (see the module
-            docstring for the families; eval mode; runs eagerly).
+            docstring for the families; eval mode).
         input_ids: [b, prompt] (no padding).
-        draft: ``(tokens [b, n], k) -> [b, k]`` proposer; default :class:`PromptLookup`. With ``per_row`` rows
-            run ahead of each other: ``tokens`` then holds each row's tokens right-aligned, left-padded with -1.
+        draft: ``(tokens [b, n], k) -> [b, k]`` proposer; default :class:`PromptLookup`. Rows run ahead of each
+            other: ``tokens`` holds each row's tokens right-aligned, left-padded with -1. Compiled, it must be made
+            of tensor operations (``PromptLookup`` is); ids outside the vocabulary raise an error naming it, with
+            nothing of that round committed.
         buffer_len: history budget ``B`` of the replay rings (records folded into the checkpoint when a verify
             would not fit).
-        per_row: every row keeps its own accepted count (the SSM layers commit per row; the attention caches keep
-            the rejected positions, masked out through the attention mask). ``False``: every row commits the
-            batch's smallest count and the attention caches drop the rest (the layout ``generate`` leaves).
-        compile: run each round as one compiled function (:mod:`.rounds`: fixed shapes, a ``StaticCache``, drafts
-            proposed on the device, one host read per round); default: on CUDA. The draft proposer must then be
-            made of tensor operations (:class:`PromptLookup` is). ``backend`` / ``mode``: ``torch.compile``'s
-            (``mode`` default: ``"reduce-overhead"`` on CUDA: CUDA graphs). Needs ``per_row``.
+        per_row: every row keeps its own accepted count and ends on its own (the rounds of :mod:`.rounds`: a
+            ``StaticCache``, one host read per round). ``False``: every row commits the batch's smallest count and
+            the attention caches drop the rest (eager only, a dynamic cache: the layout ``generate`` leaves).
+        compile: run each round as one compiled function; default: on CUDA. ``backend`` / ``mode``:
+            ``torch.compile``'s (``mode`` default: ``"reduce-overhead"`` on CUDA, CUDA graphs). Needs ``per_row``.
+        eos_token_id / pad_token_id: as ``generate``'s (default: the model's generation config; ``eos_token_id=[]``:
+            none): a row ends at its first end-of-sequence token, and its later positions hold ``pad_token_id``.
     Returns:
         :class:`SpeculativeOutput`; ``sequences`` equals ``model.generate(input_ids, max_new_tokens=...,
-        do_sample=False)``'s, and ``cache`` holds the SSM state after every fed token, as ``generate``'s does (with
-        ``per_row``, its attention layers also hold masked rejected positions: ``attention_mask`` says which).
+        do_sample=False)``'s. ``cache`` holds the SSM state after every fed token of each row, as ``generate``'s
+        does (up to its end-of-sequence token: ``generate`` then feeds padding); with ``per_row`` its attention
+        layers hold each row's tokens at the positions ``attention_mask`` marks.
     """
     if max_new_tokens < 1 or num_draft < 1:
         raise ValueError(f"generate_speculative: need max_new_tokens >= 1 and num_draft >= 1, got {max_new_tokens}, "
                          f"{num_draft}")
+    if compile and not per_row:
+        raise ValueError("generate_speculative: compile=True runs per-row rounds; per_row=False is eager only")
     draft = draft or PromptLookup()
+    eos, pad = _end_tokens(model, eos_token_id, pad_token_id)
     if compile is None:
         compile = input_ids.is_cuda
-    if compile:
-        if not per_row:
-            raise ValueError("generate_speculative: compile=True runs per-row rounds; per_row=False is eager only")
-        if mode is None and input_ids.is_cuda:
+    if per_row:
+        if compile and mode is None and input_ids.is_cuda:
             mode = "reduce-overhead"
+        compiler = (lambda fn: torch.compile(fn, backend=backend, mode=mode)) if compile else None
         return generate_rounds(model, input_ids, max_new_tokens, num_draft=num_draft, draft=draft,
-                               buffer_len=buffer_len,
-                               compiler=lambda fn: torch.compile(fn, backend=backend, mode=mode))
+                               buffer_len=buffer_len, compiler=compiler, eos=eos, pad=pad)
     T = num_draft + 1
     with torch.no_grad():
         out = model(input_ids, use_cache=True)
@@ -176,19 +181,40 @@ def generate_speculative(model, input_ids: torch.Tensor, max_new_tokens: int, *,
         layers = _spec_layers(model, cache, buffer_len, T)
         ck, takes_positions = _step_kwargs(model)
         with _verify_forwards(layers):
-            if per_row:
-                res = _rounds_per_row(model, input_ids, tok, cache, layers, ck, takes_positions, max_new_tokens,
-                                      num_draft, draft)
-            else:
-                res = _rounds_batch_min(model, input_ids, tok, cache, layers, ck, takes_positions, max_new_tokens,
-                                        num_draft, draft)
+            res = _rounds_batch_min(model, input_ids, tok, cache, layers, ck, takes_positions, max_new_tokens,
+                                    num_draft, draft)
         for layer in layers:
             layer.finish()
+    res.sequences = _end_at_eos(res.sequences, input_ids.shape[1], eos, pad)
     return res
 
 
+def _end_tokens(model, eos_token_id, pad_token_id) -> tuple[list[int], int]:
+    """(end-of-sequence ids, padding id) as ``generate`` resolves them from the arguments and the generation config."""
+    cfg = getattr(model, "generation_config", None)
+    eos = eos_token_id if eos_token_id is not None else getattr(cfg, "eos_token_id", None)
+    eos = [] if eos is None else [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+    pad = pad_token_id if pad_token_id is not None else getattr(cfg, "pad_token_id", None)
+    if pad is None:
+        pad = eos[0] if eos else 0
+    return eos, int(pad)
+
+
+def _end_at_eos(sequences: torch.Tensor, prompt: int, eos: list[int], pad: int) -> torch.Tensor:
+    """``pad`` after each row's first end-of-sequence token among its new tokens; the columns after the last row
+    ended dropped (``generate`` stops there)."""
+    if not eos:
+        return sequences
+    new = sequences[:, prompt:]
+    is_eos = torch.isin(new, torch.tensor(eos, device=new.device)).long()
+    after = (is_eos.cumsum(1) - is_eos) > 0                                  # past the row's first eos
+    live = int((~after).sum(1).max()) if new.shape[1] else 0
+    return torch.cat([sequences[:, :prompt], torch.where(after, pad, new)[:, :live]], dim=1)
+
+
 def generate_rounds(model, input_ids: torch.Tensor, max_new_tokens: int, *, num_draft: int, draft: Callable,
-                    buffer_len: int, compiler: Callable | None) -> SpeculativeOutput:
+                    buffer_len: int, compiler: Callable | None, eos: list[int] | None = None,
+                    pad: int = 0) -> SpeculativeOutput:
     """:func:`generate_speculative` through :class:`~.rounds.Rounds`: prefill into a ``StaticCache`` sized for the
     rounds, then rounds until every row has its tokens; each round runs as ``compiler(rounds.step)`` (``None``:
     eagerly, the same code). ``attention_mask`` of the result marks each row's valid cache positions."""
@@ -203,20 +229,29 @@ def generate_rounds(model, input_ids: torch.Tensor, max_new_tokens: int, *, num_
                     **{ck: cache})
         first = out.logits[:, -1].argmax(-1, keepdim=True)
         layers = _spec_layers(model, cache, buffer_len, T)
-        rounds = Rounds(model, cache, layers, input_ids, first, max_new_tokens, num_draft, draft)
+        rounds = Rounds(model, cache, layers, input_ids, first, max_new_tokens, num_draft, draft, eos)
         if compiler is not None and input_ids.is_cuda:
             for t in rounds.static_tensors():    # mutated in place every round: CUDA graphs keep their addresses
                 torch._dynamo.mark_static_address(t)
         step = rounds.step if compiler is None else compiler(rounds.step)
         accepted = []
-        with _verify_forwards(layers):
-            while not rounds.done():
-                accepted.append(step().clone())          # CUDA-graph outputs are overwritten by the next replay
-        for layer in layers:
-            layer.finish()
+        try:
+            with _verify_forwards(layers):
+                done = rounds.done()
+                while not done:
+                    n, status = step()
+                    done, bad = status.tolist()              # the round's one host read
+                    if bad:
+                        raise ReplayCompileError(
+                            f"replay_compile.speculative: the draft source {rounds.draft_name} proposed token ids "
+                            f"outside the vocabulary [0, {rounds.vocab}); nothing of that round was committed")
+                    accepted.append(n.clone())               # CUDA-graph outputs are overwritten by the next replay
+        finally:
+            for layer in layers:                             # the cache holds the true state, also after an error
+                layer.finish()
     counts = torch.stack(accepted).tolist() if accepted else []
-    return SpeculativeOutput(sequences=rounds.sequences(), cache=cache, rounds=len(counts), accepted=counts,
-                             attention_mask=rounds.attention_mask())
+    return SpeculativeOutput(sequences=_end_at_eos(rounds.sequences(pad), prompt, eos or [], pad), cache=cache,
+                             rounds=len(counts), accepted=counts, attention_mask=rounds.attention_mask())
 
 
 def _checked(drafts, b: int, k: int) -> torch.Tensor:
@@ -250,58 +285,3 @@ def _rounds_batch_min(model, input_ids, tok, cache, layers, ck, takes_positions,
         emitted += n
         accepted.append([n] * b)
     return SpeculativeOutput(sequences=tokens, cache=cache, rounds=len(accepted), accepted=accepted)
-
-
-def _rounds_per_row(model, input_ids, tok, cache, layers, ck, takes_positions, max_new, num_draft, draft):
-    """Every row keeps its own accepted count. Rows run ahead of each other, so the attention caches grow by the
-    whole window each round and the attention mask hides each row's rejected positions; positions (RoPE) count a
-    row's accepted tokens only. A row that has all its tokens sits the remaining rounds out: its slot is -1 for the
-    SSM layers (nothing of its state touched) and its window positions are masked."""
-    b, prompt = input_ids.shape
-    dev = input_ids.device
-    width = prompt + max_new
-    tokens = torch.full((b, width + num_draft + 1), -1, dtype=torch.long, device=dev)   # right-aligned per row
-    tokens[:, :prompt] = input_ids
-    tokens[:, prompt] = tok[:, 0]
-    length = torch.full((b,), prompt + 1, dtype=torch.long, device=dev)       # tokens per row (last one not fed)
-    mask = torch.ones((b, prompt), dtype=torch.long, device=dev)              # over the cache's positions
-    rows = torch.arange(b, device=dev)
-    accepted = []
-    while True:
-        rem = max_new - (length - prompt)                                     # tokens still to emit per row
-        active = rem > 0
-        if not bool(active.any()):
-            break
-        k = min(num_draft, int(rem.max()) - 1)                  # never feed past what generate would
-        longest = int(length.max())
-        # each row's tokens right-aligned (left-padded with -1) for the proposer
-        shift = (longest - length)[:, None]
-        cols = torch.arange(longest, device=dev)[None, :] - shift
-        view = torch.where(cols >= 0, tokens.gather(1, cols.clamp(min=0)), -1)
-        drafts = _checked(draft(view, k), b, k).to(dev) if k else view[:, :0]
-        last = tokens[rows, length - 1][:, None]
-        window = torch.cat([last, drafts.to(last)], dim=1)                    # [b, k + 1]
-        fed = length - 1                                                      # accepted tokens in the cache
-        pos = fed[:, None] + torch.arange(k + 1, device=dev)
-        step_mask = torch.cat([mask, torch.ones((b, k + 1), dtype=mask.dtype, device=dev)], dim=1)
-        extra = {"position_ids": pos} if takes_positions else {}
-        slots = None if bool(active.all()) else torch.where(active, rows, -1).to(torch.int32)
-        for layer in layers:                    # the verify forward and the commit see the same slots
-            layer.slot_idx = slots
-        try:
-            pred = model(window, **{ck: cache}, attention_mask=step_mask, use_cache=True, **extra).logits.argmax(-1)
-            ok = (drafts == pred[:, :k]).int().cumprod(-1).sum(-1) if k else torch.zeros_like(length)
-            n = torch.minimum(ok + 1, rem).clamp(min=0)                       # 0 for rows that sat out
-            for layer in layers:
-                layer.commit(n)
-        finally:
-            for layer in layers:
-                layer.slot_idx = None
-        keep = torch.arange(k + 1, device=dev)[None, :] < n[:, None]
-        mask = torch.cat([mask, keep.to(mask.dtype)], dim=1)
-        dst = length[:, None] + torch.arange(k + 1, device=dev)
-        tokens.scatter_(1, torch.where(keep, dst, tokens.shape[1] - 1), torch.where(keep, pred, -1))
-        length += n
-        accepted.append(n.tolist())
-    return SpeculativeOutput(sequences=tokens[:, :width], cache=cache, rounds=len(accepted), accepted=accepted,
-                             attention_mask=mask)

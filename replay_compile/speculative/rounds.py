@@ -14,9 +14,10 @@ positions past a row's new ``fed`` hold rejected entries that the mask hides and
 positions are per row (``position_ids = fed + t``). So the cache needs ``prompt + max_new + 2T`` positions whatever
 the acceptance, and every tensor shape is the same every round.
 
-Rows that have all their tokens sit the remaining rounds out: their slot is -1 for the SSM layers (nothing of their
-state is read or written) and nothing of theirs is committed. The host reads back one flag per round (whether every
-row is done).
+Rows that have all their tokens, or emitted an end-of-sequence token, sit the remaining rounds out: their slot is -1
+for the SSM layers (nothing of their state is read or written) and nothing of theirs is committed. Drafts are checked
+on the device: an id outside the vocabulary makes the round commit nothing and the host raise an error naming the
+draft source. The host reads back one small tensor per round (every row done, a bad draft).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import inspect
 
 import torch
 
+from ..errors import ReplayCompileError
 from ..integrations.hf_modules import cache_kwarg
 from .base import SpecLayer
 
@@ -59,10 +61,13 @@ class Rounds:
     """
 
     def __init__(self, model, cache, layers: list[SpecLayer], input_ids: torch.Tensor, first: torch.Tensor,
-                 max_new: int, num_draft: int, draft):
+                 max_new: int, num_draft: int, draft, eos: list[int] | None = None):
         b, prompt = input_ids.shape
         dev = input_ids.device
         self.model, self.cache, self.layers, self.draft = model, cache, layers, draft
+        self.draft_name = getattr(draft, "__qualname__", None) or type(draft).__name__
+        self.vocab = model.get_input_embeddings().num_embeddings
+        self.eos = None if not eos else torch.tensor(list(eos), dtype=torch.long, device=dev)
         self.b, self.prompt, self.max_new, self.k, self.T = b, prompt, max_new, num_draft, num_draft + 1
         self.ck = cache_kwarg(model)
         self.takes_positions = "position_ids" in inspect.signature(model.forward).parameters
@@ -77,6 +82,9 @@ class Rounds:
         self.tokens[:, :prompt] = input_ids
         self.tokens[:, prompt] = first[:, 0]
         self.length = torch.full((b,), prompt + 1, dtype=torch.long, device=dev)   # tokens per row, last unfed
+        # rows that emitted an end-of-sequence token (the prefill's included)
+        self.finished = (torch.isin(first[:, 0], self.eos) if self.eos is not None
+                         else torch.zeros(b, dtype=torch.bool, device=dev))
         self.rows = torch.arange(b, device=dev)
         self.cols = torch.arange(W, device=dev)
         self.window_cols = torch.arange(self.T, device=dev)
@@ -85,7 +93,7 @@ class Rounds:
 
     def static_tensors(self) -> list[torch.Tensor]:
         """Every tensor a round mutates (marked static for CUDA graphs by the caller)."""
-        out = [self.tokens, self.length]
+        out = [self.tokens, self.length, self.finished]
         for layer in self.layers:
             out += [layer.state, layer.conv_state, layer.w, layer.origin, layer.is_flush, *layer.rings]
         for layer in self.attn:
@@ -99,19 +107,29 @@ class Rounds:
         fed = (self.length - 1)[:, None]
         return ((self.positions[None, :] < fed) | (self.positions[None, :] >= self.M - self.T)).to(torch.long)
 
-    def step(self) -> torch.Tensor:
-        """One round; returns the tokens each row emitted ([b], 0 for rows that were done)."""
+    def step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One round. Returns ``(n, status)``: the tokens each row emitted ([b], 0 for rows that were done) and
+        ``[every row done, a draft out of the vocabulary]`` (the one tensor the host reads per round; with a bad
+        draft nothing was committed)."""
         b, T, k = self.b, self.T, self.k
         W = self.tokens.shape[1]
         # each row's tokens right-aligned, left-padded with -1, for the proposer
         src = self.cols[None, :] - (W - self.length)[:, None]
         view = torch.where(src >= 0, self.tokens.gather(1, src.clamp(min=0)), -1)
-        drafts = self.draft(view, k).to(self.tokens.dtype)                          # [b, k]
+        drafts = self.draft(view, k)
+        if (not isinstance(drafts, torch.Tensor) or tuple(drafts.shape) != (b, k) or drafts.is_floating_point()
+                or drafts.is_complex() or drafts.dtype == torch.bool):
+            got = f"{tuple(drafts.shape)} {drafts.dtype}" if isinstance(drafts, torch.Tensor) else type(drafts).__name__
+            raise ReplayCompileError(f"replay_compile.speculative: the draft source {self.draft_name} must return "
+                                     f"[b={b}, k={k}] integer token ids, got {got}")
+        drafts = drafts.to(device=self.tokens.device, dtype=torch.long)
+        bad = ((drafts < 0) | (drafts >= self.vocab)).any()
+        drafts = drafts.clamp(0, self.vocab - 1)     # never an out-of-range embedding lookup; nothing is committed
         last = self.tokens.gather(1, (self.length - 1)[:, None])
         window = torch.cat([last, drafts], dim=1)                                    # [b, T]
         fed = self.length - 1
         remaining = self.max_new - (self.length - self.prompt)
-        active = remaining > 0
+        active = (remaining > 0) & ~self.finished & ~bad
         slots = torch.where(active, self.rows, -1).to(torch.int32)
         for layer in self.layers:                    # the verify forward and the commit see the same slots
             layer.slot_idx = slots
@@ -122,7 +140,13 @@ class Rounds:
                             cache_position=self.scratch, use_cache=True, **extra).logits
         pred = logits.argmax(-1)                                                     # [b, T]
         ok = (drafts == pred[:, :k]).to(torch.int32).cumprod(-1).sum(-1)
-        n = torch.minimum(ok.long() + 1, remaining).clamp(min=0)                     # 0 for rows that sat out
+        n = torch.minimum(ok.long() + 1, remaining)
+        if self.eos is not None:                     # a row ends at its first end-of-sequence token
+            first_eos = torch.where(torch.isin(pred, self.eos), self.window_cols[None, :], T).amin(-1)
+            ends = active & (first_eos < n)
+            n = torch.where(ends, first_eos + 1, n)
+            self.finished |= ends
+        n = torch.where(active, n, 0)
         for layer in self.layers:
             layer.commit(n)
             layer.slot_idx = None
@@ -135,12 +159,16 @@ class Rounds:
         at = torch.where(keep, self.length[:, None] + self.window_cols[None, :], W - 1)
         self.tokens.scatter_(1, at, torch.where(keep, pred, -1))
         self.length += n
-        return n
+        done = ((self.length - self.prompt >= self.max_new) | self.finished).all()
+        return n, torch.stack([done, bad])
 
     def done(self) -> bool:
-        """Whether every row has all its tokens (one host read)."""
-        return bool((self.length - self.prompt >= self.max_new).all())
+        """Whether every row has all its tokens or ended (one host read)."""
+        return bool(((self.length - self.prompt >= self.max_new) | self.finished).all())
 
-    def sequences(self) -> torch.Tensor:
-        """[b, prompt + max_new] prompt and emitted tokens."""
-        return self.tokens[:, :self.prompt + self.max_new]
+    def sequences(self, pad: int) -> torch.Tensor:
+        """[b, prompt + longest] prompt and emitted tokens, ``pad`` after a row's last one (``generate``'s layout:
+        it stops when every row has ended)."""
+        longest = int((self.length - self.prompt).max())
+        out = self.tokens[:, :self.prompt + longest]
+        return torch.where(out < 0, pad, out)
