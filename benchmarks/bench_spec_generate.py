@@ -1,24 +1,27 @@
-"""End-to-end speculative generation (``replay_compile.speculative.generate_speculative``) vs greedy ``generate``.
+"""End-to-end speculative generation (``replay_compile.speculative.generate_speculative``) against decoding without
+drafts, compiled on both sides.
 
     python benchmarks/bench_spec_generate.py --out results/ [--models nemotron_h_nano4b,qwen35_4b] [--layers 8]
 
-Real-size layer dimensions (``replay_compile.bench``'s models, random weights, fewer layers), a repetitive prompt
-set (a random 16-token phrase repeated 4 times per row), greedy decoding of ``--new`` tokens, both sides eager:
+Real-size layer dimensions (``replay_compile.bench``'s models, random weights, ``--layers`` blocks), a repetitive
+prompt set (a random 16-token phrase repeated 4 times per row), greedy decoding of ``--new`` tokens. Per model and
+batch, in one process:
 
-* baseline: ``model.generate(do_sample=False)``;
-* ``lookup``: our loop with prompt-lookup drafts (3 per round). With random weights the model never repeats the
-  prompt, so nothing is accepted: this row measures the cost of verifying drafts that fail. With
+* ``generate``: ``model.generate(do_sample=False)``, eager (the reference tokens);
+* ``decode``: the compiled decode step without drafts (``backend="replayssm"``, ``mode="reduce-overhead"``,
+  ``replay_compile.bench.bench_one``'s median per-step time): the baseline the ratios are against;
+* ``lookup``: compiled speculative rounds with prompt-lookup drafts (3 per round). With random weights the model
+  never repeats the prompt, so nothing is accepted: this row measures the cost of verifying drafts that fail. With
   ``--train-copy STEPS`` each model is first trained (fp32, on the GPU, at most STEPS AdamW steps) on the copy task
   of ``replay_compile.testing.copy_task`` until it continues a repeated phrase (retried once at a third of the
   learning rate if it has not learned), and the prompts become a ``--copy-phrase``-token phrase of ids <
-  ``--copy-vocab`` repeated twice: prompt lookup then meets the repetitive text it is meant for and this row
-  measures real acceptance (check the copy accuracy in the log and CSV: an untrained model's own repetitive output
-  is accepted too, which measures the machinery, not prompt lookup);
-* ``oracle``: our loop with the baseline's own continuation as drafts (every draft accepted): the upper bound a
-  good draft source reaches, and the check that the mechanism gives the same tokens.
+  ``--copy-vocab`` repeated twice: prompt lookup then meets the repetitive text it is meant for;
+* ``oracle``: compiled speculative rounds with the reference continuation as drafts (every draft accepted): the
+  upper bound a good draft source reaches, and the check that the mechanism gives the same tokens.
 
-Reports tokens/s, tokens per verify round, and whether the tokens equal the baseline's (fp32 must be identical;
-bf16 may differ after a near-tie, reported as the share of positions that agree).
+The speculative rows time a whole ``generate_speculative`` call (prefill included) after a first call that compiled
+and captured the round. Reports tokens/s, the ratio to ``decode``, tokens per round, and whether the tokens equal
+the reference (fp32 must be identical; bf16 may differ after a near-tie, reported as the share that agree).
 """
 
 from __future__ import annotations
@@ -38,16 +41,6 @@ def _timed(fn):
     out = fn()
     sync()
     return out, time.perf_counter() - t0
-
-
-def _oracle(ref):
-    """Drafts from ``generate``'s own continuation (every draft right). Rows that run ahead of each other come
-    right-aligned and left-padded with -1, so each row's position is its count of real tokens."""
-    def propose(t, k):
-        seq = torch.cat([ref, ref.new_full((ref.shape[0], k), 3)], dim=1)
-        n = (t >= 0).sum(1).tolist()
-        return torch.stack([seq[r, n[r]:n[r] + k] for r in range(t.shape[0])])
-    return propose
 
 
 def _trainable(name: str, device, layers):
@@ -84,9 +77,11 @@ def _train(name: str, args):
 
 
 def main(argv=None):
+    from replay_compile import bench
     from replay_compile.bench import build_model
     from replay_compile.speculative import PromptLookup, generate_speculative
     from replay_compile.testing.copy_task import copy_batch
+    from replay_compile.testing.drafts import known_continuation
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="nemotron_h_nano4b,qwen35_4b")
@@ -113,7 +108,7 @@ def main(argv=None):
           f"{args.new} new tokens, {args.num_draft} drafts per round"
           + (f", models trained on the copy task (<= {args.train_copy} steps, phrases of {args.copy_phrase} over "
              f"{args.copy_vocab} ids)" if args.train_copy else ""))
-    print(f"{'model':18} {'bs':>3} {'variant':8} {'tok/s':>9} {'x base':>7} {'tok/round':>9} {'agree':>6}")
+    print(f"{'model':18} {'bs':>3} {'variant':8} {'tok/s':>9} {'x decode':>8} {'tok/round':>9} {'agree':>6}")
     for name in args.models.split(","):
         trained = None
         if args.train_copy:
@@ -131,24 +126,29 @@ def main(argv=None):
                 ids = torch.randint(3, vocab, (bs, 16), generator=g).repeat(1, 4).to(args.device)
             with torch.no_grad():
                 model.generate(ids, max_new_tokens=4, do_sample=False)                 # warm-up (allocator, kernels)
-                ref, t_ref = _timed(lambda: model.generate(ids, max_new_tokens=args.new, do_sample=False))
-            base_tps = bs * args.new / t_ref
+                ref, t_ref = _timed(lambda: model.generate(ids, max_new_tokens=args.new, do_sample=False,
+                                                           eos_token_id=[]))
             extra = dict(copy_steps=trained["steps"] if trained else 0,
                          copy_acc=trained["copy_acc"] if trained else float("nan"))
-            rows.append(dict(model=name, bs=bs, variant="generate", tok_s=base_tps, speedup=1.0, tok_round=1.0,
-                             agree=1.0, **extra))
-            print(f"{name:18} {bs:3d} {'generate':8} {base_tps:9.1f} {1.0:6.2f}x {1.0:9.2f} {1.0:6.3f}", flush=True)
-            oracle = _oracle(ref)
-            for variant, draft in (("lookup", PromptLookup(ngram=3)), ("oracle", oracle)):
-                generate_speculative(model, ids, 4, num_draft=args.num_draft, draft=draft)   # warm-up
-                out, t = _timed(lambda: generate_speculative(model, ids, args.new, num_draft=args.num_draft,
-                                                             draft=draft))
+            step = bench.bench_one(model, bs, "replayssm-ro", args.new, 16, prompt_len=ids.shape[1])
+            dec_tps = bs / (step["median_step_ms"] * 1e-3)
+            for variant, tps, per_round in (("generate", bs * args.new / t_ref, 1.0), ("decode", dec_tps, 1.0)):
+                rows.append(dict(model=name, bs=bs, variant=variant, tok_s=tps, x_decode=tps / dec_tps,
+                                 tok_round=per_round, agree=1.0, **extra))
+                print(f"{name:18} {bs:3d} {variant:8} {tps:9.1f} {tps / dec_tps:7.2f}x {per_round:9.2f} {1.0:6.3f}",
+                      flush=True)
+            for variant, draft in (("lookup", PromptLookup(ngram=3)), ("oracle", known_continuation(ref))):
+                def run():
+                    return generate_speculative(model, ids, args.new, num_draft=args.num_draft, draft=draft,
+                                                compile=True, eos_token_id=[])
+                run()                                                     # compile, capture
+                out, t = _timed(run)
                 n = min(out.sequences.shape[1], ref.shape[1])
                 agree = float((out.sequences[:, ids.shape[1]:n] == ref[:, ids.shape[1]:n]).float().mean())
                 tps = bs * args.new / t
-                rows.append(dict(model=name, bs=bs, variant=variant, tok_s=tps, speedup=tps / base_tps,
+                rows.append(dict(model=name, bs=bs, variant=variant, tok_s=tps, x_decode=tps / dec_tps,
                                  tok_round=out.tokens_per_round, agree=agree, **extra))
-                print(f"{name:18} {bs:3d} {variant:8} {tps:9.1f} {tps / base_tps:6.2f}x {out.tokens_per_round:9.2f} "
+                print(f"{name:18} {bs:3d} {variant:8} {tps:9.1f} {tps / dec_tps:7.2f}x {out.tokens_per_round:9.2f} "
                       f"{agree:6.3f}", flush=True)
         model = None
         torch.cuda.empty_cache()

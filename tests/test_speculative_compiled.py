@@ -21,6 +21,7 @@ from replay_compile.integrations.hf_modules import output_cache  # noqa: E402
 from replay_compile.passes.validate import rel_err  # noqa: E402
 from replay_compile.speculative import PromptLookup, generate_speculative  # noqa: E402
 from replay_compile.speculative.generate import generate_rounds  # noqa: E402
+from replay_compile.testing.drafts import known_continuation  # noqa: E402
 from replay_compile.testing.hf_models import build_for_speculation, make_inputs  # noqa: E402
 from replay_compile.testing.tp_parity import _recurrent_states  # noqa: E402
 
@@ -31,22 +32,6 @@ _EVERY_VERSION = ("nemotron_h", "qwen3_5", "kimi_linear")
 FAMILIES = [pytest.param(f, marks=[pytest.mark.hf] if f in _EVERY_VERSION else [])
             for f in ("nemotron_h", "bamba", "mamba2", "zamba2", "granitemoehybrid", "qwen3_next", "qwen3_5",
                       "qwen3_5_moe", "kimi_linear")]
-
-
-def _truth_with_mistakes(ref_sequences: torch.Tensor, every: int):
-    """Drafts from the true continuation, made of tensor operations: a row's draft ``j`` is wrong where ``(row + n +
-    j) % every == 0`` (``n``: the row's token count), else right; ``every=0``: never wrong."""
-    seq = torch.cat([ref_sequences, ref_sequences.new_full((ref_sequences.shape[0], 8), 3)], dim=1)
-
-    def propose(tokens: torch.Tensor, k: int) -> torch.Tensor:
-        n = (tokens >= 0).sum(1)
-        at = n[:, None] + torch.arange(k, device=tokens.device)[None, :]
-        good = seq.to(tokens.device).gather(1, at.clamp(max=seq.shape[1] - 1))
-        if not every:
-            return good
-        rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
-        return torch.where((rows + at) % every == 0, (good + 1 - 3) % 125 + 3, good)
-    return propose
 
 
 def _conv_states(cache):
@@ -71,7 +56,7 @@ def test_compiled_rounds_match_generate_in_one_graph(reference):
     family, model, ids, ref = reference
     torch._dynamo.reset()
     counters.clear()
-    out = generate_speculative(model, ids, NEW, num_draft=3, draft=_truth_with_mistakes(ref.sequences, 5),
+    out = generate_speculative(model, ids, NEW, num_draft=3, draft=known_continuation(ref.sequences, 5),
                                buffer_len=8, compile=True)
     assert torch.equal(out.sequences, ref.sequences), (family, out.accepted)
     assert not counters["graph_break"], dict(counters["graph_break"])
@@ -93,7 +78,7 @@ def test_compiled_rounds_match_generate_in_one_graph(reference):
 def test_eager_rounds_match_generate(reference, every):
     """The same rounds run eagerly (the code a compiled round traces): every draft right, or every other one wrong."""
     family, model, ids, ref = reference
-    out = generate_rounds(model, ids, NEW, num_draft=3, draft=_truth_with_mistakes(ref.sequences, every),
+    out = generate_rounds(model, ids, NEW, num_draft=3, draft=known_continuation(ref.sequences, every),
                           buffer_len=8, compiler=None)
     assert torch.equal(out.sequences, ref.sequences), (family, out.accepted)
     if every == 0:
@@ -122,10 +107,10 @@ def test_rows_end_at_their_end_of_sequence_token_as_generate(reference, how):
     eos = int(new[0, 5])                                # row 0 emits it at its 6th token (or earlier)
     with torch.no_grad():
         want = model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=eos, pad_token_id=0)
-    kw = dict(num_draft=3, draft=_truth_with_mistakes(ref.sequences, 5), buffer_len=8, eos_token_id=eos,
+    kw = dict(num_draft=3, draft=known_continuation(ref.sequences, 5), buffer_len=8, eos_token_id=eos,
               pad_token_id=0)
     if how == "batch_min":
-        kw["draft"] = lambda t, k: _truth_with_mistakes(ref.sequences, 5)(t, k)
+        kw["draft"] = lambda t, k: known_continuation(ref.sequences, 5)(t, k)
     out = generate_speculative(model, ids, NEW, compile=how == "compiled", per_row=how != "batch_min", **kw)
     assert torch.equal(out.sequences, want), (family, out.sequences, want)
 
