@@ -72,8 +72,9 @@ class Rounds:
         self.ck = cache_kwarg(model)
         self.takes_positions = "position_ids" in inspect.signature(model.forward).parameters
         self.attn = attention_layers(cache)
-        self.M = int(getattr(cache, "max_cache_len", 0) or (self.attn[0].keys.shape[2] if self.attn else 0))
         need = prompt + max_new + 2 * self.T
+        # the attention layers' own length (a hybrid cache may report max_cache_len -1: transformers 5.17's Zamba2)
+        self.M = self.attn[0].keys.shape[2] if self.attn else need
         if self.attn and self.M < need:
             raise ValueError(f"replay_compile.speculative: the StaticCache holds {self.M} positions; speculative rounds "
                              f"of T={self.T} after a {prompt}-token prompt for {max_new} new tokens need {need}")
