@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# One device call for speculative decoding (issue 6): GPU tests of the verify kernels, the snapshot baselines and the
-# generate loop; the T=4 verify+commit sweep against the per-draft snapshot baseline; end-to-end generation.
+# One device call for speculative decoding: GPU tests of the verify kernels, the snapshot baselines and the compiled
+# rounds; the T=4 verify+commit sweep against the per-draft snapshot baseline; end-to-end generation.
 # Usage on the GPU machine:  OUT=... bash benchmarks/device_spec.sh [steps...]   (steps: tests step generate readcopy
 #   readcopy-e2e)
-#   readcopy (issue 7): the read-copy kernel's tests compiled, then bench_readcopy_kernel.py (mamba_ssm from
+#   readcopy: the read-copy kernel's tests compiled, then bench_readcopy_kernel.py (mamba_ssm from
 #   .baselines/ when carried)
-#   readcopy-e2e (issue 7): the pass with read copies under CUDA graphs (check_cudagraphs.py, Mamba-2 and GDN), then
+#   readcopy-e2e: the pass with read copies under CUDA graphs (check_cudagraphs.py, Mamba-2 and GDN), then
 #   whole decode steps with fp8 / NVFP4 read copies beside plain torch.compile and the exact replay path
 #   env: SPEC_BATCHES (step sweep, default 1,8,32,64,128,256,512), SPEC_GEOMS (default super,qwen35_4b),
 #        GEN_BATCHES (default 1,8,32), GEN_MODELS (default nemotron_h_nano4b,qwen35_4b), GEN_LAYERS (default 8)
@@ -17,7 +17,7 @@ steps=${*:-tests step generate}
 for s in $steps; do case $s in
   tests) timeout 240 python3 -m pytest -q tests/test_mamba2_spec_triton.py tests/test_delta_spec_triton.py \
            tests/test_spec_baselines.py tests/test_delta_spec_reference.py tests/test_mamba2_spec_reference.py \
-           -p no:cacheprovider 2>&1 | tail -6 | tee "$OUT/pytest_spec.txt" ;;
+           tests/test_speculative_compiled.py tests/test_speculative_generate.py -p no:cacheprovider 2>&1 | tail -6 | tee "$OUT/pytest_spec.txt" ;;
   step) timeout 300 python3 benchmarks/bench_spec_step.py --out "$OUT" --geoms "${SPEC_GEOMS:-super,qwen35_4b}" \
           --batches "${SPEC_BATCHES:-1,8,32,64,128,256,512}" 2>&1 | grep -v Warn | tee "$OUT/spec_step.txt" ;;
   generate)
