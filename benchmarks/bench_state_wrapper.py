@@ -32,6 +32,9 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--steps", type=int, default=48)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--order", default="wrapped,plain",
+                   help="the variants' order within a repetition; odd repetitions run it reversed (alternation "
+                        "keeps the first run of the process from always being the same variant)")
     p.add_argument("--out", help="CSV path")
     args = p.parse_args()
 
@@ -41,7 +44,8 @@ def main() -> None:
     for batch in map(int, args.batches.split(",")):
         for mode in args.modes.split(","):
             for rep in range(args.reps):
-                for variant in ("wrapped", "plain"):
+                order = args.order.split(",")
+                for variant in (order if rep % 2 == 0 else order[::-1]):
                     replay_state.protect = wrap if variant == "wrapped" else (lambda cache: 0)
                     r = bench.bench_one(model, batch, mode, args.steps, 16)
                     r.update(model=args.model, layers=args.layers, variant=variant, rep=rep)
