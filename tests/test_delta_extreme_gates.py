@@ -15,7 +15,8 @@ import replay_compile  # noqa: F401 - registers the ops
 from replay_compile.kernels.delta_reference import delta_exact_step
 from replay_compile.kernels.mamba2_spec_reference import spec_buf_len, spec_commit_reference, spec_reset_reference
 from replay_compile.state import DeltaRingSpec
-from replay_compile.testing.numerics import ULP_FLOOR, check_within_budget, rel_err as err, with_extremes
+from replay_compile.testing.numerics import (
+    ULP_FLOOR, Fp32Recurrence, check_within_budget, rel_err as err, with_extremes)
 from replay_compile.testing.strategies import DeltaGeometry, ExactDeltaOracle, delta_geometries, delta_problem
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -29,14 +30,9 @@ def extreme_problem(geom, steps, seed, frac, extreme):
     return state0, with_extremes(seq, "g", frac, extreme, seed + 1)
 
 
-class Fp32Exact:
-    """The exact recurrence in fp32 (the error budget: what the plain step makes)."""
-
-    def __init__(self, state0):
-        self.state = state0.clone()
-
-    def step(self, inp):
-        return delta_exact_step(self.state, *(inp[k] for k in KEYS))
+def fp32_exact(state0):
+    """The exact fp32 step (the error budget)."""
+    return Fp32Recurrence(state0, delta_exact_step, KEYS)
 
 
 def rings_for(geom, L, b, device=DEV):
@@ -47,7 +43,7 @@ def rings_for(geom, L, b, device=DEV):
 def run_decode(step, geom, L, steps, seed, frac, extreme):
     """Decode ``steps`` tokens through ``step(state, rings, inp) -> o``; check each output and the final true state."""
     state0, seq = extreme_problem(geom, steps, seed, frac, extreme)
-    truth, exact = ExactDeltaOracle(state0), Fp32Exact(state0)
+    truth, exact = ExactDeltaOracle(state0), fp32_exact(state0)
     state, rings = state0.to(DEV), rings_for(geom, L, geom.batch)
     for t, inp in enumerate(seq):
         o = step(state, rings, {k: x.to(DEV) for k, x in inp.items()})
@@ -112,7 +108,7 @@ def test_speculative_verify_keeps_exact_precision_with_extreme_gates(verify, geo
     Bbud, T = 8, 3
     buf = spec_buf_len(Bbud, T)
     state0, seq = extreme_problem(geom, 5 * T, seed=3, frac=0.2, extreme=extreme)
-    truth, exact = ExactDeltaOracle(state0), Fp32Exact(state0)
+    truth, exact = ExactDeltaOracle(state0), fp32_exact(state0)
     gshape = (b, HV, buf, K) if geom.kda else (b, HV, buf)
     rings = [state0.clone(), torch.zeros(b, HV, buf, V), torch.zeros(b, Hk, buf, K), torch.zeros(gshape),
              torch.zeros(b, dtype=torch.int32), torch.zeros(b, dtype=torch.int32), torch.zeros(b, dtype=torch.bool)]

@@ -16,7 +16,7 @@ from replay_compile.kernels.mamba2_reference import mamba2_plain_step
 from replay_compile.kernels.mamba2_spec_reference import (
     spec_buf_len, spec_commit_reference, spec_reset_reference, spec_verify_reference)
 from replay_compile.state import Mamba2RingSpec
-from replay_compile.testing.numerics import check_within_budget, with_extremes
+from replay_compile.testing.numerics import Fp32Recurrence, check_within_budget, with_extremes
 from replay_compile.testing.strategies import ExactMamba2Oracle, Mamba2Geometry, mamba2_geometries, mamba2_problem
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -29,17 +29,14 @@ def extreme_problem(geom, steps, seed, frac, extreme):
     return state0, with_extremes(seq, "la", frac, extreme, seed + 1)
 
 
-class Fp32Exact:
-    def __init__(self, state0):
-        self.state = state0.clone()
-
-    def step(self, inp):
-        return mamba2_plain_step(self.state, *(inp[k] for k in KEYS))
+def fp32_exact(state0):
+    """The exact fp32 step (the error budget)."""
+    return Fp32Recurrence(state0, mamba2_plain_step, KEYS)
 
 
 def run_decode(step, geom, L, steps, seed, frac, extreme):
     state0, seq = extreme_problem(geom, steps, seed, frac, extreme)
-    truth, exact = ExactMamba2Oracle(state0), Fp32Exact(state0)
+    truth, exact = ExactMamba2Oracle(state0), fp32_exact(state0)
     state = state0.to(DEV)
     rings = Mamba2RingSpec(geom.H, geom.P, geom.N, geom.G, L, torch.float32, torch.float32,
                            torch.float32).allocate(geom.batch, DEV)
@@ -86,7 +83,7 @@ def test_speculative_verify_keeps_exact_precision_with_extreme_decays(verify, ex
     Bbud, T = 8, 3
     buf = spec_buf_len(Bbud, T)
     state0, seq = extreme_problem(GEOM, 5 * T, seed=4, frac=0.2, extreme=extreme)
-    truth, exact = ExactMamba2Oracle(state0), Fp32Exact(state0)
+    truth, exact = ExactMamba2Oracle(state0), fp32_exact(state0)
     rings = [state0.clone(), torch.zeros(b, H, buf, P), torch.zeros(b, H, buf), torch.zeros(b, H, buf),
              torch.zeros(b, G, buf, N), torch.zeros(b, dtype=torch.int32), torch.zeros(b, dtype=torch.int32),
              torch.zeros(b, dtype=torch.bool)]

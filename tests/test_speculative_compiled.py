@@ -23,7 +23,7 @@ from replay_compile.speculative import PromptLookup, generate_speculative  # noq
 from replay_compile.speculative.generate import generate_rounds  # noqa: E402
 from replay_compile.testing.drafts import known_continuation  # noqa: E402
 from replay_compile.testing.hf_models import build_for_speculation, make_inputs  # noqa: E402
-from replay_compile.testing.tp_parity import _recurrent_states  # noqa: E402
+from replay_compile.testing.tp_parity import _conv_states, _recurrent_states  # noqa: E402
 
 NEW = 24
 # the families under every transformers version CI runs (the attention cache's position bookkeeping changed between
@@ -32,14 +32,6 @@ _EVERY_VERSION = ("nemotron_h", "qwen3_5", "kimi_linear")
 FAMILIES = [pytest.param(f, marks=[pytest.mark.hf] if f in _EVERY_VERSION else [])
             for f in ("nemotron_h", "bamba", "mamba2", "zamba2", "granitemoehybrid", "qwen3_next", "qwen3_5",
                       "qwen3_5_moe", "kimi_linear")]
-
-
-def _conv_states(cache):
-    out = []
-    for layer in cache.layers:
-        cs = getattr(layer, "conv_states", None)
-        out += [t for t in (cs.values() if isinstance(cs, dict) else []) if isinstance(t, torch.Tensor)]
-    return out
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -29,27 +29,15 @@ from replay_compile.testing.hf_models import (  # noqa: E402
     DELTA_FAMILY, MAMBA2_FAMILY, build_for_speculation, make_inputs)
 from replay_compile.integrations.hf_modules import is_gated_deltanet, output_cache  # noqa: E402
 from replay_compile.passes.validate import rel_err  # noqa: E402
-from replay_compile.testing.tp_parity import _recurrent_states  # noqa: E402
+from replay_compile.testing.tp_parity import _conv_states, _recurrent_states  # noqa: E402
 
 NEW = 40
-
-
-def _conv_states(cache):
-    out = []
-    for layer in cache.layers:
-        cs = getattr(layer, "conv_states", None)
-        out += [t for t in (cs.values() if isinstance(cs, dict) else []) if isinstance(t, torch.Tensor)]
-    return out
-
-
-def _build(family):
-    return build_for_speculation(family)
 
 
 @pytest.fixture(scope="module", params=["nemotron_h", "bamba", "mamba2", "zamba2", "granitemoehybrid",
                                         "qwen3_next", "qwen3_5", "qwen3_5_moe", "kimi_linear"])
 def reference(request):
-    model = _build(request.param)
+    model = build_for_speculation(request.param)
     ids = make_inputs(model, batch=2, prompt_len=6, seed=1)
     ids = torch.cat([ids, ids[:, :4], ids], dim=1)                      # repetitive: prompt lookup finds matches
     with torch.no_grad():

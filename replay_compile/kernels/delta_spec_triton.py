@@ -102,10 +102,10 @@ def _delta_spec_window_kernel(
     new_n = (nxt >= w) & (nxt < w + T)
     ring_n = (org + nxt) & (BUF - 1)
     t_n = tl.where(new_n, nxt - w, 0)
-    gw = _spec_gates(gr_ptr + slot * s_grb + h * s_grh, g_ptr + row * s_gb + h * s_gh, hist, new, ring_j, t_j,
-                     offs_k, mask_k, s_grl, s_grk, s_gt, s_gk, KDA)
-    gw_next = _spec_gates(gr_ptr + slot * s_grb + h * s_grh, g_ptr + row * s_gb + h * s_gh, hist_n, new_n, ring_n,
-                          t_n, offs_k, mask_k, s_grl, s_grk, s_gt, s_gk, KDA)
+    gr_h = gr_ptr + slot * s_grb + h * s_grh
+    g_row = g_ptr + row * s_gb + h * s_gh
+    gw = _spec_gates(gr_h, g_row, hist, new, ring_j, t_j, offs_k, mask_k, s_grl, s_grk, s_gt, s_gk, KDA)
+    gw_next = _spec_gates(gr_h, g_row, hist_n, new_n, ring_n, t_n, offs_k, mask_k, s_grl, s_grk, s_gt, s_gk, KDA)
     lo = tl.where(fl, w, 0)
     base_idx = row * HV + h
     for t in range(BLOCK_T):

@@ -250,8 +250,8 @@ def generate_rounds(model, input_ids: torch.Tensor, max_new_tokens: int, *, num_
             for layer in layers:                             # the cache holds the true state, also after an error
                 layer.finish()
     counts = torch.stack(accepted).tolist() if accepted else []
-    return SpeculativeOutput(sequences=_end_at_eos(rounds.sequences(pad), prompt, eos or [], pad), cache=cache,
-                             rounds=len(counts), accepted=counts, attention_mask=rounds.attention_mask())
+    return SpeculativeOutput(sequences=rounds.sequences(pad), cache=cache, rounds=len(counts), accepted=counts,
+                             attention_mask=rounds.attention_mask())
 
 
 def _checked(drafts, b: int, k: int) -> torch.Tensor:

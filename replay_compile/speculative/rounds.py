@@ -129,6 +129,7 @@ class Rounds:
         last = self.tokens.gather(1, (self.length - 1)[:, None])
         window = torch.cat([last, drafts], dim=1)                                    # [b, T]
         fed = self.length - 1
+        pos = fed[:, None] + self.window_cols[None, :]          # [b, T] the window's positions (RoPE and cache)
         remaining = self.max_new - (self.length - self.prompt)
         active = (remaining > 0) & ~self.finished & ~bad
         slots = torch.where(active, self.rows, -1).to(torch.int32)
@@ -136,7 +137,7 @@ class Rounds:
             layer.slot_idx = slots
         for layer in self.attn:                      # the window's keys go to the scratch positions
             _write_at(layer, self.M - T)
-        extra = {"position_ids": fed[:, None] + self.window_cols[None, :]} if self.takes_positions else {}
+        extra = {"position_ids": pos} if self.takes_positions else {}
         logits = self.model(window, **{self.ck: self.cache}, attention_mask=self.attention_mask(),
                             cache_position=self.scratch, use_cache=True, **extra).logits
         pred = logits.argmax(-1)                                                     # [b, T]
@@ -151,21 +152,22 @@ class Rounds:
         for layer in self.layers:
             layer.commit(n)
             layer.slot_idx = None
-        dst = (fed[:, None] + self.window_cols[None, :])                             # [b, T] cache positions
         for layer in self.attn:
             for t in (layer.keys, layer.values):
-                idx = dst[:, None, :, None].expand(b, t.shape[1], T, t.shape[3])
+                idx = pos[:, None, :, None].expand(b, t.shape[1], T, t.shape[3])
                 t.scatter_(2, idx, t[:, :, self.M - T:].clone())
         keep = self.window_cols[None, :] < n[:, None]
-        at = torch.where(keep, self.length[:, None] + self.window_cols[None, :], W - 1)
+        at = torch.where(keep, pos + 1, W - 1)                   # token columns: one past the fed positions
         self.tokens.scatter_(1, at, torch.where(keep, pred, -1))
         self.length += n
-        done = ((self.length - self.prompt >= self.max_new) | self.finished).all()
-        return n, torch.stack([done, bad])
+        return n, torch.stack([self._all_done(), bad])
+
+    def _all_done(self) -> torch.Tensor:
+        return ((self.length - self.prompt >= self.max_new) | self.finished).all()
 
     def done(self) -> bool:
         """Whether every row has all its tokens or ended (one host read)."""
-        return bool(((self.length - self.prompt >= self.max_new) | self.finished).all())
+        return bool(self._all_done())
 
     def sequences(self, pad: int) -> torch.Tensor:
         """[b, prompt + longest] prompt and emitted tokens, ``pad`` after a row's last one (``generate``'s layout:

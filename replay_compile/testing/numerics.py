@@ -36,3 +36,17 @@ def with_extremes(seq: list, key: str, frac: float, value: float, seed: int) -> 
         hit = torch.rand(inp[key].shape, generator=gen) < frac
         inp[key] = torch.where(hit, torch.tensor(value, dtype=inp[key].dtype), inp[key])
     return seq
+
+
+class Fp32Recurrence:
+    """The exact recurrence run in fp32 from ``state0`` (a copy): the error budget of :func:`check_within_budget`.
+
+    ``fn(state, *inputs)`` is the family's exact step (in place on ``state``, returns the output); ``keys`` name the
+    inputs of each step's dict in order.
+    """
+
+    def __init__(self, state0: torch.Tensor, fn, keys: tuple):
+        self.state, self._fn, self._keys = state0.clone(), fn, keys
+
+    def step(self, inp: dict) -> torch.Tensor:
+        return self._fn(self.state, *(inp[k] for k in self._keys))

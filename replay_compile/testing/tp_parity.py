@@ -41,6 +41,15 @@ def _recurrent_states(cache) -> list[torch.Tensor]:
     return out
 
 
+def _conv_states(cache) -> list[torch.Tensor]:
+    """The conv-state tensors of an HF cache, layer by layer."""
+    out = []
+    for layer in getattr(cache, "layers", []):
+        cs = getattr(layer, "conv_states", None)
+        out += [t for t in (cs.values() if isinstance(cs, dict) else []) if isinstance(t, torch.Tensor)]
+    return out
+
+
 def _generate(model, ids, steps: int) -> dict:
     from .. import state as replay_state
     from ..integrations.hf_modules import output_cache
