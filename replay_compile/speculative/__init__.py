@@ -1,4 +1,4 @@
-"""Speculative decoding with the replay state (issue 6): verify drafts without writing the SSM state, roll back by
+"""Speculative decoding with the replay state: verify drafts without writing the SSM state, roll back by
 moving cursors.
 
     from replay_compile.speculative import generate_speculative, PromptLookup
@@ -10,7 +10,8 @@ Qwen3-Next) and Kimi Delta Attention (Kimi-Linear); other SSM layers (Falcon-H1'
 error naming the layer.
 """
 
+from .draft_model import DraftModel
 from .drafts import PromptLookup
 from .generate import SpeculativeOutput, generate_speculative
 
-__all__ = ["PromptLookup", "SpeculativeOutput", "generate_speculative"]
+__all__ = ["DraftModel", "PromptLookup", "SpeculativeOutput", "generate_speculative"]

@@ -24,7 +24,7 @@ class SpecLayer:
         cache: the HF cache after prefill (holds this layer's recurrent state [S, ...] and conv state
             [S, conv_dim, K]).
         B: history budget (records kept before a verify flushes them into the checkpoint); T: max tokens per verify.
-        read_format: optional quantize-dequantize function of a read copy (issue 7 experiments; reference path).
+        read_format: optional quantize-dequantize function of a read copy (read-copy experiments; reference path).
     """
 
     def __init__(self, name: str, mixer: torch.nn.Module, cache, B: int, T: int, read_format=None):
@@ -45,7 +45,7 @@ class SpecLayer:
         # [b] slot per row for the verify forward and commit (negative: the row sits this round out: its state,
         # rings and cursor are not touched); None: row i is slot i
         self.slot_idx: torch.Tensor | None = None
-        # issue 7 experiments: a low-precision read copy of the checkpoint (held decoded), written at each flush by
+        # read-copy experiments: a low-precision read copy of the checkpoint (held decoded), written at each flush by
         # ``read_format`` (quantize-dequantize); the references then serve ordinary rows' outputs from it
         self.read_format = read_format
         self.read_state = None if read_format is None else read_format(self.state.float())

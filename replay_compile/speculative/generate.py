@@ -230,8 +230,11 @@ def generate_rounds(model, input_ids: torch.Tensor, max_new_tokens: int, *, num_
         first = out.logits[:, -1].argmax(-1, keepdim=True)
         layers = _spec_layers(model, cache, buffer_len, T)
         rounds = Rounds(model, cache, layers, input_ids, first, max_new_tokens, num_draft, draft, eos)
+        if hasattr(draft, "start"):                  # a proposer with state of its own (a draft model's cache)
+            draft.start(input_ids, max_new_tokens, num_draft)
         if compiler is not None and input_ids.is_cuda:
-            for t in rounds.static_tensors():    # mutated in place every round: CUDA graphs keep their addresses
+            # mutated in place every round: CUDA graphs keep their addresses
+            for t in rounds.static_tensors() + list(getattr(draft, "static_tensors", list)()):
                 torch._dynamo.mark_static_address(t)
         step = rounds.step if compiler is None else compiler(rounds.step)
         accepted = []

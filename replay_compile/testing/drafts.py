@@ -23,3 +23,27 @@ def known_continuation(sequences: torch.Tensor, wrong_every: int = 0, pad: int =
         rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
         return torch.where((rows + at) % wrong_every == 0, (good + 1 - pad) % span + pad, good)
     return propose
+
+
+def tiny_draft_model(vocab_size: int = 128, seed: int = 0) -> torch.nn.Module:
+    """A 2-layer random-weight Llama (attention only, grouped KV heads) to serve as a draft model for the tiny test
+    models of :mod:`.hf_models` (same vocabulary), fp32, eval mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
+                      bos_token_id=1, eos_token_id=2)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def shadowed(draft, shadow, log: list):
+    """A proposer that returns ``draft``'s proposals while running ``shadow`` (a stateful proposer such as a
+    :class:`~replay_compile.speculative.DraftModel`) on the same inputs and logging ``(tokens, shadow's drafts)``
+    per round: the target's acceptance then follows ``draft`` (all, some or none of a round), and ``shadow``'s
+    bookkeeping is checked under every acceptance pattern ``draft`` produces."""
+    def propose(tokens: torch.Tensor, k: int) -> torch.Tensor:
+        log.append((tokens.clone(), shadow(tokens, k).clone()))
+        return draft(tokens, k)
+    propose.start = shadow.start
+    return propose
