@@ -17,11 +17,18 @@ batch, in one process:
   learning rate if it has not learned), and the prompts become a ``--copy-phrase``-token phrase of ids <
   ``--copy-vocab`` repeated twice: prompt lookup then meets the repetitive text it is meant for;
 * ``oracle``: compiled speculative rounds with the reference continuation as drafts (every draft accepted): the
-  upper bound a good draft source reaches, and the check that the mechanism gives the same tokens.
+  upper bound a good draft source reaches, and the check that the mechanism gives the same tokens;
+* ``snapshot``: the same oracle rounds with the per-draft snapshot baseline in place of the replay verify
+  (``spec_baselines.snapshot_layers``: ``T + 1`` states per sequence, one read and ``T`` writes per round), compiled
+  the same way: the speculative decoding an engine without replay runs;
+* ``draft``: compiled rounds with a ``DraftModel`` proposer (a random-weight Llama of ``--draft-model`` size over the
+  target's vocabulary): its drafts are as good as chance, so the row is the cost of proposing with a draft model.
 
-The speculative rows time a whole ``generate_speculative`` call (prefill included) after a first call that compiled
-and captured the round. Reports tokens/s, the ratio to ``decode``, tokens per round, and whether the tokens equal
-the reference (fp32 must be identical; bf16 may differ after a near-tie, reported as the share that agree).
+The speculative rows time a whole ``generate_speculative`` call after a first call that compiled and captured the
+round; ``rounds`` is the same with the time of one prefill forward taken out (the first token is the prefill's).
+Reports tokens/s, the ratio to ``decode``, tokens per round, and whether the tokens equal the reference (fp32 must
+be identical; bf16 may differ after a near-tie, reported as the share that agree). CSV and a PNG of tokens/s
+against batch.
 """
 
 from __future__ import annotations
@@ -76,10 +83,25 @@ def _train(name: str, args):
             torch.cuda.empty_cache()
 
 
+def _draft_model(spec: str, vocab: int, dtype, device):
+    """A random-weight Llama of ``spec`` = "hidden,layers" over the target's vocabulary (its drafts are as good as
+    chance: the row measures what proposing costs), or None."""
+    if not spec:
+        return None
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden, layers = map(int, spec.split(","))
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096)
+    return LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+
+
 def main(argv=None):
     from replay_compile import bench
     from replay_compile.bench import build_model
-    from replay_compile.speculative import PromptLookup, generate_speculative
+    from replay_compile.speculative import DraftModel, PromptLookup, generate_speculative
+    from replay_compile.speculative.generate import generate_rounds
+    from spec_baselines import snapshot_layers
     from replay_compile.testing.copy_task import copy_batch
     from replay_compile.testing.drafts import known_continuation
 
@@ -98,8 +120,14 @@ def main(argv=None):
                          "hundred steps; 1000 and 16 stayed at chance for 600 steps on a 4B-sized model)")
     ap.add_argument("--copy-phrase", type=int, default=8)
     ap.add_argument("--copy-batch", type=int, default=48)
+    ap.add_argument("--variants", default="lookup,oracle,snapshot,draft")
+    ap.add_argument("--draft-model", default="1024,4",
+                    help="hidden size and layers of the random-weight Llama draft model (16 heads, 4 KV heads, the "
+                         "target's vocabulary); empty: no draft-model row")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-results"))
     args = ap.parse_args(argv)
+    args.variants = args.variants.split(",")
+    compiler = (lambda fn: torch.compile(fn, backend="replayssm", mode="reduce-overhead"))
     os.makedirs(args.out, exist_ok=True)
     dtype = getattr(torch, args.dtype)
     rows = []
@@ -108,7 +136,8 @@ def main(argv=None):
           f"{args.new} new tokens, {args.num_draft} drafts per round"
           + (f", models trained on the copy task (<= {args.train_copy} steps, phrases of {args.copy_phrase} over "
              f"{args.copy_vocab} ids)" if args.train_copy else ""))
-    print(f"{'model':18} {'bs':>3} {'variant':8} {'tok/s':>9} {'x decode':>8} {'tok/round':>9} {'agree':>6}")
+    print(f"{'model':18} {'bs':>3} {'variant':8} {'tok/s':>9} {'x decode':>8} {'rounds':>9} {'x decode':>8} "
+          f"{'tok/round':>9} {'agree':>6}")
     for name in args.models.split(","):
         trained = None
         if args.train_copy:
@@ -117,6 +146,7 @@ def main(argv=None):
         else:
             model = build_model(name, dtype, args.device, layers=args.layers)
         vocab = model.config.vocab_size
+        drafter = _draft_model(args.draft_model, vocab, dtype, args.device) if "draft" in args.variants else None
         for bs in map(int, args.batches.split(",")):
             g = torch.Generator().manual_seed(bs)
             if trained:
@@ -128,34 +158,71 @@ def main(argv=None):
                 model.generate(ids, max_new_tokens=4, do_sample=False)                 # warm-up (allocator, kernels)
                 ref, t_ref = _timed(lambda: model.generate(ids, max_new_tokens=args.new, do_sample=False,
                                                            eos_token_id=[]))
+                model(ids, use_cache=True)
+                _, t_pre = _timed(lambda: model(ids, use_cache=True))         # the prefill inside every call
             extra = dict(copy_steps=trained["steps"] if trained else 0,
                          copy_acc=trained["copy_acc"] if trained else float("nan"))
             step = bench.bench_one(model, bs, "replayssm-ro", args.new, 16, prompt_len=ids.shape[1])
             dec_tps = bs / (step["median_step_ms"] * 1e-3)
             for variant, tps, per_round in (("generate", bs * args.new / t_ref, 1.0), ("decode", dec_tps, 1.0)):
                 rows.append(dict(model=name, bs=bs, variant=variant, tok_s=tps, x_decode=tps / dec_tps,
-                                 tok_round=per_round, agree=1.0, **extra))
-                print(f"{name:18} {bs:3d} {variant:8} {tps:9.1f} {tps / dec_tps:7.2f}x {per_round:9.2f} {1.0:6.3f}",
-                      flush=True)
-            for variant, draft in (("lookup", PromptLookup(ngram=3)), ("oracle", known_continuation(ref))):
+                                 tok_s_rounds=tps, x_decode_rounds=tps / dec_tps, tok_round=per_round, agree=1.0,
+                                 **extra))
+                print(f"{name:18} {bs:3d} {variant:8} {tps:9.1f} {tps / dec_tps:7.2f}x {tps:9.1f} "
+                      f"{tps / dec_tps:7.2f}x {per_round:9.2f} {1.0:6.3f}", flush=True)
+            variants = [("lookup", PromptLookup(ngram=3), None), ("oracle", known_continuation(ref), None),
+                        ("snapshot", known_continuation(ref), snapshot_layers)]
+            if drafter is not None:
+                variants.append(("draft", DraftModel(drafter), None))
+            for variant, draft, layers_for in variants:
+                if variant not in args.variants:
+                    continue
+
                 def run():
-                    return generate_speculative(model, ids, args.new, num_draft=args.num_draft, draft=draft,
-                                                compile=True, eos_token_id=[])
+                    if layers_for is None:
+                        return generate_speculative(model, ids, args.new, num_draft=args.num_draft, draft=draft,
+                                                    compile=True, eos_token_id=[])
+                    return generate_rounds(model, ids, args.new, num_draft=args.num_draft, draft=draft,
+                                           buffer_len=16, compiler=compiler, eos=[], layers_for=layers_for)
                 run()                                                     # compile, capture
                 out, t = _timed(run)
                 n = min(out.sequences.shape[1], ref.shape[1])
                 agree = float((out.sequences[:, ids.shape[1]:n] == ref[:, ids.shape[1]:n]).float().mean())
                 tps = bs * args.new / t
+                tps_r = bs * (args.new - 1) / max(t - t_pre, 1e-9)      # the rounds alone: the prefill's token out
                 rows.append(dict(model=name, bs=bs, variant=variant, tok_s=tps, x_decode=tps / dec_tps,
-                                 tok_round=out.tokens_per_round, agree=agree, **extra))
-                print(f"{name:18} {bs:3d} {variant:8} {tps:9.1f} {tps / dec_tps:7.2f}x {out.tokens_per_round:9.2f} "
-                      f"{agree:6.3f}", flush=True)
+                                 tok_s_rounds=tps_r, x_decode_rounds=tps_r / dec_tps, tok_round=out.tokens_per_round,
+                                 agree=agree, **extra))
+                print(f"{name:18} {bs:3d} {variant:8} {tps:9.1f} {tps / dec_tps:7.2f}x {tps_r:9.1f} "
+                      f"{tps_r / dec_tps:7.2f}x {out.tokens_per_round:9.2f} {agree:6.3f}", flush=True)
         model = None
         torch.cuda.empty_cache()
     with open(os.path.join(args.out, "spec_generate.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
+    _plot(rows, os.path.join(args.out, "spec_generate.png"))
+
+
+def _plot(rows, path):
+    """Tokens/s of the rounds against batch, one panel per model, one line per variant (needs matplotlib)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("# matplotlib not installed: no plot")
+        return
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for ax, name in zip(axes[0], models):
+        for variant in dict.fromkeys(r["variant"] for r in rows if r["variant"] != "generate"):
+            pts = sorted((r["bs"], r["tok_s_rounds"]) for r in rows if r["model"] == name and r["variant"] == variant)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=variant)
+        ax.set(xscale="log", yscale="log", xlabel="batch", ylabel="tokens/s", title=name)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

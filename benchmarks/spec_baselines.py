@@ -128,3 +128,96 @@ def gdn_snapshot_step(pool, src, q, k, v, g, beta):
 def snapshot_commit(src, n_accepted, T: int):
     """Accept ``n_accepted`` [b] tokens: the committed state is now the snapshot after token n - 1."""
     src.copy_((src + n_accepted) % (T + 1))
+
+
+# --- the same baseline inside whole-model speculative rounds -------------------------------------------------------
+# Custom ops so that a compiled round (torch.compile, CUDA graphs) holds the snapshot kernels as it holds our verify
+# ops, and layers that put them where the replay verify sits: the rounds, the conv-state and attention bookkeeping,
+# the draft proposal and the compilation are then the same on both sides, and only the SSM state handling differs.
+
+@torch.library.custom_op("replay_bench::mamba2_snapshot_step", mutates_args=("pool",))
+def _mamba2_snapshot_op(pool: torch.Tensor, src: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, la: torch.Tensor,
+                        B: torch.Tensor, C: torch.Tensor) -> torch.Tensor:
+    if dt.stride() != la.stride():
+        dt, la = dt.contiguous(), la.contiguous()
+    if B.stride() != C.stride():
+        B, C = B.contiguous(), C.contiguous()
+    return mamba2_snapshot_step(pool, src, x, dt, la, B, C)
+
+
+@_mamba2_snapshot_op.register_fake
+def _(pool, src, x, dt, la, B, C):
+    return x.new_empty(x.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("replay_bench::gdn_snapshot_step", mutates_args=("pool",))
+def _gdn_snapshot_op(pool: torch.Tensor, src: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    if q.stride() != k.stride():
+        q, k = q.contiguous(), k.contiguous()
+    if g.stride() != beta.stride():
+        g, beta = g.contiguous(), beta.contiguous()
+    return gdn_snapshot_step(pool, src, q, k, v, g, beta)
+
+
+@_gdn_snapshot_op.register_fake
+def _(pool, src, q, k, v, g, beta):
+    return v.new_empty(v.shape, dtype=torch.float32)
+
+
+class _Snapshots:
+    """Per-draft snapshot state of one SSM layer: a pool [S, T + 1, *state] in the cache state's dtype, the committed
+    state in slot ``src`` [S]; commit moves ``src``, finish copies the committed slot back to the cache."""
+
+    def _start_pool(self):
+        S = self.state.shape[0]
+        self.pool = self.state.new_zeros((S, self.T + 1) + tuple(self.state.shape[1:]))
+        self.pool[:, 0] = self.state
+        self.src = torch.zeros(S, dtype=torch.int32, device=self.state.device)
+
+    def static_tensors(self):
+        return [self.state, self.conv_state, self.pool, self.src]
+
+    def commit(self, n):
+        n_acc = n.to(device=self.src.device, dtype=torch.int32)          # 0 for rows that sat the round out
+        self.src.copy_((self.src + n_acc) % (self.T + 1))
+        self._advance_conv(n_acc)
+
+    def finish(self):
+        rows = torch.arange(self.state.shape[0], device=self.state.device)
+        self.state.copy_(self.pool[rows, self.src.long()])
+
+
+def snapshot_layers(model, cache, B: int, T: int):
+    """``generate_rounds``' ``layers_for``: every Mamba-2 mixer / Gated DeltaNet layer of ``model`` verifying through
+    the snapshot kernels (no rings; ``B`` unused)."""
+    from replay_compile.integrations.hf_modules import is_gated_deltanet, is_mamba2_mixer
+    from replay_compile.speculative.base import SpecLayer
+    from replay_compile.speculative.delta_layer import SpecDeltaLayer, _act
+    from replay_compile.speculative.mamba2_layer import SpecMamba2Layer
+
+    class SnapshotMamba2(_Snapshots, SpecMamba2Layer):
+        def __init__(self, name, mixer):
+            SpecLayer.__init__(self, name, mixer, cache, B, T)
+            self._start_pool()
+
+        def _ssm(self, x, dt, la, Bm, Cm):
+            return torch.ops.replay_bench.mamba2_snapshot_step(self.pool, self.src, x, dt, la, Bm, Cm)
+
+    class SnapshotGDN(_Snapshots, SpecDeltaLayer):
+        def __init__(self, name, mixer):
+            SpecLayer.__init__(self, name, mixer, cache, B, T)
+            self.kda, self.read_state = False, None
+            self.act = _act(mixer.activation)
+            self._start_pool()
+
+        def _verify(self, q, k, v, g, beta):
+            return torch.ops.replay_bench.gdn_snapshot_step(self.pool, self.src, q, k, v, g.float(), beta.float())
+
+    layers = []
+    for name, m in model.named_modules():
+        if is_mamba2_mixer(m):
+            layers.append(SnapshotMamba2(name, m))
+        elif is_gated_deltanet(m):
+            layers.append(SnapshotGDN(name, m))
+    return layers

@@ -64,3 +64,30 @@ def test_gdn_snapshots_are_the_states_after_each_token(T):
             assert rel(o[r, t], want[0]) < 1e-5
             assert rel(ker[r, (int(src[r]) + 1 + t) % (T + 1)], S[0]) < 1e-5
         assert torch.equal(ker[r, int(src[r])].cpu(), pool[r, int(src[r])])
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "qwen3_5"])
+def test_snapshot_layers_in_speculative_rounds_match_generate(family):
+    """The whole-model baseline (the snapshot kernels where the replay verify sits): greedy tokens and the states
+    left in the cache equal ``generate``'s, with rows accepting all, some or none of their drafts."""
+    pytest.importorskip("transformers")
+    from spec_baselines import snapshot_layers
+
+    from replay_compile.integrations.hf_modules import output_cache
+    from replay_compile.speculative.generate import generate_rounds
+    from replay_compile.testing.drafts import known_continuation
+    from replay_compile.testing.hf_models import build_for_speculation, make_inputs
+    from replay_compile.testing.tp_parity import _conv_states, _recurrent_states
+
+    model = build_for_speculation(family).to(DEV)
+    ids = make_inputs(model, batch=3, prompt_len=6, seed=1).to(DEV)
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
+    out = generate_rounds(model, ids, 12, num_draft=3, draft=known_continuation(ref.sequences, 5), buffer_len=8,
+                          compiler=None, layers_for=snapshot_layers)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert {1, 4} <= {n for rnd in out.accepted for n in rnd}, out.accepted
+    ref_cache = output_cache(ref)
+    for a, b in zip(_recurrent_states(out.cache) + _conv_states(out.cache),
+                    _recurrent_states(ref_cache) + _conv_states(ref_cache), strict=True):
+        assert rel(a, b) < 1e-4

@@ -68,6 +68,12 @@ class SpecLayer:
         slots = torch.where(n_acc == 0, -1, base.to(torch.int32))
         torch.ops.replay_compile.spec_commit(self.w, self.origin, self.is_flush, n_acc.clamp(min=1), self.B, self.T,
                                              slots)
+        self._advance_conv(n_acc)
+
+    def _advance_conv(self, n_acc: torch.Tensor) -> None:
+        """The conv state after the first ``n_acc`` [b] inputs of the last verify (0: unchanged)."""
+        b, C, T = self.pending_conv.shape
+        dev = self.w.device
         K = self.conv_state.shape[-1]
         seq = torch.cat([self.conv_state, self.pending_conv.to(self.conv_state.dtype)], dim=-1)     # [b, C, K + T]
         cols = n_acc.long()[:, None, None] + torch.arange(K, device=dev)                          # last K of K + n
@@ -75,6 +81,10 @@ class SpecLayer:
         self.pending_conv = None
 
     rings: tuple = ()
+
+    def static_tensors(self) -> list[torch.Tensor]:
+        """Every tensor a verify or commit of this layer mutates (kept at fixed addresses for CUDA graphs)."""
+        return [self.state, self.conv_state, self.w, self.origin, self.is_flush, *self.rings]
 
     def _fold(self, rings, w: torch.Tensor) -> torch.Tensor:
         """[S, ...] committed states from ``rings`` whose first ``w`` records per slot are in logical order."""

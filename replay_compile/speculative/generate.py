@@ -214,10 +214,12 @@ def _end_at_eos(sequences: torch.Tensor, prompt: int, eos: list[int], pad: int) 
 
 def generate_rounds(model, input_ids: torch.Tensor, max_new_tokens: int, *, num_draft: int, draft: Callable,
                     buffer_len: int, compiler: Callable | None, eos: list[int] | None = None,
-                    pad: int = 0) -> SpeculativeOutput:
+                    pad: int = 0, layers_for: Callable | None = None) -> SpeculativeOutput:
     """:func:`generate_speculative` through :class:`~.rounds.Rounds`: prefill into a ``StaticCache`` sized for the
     rounds, then rounds until every row has its tokens; each round runs as ``compiler(rounds.step)`` (``None``:
-    eagerly, the same code). ``attention_mask`` of the result marks each row's valid cache positions."""
+    eagerly, the same code). ``attention_mask`` of the result marks each row's valid cache positions.
+    ``layers_for(model, cache, buffer_len, T)``: the SSM layers' speculative forms (default: the replay verify of
+    each family; benchmarks pass their baselines')."""
     from transformers import StaticCache
 
     T = num_draft + 1
@@ -228,7 +230,7 @@ def generate_rounds(model, input_ids: torch.Tensor, max_new_tokens: int, *, num_
         out = model(input_ids, use_cache=True, cache_position=torch.arange(prompt, device=input_ids.device),
                     **{ck: cache})
         first = out.logits[:, -1].argmax(-1, keepdim=True)
-        layers = _spec_layers(model, cache, buffer_len, T)
+        layers = (layers_for or _spec_layers)(model, cache, buffer_len, T)
         rounds = Rounds(model, cache, layers, input_ids, first, max_new_tokens, num_draft, draft, eos)
         if hasattr(draft, "start"):                  # a proposer with state of its own (a draft model's cache)
             draft.start(input_ids, max_new_tokens, num_draft)

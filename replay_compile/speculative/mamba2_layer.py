@@ -56,16 +56,21 @@ class SpecMamba2Layer(SpecLayer):
         x = x.reshape(b, T, H, P)
         dt = F.softplus(dt + m.dt_bias.to(dt.dtype))                            # [b, T, H], as the decode step
         la = dt.float() * -torch.exp(m.A_log.float())
-        args = (self.state, self.x_ring, self.dt_ring, self.la_ring, self.B_ring, self.w, self.origin, self.is_flush,
-                x, dt.float(), la, Bm.reshape(b, T, G, N), Cm.reshape(b, T, G, N))
-        if self.read_state is None:
-            y = torch.ops.replay_compile.mamba2_spec_verify(*args, self.slot_idx)
-        else:                                   # read-copy experiments run the reference (no kernel reads it yet)
-            y = spec_verify_reference(*args, slot_idx=self.slot_idx, read_state=self.read_state,
-                                      read_format=self.read_format)
+        y = self._ssm(x, dt.float(), la, Bm.reshape(b, T, G, N), Cm.reshape(b, T, G, N))
         y = (y + x.to(y.dtype) * m.D.to(y.dtype)[:, None]).to(dtype)
         y = m.norm(y.reshape(b, T, -1), gate)
         return m.out_proj(y.to(dtype))
+
+    def _ssm(self, x, dt, la, B, C) -> torch.Tensor:
+        """The SSM's outputs [b, T, H, P] fp32 (no skip term) for x [b, T, H, P], dt, la [b, T, H] fp32, B, C
+        [b, T, G, N]: the verify op over checkpoint + ring; the cache is not written."""
+        args = (self.state, self.x_ring, self.dt_ring, self.la_ring, self.B_ring, self.w, self.origin, self.is_flush,
+                x, dt, la, B, C)
+        if self.read_state is None:
+            return torch.ops.replay_compile.mamba2_spec_verify(*args, self.slot_idx)
+        # read-copy experiments run the reference (no kernel reads it yet)
+        return spec_verify_reference(*args, slot_idx=self.slot_idx, read_state=self.read_state,
+                                     read_format=self.read_format)
 
     @property
     def rings(self):

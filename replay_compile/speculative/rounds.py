@@ -96,7 +96,7 @@ class Rounds:
         """Every tensor a round mutates (marked static for CUDA graphs by the caller)."""
         out = [self.tokens, self.length, self.finished]
         for layer in self.layers:
-            out += [layer.state, layer.conv_state, layer.w, layer.origin, layer.is_flush, *layer.rings]
+            out += layer.static_tensors()
         for layer in self.attn:
             out += [layer.keys, layer.values]
             if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
