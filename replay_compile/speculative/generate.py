@@ -1,4 +1,5 @@
-"""Greedy speculative generation for HF hybrid models with the replay state.
+"""Speculative generation for HF hybrid models with the replay state (greedy, or sampling with the speculative
+sampling rule).
 
 Each round verifies ``[last token, d_1 .. d_k]`` in one forward: SSM layers through the output-only verify ops
 (Mamba-2 mixers: :mod:`.mamba2_layer`, ``mamba2_spec_verify``; Gated DeltaNet and Kimi Delta Attention:
@@ -32,6 +33,7 @@ from .base import SpecLayer
 from .delta_layer import SpecDeltaLayer
 from .mamba2_layer import SpecMamba2Layer
 from .rounds import Rounds
+from .sampling import Sampling
 
 
 @dataclasses.dataclass
@@ -131,9 +133,11 @@ def _step_kwargs(model) -> tuple[str, bool]:
 def generate_speculative(model, input_ids: torch.Tensor, max_new_tokens: int, *, num_draft: int = 3,
                          draft: Callable | None = None, buffer_len: int = 16, per_row: bool = True,
                          compile: bool | None = None, backend: str = "replayssm", mode: str | None = None,
-                         eos_token_id: int | list[int] | None = None,
-                         pad_token_id: int | None = None) -> SpeculativeOutput:
-    """Greedy-decode ``max_new_tokens`` tokens with drafts verified ``num_draft`` at a time.
+                         eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
+                         do_sample: bool = False, temperature: float | None = None, top_k: int | None = None,
+                         top_p: float | None = None) -> SpeculativeOutput:
+    """Decode ``max_new_tokens`` tokens (greedy, or sampled with ``do_sample``) with drafts verified ``num_draft`` at
+    a time.
 
     Args:
         model: an HF causal LM whose SSM layers are Mamba-2 mixers, Gated DeltaNet or KDA layers (see the module
@@ -152,8 +156,12 @@ def generate_speculative(model, input_ids: torch.Tensor, max_new_tokens: int, *,
             ``torch.compile``'s (``mode`` default: ``"reduce-overhead"`` on CUDA, CUDA graphs). Needs ``per_row``.
         eos_token_id / pad_token_id: as ``generate``'s (default: the model's generation config; ``eos_token_id=[]``:
             none): a row ends at its first end-of-sequence token, and its later positions hold ``pad_token_id``.
+        do_sample / temperature / top_k / top_p: as ``generate``'s (unset ones from the model's generation config):
+            drafts are accepted by the speculative sampling rule (:mod:`.sampling`), so every token is distributed
+            as plain sampling's; the random draws come from torch's default generator (``torch.manual_seed``).
+            Needs ``per_row``.
     Returns:
-        :class:`SpeculativeOutput`; ``sequences`` equals ``model.generate(input_ids, max_new_tokens=...,
+        :class:`SpeculativeOutput`; greedy, ``sequences`` equals ``model.generate(input_ids, max_new_tokens=...,
         do_sample=False)``'s. ``cache`` holds the SSM state after every fed token of each row, as ``generate``'s
         does (up to its end-of-sequence token: ``generate`` then feeds padding); with ``per_row`` its attention
         layers hold each row's tokens at the positions ``attention_mask`` marks.
@@ -163,6 +171,9 @@ def generate_speculative(model, input_ids: torch.Tensor, max_new_tokens: int, *,
                          f"{num_draft}")
     if compile and not per_row:
         raise ValueError("generate_speculative: compile=True runs per-row rounds; per_row=False is eager only")
+    if do_sample and not per_row:
+        raise ValueError("generate_speculative: do_sample=True runs per-row rounds; per_row=False is greedy only")
+    sampling = _sampling(model, temperature, top_k, top_p) if do_sample else None
     draft = draft or PromptLookup()
     eos, pad = _end_tokens(model, eos_token_id, pad_token_id)
     if compile is None:
@@ -172,7 +183,7 @@ def generate_speculative(model, input_ids: torch.Tensor, max_new_tokens: int, *,
             mode = "reduce-overhead"
         compiler = (lambda fn: torch.compile(fn, backend=backend, mode=mode)) if compile else None
         return generate_rounds(model, input_ids, max_new_tokens, num_draft=num_draft, draft=draft,
-                               buffer_len=buffer_len, compiler=compiler, eos=eos, pad=pad)
+                               buffer_len=buffer_len, compiler=compiler, eos=eos, pad=pad, sampling=sampling)
     T = num_draft + 1
     with torch.no_grad():
         out = model(input_ids, use_cache=True)
@@ -200,6 +211,14 @@ def _end_tokens(model, eos_token_id, pad_token_id) -> tuple[list[int], int]:
     return eos, int(pad)
 
 
+def _sampling(model, temperature, top_k, top_p) -> Sampling:
+    """The warpers ``generate(do_sample=True)`` applies: the arguments, else the model's generation config."""
+    cfg = getattr(model, "generation_config", None)
+    pick = (lambda arg, name, default: arg if arg is not None else getattr(cfg, name, None) or default)
+    return Sampling(temperature=float(pick(temperature, "temperature", 1.0)), top_k=pick(top_k, "top_k", None),
+                    top_p=pick(top_p, "top_p", None))
+
+
 def _end_at_eos(sequences: torch.Tensor, prompt: int, eos: list[int], pad: int) -> torch.Tensor:
     """``pad`` after each row's first end-of-sequence token among its new tokens; the columns after the last row
     ended dropped (``generate`` stops there)."""
@@ -214,7 +233,8 @@ def _end_at_eos(sequences: torch.Tensor, prompt: int, eos: list[int], pad: int) 
 
 def generate_rounds(model, input_ids: torch.Tensor, max_new_tokens: int, *, num_draft: int, draft: Callable,
                     buffer_len: int, compiler: Callable | None, eos: list[int] | None = None,
-                    pad: int = 0, layers_for: Callable | None = None) -> SpeculativeOutput:
+                    pad: int = 0, layers_for: Callable | None = None,
+                    sampling: Sampling | None = None) -> SpeculativeOutput:
     """:func:`generate_speculative` through :class:`~.rounds.Rounds`: prefill into a ``StaticCache`` sized for the
     rounds, then rounds until every row has its tokens; each round runs as ``compiler(rounds.step)`` (``None``:
     eagerly, the same code). ``attention_mask`` of the result marks each row's valid cache positions.
@@ -229,9 +249,10 @@ def generate_rounds(model, input_ids: torch.Tensor, max_new_tokens: int, *, num_
     with torch.no_grad():
         out = model(input_ids, use_cache=True, cache_position=torch.arange(prompt, device=input_ids.device),
                     **{ck: cache})
-        first = out.logits[:, -1].argmax(-1, keepdim=True)
+        last = out.logits[:, -1]
+        first = (last.argmax(-1) if sampling is None else sampling.draw(sampling.probs(last)))[:, None]
         layers = (layers_for or _spec_layers)(model, cache, buffer_len, T)
-        rounds = Rounds(model, cache, layers, input_ids, first, max_new_tokens, num_draft, draft, eos)
+        rounds = Rounds(model, cache, layers, input_ids, first, max_new_tokens, num_draft, draft, eos, sampling)
         if hasattr(draft, "start"):                  # a proposer with state of its own (a draft model's cache)
             draft.start(input_ids, max_new_tokens, num_draft)
         if compiler is not None and input_ids.is_cuda:

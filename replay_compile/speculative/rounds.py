@@ -3,8 +3,9 @@ on CUDA with ``mode="reduce-overhead"``, one CUDA graph replay).
 
 A round proposes ``k`` drafts per row on the device (:class:`~.drafts.PromptLookup`), verifies ``[last token, d_1 ..
 d_k]`` in one forward of the model (SSM layers through their verify ops, :mod:`.mamba2_layer` / :mod:`.delta_layer`),
-accepts per row the drafts that match the model's own greedy choices, and commits: SSM layers move cursors, conv
-states advance by the accepted inputs, attention caches keep the accepted keys and values.
+accepts per row the drafts that match the model's own greedy choices (sampling: those the speculative sampling rule
+keeps, :mod:`.sampling`), and commits: SSM layers move cursors, conv states advance by the accepted inputs,
+attention caches keep the accepted keys and values.
 
 Attention caches. A ``StaticCache`` of ``M`` positions holds each row's accepted tokens compactly at ``[0, fed)``
 (``fed``: tokens of the row already in the cache) and a scratch window at ``[M - T, M)``. Every verify writes its
@@ -29,6 +30,7 @@ import torch
 from ..errors import ReplayCompileError
 from ..integrations.hf_modules import cache_kwarg
 from .base import SpecLayer
+from .sampling import Sampling, accept
 
 
 def attention_layers(cache) -> list:
@@ -58,13 +60,15 @@ class Rounds:
         input_ids: [b, prompt]; first: [b, 1] the token the prefill emitted (not yet fed).
         max_new: tokens to emit per row (``first`` included); num_draft: ``k``, ``T = k + 1``; draft: a proposer
             ``(tokens [b, n] right-aligned, left-padded with -1, k) -> [b, k]`` made of tensor operations.
+        sampling: None for greedy rounds (drafts accepted while they match the argmax), else the distribution to
+            sample from, drafts accepted by the speculative sampling rule (:mod:`.sampling`).
     """
 
     def __init__(self, model, cache, layers: list[SpecLayer], input_ids: torch.Tensor, first: torch.Tensor,
-                 max_new: int, num_draft: int, draft, eos: list[int] | None = None):
+                 max_new: int, num_draft: int, draft, eos: list[int] | None = None, sampling: Sampling | None = None):
         b, prompt = input_ids.shape
         dev = input_ids.device
-        self.model, self.cache, self.layers, self.draft = model, cache, layers, draft
+        self.model, self.cache, self.layers, self.draft, self.sampling = model, cache, layers, draft, sampling
         self.draft_name = getattr(draft, "__qualname__", None) or type(draft).__name__
         self.vocab = model.get_input_embeddings().num_embeddings
         self.eos = None if not eos else torch.tensor(list(eos), dtype=torch.long, device=dev)
@@ -140,8 +144,11 @@ class Rounds:
         extra = {"position_ids": pos} if self.takes_positions else {}
         logits = self.model(window, **{self.ck: self.cache}, attention_mask=self.attention_mask(),
                             cache_position=self.scratch, use_cache=True, **extra).logits
-        pred = logits.argmax(-1)                                                     # [b, T]
-        ok = (drafts == pred[:, :k]).to(torch.int32).cumprod(-1).sum(-1)
+        if self.sampling is None:                    # greedy: the drafts that match the model's own choices
+            pred = logits.argmax(-1)                                                 # [b, T]
+            ok = (drafts == pred[:, :k]).to(torch.int32).cumprod(-1).sum(-1)
+        else:                                        # speculative sampling: pred[:, :ok] drafts, then a draw
+            ok, pred = accept(self.sampling.probs(logits), drafts, self.sampling)
         n = torch.minimum(ok.long() + 1, remaining)
         if self.eos is not None:                     # a row ends at its first end-of-sequence token
             first_eos = torch.where(torch.isin(pred, self.eos), self.window_cols[None, :], T).amin(-1)
