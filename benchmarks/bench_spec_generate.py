@@ -4,10 +4,9 @@ drafts, compiled on both sides.
     python benchmarks/bench_spec_generate.py --out results/ [--models nemotron_h_nano4b,qwen35_4b] [--layers 8]
 
 Real-size layer dimensions (``replay_compile.bench``'s models, random weights, ``--layers`` blocks), a repetitive
-prompt set (a random 16-token phrase repeated 4 times per row), greedy decoding of ``--new`` tokens. Per model and
-batch, in one process:
+prompt set (a random ``--phrase``-token phrase repeated ``--repeats`` times per row), greedy decoding of ``--new``
+tokens. Per model and batch, in one process:
 
-* ``generate``: ``model.generate(do_sample=False)``, eager (the reference tokens);
 * ``decode``: the compiled decode step without drafts (``backend="replayssm"``, ``mode="reduce-overhead"``,
   ``replay_compile.bench.bench_one``'s median per-step time): the baseline the ratios are against;
 * ``lookup``: compiled speculative rounds with prompt-lookup drafts (3 per round). With random weights the model
@@ -16,8 +15,8 @@ batch, in one process:
   of ``replay_compile.testing.copy_task`` until it continues a repeated phrase (retried once at a third of the
   learning rate if it has not learned), and the prompts become a ``--copy-phrase``-token phrase of ids <
   ``--copy-vocab`` repeated twice: prompt lookup then meets the repetitive text it is meant for;
-* ``oracle``: compiled speculative rounds with the reference continuation as drafts (every draft accepted): the
-  upper bound a good draft source reaches, and the check that the mechanism gives the same tokens;
+* ``oracle``: compiled speculative rounds with the lookup row's output as drafts (every draft accepted: the
+  rounds' own tokens, so bf16 near-ties do not reject them): the upper bound a good draft source reaches;
 * ``snapshot``: the same oracle rounds with the per-draft snapshot baseline in place of the replay verify
   (``spec_baselines.snapshot_layers``: ``T + 1`` states per sequence, one read and ``T`` writes per round), compiled
   the same way: the speculative decoding an engine without replay runs;
@@ -26,9 +25,8 @@ batch, in one process:
 
 The speculative rows time a whole ``generate_speculative`` call after a first call that compiled and captured the
 round; ``rounds`` is the same with the time of one prefill forward taken out (the first token is the prefill's).
-Reports tokens/s, the ratio to ``decode``, tokens per round, and whether the tokens equal the reference (fp32 must
-be identical; bf16 may differ after a near-tie, reported as the share that agree). CSV and a PNG of tokens/s
-against batch.
+Reports tokens/s, the ratio to ``decode``, tokens per round, and the share of tokens equal to the lookup row's
+(exactness against ``generate`` is the tests' business, in fp32). CSV and a PNG of tokens/s against batch.
 """
 
 from __future__ import annotations
@@ -121,6 +119,8 @@ def main(argv=None):
     ap.add_argument("--copy-phrase", type=int, default=8)
     ap.add_argument("--copy-batch", type=int, default=48)
     ap.add_argument("--variants", default="lookup,oracle,snapshot,draft")
+    ap.add_argument("--phrase", type=int, default=8, help="random prompts: a phrase of this many tokens ...")
+    ap.add_argument("--repeats", type=int, default=4, help="... repeated this many times")
     ap.add_argument("--draft-model", default="1024,4",
                     help="hidden size and layers of the random-weight Llama draft model (16 heads, 4 KV heads, the "
                          "target's vocabulary); empty: no draft-model row")
@@ -153,41 +153,38 @@ def main(argv=None):
                 ids = copy_batch(bs, args.copy_phrase, reps=2, vocab=min(args.copy_vocab, vocab), generator=g,
                                  device=args.device)
             else:
-                ids = torch.randint(3, vocab, (bs, 16), generator=g).repeat(1, 4).to(args.device)
+                ids = torch.randint(3, vocab, (bs, args.phrase), generator=g).repeat(1, args.repeats).to(args.device)
             with torch.no_grad():
-                model.generate(ids, max_new_tokens=4, do_sample=False)                 # warm-up (allocator, kernels)
-                ref, t_ref = _timed(lambda: model.generate(ids, max_new_tokens=args.new, do_sample=False,
-                                                           eos_token_id=[]))
                 model(ids, use_cache=True)
                 _, t_pre = _timed(lambda: model(ids, use_cache=True))         # the prefill inside every call
             extra = dict(copy_steps=trained["steps"] if trained else 0,
                          copy_acc=trained["copy_acc"] if trained else float("nan"))
             step = bench.bench_one(model, bs, "replayssm-ro", args.new, 16, prompt_len=ids.shape[1])
             dec_tps = bs / (step["median_step_ms"] * 1e-3)
-            for variant, tps, per_round in (("generate", bs * args.new / t_ref, 1.0), ("decode", dec_tps, 1.0)):
-                rows.append(dict(model=name, bs=bs, variant=variant, tok_s=tps, x_decode=tps / dec_tps,
-                                 tok_s_rounds=tps, x_decode_rounds=tps / dec_tps, tok_round=per_round, agree=1.0,
-                                 **extra))
-                print(f"{name:18} {bs:3d} {variant:8} {tps:9.1f} {tps / dec_tps:7.2f}x {tps:9.1f} "
-                      f"{tps / dec_tps:7.2f}x {per_round:9.2f} {1.0:6.3f}", flush=True)
-            variants = [("lookup", PromptLookup(ngram=3), None), ("oracle", known_continuation(ref), None),
-                        ("snapshot", known_continuation(ref), snapshot_layers)]
-            if drafter is not None:
-                variants.append(("draft", DraftModel(drafter), None))
-            for variant, draft, layers_for in variants:
-                if variant not in args.variants:
+            rows.append(dict(model=name, bs=bs, variant="decode", tok_s=dec_tps, x_decode=1.0, tok_s_rounds=dec_tps,
+                             x_decode_rounds=1.0, tok_round=1.0, agree=1.0, **extra))
+            print(f"{name:18} {bs:3d} {'decode':8} {dec_tps:9.1f} {1.0:7.2f}x {dec_tps:9.1f} {1.0:7.2f}x "
+                  f"{1.0:9.2f} {1.0:6.3f}", flush=True)
+            ref = None                                # the lookup run's tokens: what the oracle rows draft
+            for variant in ("lookup", "oracle", "snapshot", "draft"):
+                if variant != "lookup" and variant not in args.variants or variant == "draft" and drafter is None:
                     continue
+                draft = (PromptLookup(ngram=3) if variant == "lookup" else DraftModel(drafter) if variant == "draft"
+                         else known_continuation(ref))
+                layers_for = snapshot_layers if variant == "snapshot" else None
 
                 def run():
                     if layers_for is None:
                         return generate_speculative(model, ids, args.new, num_draft=args.num_draft, draft=draft,
                                                     compile=True, eos_token_id=[])
                     return generate_rounds(model, ids, args.new, num_draft=args.num_draft, draft=draft,
-                                           buffer_len=16, compiler=compiler, eos=[], layers_for=layers_for)
+                                           buffer_len=16, compiler=compiler, eos=[], layers_for=layers_for,
+                                           cuda_graph=args.device == "cuda")
                 run()                                                     # compile, capture
                 out, t = _timed(run)
-                n = min(out.sequences.shape[1], ref.shape[1])
-                agree = float((out.sequences[:, ids.shape[1]:n] == ref[:, ids.shape[1]:n]).float().mean())
+                if ref is None:
+                    ref = out.sequences
+                agree = float((out.sequences == ref).float().mean())
                 tps = bs * args.new / t
                 tps_r = bs * (args.new - 1) / max(t - t_pre, 1e-9)      # the rounds alone: the prefill's token out
                 rows.append(dict(model=name, bs=bs, variant=variant, tok_s=tps, x_decode=tps / dec_tps,

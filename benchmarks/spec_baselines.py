@@ -175,9 +175,6 @@ class _Snapshots:
         self.pool[:, 0] = self.state
         self.src = torch.zeros(S, dtype=torch.int32, device=self.state.device)
 
-    def static_tensors(self):
-        return [self.state, self.conv_state, self.pool, self.src]
-
     def commit(self, n):
         n_acc = n.to(device=self.src.device, dtype=torch.int32)          # 0 for rows that sat the round out
         self.src.copy_((self.src + n_acc) % (self.T + 1))

@@ -82,10 +82,6 @@ class SpecLayer:
 
     rings: tuple = ()
 
-    def static_tensors(self) -> list[torch.Tensor]:
-        """Every tensor a verify or commit of this layer mutates (kept at fixed addresses for CUDA graphs)."""
-        return [self.state, self.conv_state, self.w, self.origin, self.is_flush, *self.rings]
-
     def _fold(self, rings, w: torch.Tensor) -> torch.Tensor:
         """[S, ...] committed states from ``rings`` whose first ``w`` records per slot are in logical order."""
         raise NotImplementedError

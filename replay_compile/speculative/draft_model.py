@@ -71,15 +71,6 @@ class DraftModel:
         self.positions = torch.arange(self.M, device=dev)
         self.cols = torch.arange(self.T, device=dev)
 
-    def static_tensors(self) -> list[torch.Tensor]:
-        """The tensors a round mutates (the caller marks them static for CUDA graphs)."""
-        out = [self.fed]
-        for layer in self.attn:
-            out += [layer.keys, layer.values]
-            if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
-                out.append(layer.cumulative_length)
-        return out
-
     def _forward(self, ids, at: int, positions, mask) -> torch.Tensor:
         for layer in self.attn:
             _write_at(layer, at)

@@ -150,10 +150,12 @@ def generate_speculative(model, input_ids: torch.Tensor, max_new_tokens: int, *,
         buffer_len: history budget ``B`` of the replay rings (records folded into the checkpoint when a verify
             would not fit).
         per_row: every row keeps its own accepted count and ends on its own (the rounds of :mod:`.rounds`: a
-            ``StaticCache``, one host read per round). ``False``: every row commits the batch's smallest count and
+            ``StaticCache``, a host read every few rounds). ``False``: every row commits the batch's smallest count and
             the attention caches drop the rest (eager only, a dynamic cache: the layout ``generate`` leaves).
         compile: run each round as one compiled function; default: on CUDA. ``backend`` / ``mode``:
-            ``torch.compile``'s (``mode`` default: ``"reduce-overhead"`` on CUDA, CUDA graphs). Needs ``per_row``.
+            ``torch.compile``'s. On CUDA the compiled round is captured as one CUDA graph of its own and replayed
+            (``mode="reduce-overhead"``'s CUDA-graph trees are not used: they would add guard checks and input
+            copies to every round). Needs ``per_row``.
         eos_token_id / pad_token_id: as ``generate``'s (default: the model's generation config; ``eos_token_id=[]``:
             none): a row ends at its first end-of-sequence token, and its later positions hold ``pad_token_id``.
         do_sample / temperature / top_k / top_p: as ``generate``'s (unset ones from the model's generation config):
@@ -179,11 +181,12 @@ def generate_speculative(model, input_ids: torch.Tensor, max_new_tokens: int, *,
     if compile is None:
         compile = input_ids.is_cuda
     if per_row:
-        if compile and mode is None and input_ids.is_cuda:
-            mode = "reduce-overhead"
+        if mode == "reduce-overhead":                # CUDA graphs: the rounds capture their own
+            mode = None
         compiler = (lambda fn: torch.compile(fn, backend=backend, mode=mode)) if compile else None
         return generate_rounds(model, input_ids, max_new_tokens, num_draft=num_draft, draft=draft,
-                               buffer_len=buffer_len, compiler=compiler, eos=eos, pad=pad, sampling=sampling)
+                               buffer_len=buffer_len, compiler=compiler, eos=eos, pad=pad, sampling=sampling,
+                               cuda_graph=bool(compile) and input_ids.is_cuda)
     T = num_draft + 1
     with torch.no_grad():
         out = model(input_ids, use_cache=True)
@@ -233,11 +236,12 @@ def _end_at_eos(sequences: torch.Tensor, prompt: int, eos: list[int], pad: int) 
 
 def generate_rounds(model, input_ids: torch.Tensor, max_new_tokens: int, *, num_draft: int, draft: Callable,
                     buffer_len: int, compiler: Callable | None, eos: list[int] | None = None,
-                    pad: int = 0, layers_for: Callable | None = None,
-                    sampling: Sampling | None = None) -> SpeculativeOutput:
+                    pad: int = 0, layers_for: Callable | None = None, sampling: Sampling | None = None,
+                    cuda_graph: bool = False) -> SpeculativeOutput:
     """:func:`generate_speculative` through :class:`~.rounds.Rounds`: prefill into a ``StaticCache`` sized for the
     rounds, then rounds until every row has its tokens; each round runs as ``compiler(rounds.step)`` (``None``:
-    eagerly, the same code). ``attention_mask`` of the result marks each row's valid cache positions.
+    eagerly, the same code), and with ``cuda_graph`` (CUDA only) from the third round on as one CUDA graph replay.
+    ``attention_mask`` of the result marks each row's valid cache positions.
     ``layers_for(model, cache, buffer_len, T)``: the SSM layers' speculative forms (default: the replay verify of
     each family; benchmarks pass their baselines')."""
     from transformers import StaticCache
@@ -255,29 +259,51 @@ def generate_rounds(model, input_ids: torch.Tensor, max_new_tokens: int, *, num_
         rounds = Rounds(model, cache, layers, input_ids, first, max_new_tokens, num_draft, draft, eos, sampling)
         if hasattr(draft, "start"):                  # a proposer with state of its own (a draft model's cache)
             draft.start(input_ids, max_new_tokens, num_draft)
-        if compiler is not None and input_ids.is_cuda:
-            # mutated in place every round: CUDA graphs keep their addresses
-            for t in rounds.static_tensors() + list(getattr(draft, "static_tensors", list)()):
-                torch._dynamo.mark_static_address(t)
         step = rounds.step if compiler is None else compiler(rounds.step)
-        accepted = []
+        graph = None
         try:
             with _verify_forwards(layers):
-                done = rounds.done()
+                done, bad, remaining = rounds.status.tolist()
+                ran = 0
                 while not done:
-                    n, status = step()
-                    done, bad = status.tolist()              # the round's one host read
+                    # as many rounds as the furthest-behind row needs at best, queued without a host read between
+                    for _ in range(max(1, -(-remaining // T))):
+                        if graph is not None:
+                            graph.replay()
+                        elif cuda_graph and ran >= _WARM_ROUNDS:
+                            graph = _capture(step)
+                            graph.replay()
+                        else:
+                            step()
+                        ran += 1
+                    done, bad, remaining = rounds.status.tolist()        # the burst's one host read
                     if bad:
                         raise ReplayCompileError(
                             f"replay_compile.speculative: the draft source {rounds.draft_name} proposed token ids "
-                            f"outside the vocabulary [0, {rounds.vocab}); nothing of that round was committed")
-                    accepted.append(n.clone())               # CUDA-graph outputs are overwritten by the next replay
+                            f"outside the vocabulary [0, {rounds.vocab}); nothing of that round or a later one was "
+                            f"committed")
         finally:
             for layer in layers:                             # the cache holds the true state, also after an error
                 layer.finish()
-    counts = torch.stack(accepted).tolist() if accepted else []
+            del graph
+    counts = rounds.accepted()
     return SpeculativeOutput(sequences=rounds.sequences(pad), cache=cache, rounds=len(counts), accepted=counts,
                              attention_mask=rounds.attention_mask())
+
+
+# rounds run through the compiled step before one is captured: the first compiles, the second runs what compiling
+# left lazy (cuBLAS workspaces, Triton's first launches), which a capture must not meet
+_WARM_ROUNDS = 2
+
+
+def _capture(step):
+    """One round captured as a CUDA graph: it replays with a single launch, no guard checks and no input copies.
+    Every tensor a round touches lives in the rounds, layers, caches and proposer, at fixed addresses."""
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
 
 
 def _checked(drafts, b: int, k: int) -> torch.Tensor:

@@ -17,8 +17,10 @@ the acceptance, and every tensor shape is the same every round.
 
 Rows that have all their tokens, or emitted an end-of-sequence token, sit the remaining rounds out: their slot is -1
 for the SSM layers (nothing of their state is read or written) and nothing of theirs is committed. Drafts are checked
-on the device: an id outside the vocabulary makes the round commit nothing and the host raise an error naming the
-draft source. The host reads back one small tensor per round (every row done, a bad draft).
+on the device: an id outside the vocabulary makes the round (and any later one) commit nothing and the host raise an
+error naming the draft source. The host reads back one small tensor (every row done, a bad draft, the tokens still
+to come) after a burst of rounds: as many as the furthest-behind row needs at best (every draft accepted), so that
+it waits only a few times per generation and queues a burst's rounds ahead of the device.
 """
 
 from __future__ import annotations
@@ -95,27 +97,28 @@ class Rounds:
         self.window_cols = torch.arange(self.T, device=dev)
         self.positions = torch.arange(max(self.M, 1), device=dev)
         self.scratch = torch.arange(self.M - self.T, self.M, device=dev)            # the verify's cache positions
-
-    def static_tensors(self) -> list[torch.Tensor]:
-        """Every tensor a round mutates (marked static for CUDA graphs by the caller)."""
-        out = [self.tokens, self.length, self.finished]
-        for layer in self.layers:
-            out += layer.static_tensors()
-        for layer in self.attn:
-            out += [layer.keys, layer.values]
-            if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
-                out.append(layer.cumulative_length)
-        return out
+        # a round that met a draft out of the vocabulary: this and every later round commits nothing (rounds run in
+        # bursts between host reads)
+        self.bad = torch.zeros((), dtype=torch.bool, device=dev)
+        # tokens each row emitted per round (0: the row sat it out), written on the device; at most one round per
+        # emitted token, plus the rounds a burst runs after the last row is done (recorded in the last line)
+        self.max_rounds = max_new + 1
+        self.history = torch.zeros(self.max_rounds + 1, b, dtype=torch.int32, device=dev)
+        self.round = torch.zeros((), dtype=torch.long, device=dev)
+        # [every row done, a bad draft met, the most tokens a row still has to emit]: what the host reads
+        self.status = torch.zeros(3, dtype=torch.long, device=dev)
+        self._update_status()
 
     def attention_mask(self) -> torch.Tensor:
         """[b, M]: each row's accepted tokens and the scratch window."""
         fed = (self.length - 1)[:, None]
         return ((self.positions[None, :] < fed) | (self.positions[None, :] >= self.M - self.T)).to(torch.long)
 
-    def step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One round. Returns ``(n, status)``: the tokens each row emitted ([b], 0 for rows that were done) and
-        ``[every row done, a draft out of the vocabulary]`` (the one tensor the host reads per round; with a bad
-        draft nothing was committed)."""
+    def step(self) -> None:
+        """One round, on the device only: the tokens each row emitted go to :attr:`history`, and :attr:`status` says
+        whether every row is done, whether a draft was out of the vocabulary (then nothing of that round or any
+        later one was committed), and how many tokens the furthest-behind row still has to emit. A round after
+        every row is done changes nothing."""
         b, T, k = self.b, self.T, self.k
         W = self.tokens.shape[1]
         # each row's tokens right-aligned, left-padded with -1, for the proposer
@@ -128,7 +131,8 @@ class Rounds:
             raise ReplayCompileError(f"replay_compile.speculative: the draft source {self.draft_name} must return "
                                      f"[b={b}, k={k}] integer token ids, got {got}")
         drafts = drafts.to(device=self.tokens.device, dtype=torch.long)
-        bad = ((drafts < 0) | (drafts >= self.vocab)).any()
+        self.bad |= ((drafts < 0) | (drafts >= self.vocab)).any()
+        bad = self.bad
         drafts = drafts.clamp(0, self.vocab - 1)     # never an out-of-range embedding lookup; nothing is committed
         last = self.tokens.gather(1, (self.length - 1)[:, None])
         window = torch.cat([last, drafts], dim=1)                                    # [b, T]
@@ -167,14 +171,18 @@ class Rounds:
         at = torch.where(keep, pos + 1, W - 1)                   # token columns: one past the fed positions
         self.tokens.scatter_(1, at, torch.where(keep, pred, -1))
         self.length += n
-        return n, torch.stack([self._all_done(), bad])
+        self.history.index_copy_(0, self.round.clamp(max=self.max_rounds)[None], n.to(torch.int32)[None])
+        self.round += 1
+        self._update_status()
 
-    def _all_done(self) -> torch.Tensor:
-        return ((self.length - self.prompt >= self.max_new) | self.finished).all()
+    def _update_status(self) -> None:
+        remaining = torch.where(self.finished, 0, self.max_new - (self.length - self.prompt))
+        self.status.copy_(torch.stack([(remaining <= 0).all().long(), self.bad.long(), remaining.amax()]))
 
-    def done(self) -> bool:
-        """Whether every row has all its tokens or ended (one host read)."""
-        return bool(self._all_done())
+    def accepted(self) -> list[list[int]]:
+        """Per round in which some row took part, the tokens each row emitted (one host read)."""
+        ran = int(self.round.clamp(max=self.max_rounds))
+        return [r for r in self.history[:ran].tolist() if any(r)]
 
     def sequences(self, pad: int) -> torch.Tensor:
         """[b, prompt + longest] prompt and emitted tokens, ``pad`` after a row's last one (``generate``'s layout:
