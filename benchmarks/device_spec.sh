@@ -8,7 +8,7 @@
 #   readcopy-e2e: the pass with read copies under CUDA graphs (check_cudagraphs.py, Mamba-2 and GDN), then
 #   whole decode steps with fp8 / NVFP4 read copies beside plain torch.compile and the exact replay path
 #   env: SPEC_BATCHES (step sweep, default 1,8,32,64,128,256,512), SPEC_GEOMS (default super,qwen35_4b),
-#        GEN_BATCHES (default 1,8,32), GEN_MODELS (default nemotron_h_nano4b,qwen35_4b), GEN_LAYERS (default 8)
+#        GEN_BATCHES (default 1,32,256), GEN_MODELS (default nemotron_h_nano4b,qwen35_4b), GEN_LAYERS (default 8)
 set -uo pipefail
 OUT=${OUT:-device-logs}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
@@ -17,15 +17,13 @@ steps=${*:-tests step generate}
 for s in $steps; do case $s in
   tests) timeout 240 python3 -m pytest -q tests/test_mamba2_spec_triton.py tests/test_delta_spec_triton.py \
            tests/test_spec_baselines.py tests/test_delta_spec_reference.py tests/test_mamba2_spec_reference.py \
-           tests/test_speculative_compiled.py tests/test_speculative_generate.py -p no:cacheprovider 2>&1 | tail -6 | tee "$OUT/pytest_spec.txt" ;;
+           tests/test_speculative_compiled.py tests/test_speculative_generate.py tests/test_speculative_cuda.py \
+           -p no:cacheprovider 2>&1 | tail -6 | tee "$OUT/pytest_spec.txt" ;;
   step) timeout 300 python3 benchmarks/bench_spec_step.py --out "$OUT" --geoms "${SPEC_GEOMS:-super,qwen35_4b}" \
           --batches "${SPEC_BATCHES:-1,8,32,64,128,256,512}" 2>&1 | grep -v Warn | tee "$OUT/spec_step.txt" ;;
   generate)
-    # fp32: tokens must be identical to generate; bf16: the speed rows
-    timeout 150 python3 benchmarks/bench_spec_generate.py --out "$OUT/fp32" --dtype float32 --batches 1,8 \
-      --models "${GEN_MODELS:-nemotron_h_nano4b,qwen35_4b}" --layers "${GEN_LAYERS:-8}" --new 48 2>&1 \
-      | grep -v "^\[transformers\]" | tee "$OUT/spec_generate_fp32.txt"
-    timeout 200 python3 benchmarks/bench_spec_generate.py --out "$OUT" --batches "${GEN_BATCHES:-1,8,32}" \
+    # bf16 at real sizes: decode, lookup, oracle, the snapshot baseline and a draft model, CSV + PNG
+    timeout 500 python3 benchmarks/bench_spec_generate.py --out "$OUT" --batches "${GEN_BATCHES:-1,32,256}" \
       --models "${GEN_MODELS:-nemotron_h_nano4b,qwen35_4b}" --layers "${GEN_LAYERS:-8}" 2>&1 \
       | grep -v "^\[transformers\]" | tee "$OUT/spec_generate.txt" ;;
   readcopy) timeout 200 python3 -m pytest -q tests/test_mamba2_readcopy.py tests/test_delta_readcopy_triton.py \

@@ -77,3 +77,18 @@ def test_sampling_in_the_graph_draws_fresh_numbers_every_round():
     assert out.rounds > 4
     assert len({tuple(r) for r in new.tolist()}) > 48
     assert len({tuple(new[:, j].tolist()) for j in range(4, 16)}) == 12
+
+
+def test_a_round_that_cannot_be_captured_runs_as_compiled_calls(caplog):
+    """A proposer that copies from the host (as transformers' grouped-matmul fallback for MoE layers does, in
+    Kimi-Linear) cannot be captured: the reason is logged and the rounds run as compiled calls, same tokens."""
+    model, ids, ref = _setup("nemotron_h")
+    good = known_continuation(ref.sequences, 5)
+
+    @torch.compiler.disable
+    def host_copy(tokens, k):
+        return good(tokens, k) + torch.zeros(1, dtype=torch.long).to(tokens.device)
+    with caplog.at_level("WARNING", logger="replay_compile"):
+        out = generate_speculative(model, ids, NEW, num_draft=3, draft=host_copy, buffer_len=8, compile=True)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert any("cannot be captured" in r.getMessage() for r in caplog.records)

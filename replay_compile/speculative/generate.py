@@ -19,12 +19,13 @@ state.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import dataclasses
+import inspect
 from typing import Callable
 
 import torch
 
+from .._logging import log
 from ..errors import ReplayCompileError
 from .drafts import PromptLookup
 from ..integrations.hf_modules import (cache_kwarg, is_gated_deltanet, is_kimi_delta_attention, is_mamba2_mixer,
@@ -271,8 +272,12 @@ def generate_rounds(model, input_ids: torch.Tensor, max_new_tokens: int, *, num_
                         if graph is not None:
                             graph.replay()
                         elif cuda_graph and ran >= _WARM_ROUNDS:
-                            graph = _capture(step)
-                            graph.replay()
+                            graph = _capture(step, type(model).__name__)
+                            if graph is None:                 # not capturable: compiled calls from here on
+                                cuda_graph = False
+                                step()
+                            else:
+                                graph.replay()
                         else:
                             step()
                         ran += 1
@@ -296,13 +301,22 @@ def generate_rounds(model, input_ids: torch.Tensor, max_new_tokens: int, *, num_
 _WARM_ROUNDS = 2
 
 
-def _capture(step):
+def _capture(step, model_name: str):
     """One round captured as a CUDA graph: it replays with a single launch, no guard checks and no input copies.
-    Every tensor a round touches lives in the rounds, layers, caches and proposer, at fixed addresses."""
+    Every tensor a round touches lives in the rounds, layers, caches and proposer, at fixed addresses. None, with
+    the reason logged, where the round cannot be captured (transformers' grouped-matmul fallback for MoE layers
+    copies from the host, for one); a failed capture has run nothing, so the round is still to run."""
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    try:
+        with torch.cuda.graph(graph):
+            step()
+    except RuntimeError as err:
+        torch.cuda.synchronize()
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        log.warning("replay_compile.speculative: the round of %s cannot be captured as a CUDA graph (%s); its rounds "
+                    "run as compiled calls, with the host work of one per round", model_name, reason)
+        return None
     return graph
 
 
