@@ -11,7 +11,9 @@ compiles a graph while transformers is imported. It wraps:
   compiled ``generate`` of a process gets its wrappers from its first decode step on, because the method is looked
   up afresh on every step;
 * ``GenerationMixin.generate``: flush the caches of that call (the one passed in and the one returned) when it
-  returns, so they hold the true state as plain storage too; never another call's cache;
+  returns, so they hold the true state as plain storage too; never another call's cache. A call asking for
+  assisted generation (``prompt_lookup_num_tokens`` / ``assistant_model``) on a model with SSM layers the
+  speculative layers cover runs under :func:`replay_compile.speculative.assisted.assisted_generation`;
 * ``Cache.reorder_cache`` / ``batch_select_indices`` / ``batch_repeat_interleave`` / ``crop`` / ``offload``: flush
   that cache first (beam search and friends copy rows of the state);
 * ``Cache.reset`` and the linear-attention layers' ``reset``: drop the held records of that cache (the zeroed
@@ -75,9 +77,15 @@ def _caches_of(kwargs: dict, result=None) -> list:
 def _flushing_generate(fn):
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
+        from ..speculative.assisted import assisted_generation, wants_assistance
+
         result = None
         try:
-            result = fn(self, *args, **kwargs)
+            if wants_assistance(self, kwargs):
+                with assisted_generation(self, kwargs):
+                    result = fn(self, *args, **kwargs)
+            else:
+                result = fn(self, *args, **kwargs)
             return result
         finally:
             if replay_state.registered():
