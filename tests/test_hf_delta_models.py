@@ -1,6 +1,6 @@
-"""Gated DeltaNet (Qwen3-Next, Qwen3.5 dense and MoE) and KDA (Kimi-Linear) through ``backend="replayssm"``:
-greedy decoding through two flushes identical to eager, logits and the flushed cache states close, every
-linear-attention layer rewritten with the right family and key-head groups."""
+"""Gated DeltaNet (Qwen3-Next, Qwen3.5 dense and MoE, OLMo-Hybrid, Lara-Mini) and KDA (Kimi-Linear, Ling-3.0-Flash's
+bailing_hybrid) through ``backend="replayssm"``: greedy decoding through two flushes identical to eager, logits and
+the flushed cache states close, every linear-attention layer rewritten with the right family and key-head groups."""
 
 import pytest
 import torch
@@ -9,17 +9,20 @@ pytest.importorskip("transformers")
 
 import replay_compile  # noqa: E402
 from replay_compile.testing import check_equivalence  # noqa: E402
-from replay_compile.testing.hf_models import DELTA_FAMILY, make_inputs  # noqa: E402
+from replay_compile.testing.hf_models import DELTA_FAMILY, available, make_inputs  # noqa: E402
 
 pytestmark = pytest.mark.hf
 
 EXPECT = {  # family, key heads (4 value heads in every tiny config)
     "qwen3_next": ("gdn", 2), "qwen3_5": ("gdn", 2), "qwen3_5_moe": ("gdn", 2), "kimi_linear": ("kda", 4),
+    "olmo_hybrid": ("gdn", 2), "lara_mini": ("gdn", 2), "bailing_hybrid": ("kda", 4),
 }
 
 
 @pytest.mark.parametrize("name", sorted(DELTA_FAMILY))
 def test_delta_model_decodes_like_eager(name):
+    if not available(name):
+        pytest.skip(f"{name} is not in this transformers")
     torch._dynamo.utils.counters.clear()
     model = DELTA_FAMILY[name]()
     rep = check_equivalence(model, make_inputs(model), buffer_len=4)      # 9 steps: two flushes per layer

@@ -15,18 +15,20 @@ from replay_compile.integrations import hf as hf_integration  # noqa: E402
 from replay_compile.integrations.hf_modules import cache_kwarg, output_cache  # noqa: E402
 from replay_compile.passes.validate import rel_err  # noqa: E402
 from replay_compile.testing.drafts import tiny_draft_model  # noqa: E402
-from replay_compile.testing.hf_models import build_for_speculation, make_inputs  # noqa: E402
+from replay_compile.testing.hf_models import available, build_for_speculation, make_inputs  # noqa: E402
 from replay_compile.testing.tp_parity import _conv_states, _recurrent_states  # noqa: E402
 
 hf_integration.install()
 _EVERY_VERSION = ("nemotron_h", "mamba2", "qwen3_5", "kimi_linear")
 FAMILIES = [pytest.param(f, marks=[pytest.mark.hf] if f in _EVERY_VERSION else [])
             for f in ("nemotron_h", "bamba", "mamba2", "zamba2", "granitemoehybrid", "qwen3_next", "qwen3_5",
-                      "qwen3_5_moe", "kimi_linear")]
+                      "qwen3_5_moe", "kimi_linear", "lara_mini")]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_assisted_generation_matches_generate(family):
+    if not available(family):
+        pytest.skip(f"{family} is not in this transformers")
     model = build_for_speculation(family)
     ids = make_inputs(model, batch=1, prompt_len=6, seed=1)
     ids = torch.cat([ids, ids, ids], dim=1)                          # repetitive: prompt lookup finds drafts

@@ -148,3 +148,17 @@ def test_bad_drafts_raise_naming_the_source_and_commit_nothing(reference):
     for a, b in zip(_recurrent_states(got["cache"]) + _conv_states(got["cache"]),
                     _recurrent_states(prefilled.cache) + _conv_states(prefilled.cache), strict=True):
         assert torch.equal(a, b), family
+
+
+@pytest.mark.parametrize("per_row", [True, False])
+def test_sliding_window_attention_is_refused(per_row):
+    """Lara-Mini's sliding-window attention keeps only its last positions: the rounds cannot roll it back, and say
+    so (before this check its tokens silently departed from generate's)."""
+    from replay_compile.testing.hf_models import DELTA_FAMILY, available
+
+    if not available("lara_mini"):
+        pytest.skip("lara_mini is not in this transformers")
+    model = DELTA_FAMILY["lara_mini"]()
+    ids = make_inputs(model, batch=2, prompt_len=6, seed=1)
+    with pytest.raises(ReplayCompileError, match=r"sliding-window attention \(cache layers \[1\]\).*assisted"):
+        generate_speculative(model, ids, 8, num_draft=3, compile=False, per_row=per_row)

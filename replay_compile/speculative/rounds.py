@@ -42,6 +42,17 @@ def attention_layers(cache) -> list:
             and isinstance(getattr(layer, "values", None), torch.Tensor)]
 
 
+def refuse_sliding_windows(cache, model_name: str) -> None:
+    """Sliding-window attention layers keep only their last positions and place new keys by their own rule, so
+    neither the scratch window of the rounds nor a dropped tail can roll them back; refuse them clearly."""
+    sliding = [i for i, layer in enumerate(getattr(cache, "layers", [])) if getattr(layer, "is_sliding", False)]
+    if sliding:
+        raise ReplayCompileError(
+            f"replay_compile.speculative: {model_name} has sliding-window attention (cache layers {sliding}), which "
+            f"the speculative rounds cannot roll back; use model.generate(..., prompt_lookup_num_tokens=k) or "
+            f"assistant_model= (transformers' assisted generation, batch 1) for this model")
+
+
 def _write_at(layer, position: int) -> None:
     """Make a static attention layer write its next keys at ``position``: transformers from 5.2x counts positions in
     the layer (``cumulative_length``, also the mask's query offset); older ones take ``cache_position`` (passed too)."""
@@ -78,6 +89,7 @@ class Rounds:
         self.ck = cache_kwarg(model)
         self.takes_positions = "position_ids" in inspect.signature(model.forward).parameters
         self.attn = attention_layers(cache)
+        refuse_sliding_windows(cache, type(model).__name__)
         need = prompt + max_new + 2 * self.T
         # the attention layers' own length (a hybrid cache may report max_cache_len -1: transformers 5.17's Zamba2)
         self.M = self.attn[0].keys.shape[2] if self.attn else need

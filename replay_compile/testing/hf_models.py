@@ -214,7 +214,8 @@ MAMBA2_FAMILY: Dict[str, Callable[..., torch.nn.Module]] = {
 
 # The transformers class each family needs: families newer than the oldest supported transformers are built only
 # where their class exists (``available``).
-_FAMILY_CLASS = {"nemotron_h_omni": "NemotronH_Omni_Reasoning_V3"}
+_FAMILY_CLASS = {"nemotron_h_omni": "NemotronH_Omni_Reasoning_V3", "lara_mini": "LaraMiniForCausalLM",
+                 "bailing_hybrid": "BailingHybridForCausalLM"}
 
 
 def available(family: str) -> bool:
@@ -235,12 +236,15 @@ def make_inputs(model, batch: int = 2, prompt_len: int = 5, seed: int = 0) -> to
     return torch.randint(3, vocab_size(model), (batch, prompt_len), generator=g)
 
 
-# --- delta-rule families (Gated DeltaNet: Qwen3-Next, Qwen3.5 dense/MoE; KDA: Kimi-Linear) -----------------------
+# --- delta-rule families ----------------------------------------------------------------------------------------------
+# Gated DeltaNet: Qwen3-Next, Qwen3.5 dense/MoE, OLMo-Hybrid, Lara-Mini; KDA: Kimi-Linear, Ling-3.0-Flash
+# (bailing_hybrid, with MLA attention).
 # Grouped value heads (4 value heads over 2 key heads) and K != V, so the rewrite has to find the key groups.
 _GDN = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=6,
             linear_conv_kernel_dim=4)
 _GDN_LAYERS = dict(num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
                    head_dim=8)
+_GDN_LAYERS_ONLY = dict(num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"])
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
 
 
@@ -269,6 +273,31 @@ def _kimi_linear_cfg():
         kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, **attn, **_COMMON)
 
 
+def _olmo_hybrid_cfg():
+    from transformers import OlmoHybridConfig
+    attn = {k: v for k, v in _ATTN.items() if k != "intermediate_size"}
+    return OlmoHybridConfig, dict(intermediate_size=64, **_GDN, **_GDN_LAYERS_ONLY, **attn, **_COMMON)
+
+
+def _lara_mini_cfg():
+    from transformers import LaraMiniConfig
+    attn = {k: v for k, v in _ATTN.items() if k != "intermediate_size"}
+    return LaraMiniConfig, dict(num_hidden_layers=3, layer_types=["linear_attention", "sliding_attention",
+                                                                  "linear_attention"],
+                                head_dim=8, sliding_window=64, **_MOE, **_GDN, **attn, **_COMMON)
+
+
+def _bailing_hybrid_cfg():
+    from transformers import BailingHybridConfig
+    attn = {k: v for k, v in _ATTN.items() if k != "intermediate_size"}
+    attn["num_key_value_heads"] = attn["num_attention_heads"]                  # MLA: one KV head per head
+    return BailingHybridConfig, dict(
+        **_GDN_LAYERS_ONLY, intermediate_size=64, moe_intermediate_size=32, num_local_experts=4,
+        num_experts_per_tok=2, n_shared_experts=1, mlp_layer_types=["dense", "sparse", "dense"], kv_lora_rank=16,
+        q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, head_dim=8, short_conv_kernel_size=4,
+        n_group=1, topk_group=1, first_k_dense_replace=1, num_mtp_layers=0, **attn, **_COMMON)
+
+
 def _delta_builder(cfg_fn: Callable[[], Any], model_cls_name: str) -> Callable[..., torch.nn.Module]:
     def build(dtype: torch.dtype = torch.float32, seed: int = 0, initializer_range: float = 0.5,
               **overrides) -> torch.nn.Module:
@@ -289,6 +318,9 @@ DELTA_FAMILY: Dict[str, Callable[..., torch.nn.Module]] = {
     "qwen3_5": _delta_builder(_qwen3_5_cfg, "Qwen3_5ForCausalLM"),
     "qwen3_5_moe": _delta_builder(_qwen3_5_moe_cfg, "Qwen3_5MoeForCausalLM"),
     "kimi_linear": _delta_builder(_kimi_linear_cfg, "KimiLinearForCausalLM"),
+    "olmo_hybrid": _delta_builder(_olmo_hybrid_cfg, "OlmoHybridForCausalLM"),
+    "lara_mini": _delta_builder(_lara_mini_cfg, "LaraMiniForCausalLM"),
+    "bailing_hybrid": _delta_builder(_bailing_hybrid_cfg, "BailingHybridForCausalLM"),
 }
 
 
