@@ -4,10 +4,11 @@ Installed once: by ``import replay_compile`` when transformers is already import
 compiles a graph while transformers is imported. It wraps:
 
 * ``GenerationMixin._update_model_kwargs_for_generation`` (called by every decoding method after every forward,
-  outside compiled code): each recurrent state of the cache that is still a plain tensor is replaced in the cache by
-  a :class:`~replay_compile.replay_tensor.ReplayTensor` over it (the replay state it already has, if any, goes with
-  it). From then on any path that touches the state -- an eager fallback, the user's own code, another thread's
-  ``generate`` ending -- sees or writes the current state (see :mod:`replay_compile.replay_tensor`). The first
+  outside compiled code): each recurrent state of the cache that a compiled replay step has bound and that is still
+  a plain tensor is replaced in the cache by a :class:`~replay_compile.replay_tensor.ReplayTensor` over it (its
+  replay state goes with it; states no replay step touched stay plain, for any other backend). From then on any
+  path that touches the state -- an eager fallback, the user's own code, another thread's ``generate`` ending --
+  sees or writes the current state (see :mod:`replay_compile.replay_tensor`). The first
   compiled ``generate`` of a process gets its wrappers from its first decode step on, because the method is looked
   up afresh on every step;
 * ``GenerationMixin.generate``: flush the caches of that call (the one passed in and the one returned) when it
@@ -101,19 +102,24 @@ def _protecting_kwargs_update(fn):
     def wrapper(self, *args, **kwargs):
         model_kwargs = fn(self, *args, **kwargs)
         for cache in _caches_of(model_kwargs):
-            protect(cache)
+            protect(cache, stepped_only=True)
         return model_kwargs
 
     wrapper._replay_compile_wrapped = True
     return wrapper
 
 
-def protect(cache) -> int:
+def protect(cache, stepped_only: bool = False) -> int:
     """Replace every recurrent state tensor held by ``cache`` (a transformers cache: ``cache.layers[i].
     recurrent_states``) by a ``ReplayTensor`` over it; returns how many were replaced. States already wrapped are
-    left alone. The wrapped checkpoint keeps its static address, so CUDA graphs are unaffected."""
+    left alone. The wrapped checkpoint keeps its static address, so CUDA graphs are unaffected.
+
+    ``stepped_only``: only the states a compiled replay step has bound (the hook after every ``generate`` forward):
+    a state no replay step touched holds no records, and left plain it stays usable by any other backend (a wrapper
+    refuses to be traced by one, since it could hold records by the time that graph runs)."""
     import torch
 
+    from .. import state as replay_state
     from ..replay_tensor import ReplayTensor
 
     n = 0
@@ -122,7 +128,8 @@ def protect(cache) -> int:
         if not isinstance(states, dict):
             continue
         for key, t in states.items():
-            if isinstance(t, torch.Tensor) and not isinstance(t, ReplayTensor) and t.dim() >= 3:
+            if isinstance(t, torch.Tensor) and not isinstance(t, ReplayTensor) and t.dim() >= 3 \
+                    and not (stepped_only and replay_state.lookup(t) is None):
                 rt = ReplayTensor(t)        # finds the replay state a compiled step bound to t, if any
                 if getattr(t, "_dynamo_static_input_type", None):
                     torch._dynamo.mark_static_address(rt)
