@@ -11,15 +11,17 @@ import replay_compile  # noqa: E402
 from replay_compile.testing import check_equivalence  # noqa: E402
 from replay_compile.testing.hf_models import DELTA_FAMILY, available, make_inputs  # noqa: E402
 
-pytestmark = pytest.mark.hf
 
 EXPECT = {  # family, key heads (4 value heads in every tiny config)
     "qwen3_next": ("gdn", 2), "qwen3_5": ("gdn", 2), "qwen3_5_moe": ("gdn", 2), "kimi_linear": ("kda", 4),
-    "olmo_hybrid": ("gdn", 2), "lara_mini": ("gdn", 2), "bailing_hybrid": ("kda", 4),
+    "olmo_hybrid": ("gdn", 2), "lara_mini": ("gdn", 2), "bailing_hybrid": ("kda", 4), "qwen4_exp": ("gdn", 2),
 }
+# families added with transformers 5.2x: run with the release CI installs (5.24 has them all), not again per version
+_NEWER = ("olmo_hybrid", "lara_mini", "bailing_hybrid", "qwen4_exp")
+FAMILIES = [pytest.param(f, marks=[] if f in _NEWER else [pytest.mark.hf]) for f in sorted(DELTA_FAMILY)]
 
 
-@pytest.mark.parametrize("name", sorted(DELTA_FAMILY))
+@pytest.mark.parametrize("name", FAMILIES)
 def test_delta_model_decodes_like_eager(name):
     if not available(name):
         pytest.skip(f"{name} is not in this transformers")
@@ -30,12 +32,18 @@ def test_delta_model_decodes_like_eager(name):
     assert rep.max_logit_diff <= 1e-3 * rep.logit_scale, rep
     assert rep.states_compared > 0 and rep.max_state_diff < 1e-3, rep
     family, hk = EXPECT[name]
+    if name == "qwen4_exp":
+        # its indexed attention (`nonzero`) breaks the decode step into a graph per layer; each GDN update is
+        # rewritten in the graph that holds it (named from that graph's frame, so counted rather than listed)
+        assert sum(torch._dynamo.utils.counters["graph_break"].values()) > 0
+        assert torch._dynamo.utils.counters["replay_compile"][family] >= 3
     layers = {r.layer for r in rep.rewrites}
-    assert len(layers) == 2 and all(r.family == family and r.spec.Hk == hk for r in rep.rewrites), rep.rewrites
+    assert (name == "qwen4_exp" or len(layers) == 2) and all(r.family == family and r.spec.Hk == hk for r in rep.rewrites), rep.rewrites
     assert not [s for s in rep.skipped if not s.quiet], rep.skipped
     assert torch._dynamo.utils.counters["replay_compile"][family] >= 2
 
 
+@pytest.mark.hf
 def test_family_not_enabled_is_left_unchanged_and_says_so():
     model = DELTA_FAMILY["qwen3_5"]()
     replay_compile.clear_reports()
@@ -62,6 +70,7 @@ def _teacher_forced(model, forward, seq, prompt_len):
     return torch.stack(out, 1), cache
 
 
+@pytest.mark.hf
 @pytest.mark.parametrize("name", ["qwen3_5", "kimi_linear"])
 def test_bf16_teacher_forced_logits_match_eager(name):
     """bf16 weights and activations (fp32 recurrence inside the op): per-step logits within 5% of eager, over two
@@ -92,6 +101,7 @@ def test_bf16_teacher_forced_logits_match_eager(name):
     assert errs_bad.max() > 0.05 or errs_bad.mean() > 0.025, errs_bad.tolist()
 
 
+@pytest.mark.hf
 def test_second_generate_continues_from_a_fresh_cache():
     """Two compiled generate calls: each matches eager, and the second starts from its own fresh cache (rings bound
     to the old cache tensors must not leak into the new one)."""

@@ -151,14 +151,19 @@ def test_bad_drafts_raise_naming_the_source_and_commit_nothing(reference):
 
 
 @pytest.mark.parametrize("per_row", [True, False])
-def test_sliding_window_attention_is_refused(per_row):
-    """Lara-Mini's sliding-window attention keeps only its last positions: the rounds cannot roll it back, and say
-    so (before this check its tokens silently departed from generate's)."""
+@pytest.mark.parametrize("family, match", [
+    ("lara_mini", r"sliding-window attention \(cache layer 1, "),
+    ("qwen4_exp", r"cache layer 3 \((Static|Dynamic)IndexedLayer\) holds \[.*'indexer_keys'"),
+])
+def test_cache_layers_the_rounds_cannot_roll_back_are_refused(family, match, per_row):
+    """Lara-Mini's sliding-window attention keeps only its last positions; Qwen4-Exp's indexed attention keeps
+    indexer keys beside its keys. The rounds cannot roll either back and say so, pointing to assisted generation
+    (before these checks Lara-Mini's tokens and Qwen4-Exp's batch-min tokens silently departed from generate's)."""
     from replay_compile.testing.hf_models import DELTA_FAMILY, available
 
-    if not available("lara_mini"):
-        pytest.skip("lara_mini is not in this transformers")
-    model = DELTA_FAMILY["lara_mini"]()
+    if not available(family):
+        pytest.skip(f"{family} is not in this transformers")
+    model = DELTA_FAMILY[family]()
     ids = make_inputs(model, batch=2, prompt_len=6, seed=1)
-    with pytest.raises(ReplayCompileError, match=r"sliding-window attention \(cache layers \[1\]\).*assisted"):
+    with pytest.raises(ReplayCompileError, match=match + ".*assisted"):
         generate_speculative(model, ids, 8, num_draft=3, compile=False, per_row=per_row)

@@ -33,7 +33,7 @@ from ..integrations.hf_modules import (cache_kwarg, is_gated_deltanet, is_kimi_d
 from .base import SpecLayer
 from .delta_layer import SpecDeltaLayer
 from .mamba2_layer import SpecMamba2Layer
-from .rounds import Rounds, refuse_sliding_windows
+from .rounds import Rounds, refuse_what_cannot_roll_back
 from .sampling import Sampling
 
 
@@ -192,7 +192,7 @@ def generate_speculative(model, input_ids: torch.Tensor, max_new_tokens: int, *,
     with torch.no_grad():
         out = model(input_ids, use_cache=True)
         cache = output_cache(out)
-        refuse_sliding_windows(cache, type(model).__name__)
+        refuse_what_cannot_roll_back(cache, type(model).__name__)
         tok = out.logits[:, -1].argmax(-1, keepdim=True)                    # [b, 1], emitted, not yet fed
         layers = _spec_layers(model, cache, buffer_len, T)
         ck, takes_positions = _step_kwargs(model)

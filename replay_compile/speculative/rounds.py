@@ -42,15 +42,36 @@ def attention_layers(cache) -> list:
             and isinstance(getattr(layer, "values", None), torch.Tensor)]
 
 
-def refuse_sliding_windows(cache, model_name: str) -> None:
-    """Sliding-window attention layers keep only their last positions and place new keys by their own rule, so
-    neither the scratch window of the rounds nor a dropped tail can roll them back; refuse them clearly."""
-    sliding = [i for i, layer in enumerate(getattr(cache, "layers", [])) if getattr(layer, "is_sliding", False)]
-    if sliding:
-        raise ReplayCompileError(
-            f"replay_compile.speculative: {model_name} has sliding-window attention (cache layers {sliding}), which "
-            f"the speculative rounds cannot roll back; use model.generate(..., prompt_lookup_num_tokens=k) or "
-            f"assistant_model= (transformers' assisted generation, batch 1) for this model")
+# what a cache layer may hold for the speculative rounds to roll it back: attention keys and values (and a static
+# layer's position counter), and the conv / recurrent states of the SSM layers they verify
+_ROLLED_BACK = {"keys", "values", "cumulative_length", "conv_states", "recurrent_states"}
+
+
+def refuse_what_cannot_roll_back(cache, model_name: str) -> None:
+    """Raise, naming the layer, for cache layers the rounds cannot roll back: sliding-window attention (it keeps only
+    its last positions and places new keys by its own rule), and any layer holding tensors beyond attention keys
+    and values and SSM states (Qwen4-Exp's indexed attention keeps indexer keys beside its keys: dropping only the
+    keys of rejected drafts would leave theirs, silently). transformers' assisted generation crops such layers
+    itself, so the error points there."""
+    advice = ("; use model.generate(..., prompt_lookup_num_tokens=k) or assistant_model= (transformers' assisted "
+              "generation, batch 1) for this model")
+    for i, layer in enumerate(getattr(cache, "layers", [])):
+        if getattr(layer, "is_sliding", False):
+            raise ReplayCompileError(f"replay_compile.speculative: {model_name} has sliding-window attention (cache "
+                                     f"layer {i}, {type(layer).__name__}), which the speculative rounds cannot roll "
+                                     f"back{advice}")
+        extra = sorted(k for k, v in vars(layer).items() if k not in _ROLLED_BACK and _holds_tensors(v))
+        if extra:
+            raise ReplayCompileError(f"replay_compile.speculative: {model_name}'s cache layer {i} "
+                                     f"({type(layer).__name__}) holds {extra} beside its keys and values, which the "
+                                     f"speculative rounds do not roll back{advice}")
+
+
+def _holds_tensors(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    return any(isinstance(x, torch.Tensor) for x in items)
 
 
 def _write_at(layer, position: int) -> None:
@@ -89,7 +110,7 @@ class Rounds:
         self.ck = cache_kwarg(model)
         self.takes_positions = "position_ids" in inspect.signature(model.forward).parameters
         self.attn = attention_layers(cache)
-        refuse_sliding_windows(cache, type(model).__name__)
+        refuse_what_cannot_roll_back(cache, type(model).__name__)
         need = prompt + max_new + 2 * self.T
         # the attention layers' own length (a hybrid cache may report max_cache_len -1: transformers 5.17's Zamba2)
         self.M = self.attn[0].keys.shape[2] if self.attn else need

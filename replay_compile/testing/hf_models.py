@@ -237,8 +237,8 @@ def make_inputs(model, batch: int = 2, prompt_len: int = 5, seed: int = 0) -> to
 
 
 # --- delta-rule families ----------------------------------------------------------------------------------------------
-# Gated DeltaNet: Qwen3-Next, Qwen3.5 dense/MoE, OLMo-Hybrid, Lara-Mini; KDA: Kimi-Linear, Ling-3.0-Flash
-# (bailing_hybrid, with MLA attention).
+# Gated DeltaNet: Qwen3-Next, Qwen3.5 dense/MoE, OLMo-Hybrid, Lara-Mini, Qwen4-Exp (with indexed attention); KDA:
+# Kimi-Linear, Ling-3.0-Flash (bailing_hybrid, with MLA attention).
 # Grouped value heads (4 value heads over 2 key heads) and K != V, so the rewrite has to find the key groups.
 _GDN = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=6,
             linear_conv_kernel_dim=4)
@@ -298,6 +298,17 @@ def _bailing_hybrid_cfg():
         n_group=1, topk_group=1, first_k_dense_replace=1, num_mtp_layers=0, **attn, **_COMMON)
 
 
+def _qwen4_exp_cfg():
+    from transformers import Qwen4ExpTextConfig
+    attn = {k: v for k, v in _ATTN.items() if k != "intermediate_size"}
+    # GDN layers and one indexed-attention layer (top-k selection by an indexer: `nonzero`, so graph breaks inside
+    # the decode step)
+    return Qwen4ExpTextConfig, dict(
+        num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["indexed_attention"], head_dim=8,
+        indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=4, indexer_compress_ratio=2,
+        **_MOE, **_GDN, **attn, **_COMMON)
+
+
 def _delta_builder(cfg_fn: Callable[[], Any], model_cls_name: str) -> Callable[..., torch.nn.Module]:
     def build(dtype: torch.dtype = torch.float32, seed: int = 0, initializer_range: float = 0.5,
               **overrides) -> torch.nn.Module:
@@ -321,6 +332,7 @@ DELTA_FAMILY: Dict[str, Callable[..., torch.nn.Module]] = {
     "olmo_hybrid": _delta_builder(_olmo_hybrid_cfg, "OlmoHybridForCausalLM"),
     "lara_mini": _delta_builder(_lara_mini_cfg, "LaraMiniForCausalLM"),
     "bailing_hybrid": _delta_builder(_bailing_hybrid_cfg, "BailingHybridForCausalLM"),
+    "qwen4_exp": _delta_builder(_qwen4_exp_cfg, "Qwen4ExpForCausalLM"),
 }
 
 
