@@ -15,9 +15,10 @@ from replay_compile.testing.hf_models import DELTA_FAMILY, available, make_input
 EXPECT = {  # family, key heads (4 value heads in every tiny config)
     "qwen3_next": ("gdn", 2), "qwen3_5": ("gdn", 2), "qwen3_5_moe": ("gdn", 2), "kimi_linear": ("kda", 4),
     "olmo_hybrid": ("gdn", 2), "lara_mini": ("gdn", 2), "bailing_hybrid": ("kda", 4), "qwen4_exp": ("gdn", 2),
+    "glm5_next": ("kda", 4),
 }
 # families added with transformers 5.2x: run with the release CI installs (5.24 has them all), not again per version
-_NEWER = ("olmo_hybrid", "lara_mini", "bailing_hybrid", "qwen4_exp")
+_NEWER = ("olmo_hybrid", "lara_mini", "bailing_hybrid", "qwen4_exp", "glm5_next")
 FAMILIES = [pytest.param(f, marks=[] if f in _NEWER else [pytest.mark.hf]) for f in sorted(DELTA_FAMILY)]
 
 
@@ -27,18 +28,19 @@ def test_delta_model_decodes_like_eager(name):
         pytest.skip(f"{name} is not in this transformers")
     torch._dynamo.utils.counters.clear()
     model = DELTA_FAMILY[name]()
-    rep = check_equivalence(model, make_inputs(model), buffer_len=4)      # 9 steps: two flushes per layer
+    # 9 steps: two flushes per layer (GLM-5.3-Flash: 5 steps at L = 2; its graph breaks make every step compile)
+    rep = check_equivalence(model, make_inputs(model), buffer_len=2 if name == "glm5_next" else 4)
     assert rep.tokens_match, rep
     assert rep.max_logit_diff <= 1e-3 * rep.logit_scale, rep
     assert rep.states_compared > 0 and rep.max_state_diff < 1e-3, rep
     family, hk = EXPECT[name]
-    if name == "qwen4_exp":
-        # its indexed attention (`nonzero`) breaks the decode step into a graph per layer; each GDN update is
+    if name in ("qwen4_exp", "glm5_next"):
+        # their indexed attention (`nonzero`) breaks the decode step into a graph per layer; each SSM update is
         # rewritten in the graph that holds it (named from that graph's frame, so counted rather than listed)
         assert sum(torch._dynamo.utils.counters["graph_break"].values()) > 0
-        assert torch._dynamo.utils.counters["replay_compile"][family] >= 3
+        assert torch._dynamo.utils.counters["replay_compile"][family] >= (3 if name == "qwen4_exp" else 1)
     layers = {r.layer for r in rep.rewrites}
-    assert (name == "qwen4_exp" or len(layers) == 2) and all(r.family == family and r.spec.Hk == hk for r in rep.rewrites), rep.rewrites
+    assert (name in ("qwen4_exp", "glm5_next") or len(layers) == 2) and all(r.family == family and r.spec.Hk == hk for r in rep.rewrites), rep.rewrites
     assert not [s for s in rep.skipped if not s.quiet], rep.skipped
     assert torch._dynamo.utils.counters["replay_compile"][family] >= 2
 

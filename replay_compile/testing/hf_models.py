@@ -238,7 +238,7 @@ def make_inputs(model, batch: int = 2, prompt_len: int = 5, seed: int = 0) -> to
 
 # --- delta-rule families ----------------------------------------------------------------------------------------------
 # Gated DeltaNet: Qwen3-Next, Qwen3.5 dense/MoE, OLMo-Hybrid, Lara-Mini, Qwen4-Exp (with indexed attention); KDA:
-# Kimi-Linear, Ling-3.0-Flash (bailing_hybrid, with MLA attention).
+# Kimi-Linear, Ling-3.0-Flash (bailing_hybrid, with MLA attention), GLM-5.3-Flash (glm5_next, with indexed MLA).
 # Grouped value heads (4 value heads over 2 key heads) and K != V, so the rewrite has to find the key groups.
 _GDN = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=6,
             linear_conv_kernel_dim=4)
@@ -309,6 +309,22 @@ def _qwen4_exp_cfg():
         **_MOE, **_GDN, **attn, **_COMMON)
 
 
+def _glm5_next_cfg():
+    from transformers import Glm5NextConfig
+
+    def text_only(**text):                      # the multimodal wrapper's text model is what decodes
+        return Glm5NextConfig(text_config=text)
+    # KDA layers and one indexed (DSA) attention layer: MLA without RoPE, a query LoRA, an indexer over pooled keys
+    return text_only, dict(
+        num_hidden_layers=2, layer_types=["linear_attention", "indexed_attention"], hidden_size=HIDDEN,
+        intermediate_size=64, moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=4,
+        n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=16,
+        qk_rope_head_dim=0, qk_nope_head_dim=8, v_head_dim=8, head_dim=8, n_group=1, topk_group=1, index_topk=8,
+        index_kpool=4, index_head_dim=8, index_n_heads=2, linear_head_dim=8, linear_num_heads=4,
+        linear_conv_kernel_dim=4, mlp_layer_types=["dense", "sparse"], max_position_embeddings=256,
+        **{k: v for k, v in _COMMON.items() if k != "hidden_size"})
+
+
 def _delta_builder(cfg_fn: Callable[[], Any], model_cls_name: str) -> Callable[..., torch.nn.Module]:
     def build(dtype: torch.dtype = torch.float32, seed: int = 0, initializer_range: float = 0.5,
               **overrides) -> torch.nn.Module:
@@ -333,6 +349,7 @@ DELTA_FAMILY: Dict[str, Callable[..., torch.nn.Module]] = {
     "lara_mini": _delta_builder(_lara_mini_cfg, "LaraMiniForCausalLM"),
     "bailing_hybrid": _delta_builder(_bailing_hybrid_cfg, "BailingHybridForCausalLM"),
     "qwen4_exp": _delta_builder(_qwen4_exp_cfg, "Qwen4ExpForCausalLM"),
+    "glm5_next": _delta_builder(_glm5_next_cfg, "Glm5NextForConditionalGeneration"),
 }
 
 
