@@ -203,7 +203,11 @@ def module_path(n: fx.Node, default: str | None = None) -> str:
     """Best-effort dotted module path of the code that produced ``n`` (for logs), e.g. ``backbone.layers.0.mixer``."""
     stack = n.meta.get("nn_module_stack") or {}
     if stack:
-        path = list(stack.values())[-1][0]
+        paths = [v[0] for v in stack.values()]
+        # the innermost module of the model itself: a module reached through a global (transformers 5.25 with the
+        # `kernels` package calls its kernel functions as hub modules, "G.__import_...") names a function, not a layer
+        inside = [p for p in paths if not p.startswith("G.") and not p.startswith("G[")]
+        path = (inside or paths)[-1]
         path = path.replace("L['self'].", "").replace("L['self']", "")
         for junk in ("._modules['", "']", "['", "._modules"):
             path = path.replace(junk, "." if junk.endswith("['") else "")

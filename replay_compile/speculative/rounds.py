@@ -44,7 +44,9 @@ def attention_layers(cache) -> list:
 
 # what a cache layer may hold for the speculative rounds to roll it back: attention keys and values (and a static
 # layer's position counter), and the conv / recurrent states of the SSM layers they verify
-_ROLLED_BACK = {"keys", "values", "cumulative_length", "conv_states", "recurrent_states"}
+# (transformers 5.25's linear-attention layers also count their tokens, `cumulative_length_linear`: the verify
+# forwards bypass the layer's updates, so the count stays what the prefill left, as the states' history does)
+_ROLLED_BACK = {"keys", "values", "cumulative_length", "conv_states", "recurrent_states", "cumulative_length_linear"}
 
 
 def refuse_what_cannot_roll_back(cache, model_name: str) -> None:
