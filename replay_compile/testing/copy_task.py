@@ -48,15 +48,17 @@ def torch_delta_rules(model):
     fla 0.6 refuses its gated-delta backward on Hopper with Triton < 3.7.1 (it computes wrong gradients there,
     fla #640; the device has Triton 3.6). Handles both transformers forms: a module-level wrapper that dispatches to
     fla (``functools.wraps``, so ``__wrapped__`` is the torch function) and a per-layer attribute chosen at
-    construction. Yields the number of patches made (0: nothing to patch, e.g. a Mamba-2 model)."""
+    construction; with the ``kernels`` package, a module that closes over the torch function. Yields the number of
+    patches made (0: nothing to patch, e.g. a Mamba-2 model)."""
     patches = []
     modules = {sys.modules.get(type(m).__module__) for m in model.modules()} - {None}
     for mod in modules:
         for name in _TORCH_CHUNK_RULES:
             fn = getattr(mod, name, None)
-            if fn is not None and inspect.unwrap(fn) is not fn:
+            plain = _plain(fn, name) if fn is not None else None
+            if plain is not None:
                 patches.append((mod, name, fn))
-                setattr(mod, name, inspect.unwrap(fn))
+                setattr(mod, name, plain)
     for m in model.modules():
         for attr, torch_name in _LAYER_ATTRS.items():
             plain = getattr(sys.modules.get(type(m).__module__), torch_name, None)
@@ -68,6 +70,20 @@ def torch_delta_rules(model):
     finally:
         for obj, name, value in reversed(patches):
             setattr(obj, name, value)
+
+
+def _plain(fn, name: str):
+    """The plain torch function behind transformers' kernel-dispatching wrapper ``fn``, or None if ``fn`` is plain:
+    a ``functools.wraps`` wrapper (``__wrapped__``), or, with the ``kernels`` package (transformers 5.25), a module
+    whose ``forward`` calls the function it closes over unless a hub kernel was loaded for the model."""
+    if inspect.unwrap(fn) is not fn:
+        return inspect.unwrap(fn)
+    if isinstance(fn, torch.nn.Module):
+        for cell in getattr(type(fn).forward, "__closure__", None) or ():
+            held = cell.cell_contents
+            if inspect.isfunction(held) and held.__name__ == name:
+                return inspect.unwrap(held)
+    return None
 
 
 def default_lr(model) -> float:
