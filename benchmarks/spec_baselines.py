@@ -135,14 +135,15 @@ def snapshot_commit(src, n_accepted, T: int):
 # ops, and layers that put them where the replay verify sits: the rounds, the conv-state and attention bookkeeping,
 # the draft proposal and the compilation are then the same on both sides, and only the SSM state handling differs.
 
+def _alike(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a``, ``b`` with equal strides: each kernel indexes such a pair with one set of strides."""
+    return (a, b) if a.stride() == b.stride() else (a.contiguous(), b.contiguous())
+
+
 @torch.library.custom_op("replay_bench::mamba2_snapshot_step", mutates_args=("pool",))
 def _mamba2_snapshot_op(pool: torch.Tensor, src: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, la: torch.Tensor,
                         B: torch.Tensor, C: torch.Tensor) -> torch.Tensor:
-    if dt.stride() != la.stride():
-        dt, la = dt.contiguous(), la.contiguous()
-    if B.stride() != C.stride():
-        B, C = B.contiguous(), C.contiguous()
-    return mamba2_snapshot_step(pool, src, x, dt, la, B, C)
+    return mamba2_snapshot_step(pool, src, x, *_alike(dt, la), *_alike(B, C))
 
 
 @_mamba2_snapshot_op.register_fake
@@ -153,11 +154,8 @@ def _(pool, src, x, dt, la, B, C):
 @torch.library.custom_op("replay_bench::gdn_snapshot_step", mutates_args=("pool",))
 def _gdn_snapshot_op(pool: torch.Tensor, src: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
-    if q.stride() != k.stride():
-        q, k = q.contiguous(), k.contiguous()
-    if g.stride() != beta.stride():
-        g, beta = g.contiguous(), beta.contiguous()
-    return gdn_snapshot_step(pool, src, q, k, v, g, beta)
+    q, k = _alike(q, k)
+    return gdn_snapshot_step(pool, src, q, k, v, *_alike(g, beta))
 
 
 @_gdn_snapshot_op.register_fake

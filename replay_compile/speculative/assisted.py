@@ -33,8 +33,8 @@ import torch
 
 from .._logging import log
 from ..errors import ReplayCompileError
-from ..integrations.hf_modules import (cache_kwarg, is_gated_deltanet, is_kimi_delta_attention, is_mamba2_mixer,
-                                       ssm_layer_states)
+from ..integrations.hf_modules import cache_kwarg, ssm_layer_states
+from .generate import spec_mixers
 
 # history budget of the rings: records kept before a verify folds them into the checkpoint
 _BUFFER_LEN = 16
@@ -45,13 +45,9 @@ def wants_assistance(model, kwargs: dict) -> bool:
     cfg = kwargs.get("generation_config") or getattr(model, "generation_config", None)
     lookup = kwargs.get("prompt_lookup_num_tokens", getattr(cfg, "prompt_lookup_num_tokens", None))
     assistant = kwargs.get("assistant_model")
-    return bool(lookup or assistant is not None) and bool(_mixers(model))
-
-
-def _mixers(model) -> list:
-    return [(name, m) for name, m in model.named_modules()
-            if (is_mamba2_mixer(m) and not hasattr(m, "ssm_in_multiplier") and not hasattr(m, "mup_vector"))
-            or is_gated_deltanet(m) or is_kimi_delta_attention(m)]
+    # a model with SSM layers no verify forward mirrors gets the error naming the layer (left to its own forward,
+    # such a layer would keep the rejected drafts in its state)
+    return bool(lookup or assistant is not None) and bool(spec_mixers(model))
 
 
 def _max_tokens_per_verify(model, kwargs: dict) -> int:
@@ -74,7 +70,8 @@ class _Assisted:
     """The spec layers of one ``generate`` call, created at its first forward, and the cache they serve."""
 
     def __init__(self, model, mixers: list, T: int):
-        self.model, self.mixers, self.T = model, mixers, T
+        self.model, self.T = model, T
+        self.classes = {m: cls for _, m, cls in mixers}       # mixer -> its spec layer class
         self.cache = None
         self.layers: dict = {}                      # mixer -> spec layer
         self.window = 0                             # tokens of the pending verify
@@ -94,9 +91,6 @@ class _Assisted:
     def _first(self, name, mixer, own, cache, h, args, kwargs):
         """The prefill: the mixer's own forward on all but the last ``T`` tokens (at least one), then the verify
         forward on those, so that the drafts the prefill carries can still be rolled back."""
-        from .delta_layer import SpecDeltaLayer
-        from .mamba2_layer import SpecMamba2Layer
-
         if ssm_layer_states(cache, mixer.layer_idx)[0] is not None:
             raise ReplayCompileError(f"replay_compile: assisted generation: {name} already holds a state in this "
                                      f"cache; start from an empty cache")
@@ -109,8 +103,7 @@ class _Assisted:
             kwargs = {**kwargs, "attention_mask": mask[:, head:]}
         out_head = own(h[:, :head], *args, **head_kwargs)
         _stop_recording(cache.layers[mixer.layer_idx], mixer.conv1d.kernel_size[0])
-        cls = SpecMamba2Layer if is_mamba2_mixer(mixer) else SpecDeltaLayer
-        layer = self.layers[mixer] = cls(name, mixer, cache, _BUFFER_LEN, self.T)
+        layer = self.layers[mixer] = self.classes[mixer](name, mixer, cache, _BUFFER_LEN, self.T)
         if head == L:
             self.window = 0
             return out_head
@@ -219,13 +212,13 @@ def assisted_generation(model, generate_kwargs: dict):
             f"replay_compile: assisted generation on {type(model).__name__}: transformers {transformers.__version__} "
             f"keeps this model's recurrent states in a cache class of its own, which its assisted generation does "
             f"not take; use replay_compile.speculative.generate_speculative (prompt lookup or a DraftModel).")
-    mixers = _mixers(model)
+    mixers = spec_mixers(model)
     T = _max_tokens_per_verify(model, generate_kwargs)
     run = _Assisted(model, mixers, T)
     had_stateful = "_is_stateful" in vars(model)
     stateful = vars(model).get("_is_stateful")
     model._is_stateful = False
-    for name, mixer in mixers:
+    for name, mixer, _ in mixers:
         own = mixer.forward
 
         def forward(hidden_states, *args, _name=name, _mixer=mixer, _own=own, **kwargs):
@@ -241,7 +234,7 @@ def assisted_generation(model, generate_kwargs: dict):
     finally:
         with torch.no_grad():
             run.finish()
-        for _, mixer in mixers:
+        for _, mixer, _ in mixers:
             del mixer.forward
         if had_stateful:
             model._is_stateful = stateful

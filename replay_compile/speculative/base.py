@@ -59,7 +59,7 @@ class SpecLayer:
         """Keep the first ``n`` tokens of the last verify: an int for every row, or [b] counts in 0..T per row (0: a
         row that sat the round out, its slot negative in :attr:`slot_idx`). Cursors move, the conv state advances by
         the accepted inputs only."""
-        b, C, T = self.pending_conv.shape
+        b = self.pending_conv.shape[0]
         dev = self.w.device
         n_acc = (n.to(device=dev, dtype=torch.int32) if isinstance(n, torch.Tensor)
                  else torch.full((b,), n, dtype=torch.int32, device=dev))
@@ -72,7 +72,7 @@ class SpecLayer:
 
     def _advance_conv(self, n_acc: torch.Tensor) -> None:
         """The conv state after the first ``n_acc`` [b] inputs of the last verify (0: unchanged)."""
-        b, C, T = self.pending_conv.shape
+        b, C, _ = self.pending_conv.shape
         dev = self.w.device
         K = self.conv_state.shape[-1]
         seq = torch.cat([self.conv_state, self.pending_conv.to(self.conv_state.dtype)], dim=-1)     # [b, C, K + T]

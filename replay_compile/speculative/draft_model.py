@@ -26,7 +26,7 @@ import torch
 
 from ..errors import ReplayCompileError
 from ..integrations.hf_modules import cache_kwarg, looks_like_ssm
-from .rounds import _write_at, attention_layers
+from .rounds import _write_at, attention_layers, copy_scratch
 
 
 class DraftModel:
@@ -107,11 +107,7 @@ class DraftModel:
             logits = self._forward(drafts[-1][:, None], col, (nxt + j - 1)[:, None], mask.long())
             drafts.append(logits.argmax(-1))
         # commit the catch-up columns; the invalid ones land on the last scratch position (rewritten every round)
-        dest = torch.where(valid, pos, M - 1)
-        for layer in self.attn:
-            for t in (layer.keys, layer.values):
-                src = t[:, :, start:start + T].clone()
-                t.scatter_(2, dest[:, None, :, None].expand(b, t.shape[1], T, t.shape[3]), src)
+        copy_scratch(self.attn, start, torch.where(valid, pos, M - 1))
         self.fed += a
         return torch.stack(drafts, dim=1)
 

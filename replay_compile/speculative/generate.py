@@ -56,17 +56,7 @@ def _spec_layers(model, cache, B: int, T: int) -> list[SpecLayer]:
     """One spec layer per SSM layer; a clear error for any SSM layer of a kind not verified here, found either by its
     look or, as a backstop, by the recurrent / conv state it left in the cache after prefill (a layer left to its
     own forward would fold the rejected drafts into its state: silently wrong output)."""
-    layers: list[SpecLayer] = []
-    for name, m in model.named_modules():
-        if is_mamba2_mixer(m) and (hasattr(m, "ssm_in_multiplier") or hasattr(m, "mup_vector")):
-            raise _unsupported(name, m, "Falcon-H1's input multiplier, muP vector and optional gated norm are not "
-                                        "in the Mamba-2 verify forward; ")
-        elif is_mamba2_mixer(m):
-            layers.append(SpecMamba2Layer(name, m, cache, B, T))
-        elif is_gated_deltanet(m) or is_kimi_delta_attention(m):
-            layers.append(SpecDeltaLayer(name, m, cache, B, T))
-        elif looks_like_ssm(m):
-            raise _unsupported(name, m)
+    layers = [cls(name, m, cache, B, T) for name, m, cls in spec_mixers(model)]
     covered = {layer.mixer.layer_idx for layer in layers}
     for idx, cache_layer in enumerate(getattr(cache, "layers", [])):
         held = [t for attr in ("recurrent_states", "conv_states") for t in _states(getattr(cache_layer, attr, None))]
@@ -81,6 +71,23 @@ def _spec_layers(model, cache, B: int, T: int) -> list[SpecLayer]:
         raise ReplayCompileError(f"replay_compile.speculative: {type(model).__name__} has no SSM layer this generator "
                                  f"verifies ({_SUPPORTED})")
     return layers
+
+
+def spec_mixers(model) -> list[tuple[str, torch.nn.Module, type]]:
+    """``(name, module, spec layer class)`` of every SSM layer of ``model`` (Mamba-2 mixers: :class:`SpecMamba2Layer`;
+    Gated DeltaNet and KDA: :class:`SpecDeltaLayer`); a clear error for an SSM layer no verify forward mirrors."""
+    out = []
+    for name, m in model.named_modules():
+        if is_mamba2_mixer(m) and (hasattr(m, "ssm_in_multiplier") or hasattr(m, "mup_vector")):
+            raise _unsupported(name, m, "Falcon-H1's input multiplier, muP vector and optional gated norm are not "
+                                        "in the Mamba-2 verify forward; ")
+        elif is_mamba2_mixer(m):
+            out.append((name, m, SpecMamba2Layer))
+        elif is_gated_deltanet(m) or is_kimi_delta_attention(m):
+            out.append((name, m, SpecDeltaLayer))
+        elif looks_like_ssm(m):
+            raise _unsupported(name, m)
+    return out
 
 
 _SUPPORTED = ("supported: the Mamba-2 mixers of NemotronH, Mamba2, Bamba, Zamba2 and GraniteMoeHybrid, Gated DeltaNet "

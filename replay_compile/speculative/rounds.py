@@ -1,5 +1,5 @@
 """Speculative rounds with fixed shapes and no host synchronisation, so that one round compiles into one graph (and,
-on CUDA with ``mode="reduce-overhead"``, one CUDA graph replay).
+on CUDA, replays as one CUDA graph the caller captures).
 
 A round proposes ``k`` drafts per row on the device (:class:`~.drafts.PromptLookup`), verifies ``[last token, d_1 ..
 d_k]`` in one forward of the model (SSM layers through their verify ops, :mod:`.mamba2_layer` / :mod:`.delta_layer`),
@@ -74,6 +74,16 @@ def _holds_tensors(value) -> bool:
         return True
     items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
     return any(isinstance(x, torch.Tensor) for x in items)
+
+
+def copy_scratch(attn: list, start: int, dest: torch.Tensor) -> None:
+    """Copy the ``T`` scratch positions ``[start, start + T)`` of every static attention layer in ``attn`` to each
+    row's positions ``dest`` [b, T] (a commit of the keys and values a forward wrote to the scratch)."""
+    b, T = dest.shape
+    for layer in attn:
+        for t in (layer.keys, layer.values):
+            src = t[:, :, start:start + T].clone()
+            t.scatter_(2, dest[:, None, :, None].expand(b, t.shape[1], T, t.shape[3]), src)
 
 
 def _write_at(layer, position: int) -> None:
@@ -198,10 +208,7 @@ class Rounds:
         for layer in self.layers:
             layer.commit(n)
             layer.slot_idx = None
-        for layer in self.attn:
-            for t in (layer.keys, layer.values):
-                idx = pos[:, None, :, None].expand(b, t.shape[1], T, t.shape[3])
-                t.scatter_(2, idx, t[:, :, self.M - T:].clone())
+        copy_scratch(self.attn, self.M - T, pos)
         keep = self.window_cols[None, :] < n[:, None]
         at = torch.where(keep, pos + 1, W - 1)                   # token columns: one past the fed positions
         self.tokens.scatter_(1, at, torch.where(keep, pred, -1))
