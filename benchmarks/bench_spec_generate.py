@@ -15,21 +15,20 @@ tokens. Per model and batch, in one process:
   of ``replay_compile.testing.copy_task`` until it continues a repeated phrase (retried once at a third of the
   learning rate if it has not learned), and the prompts become a ``--copy-phrase``-token phrase of ids <
   ``--copy-vocab`` repeated twice: prompt lookup then meets the repetitive text it is meant for;
-* ``oracle``: compiled speculative rounds drafting the output of an oracle run that drafted the lookup row's output
-  (every draft accepted: in bf16 the tokens depend on which positions a verify holds, through near-ties of the
-  argmax, so drafts are taken from the rounds' own output once they follow the oracle's acceptance pattern): the
-  upper bound a good draft source reaches;
+* ``oracle``: compiled speculative rounds drafting their own output (every draft accepted; found by re-drafting
+  each run's output until a run reproduces it, ``--oracle-iters``: in bf16 a token depends on the window position a
+  verify computes it at, through near-ties of the argmax): the upper bound a good draft source reaches;
 * ``snapshot``: the same oracle rounds with the per-draft snapshot baseline in place of the replay verify
   (``spec_baselines.snapshot_layers``: ``T + 1`` states per sequence, one read and ``T`` writes per round), compiled
   the same way: the speculative decoding an engine without replay runs;
 * ``draft``: compiled rounds with a ``DraftModel`` proposer (a random-weight Llama of ``--draft-model`` size over the
   target's vocabulary): its drafts are as good as chance, so the row is the cost of proposing with a draft model.
 
-Each speculative row times whole ``generate_speculative`` calls of ``N = --new`` and ``2N`` new tokens, each after
-a first call that compiled and captured its round: ``tok/s`` is the ``2N`` call's (prefill, capture and the final
-fold of the rings included), ``marginal`` the ``N`` tokens the longer call adds over the shorter one (what the
-rounds themselves deliver; ``decode``'s per-step median is the same kind of figure).
-Reports tokens/s, the ratio to ``decode``, tokens per round, and the share of tokens equal to the lookup row's
+Each speculative row times a ``generate_speculative`` call of ``--new`` tokens after a first call that compiled and
+captured its round. ``tok/s``: the steady state, tokens emitted by the replayed rounds over their time
+(``SpeculativeOutput.timing``; ``decode``'s per-step median is the same kind of figure), with ``ms/round``;
+``call tok/s``: the whole call (prefill, the compiled warm-up rounds, the capture and the final fold included),
+with ``prefill`` and ``warmup`` in seconds. Also tokens per round and the share of tokens equal to the lookup row's
 (exactness against ``generate`` is the tests' business, in fp32). CSV and a PNG of tokens/s against batch.
 """
 
@@ -85,6 +84,24 @@ def _train(name: str, args):
             torch.cuda.empty_cache()
 
 
+def _fixed_point(generate, seqs, iters: int):
+    """Sequences that a run drafting them reproduces exactly, so that every draft is accepted: in bf16 a token
+    depends on which window position a verify computes it at (near-ties of the argmax), so a run drafting another
+    run's output can reject a draft where the acceptance pattern differs. Re-drafting from each run's own output
+    moves every row's first disagreement forward; stops when nothing changes (or after ``iters`` runs)."""
+    from replay_compile.testing.drafts import known_continuation
+
+    for i in range(iters):
+        out = generate(known_continuation(seqs))
+        same = out.shape[1] <= seqs.shape[1] and torch.equal(out, seqs[:, :out.shape[1]])
+        seqs = out
+        if same:
+            print(f"# oracle drafts reproduced after {i + 1} runs", flush=True)
+            return seqs
+    print(f"# oracle drafts not a fixed point after {iters} runs: some rows reject some drafts", flush=True)
+    return seqs
+
+
 def _draft_model(spec: str, vocab: int, dtype, device):
     """A random-weight Llama of ``spec`` = "hidden,layers" over the target's vocabulary (its drafts are as good as
     chance: the row measures what proposing costs), or None."""
@@ -128,6 +145,8 @@ def main(argv=None):
     ap.add_argument("--draft-model", default="1024,4",
                     help="hidden size and layers of the random-weight Llama draft model (16 heads, 4 KV heads, the "
                          "target's vocabulary); empty: no draft-model row")
+    ap.add_argument("--oracle-iters", type=int, default=6,
+                    help="runs re-drafting their own output until every oracle draft is accepted")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-results"))
     args = ap.parse_args(argv)
     args.variants = args.variants.split(",")
@@ -140,8 +159,8 @@ def main(argv=None):
           f"{args.new} new tokens, {args.num_draft} drafts per round"
           + (f", models trained on the copy task (<= {args.train_copy} steps, phrases of {args.copy_phrase} over "
              f"{args.copy_vocab} ids)" if args.train_copy else ""))
-    print(f"{'model':18} {'bs':>3} {'variant':8} {'tok/s':>9} {'x decode':>8} {'marginal':>9} {'x decode':>8} "
-          f"{'tok/round':>9} {'agree':>6}")
+    print(f"{'model':18} {'bs':>3} {'variant':8} {'tok/s':>10} {'x decode':>8} {'ms/round':>8} {'tok/round':>9} "
+          f"{'call tok/s':>9} {'x decode':>8} {'prefill':>6} {'warmup':>6} {'agree':>6}")
     for name in args.models.split(","):
         trained = None
         if args.train_copy:
@@ -162,10 +181,12 @@ def main(argv=None):
                          copy_acc=trained["copy_acc"] if trained else float("nan"))
             step = bench.bench_one(model, bs, "replayssm-ro", args.new, 16, prompt_len=ids.shape[1])
             dec_tps = bs / (step["median_step_ms"] * 1e-3)
-            rows.append(dict(model=name, bs=bs, variant="decode", tok_s=dec_tps, x_decode=1.0, tok_s_marginal=dec_tps,
-                             x_decode_marginal=1.0, tok_round=1.0, agree=1.0, **extra))
-            print(f"{name:18} {bs:3d} {'decode':8} {dec_tps:9.1f} {1.0:7.2f}x {dec_tps:9.1f} {1.0:7.2f}x "
-                  f"{1.0:9.2f} {1.0:6.3f}", flush=True)
+            rows.append(dict(model=name, bs=bs, variant="decode", tok_s_rounds=dec_tps, x_decode=1.0,
+                             tok_s_call=float("nan"), x_decode_call=float("nan"), tok_round=1.0,
+                             ms_round=step["median_step_ms"], prefill_s=float("nan"), warmup_s=float("nan"),
+                             agree=1.0, **extra))
+            print(f"{name:18} {bs:3d} {'decode':8} {dec_tps:10.1f} {1.0:7.2f}x {step['median_step_ms']:8.2f} "
+                  f"{1.0:9.2f}", flush=True)
             ref = None                          # the lookup run's tokens at 2N: what the oracle rows draft
             for variant in ("lookup", "oracle", "snapshot", "draft"):
                 if variant != "lookup" and variant not in args.variants or variant == "draft" and drafter is None:
@@ -179,27 +200,29 @@ def main(argv=None):
                     return generate_rounds(model, ids, new, num_draft=args.num_draft, draft=draft, buffer_len=16,
                                            compiler=compiler, eos=[], layers_for=layers_for,
                                            cuda_graph=args.device == "cuda")
-                timed = {}
-                for new in (args.new, 2 * args.new):
-                    if variant == "lookup":
-                        draft = PromptLookup(ngram=3)
-                    elif variant == "draft":
-                        draft = DraftModel(drafter)
-                    else:              # the rounds' own tokens, re-drafted once from an oracle run's output
-                        draft = known_continuation(run(new, known_continuation(ref)).sequences)
-                    run(new, draft)                                       # compile, capture
-                    timed[new] = _timed(lambda: run(new, draft))
-                out, t = timed[2 * args.new]
+                if variant == "lookup":
+                    draft = PromptLookup(ngram=3)
+                elif variant == "draft":
+                    draft = DraftModel(drafter)
+                else:
+                    draft = known_continuation(_fixed_point(lambda d: run(args.new, d).sequences, ref,
+                                                            args.oracle_iters))
+                run(args.new, draft)                                      # compile, capture
+                out, t = _timed(lambda: run(args.new, draft))
                 if ref is None:
                     ref = out.sequences
                 agree = float((out.sequences == ref).float().mean())
-                tps = bs * 2 * args.new / t
-                tps_m = bs * args.new / max(t - timed[args.new][1], 1e-9)   # the N more tokens of the longer call
-                rows.append(dict(model=name, bs=bs, variant=variant, tok_s=tps, x_decode=tps / dec_tps,
-                                 tok_s_marginal=tps_m, x_decode_marginal=tps_m / dec_tps,
-                                 tok_round=out.tokens_per_round, agree=agree, **extra))
-                print(f"{name:18} {bs:3d} {variant:8} {tps:9.1f} {tps / dec_tps:7.2f}x {tps_m:9.1f} "
-                      f"{tps_m / dec_tps:7.2f}x {out.tokens_per_round:9.2f} {agree:6.3f}", flush=True)
+                tm = out.timing
+                tps = bs * args.new / t
+                tps_r = tm["replay_tokens"] / tm["replay"] if tm["replay"] > 0 else float("nan")
+                rows.append(dict(model=name, bs=bs, variant=variant, tok_s_rounds=tps_r, x_decode=tps_r / dec_tps,
+                                 tok_s_call=tps, x_decode_call=tps / dec_tps, tok_round=out.tokens_per_round,
+                                 ms_round=1e3 * tm["replay"] / max(tm["replay_rounds"], 1),
+                                 prefill_s=tm["prefill"], warmup_s=tm["warmup"], agree=agree, **extra))
+                print(f"{name:18} {bs:3d} {variant:8} {tps_r:10.1f} {tps_r / dec_tps:7.2f}x "
+                      f"{1e3 * tm['replay'] / max(tm['replay_rounds'], 1):8.2f} {out.tokens_per_round:9.2f} "
+                      f"{tps:9.1f} {tps / dec_tps:7.2f}x {tm['prefill']:6.3f} {tm['warmup']:6.3f} {agree:6.3f}",
+                      flush=True)
         model = None
         torch.cuda.empty_cache()
     with open(os.path.join(args.out, "spec_generate.csv"), "w", newline="") as f:
@@ -210,7 +233,7 @@ def main(argv=None):
 
 
 def _plot(rows, path):
-    """Marginal tokens/s against batch, one panel per model, one line per variant (needs matplotlib)."""
+    """Steady-state tokens/s against batch, one panel per model, one line per variant (needs matplotlib)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -222,7 +245,7 @@ def _plot(rows, path):
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
     for ax, name in zip(axes[0], models):
         for variant in dict.fromkeys(r["variant"] for r in rows if r["variant"] != "generate"):
-            pts = sorted((r["bs"], r["tok_s_marginal"]) for r in rows if r["model"] == name and r["variant"] == variant)
+            pts = sorted((r["bs"], r["tok_s_rounds"]) for r in rows if r["model"] == name and r["variant"] == variant)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=variant)
         ax.set(xscale="log", yscale="log", xlabel="batch", ylabel="tokens/s", title=name)
         ax.legend()

@@ -38,6 +38,10 @@ def test_replayed_rounds_match_generate(family):
                                buffer_len=8, compile=True)
     assert out.rounds > 4, out.accepted                                        # rounds ran from the graph
     assert torch.equal(out.sequences, ref.sequences), (family, out.accepted)
+    t = out.timing                                 # the replayed rounds are those after the warm-up ones
+    if t["replay_rounds"] or family != "kimi_linear":  # (transformers 5.17's MoE fallback copies from the host)
+        assert t["replay_rounds"] == out.rounds - 2 and t["replay"] > 0, t
+        assert t["replay_tokens"] == sum(map(sum, out.accepted[2:])), t
     for a, b in zip(_recurrent_states(out.cache) + _conv_states(out.cache),
                     _recurrent_states(output_cache(ref)) + _conv_states(output_cache(ref)), strict=True):
         assert rel_err(a, b) < 1e-4, family
@@ -92,3 +96,4 @@ def test_a_round_that_cannot_be_captured_runs_as_compiled_calls(caplog):
         out = generate_speculative(model, ids, NEW, num_draft=3, draft=host_copy, buffer_len=8, compile=True)
     assert torch.equal(out.sequences, ref.sequences)
     assert any("cannot be captured" in r.getMessage() for r in caplog.records)
+    assert out.timing["replay_rounds"] == 0 and out.timing["replay"] == 0.0

@@ -11,12 +11,14 @@ The checkpoint is read once for all ``T`` outputs::
 
     y_t = exp(Σ_{lo<=i<=w+t} la_i) (S C_t) + Σ_{lo<=k<=w+t} dt_k exp(Σ_{k<i<=w+t} la_i) (B_k·C_t) x_k
 
-with ``S = S_0, lo = 0`` on ordinary rows and, on flush rows, ``S`` = the checkpoint with the history folded in
-(record by record, the recurrence itself; written once when there is history) and ``lo = w``. Each output takes its own suffix sums
-over the masked window (no differences of prefix sums, every exponent <= 0), as the reference does.
+with ``S = S_0, lo = 0`` on ordinary rows and, on flush rows, ``S = exp(Σ_{i<w} la_i) S_0 + Σ_{k<w} dt_k
+exp(Σ_{k<i<w} la_i) x_k ⊗ B_k`` (the history folded in, written once when there is history) and ``lo = w``. Each
+output takes its own suffix sums over the masked window (no differences of prefix sums, every exponent <= 0), as
+the reference does.
 
-Two launches. Everything that does not touch the checkpoint (the window's decay coefficients and ``B_k·C_t``) is
-computed once per (row, head) by launch 1 into a small scratch (``T x BLOCK_W`` weights per head); launch 2 streams
+Two launches. Everything that does not touch the checkpoint (the window's decay coefficients, ``B_k·C_t`` and a
+flush row's fold coefficients) is computed once per (row, head) by launch 1 into a small scratch (``T x BLOCK_W``
+weights per head, all ``T`` tokens as one tile); launch 2 streams
 the checkpoint tile by tile, and its per-token work is what a plain decode step does (``S C_t`` and a short weighted
 sum of the window's ``x``). A first single-launch kernel that redid the window work in every tile program ran at
 12% of the copy bandwidth on the H200 (benchmarks/NOTES.md). The ``T`` new records go to ring slots
@@ -62,7 +64,7 @@ def _spec_apply_row(slot_ptr, w_ptr, row, T, out_tile, out_mask, HAS_SLOT: tl.co
 @triton.jit
 def _mamba2_spec_window_kernel(
     dtr_ptr, lar_ptr, Br_ptr, w_ptr, origin_ptr, flush_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr,
-    wgt_ptr, tot_ptr,
+    wgt_ptr, tot_ptr, fold_ptr, fdec_ptr,
     H, N, T, heads_per_g, heads_per_gc,
     s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl,   # dt_ring, la_ring [S, H, buf]
     s_brb, s_brg, s_brl, s_brn,                 # B_ring [S, G, buf, N]
@@ -74,7 +76,9 @@ def _mamba2_spec_window_kernel(
 ):
     """Launch 1 of 2, grid ``(batch, H // HEADS)``: everything that does not touch the checkpoint, for ``HEADS``
     consecutive heads that share their B and C groups (``B_k·C_t`` computed once for them). Writes
-    ``wgt[row, h, t, k] = coef_{t,k} (B_k·C_t)`` and ``tot[row, h, t] = Σ_{lo<=i<=w+t} la_i``."""
+    ``wgt[row, h, t, k] = coef_{t,k} (B_k·C_t)`` and ``tot[row, h, t] = Σ_{lo<=i<=w+t} la_i`` for all ``T``
+    tokens at once (``[BLOCK_T, BLOCK_W]`` tiles), and on flush rows the fold's per-record coefficients
+    ``fold[row, h, k] = dt_k exp(Σ_{k<i<w} la_i)`` (k < w) and ``fdec[row, h] = Σ_{i<w} la_i``."""
     row = tl.program_id(0).to(tl.int64)
     h0 = tl.program_id(1).to(tl.int64) * HEADS
     slot, w, overflow = _spec_row(slot_ptr, w_ptr, row, T, HAS_SLOT, BUF)
@@ -86,6 +90,7 @@ def _mamba2_spec_window_kernel(
     gc = h0 // heads_per_gc
     offs_n = tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
+    offs_t = tl.arange(0, BLOCK_T)
     offs_k = tl.arange(0, BLOCK_W)
     hist = offs_k < w
     new = (offs_k >= w) & (offs_k < w + T)
@@ -96,44 +101,47 @@ def _mamba2_spec_window_kernel(
     bn = tl.load(B_ptr + row * s_bb + t_k[:, None] * s_bt + g * s_bg + offs_n[None, :] * s_bn,
                  mask=new[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
     bw = tl.where(hist[:, None], bh, bn)                                                    # [BLOCK_W, BLOCK_N]
+    bc = tl.zeros([BLOCK_T, BLOCK_W], dtype=tl.float32)                                    # B_k·C_t
+    for t in tl.static_range(BLOCK_T):
+        c = tl.load(C_ptr + row * s_cb + t * s_ct + gc * s_cg + offs_n * s_cn, mask=mask_n & (offs_n * 0 + t < T),
+                    other=0.0).to(tl.float32)
+        bc = tl.where(offs_t[:, None] == t, tl.sum(bw * c[None, :], axis=1)[None, :], bc)
     lo = tl.where(fl, w, 0)
+    end = w + offs_t                               # token t's window ends at position w + t
+    live = (offs_k[None, :] >= lo) & (offs_k[None, :] <= end[:, None])                    # [BLOCK_T, BLOCK_W]
     nxt = offs_k + 1                               # window positions one ahead, for the suffix sums
+    live_n = (nxt[None, :] >= lo) & (nxt[None, :] <= end[:, None])
     hist_n = nxt < w
     new_n = (nxt >= w) & (nxt < w + T)
     ring_n = (o + nxt) & (BUF - 1)
     t_n = tl.where(new_n, nxt - w, 0)
-    for t in range(BLOCK_T):
-        if t < T:
-            c = tl.load(C_ptr + row * s_cb + t * s_ct + gc * s_cg + offs_n * s_cn, mask=mask_n,
-                        other=0.0).to(tl.float32)
-            bc = tl.sum(bw * c[None, :], axis=1)                                           # [BLOCK_W]
-            live = (offs_k >= lo) & (offs_k <= w + t)
-            for hh in range(HEADS):
-                h = h0 + hh
-                la_w = tl.where(hist, tl.load(lar_ptr + slot * s_lrb + h * s_lrh + ring_k * s_lrl, mask=hist,
-                                              other=0.0),
-                                tl.load(la_ptr + row * s_lb + t_k * s_lt + h * s_lh, mask=new, other=0.0))
-                dt_w = tl.where(hist, tl.load(dtr_ptr + slot * s_drb + h * s_drh + ring_k * s_drl, mask=hist,
-                                              other=0.0),
-                                tl.load(dt_ptr + row * s_db + t_k * s_dt + h * s_dh, mask=new, other=0.0))
-                la_t = tl.where(live, la_w.to(tl.float32), 0.0)
-                # Σ_{k<i<=w+t}: a reverse cumulative sum of the decays one position ahead, never a difference
-                # (mamba2_triton._suffix_after)
-                la_n = tl.where(hist_n, tl.load(lar_ptr + slot * s_lrb + h * s_lrh + ring_n * s_lrl, mask=hist_n,
-                                                other=0.0),
-                                tl.load(la_ptr + row * s_lb + t_n * s_lt + h * s_lh, mask=new_n, other=0.0))
-                after = tl.minimum(tl.cumsum(tl.where((nxt >= lo) & (nxt <= w + t), la_n.to(tl.float32), 0.0),
-                                             axis=0, reverse=True), 0.0)
-                coef = tl.where(live, dt_w.to(tl.float32) * tl.exp(after), 0.0)
-                base_idx = row * H + h
-                tl.store(wgt_ptr + (base_idx * BLOCK_T + t) * BLOCK_W + offs_k, coef * bc)
-                tl.store(tot_ptr + base_idx * BLOCK_T + t, tl.minimum(tl.sum(la_t, axis=0), 0.0))
+    for hh in tl.static_range(HEADS):
+        h = h0 + hh
+        la_w = tl.where(hist, tl.load(lar_ptr + slot * s_lrb + h * s_lrh + ring_k * s_lrl, mask=hist, other=0.0),
+                        tl.load(la_ptr + row * s_lb + t_k * s_lt + h * s_lh, mask=new, other=0.0)).to(tl.float32)
+        dt_w = tl.where(hist, tl.load(dtr_ptr + slot * s_drb + h * s_drh + ring_k * s_drl, mask=hist, other=0.0),
+                        tl.load(dt_ptr + row * s_db + t_k * s_dt + h * s_dh, mask=new, other=0.0)).to(tl.float32)
+        la_n = tl.where(hist_n, tl.load(lar_ptr + slot * s_lrb + h * s_lrh + ring_n * s_lrl, mask=hist_n,
+                                        other=0.0),
+                        tl.load(la_ptr + row * s_lb + t_n * s_lt + h * s_lh, mask=new_n, other=0.0)).to(tl.float32)
+        # Σ_{k<i<=w+t}: a reverse cumulative sum of the decays one position ahead, never a difference
+        # (mamba2_triton._suffix_after)
+        after = tl.minimum(tl.cumsum(tl.where(live_n, la_n[None, :], 0.0), axis=1, reverse=True), 0.0)
+        coef = tl.where(live, dt_w[None, :] * tl.exp(after), 0.0)
+        base_idx = row * H + h
+        tl.store(wgt_ptr + (base_idx * BLOCK_T + offs_t[:, None]) * BLOCK_W + offs_k[None, :], coef * bc)
+        tl.store(tot_ptr + base_idx * BLOCK_T + offs_t,
+                 tl.minimum(tl.sum(tl.where(live, la_w[None, :], 0.0), axis=1), 0.0))
+        if fl:                                     # the fold of the history, k < w: Σ_{k<i<w}
+            after_f = tl.minimum(tl.cumsum(tl.where(hist_n, la_n, 0.0), axis=0, reverse=True), 0.0)
+            tl.store(fold_ptr + base_idx * BLOCK_W + offs_k, tl.where(hist, dt_w * tl.exp(after_f), 0.0))
+            tl.store(fdec_ptr + base_idx, tl.minimum(tl.sum(tl.where(hist, la_w, 0.0), axis=0), 0.0))
 
 
 @triton.jit
 def _mamba2_spec_apply_kernel(
     state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, w_ptr, origin_ptr, flush_ptr,
-    x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr, y_ptr, wgt_ptr, tot_ptr,
+    x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr, y_ptr, wgt_ptr, tot_ptr, fold_ptr, fdec_ptr,
     H, P, N, T, heads_per_g, heads_per_gc,
     s_sb, s_sh, s_sp, s_sn,                 # state [S, H, P, N]
     s_xrb, s_xrh, s_xrl, s_xrp,             # x_ring [S, H, buf, P]
@@ -149,7 +157,7 @@ def _mamba2_spec_apply_kernel(
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Launch 2 of 2, grid ``(cdiv(P, BLOCK_P), batch, H)``: the checkpoint pass (read once; flush rows fold and
-    write it), the outputs and this verify's records."""
+    write it), the outputs and this verify's records. The tile and the new tokens' x are loaded before the cursor."""
     pid_p = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
@@ -157,59 +165,66 @@ def _mamba2_spec_apply_kernel(
     mask_p = offs_p < P
     offs_t = tl.arange(0, BLOCK_T)
     tt = offs_t < T
-    y_tile = y_ptr + row * s_yb + offs_t[:, None] * s_yt + h * s_yh + offs_p[None, :] * s_yp      # [BLOCK_T, BLOCK_P]
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    tile_mask = mask_p[:, None] & mask_n[None, :]
     y_mask = tt[:, None] & mask_p[None, :]
-    slot, w, done = _spec_apply_row(slot_ptr, w_ptr, row, T, y_tile, y_mask, HAS_SLOT, BUF, BLOCK_T, BLOCK_P)
-    if done:                                       # padding (zeros) or an overflowing window (NaN)
+    slot = _row_slot(slot_ptr, row, HAS_SLOT)
+    sl = tl.maximum(slot, 0)
+    live_p = offs_p * 0 + slot >= 0                # False on a padding row
+    # issued first: nothing here depends on the cursor (a padding row's masks fetch nothing)
+    st_ptrs = state_ptr + sl * s_sb + h * s_sh + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
+    base = tl.load(st_ptrs, mask=tile_mask & live_p[:, None], other=0.0).to(tl.float32)
+    x_new = tl.load(x_ptr + row * s_xb + offs_t[:, None] * s_xt + h * s_xh + offs_p[None, :] * s_xp,
+                    mask=y_mask & live_p[None, :], other=0.0)                                # [BLOCK_T, BLOCK_P]
+    w = tl.load(w_ptr + sl)
+    y_tile = y_ptr + row * s_yb + offs_t[:, None] * s_yt + h * s_yh + offs_p[None, :] * s_yp
+    if slot < 0:                                   # padding: zero outputs, nothing else
+        tl.store(y_tile, tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32), mask=y_mask)
+        return
+    if w + T > BUF:                                # a window the commit never allows: NaN, never a wrong output
+        tl.store(y_tile, tl.full([BLOCK_T, BLOCK_P], float("nan"), tl.float32), mask=y_mask)
         return
     o = tl.load(origin_ptr + slot)
     fl = tl.load(flush_ptr + slot).to(tl.int32) != 0
     g = h // heads_per_g
     gc = h // heads_per_gc
-    offs_n = tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    tile_mask = mask_p[:, None] & mask_n[None, :]
     offs_k = tl.arange(0, BLOCK_W)
     hist = offs_k < w
-    new = (offs_k >= w) & (offs_k < w + T)
     ring_k = (o + offs_k) & (BUF - 1)
-    t_k = tl.where(new, offs_k - w, 0)
     xh = tl.load(xr_ptr + slot * s_xrb + h * s_xrh + ring_k[:, None] * s_xrl + offs_p[None, :] * s_xrp,
-                 mask=hist[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
-    xn = tl.load(x_ptr + row * s_xb + t_k[:, None] * s_xt + h * s_xh + offs_p[None, :] * s_xp,
-                 mask=new[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
-    xw = tl.where(hist[:, None], xh, xn)                                                    # [BLOCK_W, BLOCK_P]
-    base_idx = (row * H + h)
-    st_ptrs = state_ptr + slot * s_sb + h * s_sh + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
-    base = tl.load(st_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
+                 mask=hist[:, None] & mask_p[None, :], other=0.0).to(tl.float32)       # [BLOCK_W, BLOCK_P]
+    base_idx = row * H + h
     if fl:
-        # fold the history into the checkpoint first, record by record (the recurrence itself; no tl.dot, whose
-        # shared memory would cost every program occupancy), written once
+        # the history folded into the checkpoint with launch 1's per-record coefficients, written once
+        # (no tl.dot: its shared memory costs every program occupancy; H200, Nano bs256: a flush 1159 -> 1415 µs,
+        # a non-flush verify 487 -> 599 µs)
+        base = tl.exp(tl.load(fdec_ptr + base_idx)) * base
         for k in range(BLOCK_W):
             if k < w:
                 rk = (o + k) & (BUF - 1)
-                la_k = tl.load(lar_ptr + slot * s_lrb + h * s_lrh + rk * s_lrl).to(tl.float32)
-                dt_k = tl.load(dtr_ptr + slot * s_drb + h * s_drh + rk * s_drl).to(tl.float32)
+                f_k = tl.load(fold_ptr + base_idx * BLOCK_W + k)
                 x_k = tl.load(xr_ptr + slot * s_xrb + h * s_xrh + rk * s_xrl + offs_p * s_xrp, mask=mask_p,
                               other=0.0).to(tl.float32)
                 b_k = tl.load(Br_ptr + slot * s_brb + g * s_brg + rk * s_brl + offs_n * s_brn, mask=mask_n,
                               other=0.0).to(tl.float32)
-                base = tl.exp(la_k) * base + (dt_k * x_k)[:, None] * b_k[None, :]
+                base += (f_k * x_k)[:, None] * b_k[None, :]
         if w > 0:
             tl.store(st_ptrs, base.to(state_ptr.dtype.element_ty), mask=tile_mask)
-    for t in range(BLOCK_T):
-        if t < T:
-            c = tl.load(C_ptr + row * s_cb + t * s_ct + gc * s_cg + offs_n * s_cn, mask=mask_n,
-                        other=0.0).to(tl.float32)
-            sc = tl.sum(base * c[None, :], axis=1)                                         # S C_t [BLOCK_P]
-            wt = tl.load(wgt_ptr + (base_idx * BLOCK_T + t) * BLOCK_W + offs_k)          # [BLOCK_W]
-            y = tl.exp(tl.load(tot_ptr + base_idx * BLOCK_T + t)) * sc + tl.sum(wt[:, None] * xw, axis=0)
-            tl.store(y_ptr + row * s_yb + t * s_yt + h * s_yh + offs_p * s_yp, y, mask=mask_p)
+    xn = x_new.to(tl.float32)
+    for t in tl.static_range(BLOCK_T):
+        c = tl.load(C_ptr + row * s_cb + t * s_ct + gc * s_cg + offs_n * s_cn, mask=mask_n & (offs_n * 0 + t < T),
+                    other=0.0).to(tl.float32)
+        sc = tl.sum(base * c[None, :], axis=1)                                             # S C_t [BLOCK_P]
+        wrow = wgt_ptr + (base_idx * BLOCK_T + t) * BLOCK_W
+        wh = tl.load(wrow + offs_k, mask=hist, other=0.0)                                  # held records
+        wn = tl.load(wrow + w + offs_t, mask=tt, other=0.0)                                # this verify's tokens
+        y = tl.exp(tl.load(tot_ptr + base_idx * BLOCK_T + t)) * sc + tl.sum(wh[:, None] * xh, axis=0) \
+            + tl.sum(wn[:, None] * xn, axis=0)
+        tl.store(y_ptr + row * s_yb + t * s_yt + h * s_yh + offs_p * s_yp, y, mask=mask_p & (offs_p * 0 + t < T))
 
     # this verify's records after the history (ring slots (origin + w + t) & (buf - 1))
     slot_t = (o + w + offs_t) & (BUF - 1)
-    x_new = tl.load(x_ptr + row * s_xb + offs_t[:, None] * s_xt + h * s_xh + offs_p[None, :] * s_xp,
-                    mask=y_mask, other=0.0)
     tl.store(xr_ptr + slot * s_xrb + h * s_xrh + slot_t[:, None] * s_xrl + offs_p[None, :] * s_xrp,
              x_new.to(xr_ptr.dtype.element_ty), mask=y_mask)
     if pid_p == 0:
@@ -247,6 +262,8 @@ def spec_verify_triton(state, x_ring, dt_ring, la_ring, B_ring, w, origin, is_fl
     # scratch of launch 1 (every entry a live row reads is written first)
     wgt = torch.empty((b, H, block_t, block_w), dtype=torch.float32, device=x.device)
     tot = torch.empty((b, H, block_t), dtype=torch.float32, device=x.device)
+    fold = torch.empty((b, H, block_w), dtype=torch.float32, device=x.device)
+    fdec = torch.empty((b, H), dtype=torch.float32, device=x.device)
     common = dict(HAS_SLOT=has_slot, BUF=buf, BLOCK_W=block_w, BLOCK_T=block_t, BLOCK_N=block_n)
     # heads per window program: they must share their B and C groups (1 always does). 4 from batch 64 up (H200,
     # Super bs256: 853.6 -> 790.8 us, 1.80x -> 1.95x over per-draft snapshots; smaller batches not measured, so they
@@ -255,18 +272,19 @@ def spec_verify_triton(state, x_ring, dt_ring, la_ring, B_ring, w, origin, is_fl
     if (H // G) % heads or (H // Gc) % heads:
         heads = 1
     launch(_mamba2_spec_window_kernel)[(b, H // heads)](
-        dt_ring, la_ring, B_ring, w, origin, is_flush, dt, la, B, C, slot_arg, wgt, tot,
+        dt_ring, la_ring, B_ring, w, origin, is_flush, dt, la, B, C, slot_arg, wgt, tot, fold, fdec,
         H, N, T, H // G, H // Gc, *dt_ring.stride(), *la_ring.stride(), *B_ring.stride(), *dt.stride(),
         *la.stride(), *B.stride(), *C.stride(), HEADS=heads,
-        # 1 warp from batch 64 up (H200 session 8, Super bs256: 784 -> 738 µs, 1.94x -> 2.05x; 2 warps 2.02x)
+        # 1 warp from batch 64 up (H200, Super bs256: 784 -> 738 µs, 1.94x -> 2.05x; 2 warps 2.02x)
         num_warps=TUNING.get("window_warps") or (1 if b >= 64 else 4), **common)
     launch(_mamba2_spec_apply_kernel)[(cdiv(P, block_p), b, H)](
         state, x_ring, dt_ring, la_ring, B_ring, w, origin, is_flush,
-        x, dt, la, B, C, slot_arg, y, wgt, tot,
+        x, dt, la, B, C, slot_arg, y, wgt, tot, fold, fdec,
         H, P, N, T, H // G, H // Gc,
         *state.stride(), *x_ring.stride(), *dt_ring.stride(), *la_ring.stride(), *B_ring.stride(),
         *x.stride(), *dt.stride(), *la.stride(), *B.stride(), *C.stride(), *y.stride(),
-        BLOCK_P=block_p, num_warps=TUNING.get("num_warps") or 1, **common)     # 1 warp: best on the H200 (NOTES.md)
+        # 1 warp, 16 x N tiles: best on the H200 (Nano bs256 non-flush: 487 µs; 32 x N on 2 warps 683)
+        BLOCK_P=block_p, num_warps=TUNING.get("num_warps") or 1, **common)
     return y
 
 

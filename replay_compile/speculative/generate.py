@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import time
 from typing import Callable
 
 import torch
@@ -44,6 +45,11 @@ class SpeculativeOutput:
     rounds: int                      # verify forwards
     accepted: list                   # per round, tokens emitted per row (1 .. num_draft + 1; 0: the row was done)
     attention_mask: torch.Tensor | None = None   # per_row: [b, cache positions], 1 where a row's token sits
+    # wall-clock seconds of the call's phases (device work included): "prefill", "warmup" (the compiled rounds run
+    # before one is captured, and the capture), "replay" (the captured rounds to the end), and "replay_rounds" /
+    # "replay_tokens" (rounds replayed, tokens they emitted over all rows): a serving loop's steady state is
+    # replay_tokens / replay
+    timing: dict = dataclasses.field(default_factory=dict)
 
     @property
     def tokens_per_round(self) -> float:
@@ -259,6 +265,9 @@ def generate_rounds(model, input_ids: torch.Tensor, max_new_tokens: int, *, num_
     b, prompt = input_ids.shape
     ck, _ = _step_kwargs(model)
     cache = StaticCache(config=model.config, max_cache_len=prompt + max_new_tokens + 2 * T)
+    sync = torch.cuda.synchronize if input_ids.is_cuda else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
     with torch.no_grad():
         out = model(input_ids, use_cache=True, cache_position=torch.arange(prompt, device=input_ids.device),
                     **{ck: cache})
@@ -270,6 +279,9 @@ def generate_rounds(model, input_ids: torch.Tensor, max_new_tokens: int, *, num_
             draft.start(input_ids, max_new_tokens, num_draft)
         step = rounds.step if compiler is None else compiler(rounds.step)
         graph = None
+        sync()
+        t1 = t2 = time.perf_counter()
+        warm = None                                  # rounds run before the first replay
         try:
             with _verify_forwards(layers):
                 done, bad, remaining = rounds.status.tolist()
@@ -280,11 +292,12 @@ def generate_rounds(model, input_ids: torch.Tensor, max_new_tokens: int, *, num_
                         if graph is not None:
                             graph.replay()
                         elif cuda_graph and ran >= _WARM_ROUNDS:
-                            graph = _capture(step, type(model).__name__)
+                            graph = _capture(step, type(model).__name__)     # synchronises
                             if graph is None:                 # not capturable: compiled calls from here on
                                 cuda_graph = False
                                 step()
                             else:
+                                t2, warm = time.perf_counter(), ran
                                 graph.replay()
                         else:
                             step()
@@ -299,9 +312,14 @@ def generate_rounds(model, input_ids: torch.Tensor, max_new_tokens: int, *, num_
             for layer in layers:                             # the cache holds the true state, also after an error
                 layer.finish()
             del graph
+    sync()
+    t3 = time.perf_counter()
     counts = rounds.accepted()
+    timing = dict(prefill=t1 - t0, warmup=t2 - t1 if warm is not None else t3 - t1,
+                  replay=t3 - t2 if warm is not None else 0.0, replay_rounds=len(counts) - warm if warm is not None else 0,
+                  replay_tokens=sum(map(sum, counts[warm:])) if warm is not None else 0)
     return SpeculativeOutput(sequences=rounds.sequences(pad), cache=cache, rounds=len(counts), accepted=counts,
-                             attention_mask=rounds.attention_mask())
+                             attention_mask=rounds.attention_mask(), timing=timing)
 
 
 # rounds run through the compiled step before one is captured: the first compiles, the second runs what compiling
