@@ -21,7 +21,8 @@ from torch._dynamo.utils import counters
 from .._logging import log, timed_phase
 from ..config import ReplayConfig
 from ..errors import ReplayCompileError
-from . import broadcast, delta, graph_utils, mamba2, mamba2_kernel_call as kernel_call, rewrite, state_writes, validate
+from . import (broadcast, canonical, delta, graph_utils, mamba2, mamba2_kernel_call as kernel_call, rewrite,
+               state_writes, validate)
 from .delta import DeltaMatcher
 from .mamba2 import Mamba2Matcher, NoMatch
 
@@ -100,7 +101,7 @@ class ReplaySSMPass:
     def uuid(self) -> str:
         """Changes whenever the pass's code or config does (for FX graph caches)."""
         h = hashlib.sha256(repr(self.config).encode())
-        for mod in (broadcast, delta, graph_utils, mamba2, kernel_call, rewrite, state_writes, validate):
+        for mod in (broadcast, canonical, delta, graph_utils, mamba2, kernel_call, rewrite, state_writes, validate):
             h.update(inspect.getsource(mod).encode())
         return h.hexdigest()
 
@@ -111,13 +112,18 @@ class ReplaySSMPass:
         families = set(self.config.families)
         if not self.config.enabled or not families & {"mamba2", "gdn", "kda"}:
             return res
-        if not Mamba2Matcher.anchors(gm) and not ("mamba2" in families and kernel_call.anchors(gm)):
+        if not (Mamba2Matcher.anchors(gm) or self._computed_writes(gm)
+                or ("mamba2" in families and kernel_call.anchors(gm))):
             return res
         gm = copy_graph_module(gm)
         forwarded, refused = state_writes.forward_clone_writebacks(gm.graph)
         if forwarded:
-            gm.recompile()
             log.debug("replay_compile: updates of cloned states moved onto %s", ", ".join(forwarded))
+        spelt = canonical.canonicalize(gm.graph)
+        if spelt:
+            log.debug("replay_compile: %s", "; ".join(spelt))
+        if forwarded or spelt:
+            gm.recompile()
         m2, dm = Mamba2Matcher(gm), DeltaMatcher(gm)
         matches = []
         for cp in Mamba2Matcher.anchors(gm):
@@ -132,6 +138,7 @@ class ReplaySSMPass:
             except NoMatch as e:
                 why = None if cp in refused else state_writes.not_a_recurrence(cp)
                 self._skip(res, layer, why or str(e), quiet=why is not None)
+        self._report_other_writes(res, gm, {cp.args[0] for cp in Mamba2Matcher.anchors(gm)})
         refused_clones = {wb.args[1] for wb in refused}
         for call in kernel_call.anchors(gm) if "mamba2" in families else ():   # mamba_ssm's kernel, launched
             if refused_clones & set(call.all_input_nodes):
@@ -196,6 +203,29 @@ class ReplaySSMPass:
                 if err is None or "state itself" in str(err) or "dim -2" in str(err):
                     err = e
         raise err
+
+    @staticmethod
+    def _computed_writes(gm: fx.GraphModule) -> dict:
+        """State-shaped graph inputs written in place other than by ``copy_`` (an in-place op the canonical form
+        did not absorb, a write through a view) and not only by moving or indexing values (a KV cache) nor by a
+        kernel launch (which has its own anchor): input -> its writes."""
+        out = {}
+        for s in canonical.state_inputs(gm.graph):
+            ws = [w for w in graph_utils.writers(s) if not state_writes.is_launch(w)]
+            if ws and not all(graph_utils.op_name(w) in state_writes.DATA_MOVES for w in ws):
+                out[s] = ws
+        return out
+
+    def _report_other_writes(self, res: PassResult, gm: fx.GraphModule, anchored: set) -> None:
+        """Every computed write of a state that no anchor covers is reported (and raises under ``strict``)."""
+        for s, ws in self._computed_writes(gm).items():
+            if s in anchored:
+                continue
+            names = ", ".join(f"`{w.name}` ({graph_utils.op_name(w)})" for w in ws[:4])
+            self._skip(res, graph_utils.module_path(ws[0], default=f"state input `{s.name}`"),
+                       f"written in place by {names}, which the pass does not read as a state update (it reads "
+                       f"`S.copy_(decay * S + update)`, and chains of mul_ / add_ / sub_ / div_ / addcmul_ on S "
+                       f"itself)")
 
     def _skip(self, res: PassResult, layer: str, reason: str, quiet: bool = False) -> None:
         sk = Skip(layer, reason, quiet)

@@ -39,7 +39,7 @@ def _refusal(wb: fx.Node, clone: fx.Node, writes: list[fx.Node], order: dict) ->
     first, at_wb = min(order[w] for w in writes), order[wb]
     if any(order[w] > at_wb for w in writes):
         return f"`{clone.name}` is written again after it is copied back into the state"
-    other = [w for w in writes if not (op_name(w) == "copy_" and w.args[0] is clone) and not _is_launch(w)]
+    other = [w for w in writes if not (op_name(w) == "copy_" and w.args[0] is clone) and not is_launch(w)]
     if other:
         names = ", ".join(f"`{w.name}` ({op_name(w)})" for w in other)
         return (f"`{clone.name}` is updated in place by {names}; only a copy_ of the new value into it or a kernel "
@@ -61,7 +61,7 @@ def _refusal(wb: fx.Node, clone: fx.Node, writes: list[fx.Node], order: dict) ->
     return None
 
 
-def _is_launch(n: fx.Node) -> bool:
+def is_launch(n: fx.Node) -> bool:
     return n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator)
 
 
@@ -104,7 +104,7 @@ _SHAPE_OF_FIRST = METADATA | {"zeros_like", "empty_like", "ones_like", "full_lik
                               "new_zeros", "new_ones", "new_empty", "new_full"}
 _SCANS = {"cumsum", "cumprod", "logcumsumexp", "cummax", "cummin"}
 # ops that move or select values without computing new ones
-_DATA_MOVES = ALIASING | {"clone", "cat", "concat", "concatenate", "stack", "roll", "flip", "index_select",
+DATA_MOVES = ALIASING | {"clone", "cat", "concat", "concatenate", "stack", "roll", "flip", "index_select",
                           "gather", "take_along_dim", "pad", "constant_pad_nd", "setitem", "copy_", "index_copy_",
                           "index_copy", "index_put_", "index_put", "scatter", "scatter_", "masked_fill",
                           "masked_fill_", "where"} | _SHAPE_OF_FIRST
@@ -143,7 +143,7 @@ def not_a_recurrence(cp: fx.Node) -> str | None:
     from_state = _computed_from(state, inputs)
     if not from_state and value.op != "placeholder":
         return "the value written does not depend on the state (a reset or an initialisation)"
-    if from_state and all(op_name(x) in _DATA_MOVES for x in from_state):
+    if from_state and all(op_name(x) in DATA_MOVES for x in from_state):
         return "the value written is the state moved or indexed, not updated (a KV or convolution window)"
     return None
 
