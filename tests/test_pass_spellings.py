@@ -573,3 +573,57 @@ def test_a_state_write_the_pass_cannot_read_is_reported_and_strict_raises():
     cmod = torch.compile(InPlaceThroughAView(), backend="replayssm", options={"strict": True, "lower": "eager"})
     with pytest.raises(Exception, match="strict.*written in place"):
         cmod(torch.randn(b, H, P, N), *make_inputs(0))
+
+
+class SlotPool(_Parts):
+    """A serving engine's state pool: rows gathered by slot, updated, scattered back."""
+
+    def __init__(self, scatter):
+        super().__init__()
+        self.scatter = scatter
+
+    def forward(self, pool, x, dt, B, C):
+        d, dA, Bh, Ch = self.parts(dt, B, C)
+        slot = torch.arange(b - 1, -1, -1)
+        new = pool[slot] * dA + d[..., None, None] * x[..., None] * Bh[:, :, None, :]
+        if self.scatter == "setitem":
+            pool[slot] = new
+        else:
+            pool.index_copy_(0, slot, new)
+        return torch.einsum("bhpn,bhn->bhp", new, Ch)
+
+
+@pytest.mark.parametrize("scatter", ["setitem", "index_copy_"])
+def test_a_slot_pool_update_is_reported_not_rewritten_and_strict_raises(scatter):
+    rep = only_report(run_both(SlotPool(scatter)))
+    assert not rep.rewrites and len(rep.skipped) == 1, rep.skipped
+    assert "state pool indexed by slot" in rep.skipped[0].reason, rep.skipped
+    cmod = torch.compile(SlotPool(scatter), backend="replayssm", options={"strict": True, "lower": "eager"})
+    with pytest.raises(Exception, match="strict.*slot"):
+        cmod(torch.randn(b, H, P, N), *make_inputs(0))
+
+
+def test_a_cache_filled_at_positions_is_not_reported():
+    """Values moved into a 4-D cache at indexed positions (a KV cache) are not a state update: no report."""
+    def f(k_cache, k, pos):
+        k_cache.index_copy_(2, pos, k)
+        return k_cache.sum()
+
+    replay_compile.clear_reports()
+    torch.compile(f, backend="replayssm")(torch.zeros(2, 3, 8, 4), torch.randn(2, 3, 1, 4), torch.tensor([5]))
+    rep = only_report(replay_compile.reports())
+    assert not rep.rewrites and not rep.skipped
+
+
+def test_a_cache_shifted_by_setitem_is_not_reported():
+    """A window shifted in place (``cache[:, :, :-1] = cache[:, :, 1:].clone()``) moves the state's values: no
+    report, and nothing raised under strict."""
+    def f(cache, k):
+        cache[:, :, :-1] = cache[:, :, 1:].clone()
+        cache[:, :, -1:] = k
+        return cache.sum()
+
+    replay_compile.clear_reports()
+    torch.compile(f, backend="replayssm", options={"strict": True})(torch.zeros(2, 3, 8, 4), torch.randn(2, 3, 1, 4))
+    rep = only_report(replay_compile.reports())
+    assert not rep.rewrites and not rep.skipped

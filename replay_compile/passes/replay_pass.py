@@ -27,6 +27,20 @@ from .delta import DeltaMatcher
 from .mamba2 import Mamba2Matcher, NoMatch
 
 
+def _written_values(w: fx.Node) -> list:
+    """The operands whose values the in-place write ``w`` stores (all but the destination and the indices)."""
+    name = graph_utils.op_name(w)
+    if name == "setitem" and len(w.args) == 3:
+        return [w.args[2]]
+    if name in ("index_copy_", "index_copy") and len(w.args) == 4:
+        return [w.args[3]]
+    if name in ("index_put_", "index_put") and len(w.args) >= 3:
+        return [w.args[2]]
+    if name in ("scatter_", "scatter"):
+        return [a for a in w.args[3:]] + [v for k, v in w.kwargs.items() if k in ("src", "value")]
+    return [a for a in w.args[1:]] + list(w.kwargs.values())
+
+
 @dataclasses.dataclass(frozen=True)
 class Rewrite:
     layer: str
@@ -206,13 +220,16 @@ class ReplaySSMPass:
 
     @staticmethod
     def _computed_writes(gm: fx.GraphModule) -> dict:
-        """State-shaped graph inputs written in place other than by ``copy_`` (an in-place op the canonical form
-        did not absorb, a write through a view) and not only by moving or indexing values (a KV cache) nor by a
-        kernel launch (which has its own anchor): input -> its writes."""
+        """State-shaped graph inputs written in place other than by a ``copy_`` of the whole state, with a value
+        computed from the state itself: an in-place op the canonical form did not absorb, a write through a view, a
+        pool written at indexed rows (``pool[slot] = f(pool[slot])``, ``index_copy_``). Writes that only move or
+        index other values (a KV cache filled at its positions) and kernel launches (their own anchor) are not
+        among them. Returns input -> its writes."""
         out = {}
         for s in canonical.state_inputs(gm.graph):
             ws = [w for w in graph_utils.writers(s) if not state_writes.is_launch(w)]
-            if ws and not all(graph_utils.op_name(w) in state_writes.DATA_MOVES for w in ws):
+            if any(graph_utils.op_name(w) not in state_writes.DATA_MOVES
+                   or any(state_writes.computes_from(s, v) for v in _written_values(w)) for w in ws):
                 out[s] = ws
         return out
 
@@ -222,10 +239,13 @@ class ReplaySSMPass:
             if s in anchored:
                 continue
             names = ", ".join(f"`{w.name}` ({graph_utils.op_name(w)})" for w in ws[:4])
+            indexed = any(graph_utils.op_name(w) in ("setitem", "index_copy_", "index_put_", "scatter_")
+                          for w in ws)
             self._skip(res, graph_utils.module_path(ws[0], default=f"state input `{s.name}`"),
-                       f"written in place by {names}, which the pass does not read as a state update (it reads "
-                       f"`S.copy_(decay * S + update)`, and chains of mul_ / add_ / sub_ / div_ / addcmul_ on S "
-                       f"itself)")
+                       f"written in place by {names}"
+                       + (", rows chosen by an index (a state pool indexed by slot): not rewritten yet" if indexed
+                          else ", which the pass does not read as a state update (it reads `S.copy_(decay * S + "
+                               "update)`, and chains of mul_ / add_ / sub_ / div_ / addcmul_ on S itself)"))
 
     def _skip(self, res: PassResult, layer: str, reason: str, quiet: bool = False) -> None:
         sk = Skip(layer, reason, quiet)

@@ -127,10 +127,21 @@ def not_a_recurrence(cp: fx.Node) -> str | None:
     movement alone (a KV cache or convolution window shifted, concatenated or indexed); ``v`` comes out of a scan
     over a sequence axis (``cumsum`` and kin: a prefill or chunked scan, which writes the state once per forward).
     """
-    state, value = cp.args[0], cp.args[1]
+    return why_not_a_step(cp.args[0], cp.args[1])
+
+
+def computes_from(state: fx.Node, value) -> bool:
+    """Whether the value ``value`` written into ``state`` (or into rows of it) is computed from the state by more
+    than moving its values around: a step of a recurrence, as opposed to a cache filled or shifted."""
     if not isinstance(value, fx.Node):
-        return "the state is filled with a constant (a reset)"
-    inputs: dict[fx.Node, list] = {}            # the value's ancestors (not through the state), their inputs
+        return False
+    from_state = _computed_from(state, _ancestors(state, value))
+    return bool(from_state) and not all(op_name(x) in DATA_MOVES for x in from_state)
+
+
+def _ancestors(state: fx.Node, value: fx.Node) -> dict[fx.Node, list]:
+    """``value``'s ancestors (not through ``state``) and their value inputs."""
+    inputs: dict[fx.Node, list] = {}
     todo = [value]
     while todo:
         x = todo.pop()
@@ -138,6 +149,14 @@ def not_a_recurrence(cp: fx.Node) -> str | None:
             continue
         inputs[x] = _value_inputs(x)
         todo.extend(inputs[x])
+    return inputs
+
+
+def why_not_a_step(state: fx.Node, value) -> str | None:
+    """:func:`not_a_recurrence` for the value ``value`` written into ``state``."""
+    if not isinstance(value, fx.Node):
+        return "the state is filled with a constant (a reset)"
+    inputs = _ancestors(state, value)
     if any(op_name(x) in _SCANS for x in inputs):
         return "the value written comes out of a scan over several tokens (a prefill or chunked scan)"
     from_state = _computed_from(state, inputs)
