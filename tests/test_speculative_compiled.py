@@ -31,7 +31,7 @@ NEW = 24
 _EVERY_VERSION = ("nemotron_h", "qwen3_5", "kimi_linear")
 FAMILIES = [pytest.param(f, marks=[pytest.mark.hf] if f in _EVERY_VERSION else [])
             for f in ("nemotron_h", "bamba", "mamba2", "zamba2", "granitemoehybrid", "qwen3_next", "qwen3_5",
-                      "qwen3_5_moe", "kimi_linear")]
+                      "qwen3_5_moe", "kimi_linear", "olmo_hybrid")]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

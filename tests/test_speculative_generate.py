@@ -35,7 +35,7 @@ NEW = 40
 
 
 @pytest.fixture(scope="module", params=["nemotron_h", "bamba", "mamba2", "zamba2", "granitemoehybrid",
-                                        "qwen3_next", "qwen3_5", "qwen3_5_moe", "kimi_linear"])
+                                        "qwen3_next", "qwen3_5", "qwen3_5_moe", "kimi_linear", "olmo_hybrid"])
 def reference(request):
     model = build_for_speculation(request.param)
     ids = make_inputs(model, batch=2, prompt_len=6, seed=1)

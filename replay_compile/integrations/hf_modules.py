@@ -37,18 +37,21 @@ def output_cache(out):
 
 
 _DELTA_ATTRS = ("conv1d", "layer_idx", "activation", "conv_kernel_size")
-_GDN_ATTRS = _DELTA_ATTRS + ("A_log", "dt_bias", "norm", "out_proj", "num_v_heads", "num_k_heads", "head_k_dim",
-                             "head_v_dim", "key_dim", "value_dim")
+_GDN_ATTRS = _DELTA_ATTRS + ("A_log", "dt_bias", "num_v_heads", "num_k_heads", "head_k_dim", "head_v_dim", "key_dim",
+                             "value_dim")
+# the projections of each GDN layout transformers has
+_GDN_LAYOUTS = (("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "norm", "out_proj"),          # Qwen3.5
+                ("in_proj_qkvz", "in_proj_ba", "fix_query_key_value_ordering", "norm", "out_proj"),  # Qwen3-Next
+                ("q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj", "o_norm", "o_proj"))     # OLMo-Hybrid
 _KDA_ATTRS = _DELTA_ATTRS + ("q_proj", "k_proj", "v_proj", "forget_gate", "b_proj", "g_a_proj", "g_b_proj", "o_norm",
                              "o_proj", "num_heads", "head_dim", "qkv_dim")
 
 
 def is_gated_deltanet(m: torch.nn.Module) -> bool:
     """An HF Gated DeltaNet layer: Qwen3.5 / Qwen3.5-MoE (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
-    ``in_proj_a``) or Qwen3-Next (``in_proj_qkvz``, ``in_proj_ba`` grouped per key head)."""
-    return all(hasattr(m, a) for a in _GDN_ATTRS) and (
-        all(hasattr(m, a) for a in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
-        or all(hasattr(m, a) for a in ("in_proj_qkvz", "in_proj_ba", "fix_query_key_value_ordering")))
+    ``in_proj_a``), Qwen3-Next (``in_proj_qkvz``, ``in_proj_ba`` grouped per key head) or OLMo-Hybrid (``q_proj``,
+    ``k_proj``, ``v_proj``, ``a_proj``, ``b_proj``, the output gate ``g_proj``)."""
+    return all(hasattr(m, a) for a in _GDN_ATTRS) and any(all(hasattr(m, a) for a in lay) for lay in _GDN_LAYOUTS)
 
 
 def is_kimi_delta_attention(m: torch.nn.Module) -> bool:

@@ -39,7 +39,8 @@ class SpecDeltaLayer(SpecLayer):
     """Spec rings, cursors and the pending conv inputs of one delta-rule layer.
 
     Args:
-        mixer: an HF Gated DeltaNet (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) or Kimi Delta Attention (Kimi-Linear) module.
+        mixer: an HF Gated DeltaNet (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo-Hybrid) or Kimi Delta Attention
+            (Kimi-Linear) module.
         cache: the HF cache after prefill (this layer's recurrent state [S, HV, K, V] and conv state
             [S, conv_dim, conv_kernel]).
         B: history budget; T: max tokens per verify.
@@ -93,6 +94,10 @@ class SpecDeltaLayer(SpecLayer):
         if hasattr(m, "in_proj_qkvz"):                      # Qwen3-Next: q k v z / b a grouped per key head
             q, k, v, z, beta_in, a = m.fix_query_key_value_ordering(m.in_proj_qkvz(h), m.in_proj_ba(h))
             mixed = torch.cat([x.reshape(b, T, -1) for x in (q, k, v)], dim=-1).transpose(1, 2)
+        elif hasattr(m, "g_proj"):                          # OLMo-Hybrid: separate projections, output gate g_proj
+            mixed = torch.cat([m.q_proj(h), m.k_proj(h), m.v_proj(h)], dim=-1).transpose(1, 2)
+            z = m.g_proj(h)
+            beta_in, a = m.b_proj(h), m.a_proj(h)
         else:                                               # Qwen3.5 (dense and MoE)
             mixed = m.in_proj_qkv(h).transpose(1, 2)
             z = m.in_proj_z(h).reshape(b, T, -1, m.head_v_dim)
@@ -103,13 +108,16 @@ class SpecDeltaLayer(SpecLayer):
         q, k = (x.reshape(b, T, -1, m.head_k_dim).float() for x in (q, k))
         v = v.reshape(b, T, -1, m.head_v_dim).float()
         beta = beta_in.sigmoid()
+        if getattr(m, "allow_neg_eigval", False):           # OLMo-Hybrid: beta in (0, 2)
+            beta = beta * 2.0
         g = -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias)
         # torch_recurrent_gated_delta_rule: l2norm in fp32 (x * rsqrt(Σx² + eps)), then q / sqrt(K)
         q, k = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
         q = q / (q.shape[-1] ** 0.5)
         o = self._verify(q, k, v, g, beta).to(dtype)                               # [b, T, HV, V]
-        o = m.norm(o.reshape(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim))
-        return m.out_proj(o.reshape(b, T, -1))
+        norm, out = (m.o_norm, m.o_proj) if hasattr(m, "g_proj") else (m.norm, m.out_proj)
+        o = norm(o.reshape(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim))
+        return out(o.reshape(b, T, -1))
 
     def _kda(self, h: torch.Tensor) -> torch.Tensor:
         m = self.mixer

@@ -367,7 +367,8 @@ def slow_gdn_gates(model, seed: int = 0) -> None:
         m.A_log.copy_(torch.log(u(0.5, 2.0)))
         dt = u(0.05, 0.4)
         m.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))                      # softplus^-1
-        w = m.in_proj_a.weight if hasattr(m, "in_proj_a") else m.in_proj_ba.weight.view(Hk, 2, HV // Hk, -1)[:, 1]
+        w = (m.in_proj_a.weight if hasattr(m, "in_proj_a") else m.a_proj.weight if hasattr(m, "a_proj")
+             else m.in_proj_ba.weight.view(Hk, 2, HV // Hk, -1)[:, 1])
         w *= 0.5 / (w.std() * math.sqrt(w.shape[-1]) + 1e-6)
 
 
