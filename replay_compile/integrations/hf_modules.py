@@ -43,8 +43,9 @@ _GDN_ATTRS = _DELTA_ATTRS + ("A_log", "dt_bias", "num_v_heads", "num_k_heads", "
 _GDN_LAYOUTS = (("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "norm", "out_proj"),          # Qwen3.5
                 ("in_proj_qkvz", "in_proj_ba", "fix_query_key_value_ordering", "norm", "out_proj"),  # Qwen3-Next
                 ("q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj", "o_norm", "o_proj"))     # OLMo-Hybrid
-_KDA_ATTRS = _DELTA_ATTRS + ("q_proj", "k_proj", "v_proj", "forget_gate", "b_proj", "g_a_proj", "g_b_proj", "o_norm",
-                             "o_proj", "num_heads", "head_dim", "qkv_dim")
+_KDA_ATTRS = _DELTA_ATTRS + ("q_proj", "k_proj", "v_proj", "forget_gate", "b_proj", "o_norm", "o_proj", "num_heads",
+                             "head_dim", "qkv_dim")
+_KDA_OUTPUT_GATES = (("g_a_proj", "g_b_proj"), ("g_proj",))          # Kimi-Linear (low rank), Ling-3.0-Flash
 
 
 def is_gated_deltanet(m: torch.nn.Module) -> bool:
@@ -55,8 +56,9 @@ def is_gated_deltanet(m: torch.nn.Module) -> bool:
 
 
 def is_kimi_delta_attention(m: torch.nn.Module) -> bool:
-    """An HF Kimi Delta Attention layer (Kimi-Linear: per-key-channel forget gate)."""
-    return all(hasattr(m, a) for a in _KDA_ATTRS)
+    """An HF Kimi Delta Attention layer (per-key-channel forget gate): Kimi-Linear (low-rank output gate
+    ``g_b_proj(g_a_proj(h))``) or Ling-3.0-Flash (``BailingHybridDeltaAttention``, output gate ``g_proj``)."""
+    return all(hasattr(m, a) for a in _KDA_ATTRS) and any(all(hasattr(m, a) for a in g) for g in _KDA_OUTPUT_GATES)
 
 
 def looks_like_ssm(m: torch.nn.Module) -> bool:

@@ -40,7 +40,7 @@ class SpecDeltaLayer(SpecLayer):
 
     Args:
         mixer: an HF Gated DeltaNet (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo-Hybrid) or Kimi Delta Attention
-            (Kimi-Linear) module.
+            (Kimi-Linear, Ling-3.0-Flash) module.
         cache: the HF cache after prefill (this layer's recurrent state [S, HV, K, V] and conv state
             [S, conv_dim, conv_kernel]).
         B: history budget; T: max tokens per verify.
@@ -133,7 +133,7 @@ class SpecDeltaLayer(SpecLayer):
         q, k = (x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
         q = q * (1 / (q.shape[-1] ** 0.5))
         o = self._verify(q, k, v, g, beta).to(dtype)
-        gate = m.g_b_proj(m.g_a_proj(h)).view(shape)
+        gate = (m.g_proj(h) if hasattr(m, "g_proj") else m.g_b_proj(m.g_a_proj(h))).view(shape)
         return m.o_proj(m.o_norm(o, gate).reshape(b, T, -1))
 
     @property

@@ -97,7 +97,7 @@ def spec_mixers(model) -> list[tuple[str, torch.nn.Module, type]]:
 
 
 _SUPPORTED = ("supported: the Mamba-2 mixers of NemotronH, Mamba2, Bamba, Zamba2 and GraniteMoeHybrid, Gated DeltaNet "
-              "(Qwen3.5, Qwen3-Next, OLMo-Hybrid), Kimi Delta Attention")
+              "(Qwen3.5, Qwen3-Next, OLMo-Hybrid), Kimi Delta Attention (Kimi-Linear, Ling-3.0-Flash)")
 
 
 def _unsupported(name: str, m: torch.nn.Module, why: str = "") -> ReplayCompileError:
