@@ -285,6 +285,28 @@ class UpdateReadsTheState(torch.nn.Module):
         return torch.einsum("bhpn,bhn->bhp", new, C.repeat_interleave(2, 1))
 
 
+class StabilisedDecay(torch.nn.Module):
+    """xLSTM's mLSTM in Mamba-2's layout: the decay is taken relative to a running max ``m``, itself a state this
+    step writes; a replay window cannot recompute it from its records."""
+
+    def forward(self, state, x, dt, B, C, m):
+        f = F.logsigmoid(dt)[..., None, None]                                 # [b, H, 1, 1]
+        m_new = torch.maximum(f + m, torch.zeros_like(m))
+        new = state * torch.exp(f + m - m_new) + x[..., None] * B.repeat_interleave(2, 1)[:, :, None]
+        state.copy_(new)
+        m.copy_(m_new)
+        return torch.einsum("bhpn,bhn->bhp", new, C.repeat_interleave(2, 1))
+
+
+def test_a_decay_relative_to_another_written_state_stays_unchanged_and_says_why():
+    replay_compile.clear_reports()
+    cmod = torch.compile(StabilisedDecay(), backend="replayssm", options={"buffer_len": L, "lower": "eager"})
+    with torch.no_grad():
+        cmod(torch.randn(b, H, P, N), *make_inputs(0), torch.zeros(b, H, 1, 1))
+    rep = only_report(replay_compile.reports())
+    assert not rep.rewrites and "another recurrent state this step writes" in rep.skipped[0].reason, rep.skipped
+
+
 @pytest.mark.parametrize("case, reason", [
     (UpdateReadsTheState, "does not contract the state's K dim with q"),
     (PerChannelDecay, "not provably constant along P"),

@@ -145,6 +145,7 @@ class DeltaMatcher(Mamba2Matcher):
         if len(terms) != 2:
             raise NoMatch(f"new state is a sum of {len(terms)} terms, expected decayed state + update")
         gate, upd, s1 = self._split_terms(terms, state)
+        self._check_reads_no_other_state(state, gate, upd)
         g_src, g_fn, g_rep = self._decay(gate)
         if g_rep[V_] != FULL:
             raise NoMatch("gate is not provably constant along V")

@@ -32,6 +32,24 @@ from .graph_utils import (CAST_LIKE, depends_on, dtype, flatten, is_static_int, 
                           real_users, shape, strip, writers)
 
 FAMILY = "mamba2"
+# ops that mix values across positions or channels: a path through one is not an elementwise dependence
+_MIXING = {"linear", "matmul", "bmm", "mm", "einsum", "addmm", "baddbmm", "conv1d", "conv2d", "sum", "mean",
+           "softmax", "layer_norm", "rms_norm", "group_norm", "cumsum"}
+
+
+def _reads_elementwise(n, target: fx.Node) -> bool:
+    """Whether ``n`` is computed from ``target`` through elementwise ops, views and casts only."""
+    seen, todo = set(), [n] if isinstance(n, fx.Node) else []
+    while todo:
+        x = todo.pop()
+        if x is target:
+            return True
+        if x in seen or op_name(x) in _MIXING or (x.op == "call_function" and
+                                                  isinstance(x.target, torch._ops.HigherOrderOperator)):
+            continue
+        seen.add(x)
+        todo.extend(x.all_input_nodes)
+    return False
 B_, H_, P_, N_ = 0, 1, 2, 3          # dims of the state frame [b, H, P, N]
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -206,6 +224,7 @@ class Mamba2Matcher:
             raise NoMatch(f"new state is a sum of {len(terms)} terms, expected decay*state + update "
                           f"(a chunked-scan or prefill write looks like this)")
         decay, upd, state_term = self._split_terms(terms, state)
+        self._check_reads_no_other_state(state, decay, upd)
         la_src, la_fn, la_frame_rep = self._decay(decay)
 
         # update = product of factors, each constant along P or N (or both)
@@ -273,6 +292,20 @@ class Mamba2Matcher:
             out_shape=out_shape, out_dtype=dtype(readout), x_dtype=x_dtype, B_dtype=B_dtype, rec_dtype=rec)
 
     # -- pieces ----------------------------------------------------------------------------------------------
+    def _check_reads_no_other_state(self, state: fx.Node, decay: fx.Node, upd) -> None:
+        """The decay and the update may not be computed, elementwise, from another graph input this graph writes
+        (another recurrent state of the same step: the running max stabiliser of xLSTM's mLSTM). Their values at a
+        later step depend on that state's history, which the replay records do not hold. (An earlier layer's state
+        reaches a later layer's inputs only through projections and readouts: not counted.)"""
+        for name, term in (("decay", decay), ("update", upd)):
+            for ph in self.gm.graph.nodes:
+                if ph.op != "placeholder":
+                    break
+                if ph is not state and writers(ph) and _reads_elementwise(term, ph):
+                    raise NoMatch(f"the {name} reads `{ph.name}`, another recurrent state this step writes (a "
+                                  f"running stabiliser or normaliser, as in xLSTM's mLSTM): a replay window's "
+                                  f"{name}s would depend on that state's history, which the records do not hold")
+
     def _split_terms(self, terms, state):
         """(decay, update, the state*decay node) of ``new = state * decay + update``."""
         for i, t in enumerate(terms):
