@@ -10,6 +10,8 @@ import types
 
 import torch
 
+sys.path.insert(0, os.path.dirname(__file__))
+
 root = os.path.join(os.path.dirname(__file__), "..", ".baselines", "mamba_ssm")
 try:
     import mamba_ssm  # noqa: F401
@@ -24,45 +26,15 @@ except Exception as e:  # noqa: BLE001
     print("mamba_ssm not importable:", type(e).__name__, e)
 
 import replay_compile  # noqa: E402
-from replay_compile.backend import replayssm_backend  # noqa: E402
+from recorded_graphs import print_launches, record_decode_graphs  # noqa: E402
 from replay_compile.testing.hf_models import MAMBA2_FAMILY, make_inputs  # noqa: E402
-
-graphs = []
-
-
-def recording(gm, example_inputs, **kw):
-    graphs.append(gm)
-    return replayssm_backend(gm, example_inputs, **kw)
-
 
 model = MAMBA2_FAMILY["nemotron_h"]().cuda()
 import transformers.models.nemotron_h.modeling_nemotron_h as mh  # noqa: E402
 cells = [c.cell_contents for c in (mh.mamba2_selective_state_update.__closure__ or ())
          if callable(getattr(c, "cell_contents", None))]
 print("HF wrapper closure:", [(getattr(f, "__module__", "?"), getattr(f, "__name__", "?")) for f in cells])
-ids = make_inputs(model, batch=2, prompt_len=6).cuda()
-with torch.no_grad():
-    ref = model.generate(ids, max_new_tokens=24, do_sample=False)
-    model.forward = torch.compile(model.forward, backend=recording)
-    try:
-        out = model.generate(ids, max_new_tokens=24, do_sample=False)
-        print("tokens identical:", bool((out == ref).all()))
-    except Exception as e:  # noqa: BLE001 - still show the graphs
-        print("compiled generate failed:", type(e).__name__, str(e)[:800])
-for i, gm in enumerate(graphs):
-    hops = [n for n in gm.graph.nodes if "triton_kernel_wrapper" in str(n.target)]
-    print(f"--- graph {i}: {len(list(gm.graph.nodes))} nodes, {len(hops)} triton kernel HOPs")
-    for n in hops[:2]:
-        print("  ", n.format_node()[:1500])
-        from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
-        k = kernel_side_table.get_kernel(n.kwargs["kernel_idx"])
-        print("   kernel:", k, getattr(k, "fn", None))
-        print("   constant args:", kernel_side_table.get_constant_args(n.kwargs["constant_args_idx"]))
-    if hops:
-        first = hops[0]
-        nodes = list(gm.graph.nodes)
-        j = nodes.index(first)
-        for n in nodes[max(0, j - 25): j + 8]:
-            print("     ", n.format_node()[:300])
+graphs = record_decode_graphs(model, make_inputs(model, batch=2, prompt_len=6).cuda())
+print_launches(graphs, before=25, after=8)
 for r in replay_compile.reports():
     print("report:", r)
