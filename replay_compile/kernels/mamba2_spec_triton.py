@@ -49,16 +49,23 @@ def _spec_row(slot_ptr, w_ptr, row, T, HAS_SLOT: tl.constexpr, BUF: tl.constexpr
 
 
 @triton.jit
-def _spec_apply_row(slot_ptr, w_ptr, row, T, out_tile, out_mask, HAS_SLOT: tl.constexpr, BUF: tl.constexpr,
-                    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """(slot, w, done) for a checkpoint-pass program. A padding row gets zero outputs; a row whose window overflows
-    the ring (which a commit never allows) NaN outputs, never a silently wrong one; ``done``: nothing else to do."""
-    slot, w, overflow = _spec_row(slot_ptr, w_ptr, row, T, HAS_SLOT, BUF)
+def _spec_row_done(slot, w, T, out_tile, out_mask, BUF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Whether a checkpoint-pass program has nothing else to do: a padding row (``slot < 0``) gets zero outputs; a
+    row whose window overflows the ring (which a commit never allows) NaN outputs, never a silently wrong one."""
+    overflow = w + T > BUF
     if slot < 0:
         tl.store(out_tile, tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32), mask=out_mask)
     elif overflow:
         tl.store(out_tile, tl.full([BLOCK_T, BLOCK_C], float("nan"), tl.float32), mask=out_mask)
-    return slot, w, (slot < 0) | overflow
+    return (slot < 0) | overflow
+
+
+@triton.jit
+def _spec_apply_row(slot_ptr, w_ptr, row, T, out_tile, out_mask, HAS_SLOT: tl.constexpr, BUF: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """(slot, w, done) for a checkpoint-pass program (:func:`_spec_row_done`)."""
+    slot, w, _ = _spec_row(slot_ptr, w_ptr, row, T, HAS_SLOT, BUF)
+    return slot, w, _spec_row_done(slot, w, T, out_tile, out_mask, BUF, BLOCK_T, BLOCK_C)
 
 
 @triton.jit
@@ -179,11 +186,7 @@ def _mamba2_spec_apply_kernel(
                     mask=y_mask & live_p[None, :], other=0.0)                                # [BLOCK_T, BLOCK_P]
     w = tl.load(w_ptr + sl)
     y_tile = y_ptr + row * s_yb + offs_t[:, None] * s_yt + h * s_yh + offs_p[None, :] * s_yp
-    if slot < 0:                                   # padding: zero outputs, nothing else
-        tl.store(y_tile, tl.zeros([BLOCK_T, BLOCK_P], dtype=tl.float32), mask=y_mask)
-        return
-    if w + T > BUF:                                # a window the commit never allows: NaN, never a wrong output
-        tl.store(y_tile, tl.full([BLOCK_T, BLOCK_P], float("nan"), tl.float32), mask=y_mask)
+    if _spec_row_done(slot, w, T, y_tile, y_mask, BUF, BLOCK_T, BLOCK_P):     # padding (zeros) or overflow (NaN)
         return
     o = tl.load(origin_ptr + slot)
     fl = tl.load(flush_ptr + slot).to(tl.int32) != 0
