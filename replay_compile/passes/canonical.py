@@ -27,20 +27,10 @@ import operator
 import torch
 import torch.fx as fx
 
-from .graph_utils import ALIASING, METADATA, dtype, example, op_name, shape, writers
+from .graph_utils import ALIASING, METADATA, dtype, example, op_name, shape, state_inputs, writers
 
 # in-place arithmetic a state update is spelt with, and what each becomes
 _INPLACE = {"mul_", "add_", "sub_", "div_", "addcmul_"}
-
-
-def state_inputs(graph: fx.Graph) -> list[fx.Node]:
-    """Graph inputs shaped like a recurrent state (4-D floating point), as the matchers' anchors are."""
-    out = []
-    for n in graph.nodes:
-        v = example(n) if n.op == "placeholder" else None
-        if isinstance(v, torch.Tensor) and v.dim() == 4 and v.is_floating_point():
-            out.append(n)
-    return out
 
 
 def canonicalize(graph: fx.Graph) -> list[str]:
@@ -69,6 +59,12 @@ def _call(graph: fx.Graph, fn, *args, **kwargs) -> fx.Node:
 def _method(graph: fx.Graph, name: str, *args, **kwargs) -> fx.Node:
     n = graph.call_method(name, args, kwargs)
     return _set_meta(n, lambda self, *a, **k: getattr(self, name)(*a, **k), *args, **kwargs)
+
+
+def _read_as(n: fx.Node, olds, new: fx.Node) -> None:
+    """``n`` reads ``new`` wherever it read one of ``olds`` (nested arguments included)."""
+    n.args = fx.node.map_arg(n.args, lambda a: new if a in olds else a)
+    n.kwargs = fx.node.map_arg(n.kwargs, lambda a: new if a in olds else a)
 
 
 def _cast_to(graph: fx.Graph, v: fx.Node, dt: torch.dtype | None) -> fx.Node:
@@ -130,9 +126,7 @@ def _functionalize_inplace(graph: fx.Graph, s: fx.Node) -> list[str]:
             with graph.inserting_before(n):
                 cur = _out_of_place(graph, n, cur, dt)
         else:                   # reads of the state (or of an in-place result: the state) read the running value
-            now = cur
-            n.args = fx.node.map_arg(n.args, lambda a: now if a is s or a in members else a)
-            n.kwargs = fx.node.map_arg(n.kwargs, lambda a: now if a is s or a in members else a)
+            _read_as(n, members, cur)
     with graph.inserting_after(cur):
         graph.call_method("copy_", (s, cur))
     for n in reversed(chain):
@@ -159,8 +153,7 @@ def _forward_reads_after_write(graph: fx.Graph, s: fx.Node) -> list[str]:
     with graph.inserting_after(cp):
         val = _cast_to(graph, v, dtype(s))
     for u in later:
-        u.args = tuple(val if a is s else a for a in u.args)
-        u.kwargs = {k: (val if x is s else x) for k, x in u.kwargs.items()}
+        _read_as(u, {s}, val)
     return [f"reads of `{s.name}` after its write read the value written"]
 
 
@@ -179,7 +172,8 @@ def _feeds_a_state_write(graph: fx.Graph) -> set[fx.Node]:
 
 def _expand_outer_products(graph: fx.Graph) -> list[str]:
     done = []
-    for n in list(_feeds_a_state_write(graph)):
+    feeds = _feeds_a_state_write(graph)
+    for n in [n for n in graph.nodes if n in feeds]:        # graph order: the same code on every compile
         name = op_name(n)
         if name == "einsum":
             new = _einsum_as_product(graph, n)

@@ -194,6 +194,37 @@ def depends_on(n: Any, target: fx.Node) -> bool:
     return False
 
 
+# ops that mix values across positions or channels: a path through one is not an elementwise dependence
+_MIXING = {"linear", "matmul", "bmm", "mm", "einsum", "addmm", "baddbmm", "conv1d", "conv2d", "sum", "mean",
+           "softmax", "layer_norm", "rms_norm", "group_norm", "cumsum"}
+
+
+def depends_elementwise(n: Any, target: fx.Node) -> bool:
+    """Whether ``n`` is computed from ``target`` through elementwise ops, views and casts only (no projection,
+    reduction or kernel launch on the way)."""
+    seen, todo = set(), [n] if isinstance(n, fx.Node) else []
+    while todo:
+        x = todo.pop()
+        if x is target:
+            return True
+        if x in seen or op_name(x) in _MIXING or (x.op == "call_function" and
+                                                  isinstance(x.target, torch._ops.HigherOrderOperator)):
+            continue
+        seen.add(x)
+        todo.extend(x.all_input_nodes)
+    return False
+
+
+def is_state_input(n: fx.Node) -> bool:
+    """A graph input shaped like a recurrent state: a 4-D floating-point tensor."""
+    v = example(n) if n.op == "placeholder" else None
+    return isinstance(v, torch.Tensor) and v.dim() == 4 and v.is_floating_point()
+
+
+def state_inputs(graph: fx.Graph) -> list[fx.Node]:
+    return [n for n in graph.nodes if is_state_input(n)]
+
+
 def is_inplace(n: fx.Node) -> bool:
     name = op_name(n)
     return bool(name) and name.endswith("_") and not name.startswith("_")

@@ -28,28 +28,10 @@ import torch.fx as fx
 
 from ..state import Mamba2RingSpec
 from .broadcast import FULL, BroadcastAnalysis, same_size
-from .graph_utils import (CAST_LIKE, depends_on, dtype, flatten, is_static_int, is_value_cast, module_path, op_name,
-                          real_users, shape, strip, writers)
+from .graph_utils import (CAST_LIKE, depends_elementwise, depends_on, dtype, flatten, is_state_input, is_static_int,
+                          is_value_cast, module_path, op_name, real_users, shape, strip, writers)
 
 FAMILY = "mamba2"
-# ops that mix values across positions or channels: a path through one is not an elementwise dependence
-_MIXING = {"linear", "matmul", "bmm", "mm", "einsum", "addmm", "baddbmm", "conv1d", "conv2d", "sum", "mean",
-           "softmax", "layer_norm", "rms_norm", "group_norm", "cumsum"}
-
-
-def _reads_elementwise(n, target: fx.Node) -> bool:
-    """Whether ``n`` is computed from ``target`` through elementwise ops, views and casts only."""
-    seen, todo = set(), [n] if isinstance(n, fx.Node) else []
-    while todo:
-        x = todo.pop()
-        if x is target:
-            return True
-        if x in seen or op_name(x) in _MIXING or (x.op == "call_function" and
-                                                  isinstance(x.target, torch._ops.HigherOrderOperator)):
-            continue
-        seen.add(x)
-        todo.extend(x.all_input_nodes)
-    return False
 B_, H_, P_, N_ = 0, 1, 2, 3          # dims of the state frame [b, H, P, N]
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -194,13 +176,8 @@ class Mamba2Matcher:
     @staticmethod
     def anchors(gm: fx.GraphModule) -> list[fx.Node]:
         """In-place copies whose destination is a 4-D floating graph input (a recurrent-state cache tensor)."""
-        out = []
-        for n in gm.graph.nodes:
-            if op_name(n) == "copy_" and n.args and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder":
-                v = n.args[0].meta.get("example_value")
-                if isinstance(v, torch.Tensor) and v.dim() == 4 and v.is_floating_point():
-                    out.append(n)
-        return out
+        return [n for n in gm.graph.nodes
+                if op_name(n) == "copy_" and n.args and isinstance(n.args[0], fx.Node) and is_state_input(n.args[0])]
 
     # -- the match -------------------------------------------------------------------------------------------
     def match(self, cp: fx.Node) -> Mamba2Match:
@@ -301,7 +278,7 @@ class Mamba2Matcher:
             for ph in self.gm.graph.nodes:
                 if ph.op != "placeholder":
                     break
-                if ph is not state and writers(ph) and _reads_elementwise(term, ph):
+                if ph is not state and writers(ph) and depends_elementwise(term, ph):
                     raise NoMatch(f"the {name} reads `{ph.name}`, another recurrent state this step writes (a "
                                   f"running stabiliser or normaliser, as in xLSTM's mLSTM): a replay window's "
                                   f"{name}s would depend on that state's history, which the records do not hold")

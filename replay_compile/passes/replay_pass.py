@@ -27,20 +27,6 @@ from .delta import DeltaMatcher
 from .mamba2 import Mamba2Matcher, NoMatch
 
 
-def _written_values(w: fx.Node) -> list:
-    """The operands whose values the in-place write ``w`` stores (all but the destination and the indices)."""
-    name = graph_utils.op_name(w)
-    if name == "setitem" and len(w.args) == 3:
-        return [w.args[2]]
-    if name in ("index_copy_", "index_copy") and len(w.args) == 4:
-        return [w.args[3]]
-    if name in ("index_put_", "index_put") and len(w.args) >= 3:
-        return [w.args[2]]
-    if name in ("scatter_", "scatter"):
-        return [a for a in w.args[3:]] + [v for k, v in w.kwargs.items() if k in ("src", "value")]
-    return [a for a in w.args[1:]] + list(w.kwargs.values())
-
-
 @dataclasses.dataclass(frozen=True)
 class Rewrite:
     layer: str
@@ -126,7 +112,7 @@ class ReplaySSMPass:
         families = set(self.config.families)
         if not self.config.enabled or not families & {"mamba2", "gdn", "kda"}:
             return res
-        if not (Mamba2Matcher.anchors(gm) or self._computed_writes(gm)
+        if not (Mamba2Matcher.anchors(gm) or state_writes.computed_writes(gm.graph)
                 or ("mamba2" in families and kernel_call.anchors(gm))):
             return res
         gm = copy_graph_module(gm)
@@ -140,7 +126,8 @@ class ReplaySSMPass:
             gm.recompile()
         m2, dm = Mamba2Matcher(gm), DeltaMatcher(gm)
         matches = []
-        for cp in Mamba2Matcher.anchors(gm):
+        anchors = Mamba2Matcher.anchors(gm)
+        for cp in anchors:
             layer = graph_utils.module_path(cp, default=f"state input `{cp.args[0].name}`")
             try:
                 if cp in refused:
@@ -152,7 +139,7 @@ class ReplaySSMPass:
             except NoMatch as e:
                 why = None if cp in refused else state_writes.not_a_recurrence(cp)
                 self._skip(res, layer, why or str(e), quiet=why is not None)
-        self._report_other_writes(res, gm, {cp.args[0] for cp in Mamba2Matcher.anchors(gm)})
+        self._report_other_writes(res, gm, {cp.args[0] for cp in anchors})
         refused_clones = {wb.args[1] for wb in refused}
         for call in kernel_call.anchors(gm) if "mamba2" in families else ():   # mamba_ssm's kernel, launched
             if refused_clones & set(call.all_input_nodes):
@@ -218,24 +205,9 @@ class ReplaySSMPass:
                     err = e
         raise err
 
-    @staticmethod
-    def _computed_writes(gm: fx.GraphModule) -> dict:
-        """State-shaped graph inputs written in place other than by a ``copy_`` of the whole state, with a value
-        computed from the state itself: an in-place op the canonical form did not absorb, a write through a view, a
-        pool written at indexed rows (``pool[slot] = f(pool[slot])``, ``index_copy_``). Writes that only move or
-        index other values (a KV cache filled at its positions) and kernel launches (their own anchor) are not
-        among them. Returns input -> its writes."""
-        out = {}
-        for s in canonical.state_inputs(gm.graph):
-            ws = [w for w in graph_utils.writers(s) if not state_writes.is_launch(w)]
-            if any(graph_utils.op_name(w) not in state_writes.DATA_MOVES
-                   or any(state_writes.computes_from(s, v) for v in _written_values(w)) for w in ws):
-                out[s] = ws
-        return out
-
     def _report_other_writes(self, res: PassResult, gm: fx.GraphModule, anchored: set) -> None:
         """Every computed write of a state that no anchor covers is reported (and raises under ``strict``)."""
-        for s, ws in self._computed_writes(gm).items():
+        for s, ws in state_writes.computed_writes(gm.graph).items():
             if s in anchored:
                 continue
             names = ", ".join(f"`{w.name}` ({graph_utils.op_name(w)})" for w in ws[:4])

@@ -16,7 +16,9 @@ Two questions every family shares:
 
 * **Is this write a recurrence?** :func:`not_a_recurrence` tells the writes that are plainly not a recurrent-state
   step (a reset, a shift of a KV or convolution window, a scan over several tokens) from the ones that are, so a
-  state update the pass cannot rewrite is reported loudly and the rest quietly.
+  state update the pass cannot rewrite is reported loudly and the rest quietly; :func:`computed_writes` finds the
+  writes no ``copy_`` anchor covers (in place, through a view, at indexed rows) whose value is computed from the
+  state.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .graph_utils import ALIASING, METADATA, aliases, is_call, op_name, writers
+from .graph_utils import ALIASING, METADATA, aliases, is_call, op_name, state_inputs, writers
 
 
 def _readers(nodes: set[fx.Node]) -> list[fx.Node]:
@@ -183,3 +185,31 @@ def _computed_from(state: fx.Node, inputs: dict[fx.Node, list]) -> set[fx.Node]:
                 hit.add(x)
                 grew = True
     return hit
+
+
+def _written_values(w: fx.Node) -> list:
+    """The operands whose values the in-place write ``w`` stores (all but the destination and the indices)."""
+    name = op_name(w)
+    if name == "setitem" and len(w.args) == 3:
+        return [w.args[2]]
+    if name in ("index_copy_", "index_copy") and len(w.args) == 4:
+        return [w.args[3]]
+    if name in ("index_put_", "index_put") and len(w.args) >= 3:
+        return [w.args[2]]
+    if name in ("scatter_", "scatter"):
+        return [a for a in w.args[3:]] + [v for k, v in w.kwargs.items() if k in ("src", "value")]
+    return [a for a in w.args[1:]] + list(w.kwargs.values())
+
+
+def computed_writes(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
+    """State-shaped graph inputs written in place other than by a ``copy_`` of the whole state, with a value
+    computed from the state itself: an in-place op the canonical form did not absorb, a write through a view, a
+    pool written at indexed rows (``pool[slot] = f(pool[slot])``, ``index_copy_``). Writes that only move or index
+    other values (a KV cache filled at its positions) and kernel launches (their own anchor) are not among them.
+    Returns input -> its writes."""
+    out = {}
+    for s in state_inputs(graph):
+        ws = [w for w in writers(s) if not is_launch(w)]
+        if any(op_name(w) not in DATA_MOVES or any(computes_from(s, v) for v in _written_values(w)) for w in ws):
+            out[s] = ws
+    return out
