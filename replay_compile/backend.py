@@ -97,8 +97,8 @@ class ReplayRunner:
             rs = replay_state.lookup(st)
             if rs is None or rs.spec != site.spec:
                 rs = replay_state.bind(st, site.spec, site.layer)
-            else:
-                rs.check_external_write(checkpoint_of(st))
+            rs.pooled = rs.pooled or site.pooled
+            rs.check_external_write(checkpoint_of(st))
             rs.owners |= owners
             extra.extend(rs.rings)
             states.append((site.state_index, rs))

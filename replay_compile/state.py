@@ -28,6 +28,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from ._logging import log
+from .errors import ReplayCompileError
 from .replay_tensor import ReplayTensor, checkpoint_of, same_view
 
 
@@ -199,6 +200,7 @@ class ReplayState:
         self.dirty = False          # host-side: a step ran since the last flush/reset (no device sync needed)
         self.steps = 0              # host-side count of compiled steps (for reports; no device sync)
         self.owners: set[int] = set()
+        self.pooled = False         # a pool whose rows a step picks by slot (rows of other sequences hold records)
 
     @property
     def state(self) -> torch.Tensor | None:
@@ -251,8 +253,18 @@ class ReplayState:
         return self.spec.materialize(st, self.rings)
 
     def check_external_write(self, st: torch.Tensor) -> None:
+        """Reset after a write by someone else (its contents are the truth). A slot pool that holds records is
+        the exception: a write of some of its slots moves the same version counter as a write of all of them, and
+        dropping every slot's records would silently lose the other sequences' last steps, so it raises instead."""
         v = tensor_version(st)
         if v is not None and self.version is not None and v != self.version:
+            if self.pooled and self.dirty:
+                raise ReplayCompileError(
+                    f"replay_compile: layer {self.layer}: its state pool {tuple(st.shape)} was written outside the "
+                    f"compiled step while its slots held replay records, and a plain tensor cannot tell which slots "
+                    f"were written. Wrap the pool once, `pool = replay_compile.ReplayTensor(pool)` (a write of some "
+                    f"slots then folds just those slots first), or call `replay_compile.flush(pool)` before writing "
+                    f"it; `replay_compile.reset(pool)` takes the pool's present contents as the truth.")
             log.debug("replay_compile: %s: cache written outside the compiled step; replay state reset", self.layer)
             self.reset()
 

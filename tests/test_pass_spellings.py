@@ -616,12 +616,30 @@ class SlotPool(_Parts):
 
 
 @pytest.mark.parametrize("scatter", ["setitem", "index_copy_"])
-def test_a_slot_pool_update_is_reported_not_rewritten_and_strict_raises(scatter):
+def test_a_slot_pool_update_is_rewritten(scatter):
+    """The slots made inside the graph (here a reversed arange): the op steps the pool's rows by slot
+    (tests/test_slot_pool.py runs a whole serving loop)."""
     rep = only_report(run_both(SlotPool(scatter)))
+    assert [r.form for r in rep.rewrites] == ["einsum/grouped/slot pool"], rep.rewrites
+
+
+class HeadsWrittenByIndex(_Parts):
+    """A state written at heads chosen by an index (dim 1): not a slot pool."""
+
+    def forward(self, state, x, dt, B, C):
+        d, dA, Bh, Ch = self.parts(dt, B, C)
+        heads = torch.arange(H - 1, -1, -1)
+        new = state.index_select(1, heads) * dA + d[..., None, None] * x[..., None] * Bh[:, :, None, :]
+        state.index_copy_(1, heads, new)
+        return torch.einsum("bhpn,bhn->bhp", new, Ch)
+
+
+def test_a_state_written_at_indexed_heads_is_reported_and_strict_raises():
+    rep = only_report(run_both(HeadsWrittenByIndex()))
     assert not rep.rewrites and len(rep.skipped) == 1, rep.skipped
-    assert "state pool indexed by slot" in rep.skipped[0].reason, rep.skipped
-    cmod = torch.compile(SlotPool(scatter), backend="replayssm", options={"strict": True, "lower": "eager"})
-    with pytest.raises(Exception, match="strict.*slot"):
+    assert "at positions chosen by an index" in rep.skipped[0].reason, rep.skipped
+    cmod = torch.compile(HeadsWrittenByIndex(), backend="replayssm", options={"strict": True, "lower": "eager"})
+    with pytest.raises(Exception, match="strict.*chosen by an index"):
         cmod(torch.randn(b, H, P, N), *make_inputs(0))
 
 

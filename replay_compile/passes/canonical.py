@@ -27,6 +27,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from . import anchors
 from .graph_utils import ALIASING, METADATA, dtype, example, op_name, shape, state_inputs, writers
 
 # in-place arithmetic a state update is spelt with, and what each becomes
@@ -158,10 +159,9 @@ def _forward_reads_after_write(graph: fx.Graph, s: fx.Node) -> list[str]:
 
 
 def _feeds_a_state_write(graph: fx.Graph) -> set[fx.Node]:
-    """Ancestors of the values copied into graph inputs."""
+    """Ancestors of the values written into state inputs (whole, or a pool's rows: :mod:`.anchors`)."""
     seen: set[fx.Node] = set()
-    todo = [n.args[1] for n in graph.nodes if op_name(n) == "copy_" and len(n.args) == 2
-            and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder" and isinstance(n.args[1], fx.Node)]
+    todo = [a.value for a in anchors.find(graph) if isinstance(a.value, fx.Node)]
     while todo:
         x = todo.pop()
         if x not in seen:

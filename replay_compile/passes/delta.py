@@ -26,6 +26,7 @@ import torch.fx as fx
 
 from ..kernels.delta_reference import delta_exact_step
 from ..state import DeltaRingSpec
+from .anchors import Anchor
 from .broadcast import FULL, same_size
 from .graph_utils import (CAST_LIKE, depends_on, dtype, flatten, is_static_int, is_value_cast, module_path, op_name,
                           real_users, shape, strip, writers)
@@ -132,20 +133,23 @@ class DeltaMatch(SiteMatch):
 class DeltaMatcher(Mamba2Matcher):
     """Find and describe delta-rule state updates (shares the broadcast analysis helpers of the Mamba-2 one)."""
 
-    def match(self, cp: fx.Node) -> DeltaMatch:
-        state = cp.args[0]
-        layer = module_path(cp, default=f"state input `{state.name}`")
+    def match(self, a: Anchor) -> DeltaMatch:
+        """The delta-rule step written at anchor ``a`` (a whole state or a slot pool's rows, :mod:`.anchors`)."""
+        cp, state, store = a.write, a.old, a.state
+        layer = module_path(cp, default=f"state input `{store.name}`")
+        if a.why:
+            raise NoMatch(a.why)
         b, HV, K, V = shape(state)
         if dtype(state) not in STATE_DTYPES:
             raise NoMatch(f"state dtype {dtype(state)} is not supported")
         if not all(is_static_int(s) for s in (HV, K, V)):
             raise NoMatch(f"state {tuple(shape(state))}: head and state dims must be static")
-        new = strip(cp.args[1])
+        new = strip(a.value)
         terms = flatten(new, "add") if isinstance(new, fx.Node) else []
         if len(terms) != 2:
             raise NoMatch(f"new state is a sum of {len(terms)} terms, expected decayed state + update")
         gate, upd, s1 = self._split_terms(terms, state)
-        self._check_reads_no_other_state(state, gate, upd)
+        self._check_reads_no_other_state(store, gate, upd)
         g_src, g_fn, g_rep = self._decay(gate)
         if g_rep[V_] != FULL:
             raise NoMatch("gate is not provably constant along V")
@@ -163,11 +167,11 @@ class DeltaMatcher(Mamba2Matcher):
         kfac, dfac = factors[ik], factors[1 - ik]
         if self.bx.aligned(dfac, 4)[K_] != FULL:
             raise NoMatch("corrected-value factor varies along K: not a rank-1 update")
-        if depends_on(kfac, state):
+        if depends_on(kfac, store):
             raise NoMatch("key factor is computed from the state")
         delta = _base(dfac)
         dparts = flatten(delta, "mul")
-        reading = [f for f in dparts if isinstance(f, fx.Node) and depends_on(f, state)]
+        reading = [f for f in dparts if isinstance(f, fx.Node) and depends_on(f, store)]
         if len(reading) != 1:
             raise NoMatch("update does not read the state (not a delta rule)" if not reading else
                           "corrected value reads the state more than once")
@@ -175,7 +179,7 @@ class DeltaMatcher(Mamba2Matcher):
         if op_name(sub) != "sub" or len(sub.args) != 2:
             raise NoMatch(f"corrected value is not v - S'ᵀk (found {op_name(sub)})")
         v_node, kvm = sub.args
-        if not isinstance(v_node, fx.Node) or depends_on(v_node, state):
+        if not isinstance(v_node, fx.Node) or depends_on(v_node, store):
             raise NoMatch("value term v is computed from the state")
         kvm_reader = self._check_kv_mem(kvm, s1, kfac)
         self._check_decayed_uses(s1, new, kvm_reader)
@@ -185,7 +189,7 @@ class DeltaMatcher(Mamba2Matcher):
 
         self._check_state_uses(state, cp, s1)
         readout, qfac, q_dims = self._readout_q(new, cp, s1)
-        if depends_on(qfac, state):
+        if depends_on(qfac, store):
             raise NoMatch("query factor is computed from the state")
 
         # groups of q and k: block repeats along the value heads
@@ -216,8 +220,9 @@ class DeltaMatcher(Mamba2Matcher):
             return out.to(rec)
 
         return DeltaMatch(
-            layer=layer, form=f"{'kda' if kda else 'gdn'}{'/grouped' if min(Hk, Hq) < HV else ''}",
-            copy_node=cp, state=state, new=new, readout=readout, HV=HV, Hk=Hk, Hq=Hq, K=K, V=V, kda=kda,
+            layer=layer, form=f"{'kda' if kda else 'gdn'}{'/grouped' if min(Hk, Hq) < HV else ''}"
+                 f"{'/slot pool' if a.slot is not None else ''}",
+            copy_node=cp, state=store, new=new, readout=readout, old=state, slot=a.slot, HV=HV, Hk=Hk, Hq=Hq, K=K, V=V, kda=kda,
             q=Recipe([qfac], lambda x, _f=q_fn: _f(x).to(rec)),
             k=Recipe([kfac], lambda x, _f=k_fn: _f(x).to(k_dtype)),
             v=Recipe([v_node], lambda x, _c=v_cut: _c(x).to(rec)),

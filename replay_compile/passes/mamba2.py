@@ -27,8 +27,9 @@ import torch
 import torch.fx as fx
 
 from ..state import Mamba2RingSpec
+from .anchors import Anchor
 from .broadcast import FULL, BroadcastAnalysis, same_size
-from .graph_utils import (CAST_LIKE, depends_elementwise, depends_on, dtype, flatten, is_state_input, is_static_int,
+from .graph_utils import (CAST_LIKE, depends_elementwise, depends_on, dtype, flatten, is_static_int,
                           is_value_cast, module_path, op_name, real_users, shape, strip, writers)
 
 FAMILY = "mamba2"
@@ -65,6 +66,9 @@ class SiteMatch:
     state: fx.Node
     new: fx.Node
     readout: fx.Node
+    # the old rows (``state`` itself, or a pool's gather) and a pool's slots (:mod:`.anchors`)
+    old: fx.Node | None = dataclasses.field(default=None, kw_only=True)
+    slot: fx.Node | None = dataclasses.field(default=None, kw_only=True)
 
 
 @dataclasses.dataclass
@@ -172,24 +176,20 @@ class Mamba2Matcher:
         self.gm = gm
         self.bx = BroadcastAnalysis()
 
-    # -- anchors ---------------------------------------------------------------------------------------------
-    @staticmethod
-    def anchors(gm: fx.GraphModule) -> list[fx.Node]:
-        """In-place copies whose destination is a 4-D floating graph input (a recurrent-state cache tensor)."""
-        return [n for n in gm.graph.nodes
-                if op_name(n) == "copy_" and n.args and isinstance(n.args[0], fx.Node) and is_state_input(n.args[0])]
-
     # -- the match -------------------------------------------------------------------------------------------
-    def match(self, cp: fx.Node) -> Mamba2Match:
-        state = cp.args[0]
-        layer = module_path(cp, default=f"state input `{state.name}`")
+    def match(self, a: Anchor) -> Mamba2Match:
+        """The Mamba-2 step written at anchor ``a`` (a whole state or a slot pool's rows, :mod:`.anchors`)."""
+        cp, state, store = a.write, a.old, a.state
+        layer = module_path(cp, default=f"state input `{store.name}`")
+        if a.why:
+            raise NoMatch(a.why)
         b, H, P, N = shape(state)
         if dtype(state) not in STATE_DTYPES:
             raise NoMatch(f"state dtype {dtype(state)} is not supported (use one of "
                           f"{', '.join(str(d).replace('torch.', '') for d in STATE_DTYPES)})")
         if not all(is_static_int(s) for s in (H, P, N)):
             raise NoMatch(f"state {tuple(shape(state))}: head and state dims must be static")
-        new = strip(cp.args[1])
+        new = strip(a.value)
         if not isinstance(new, fx.Node):
             raise NoMatch("the value written is not computed in this graph")
         ns = shape(new) or ()
@@ -201,7 +201,7 @@ class Mamba2Matcher:
             raise NoMatch(f"new state is a sum of {len(terms)} terms, expected decay*state + update "
                           f"(a chunked-scan or prefill write looks like this)")
         decay, upd, state_term = self._split_terms(terms, state)
-        self._check_reads_no_other_state(state, decay, upd)
+        self._check_reads_no_other_state(store, decay, upd)
         la_src, la_fn, la_frame_rep = self._decay(decay)
 
         # update = product of factors, each constant along P or N (or both)
@@ -230,7 +230,7 @@ class Mamba2Matcher:
         if not p_side or not n_side:
             raise NoMatch("update term is not an outer product of a P-side and an N-side factor")
         for f in p_side + n_side + scal:
-            if depends_on(f, state):
+            if depends_on(f, store):
                 # e.g. a delta rule (Gated DeltaNet's S·k): the replay op would read it from the checkpoint
                 raise NoMatch(f"update factor {f.name} is computed from the state itself (a delta rule?), not "
                               f"from this token's inputs alone")
@@ -260,8 +260,8 @@ class Mamba2Matcher:
         B_dtype = _promote(n_side)
         out_shape = _static_or_minus_one(shape(readout))
         return Mamba2Match(
-            layer=layer, form=f"{form}{'/grouped' if G < H else ''}", copy_node=cp, state=state, new=new,
-            readout=readout, H=H, P=P, N=N, G=G, Gc=Gc,
+            layer=layer, form=f"{form}{'/grouped' if G < H else ''}{'/slot pool' if a.slot is not None else ''}",
+            copy_node=cp, state=store, new=new, readout=readout, old=state, slot=a.slot, H=H, P=P, N=N, G=G, Gc=Gc,
             la=la, dt=dt,
             x=Recipe(list(p_side), lambda *v, _f=x_fn: _f(*v).to(x_dtype)),
             B=Recipe(list(n_side), lambda *v, _f=B_fn: _f(*v).to(B_dtype)),

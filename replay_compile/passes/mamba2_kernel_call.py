@@ -89,7 +89,6 @@ class KernelCallMatch(Mamba2Match):
     D: Optional[fx.Node] = None
     z: Optional[fx.Node] = None
     out: Optional[fx.Node] = None
-    slot: Optional[fx.Node] = None
 
     def finish(self, y, x, D, z):
         """``out`` from the readout ``y [b, H, P]`` (fp32): ``+ D x``, ``* z sigmoid(z)``; tensors or proxies."""

@@ -21,8 +21,8 @@ from torch._dynamo.utils import counters
 from .._logging import log, timed_phase
 from ..config import ReplayConfig
 from ..errors import ReplayCompileError
-from . import (broadcast, canonical, delta, graph_utils, mamba2, mamba2_kernel_call as kernel_call, rewrite,
-               state_writes, validate)
+from . import (anchors as anchor_mod, broadcast, canonical, delta, graph_utils, mamba2,
+               mamba2_kernel_call as kernel_call, rewrite, state_writes, validate)
 from .delta import DeltaMatcher
 from .mamba2 import Mamba2Matcher, NoMatch
 
@@ -43,7 +43,7 @@ class Rewrite:
 class Skip:
     layer: str
     reason: str
-    quiet: bool = False     # a write that is plainly not a recurrent-state step (state_writes.not_a_recurrence)
+    quiet: bool = False     # a write that is plainly not a recurrent-state step (state_writes.why_not_a_step)
 
     def __str__(self):
         return f"{self.layer}: left unchanged: {self.reason}"
@@ -51,11 +51,13 @@ class Skip:
 
 @dataclasses.dataclass(frozen=True)
 class Site:
-    """What the runner needs for one rewritten layer: which input is the state, and its ring layout."""
+    """What the runner needs for one rewritten layer: which input is the state, its ring layout, and whether the
+    state is a pool whose rows the step picks by slot."""
 
     state_index: int
     spec: object
     layer: str
+    pooled: bool = False
 
 
 @dataclasses.dataclass
@@ -101,7 +103,7 @@ class ReplaySSMPass:
     def uuid(self) -> str:
         """Changes whenever the pass's code or config does (for FX graph caches)."""
         h = hashlib.sha256(repr(self.config).encode())
-        for mod in (broadcast, canonical, delta, graph_utils, mamba2, kernel_call, rewrite, state_writes, validate):
+        for mod in (anchor_mod, broadcast, canonical, delta, graph_utils, mamba2, kernel_call, rewrite, state_writes, validate):
             h.update(inspect.getsource(mod).encode())
         return h.hexdigest()
 
@@ -112,7 +114,7 @@ class ReplaySSMPass:
         families = set(self.config.families)
         if not self.config.enabled or not families & {"mamba2", "gdn", "kda"}:
             return res
-        if not (Mamba2Matcher.anchors(gm) or state_writes.computed_writes(gm.graph)
+        if not (anchor_mod.find(gm.graph) or state_writes.computed_writes(gm.graph)
                 or ("mamba2" in families and kernel_call.anchors(gm))):
             return res
         gm = copy_graph_module(gm)
@@ -126,20 +128,21 @@ class ReplaySSMPass:
             gm.recompile()
         m2, dm = Mamba2Matcher(gm), DeltaMatcher(gm)
         matches = []
-        anchors = Mamba2Matcher.anchors(gm)
-        for cp in anchors:
-            layer = graph_utils.module_path(cp, default=f"state input `{cp.args[0].name}`")
+        anchors = anchor_mod.find(gm.graph)
+        for a in anchors:
+            cp = a.write
+            layer = graph_utils.module_path(cp, default=f"state input `{a.state.name}`")
             try:
                 if cp in refused:
                     raise NoMatch(f"the state is updated in a copy that is then copied back, and the update cannot "
                                   f"be moved onto the state: {refused[cp]}")
                 if graph_utils.real_users(cp):
                     raise NoMatch("the result of the state write is used")
-                matches.append(self._match(cp, m2, dm, families))
+                matches.append(self._match(a, m2, dm, families))
             except NoMatch as e:
-                why = None if cp in refused else state_writes.not_a_recurrence(cp)
+                why = None if cp in refused or a.old is None else state_writes.why_not_a_step(a.old, a.value)
                 self._skip(res, layer, why or str(e), quiet=why is not None)
-        self._report_other_writes(res, gm, {cp.args[0] for cp in anchors})
+        self._report_other_writes(res, gm, {a.state for a in anchors})
         refused_clones = {wb.args[1] for wb in refused}
         for call in kernel_call.anchors(gm) if "mamba2" in families else ():   # mamba_ssm's kernel, launched
             if refused_clones & set(call.all_input_nodes):
@@ -168,7 +171,7 @@ class ReplaySSMPass:
             rings = rewrite.add_ring_placeholders(gm, m, spec, i)
             (kernel_call.apply if isinstance(m, kernel_call.KernelCallMatch) else rewrite.apply)(gm, m, rings, spec)
             res.fake_inputs.extend(r.meta["example_value"] for r in rings)
-            res.sites.append(Site(placeholders.index(m.state), spec, m.layer))
+            res.sites.append(Site(placeholders.index(m.state), spec, m.layer, pooled=m.slot is not None))
             rw = Rewrite(m.layer, m.family, m.form, spec, m.describe(spec))
             res.rewrites.append(rw)
             counters["replay_compile"][m.family] += 1
@@ -184,18 +187,18 @@ class ReplaySSMPass:
         return res
 
     @staticmethod
-    def _match(cp, m2: Mamba2Matcher, dm: DeltaMatcher, families: set):
+    def _match(a, m2: Mamba2Matcher, dm: DeltaMatcher, families: set):
         """Mamba-2 first, then the delta rule; the reason given for a miss is the one of the matcher that got
         further (a delta rule fails the Mamba-2 matcher at "computed from the state itself")."""
         err = None
         if "mamba2" in families:
             try:
-                return m2.match(cp)
+                return m2.match(a)
             except NoMatch as e:
                 err = e
         if families & {"gdn", "kda"}:
             try:
-                m = dm.match(cp)
+                m = dm.match(a)
                 if m.family not in families:
                     err = NoMatch(f"a {m.family} update, but family {m.family!r} is not enabled")
                 else:
@@ -215,7 +218,9 @@ class ReplaySSMPass:
                           for w in ws)
             self._skip(res, graph_utils.module_path(ws[0], default=f"state input `{s.name}`"),
                        f"written in place by {names}"
-                       + (", rows chosen by an index (a state pool indexed by slot): not rewritten yet" if indexed
+                       + (", at positions chosen by an index, which the pass does not read as a state update (it "
+                          "reads a slot pool's rows: one 1-D integer `slot` along dim 0, gathered once by "
+                          "`pool[slot]` / `index_select(0, slot)` and written back at the same slots)" if indexed
                           else ", which the pass does not read as a state update (it reads `S.copy_(decay * S + "
                                "update)`, and chains of mul_ / add_ / sub_ / div_ / addcmul_ on S itself)"))
 

@@ -91,7 +91,7 @@ def apply(gm: fx.GraphModule, m, rings: list[fx.Node], spec=None) -> fx.Node:
         for key, recipe in m.recipes.items():
             vals[key] = recipe([Proxy(s, tracer) for s in recipe.sources]).node
         target, extra = spec.step_op if spec is not None else (m.op, ())
-        op = graph.call_function(target, (m.state, *rings, *(vals[k] for k in m.op_keys), None, *extra))
+        op = graph.call_function(target, (m.state, *rings, *(vals[k] for k in m.op_keys), m.slot, *extra))
         op.meta["nn_module_stack"] = m.copy_node.meta.get("nn_module_stack", {})
         op.meta["stack_trace"] = m.copy_node.meta.get("stack_trace")
         y = Proxy(op, tracer).to(m.out_dtype).reshape(m.out_shape).node

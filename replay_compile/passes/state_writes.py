@@ -14,7 +14,7 @@ Two questions every family shares:
   launched on ``S``) and drops the clone and the write-back, which is what the matchers know, wherever doing so
   provably changes no value the graph reads; otherwise it leaves the graph alone and says why.
 
-* **Is this write a recurrence?** :func:`not_a_recurrence` tells the writes that are plainly not a recurrent-state
+* **Is this write a recurrence?** :func:`why_not_a_step` tells the writes that are plainly not a recurrent-state
   step (a reset, a shift of a KV or convolution window, a scan over several tokens) from the ones that are, so a
   state update the pass cannot rewrite is reported loudly and the rest quietly; :func:`computed_writes` finds the
   writes no ``copy_`` anchor covers (in place, through a view, at indexed rows) whose value is computed from the
@@ -122,16 +122,6 @@ def _value_inputs(n: fx.Node) -> list[fx.Node]:
     return out
 
 
-def not_a_recurrence(cp: fx.Node) -> str | None:
-    """Why the write ``cp = S.copy_(v)`` is plainly not a recurrent-state step, or None if it may be one.
-
-    Not a recurrence: ``v`` does not depend on ``S`` (a reset, an initialisation); ``v`` is made from ``S`` by data
-    movement alone (a KV cache or convolution window shifted, concatenated or indexed); ``v`` comes out of a scan
-    over a sequence axis (``cumsum`` and kin: a prefill or chunked scan, which writes the state once per forward).
-    """
-    return why_not_a_step(cp.args[0], cp.args[1])
-
-
 def computes_from(state: fx.Node, value) -> bool:
     """Whether the value ``value`` written into ``state`` (or into rows of it) is computed from the state by more
     than moving its values around: a step of a recurrence, as opposed to a cache filled or shifted."""
@@ -155,7 +145,14 @@ def _ancestors(state: fx.Node, value: fx.Node) -> dict[fx.Node, list]:
 
 
 def why_not_a_step(state: fx.Node, value) -> str | None:
-    """:func:`not_a_recurrence` for the value ``value`` written into ``state``."""
+    """Why writing ``value`` into ``state`` (the state, or the rows of a pool it was gathered as) is plainly not a
+    recurrent-state step, or None if it may be one.
+
+    Not a recurrence: ``value`` does not depend on ``state`` (a reset, an initialisation); ``value`` is made from
+    ``state`` by data movement alone (a KV cache or convolution window shifted, concatenated or indexed); ``value``
+    comes out of a scan over a sequence axis (``cumsum`` and kin: a prefill or chunked scan, which writes the state
+    once per forward).
+    """
     if not isinstance(value, fx.Node):
         return "the state is filled with a constant (a reset)"
     inputs = _ancestors(state, value)

@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from .anchors import written_value
 from .graph_utils import VIEW_LIKE, is_inplace, op_name
 
 
@@ -166,6 +167,9 @@ class _Checker(fx.Interpreter):
         self.by_call = {m.copy_node: m for m in matches if getattr(m, "out", None) is not None}
         self.by_copy = {m.copy_node: m for m in matches if m.copy_node not in self.by_call}
         self.by_readout = {m.readout: m for m in matches if m.readout not in self.by_call}
+        # a slot pool's old rows are a gather, freed after its last use (the decay): kept for the reference
+        self.by_old = {m.old: m for m in matches if m.old is not None and m.old is not m.state}
+        self.olds: dict = {}
         self.need: dict[fx.Node, list] = {}
         for m in matches:
             for key, r in m.recipes.items():
@@ -219,6 +223,8 @@ class _Checker(fx.Interpreter):
             self.inputs.add(id(out))
         for m, key in self.need.get(n, ()):
             self._collect(m, key, n, out)
+        if n in self.by_old:
+            self.olds[id(self.by_old[n])] = out
         if n in self.by_readout:
             self._check_readout(self.by_readout[n], out)
         return out
@@ -265,7 +271,8 @@ class _Checker(fx.Interpreter):
             missing = set(m.new_keys) - set(c)
             if missing:
                 return f"could not evaluate {sorted(missing)} before the state write or readout"
-            self.ref_new[id(m)] = m.exact_new(self.env[m.state], c)
+            old = self.olds.pop(id(m)) if id(m) in self.olds else self.env[m.state]
+            self.ref_new[id(m)] = m.exact_new(old, c)
         return self.ref_new[id(m)]
 
     def _done(self, m):
@@ -278,7 +285,7 @@ class _Checker(fx.Interpreter):
         if isinstance(ref, str):
             self.errors[id(m)].append(ref)
             return
-        self.errors[id(m)].append(("new state", rel_err(self.env[cp.args[1]], ref)))
+        self.errors[id(m)].append(("new state", rel_err(self.env[written_value(cp)], ref)))
         self._done(m)
 
     def _check_readout(self, m, out: torch.Tensor):
