@@ -103,7 +103,7 @@ def schedule(steps, gen, pad):
     return out
 
 
-def serve(mod, steps=5 * L + 4, pool_kind="wrapped", seed=0):
+def serve(mod, steps=5 * L + 4, pool_kind="wrapped", seed=0, device="cpu"):
     """Run the serving loop eagerly and compiled, compare; returns the rewrites made.
 
     Padding rows: slot -1 where the module gathers with ``pool[slot]`` (eager indexing wraps it to the pool's last
@@ -111,25 +111,28 @@ def serve(mod, steps=5 * L + 4, pool_kind="wrapped", seed=0):
     slot per row where it uses ``index_select`` (which refuses -1; those rows are then stepped like any other).
 
     ``pool_kind``: "wrapped" (a ``ReplayTensor``: a slot write folds that slot alone), "flushed" (a plain tensor,
-    ``replay_compile.flush(pool)`` before the loop writes slots), "plain" (a plain tensor written as it is)."""
+    ``replay_compile.flush(pool)`` before the loop writes slots), "plain" (a plain tensor written as it is).
+    On CUDA the graph lowers through Inductor and the step runs the Triton kernels."""
     pad = "-1" if mod.read == "getitem" else "spare"
     gen = torch.Generator().manual_seed(seed)
-    pool_e = torch.randn(SLOTS + BATCH, *mod.state_shape, generator=gen)
+    mod = mod.to(device)
+    pool_e = torch.randn(SLOTS + BATCH, *mod.state_shape, generator=gen).to(device)
     pool_c = pool_e.clone()
     if pool_kind == "wrapped":
         pool_c = replay_compile.ReplayTensor(pool_c)
     last = pool_c[-1].clone()
-    cmod = torch.compile(mod, backend="replayssm", options={"buffer_len": L, "lower": "eager"}, dynamic=False)
+    options = {"buffer_len": L} if device == "cuda" else {"buffer_len": L, "lower": "eager"}
+    cmod = torch.compile(mod, backend="replayssm", options=options, dynamic=False)
     with torch.no_grad():
         for t, (rows, joins) in enumerate(schedule(steps, gen, pad)):
             if joins and pool_kind == "flushed":
                 replay_compile.flush(pool_c)
             for s in joins:                          # a new request's prefill state, written outside the step
-                init = torch.randn(*mod.state_shape, generator=gen)
+                init = torch.randn(*mod.state_shape, generator=gen).to(device)
                 pool_e[s] = init
                 pool_c[s] = init
-            slot = torch.tensor(rows)
-            ins = [torch.randn(*shp, generator=gen) for shp in mod.shapes(BATCH)]
+            slot = torch.tensor(rows, device=device)
+            ins = [torch.randn(*shp, generator=gen).to(device) for shp in mod.shapes(BATCH)]
             ye, yc = mod(pool_e, slot, *ins), cmod(pool_c, slot, *ins)
             real = slot >= 0
             torch.testing.assert_close(yc[real], ye[real], rtol=2e-5, atol=2e-5, msg=f"step {t}, slots {rows}")
@@ -162,6 +165,16 @@ def test_delta_pool_serving_loop(kda, read, write):
     rws = serve(DeltaPool(kda, read, write))
     assert [r.family for r in rws] == ["kda" if kda else "gdn"]
     assert rws[0].form.endswith("/slot pool")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("make", [lambda: Mamba2Pool(), lambda: Mamba2Pool("index_select", "index_copy"),
+                                  lambda: DeltaPool(False), lambda: DeltaPool(True, "index_select", "index_copy")],
+                         ids=["mamba2", "mamba2-index_copy", "gdn", "kda-index_copy"])
+def test_pool_serving_loop_cuda(make):
+    """The same loop through Inductor and the Triton kernels (their ``slot_idx`` rows and padding)."""
+    rws = serve(make(), device="cuda")
+    assert len(rws) == 1 and rws[0].form.endswith("/slot pool")
 
 
 class ReadsPoolTwice(Mamba2Pool):

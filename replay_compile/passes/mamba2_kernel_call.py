@@ -36,6 +36,7 @@ from torch.fx.proxy import GraphAppendingTracer, Proxy
 
 from .graph_utils import dtype, is_static_int, module_path, shape
 from .mamba2 import STATE_DTYPES, Mamba2Match, NoMatch, Recipe
+from .triton_launch import kernel_call, launches
 
 KERNEL = "_selective_scan_update_kernel"
 _TENSOR_PARAMS = ("state_ptr", "x_ptr", "dt_ptr", "dt_bias_ptr", "A_ptr", "B_ptr", "C_ptr", "D_ptr", "z_ptr",
@@ -43,42 +44,9 @@ _TENSOR_PARAMS = ("state_ptr", "x_ptr", "dt_ptr", "dt_bias_ptr", "A_ptr", "B_ptr
 _NEEDED = ("state_ptr", "x_ptr", "dt_ptr", "A_ptr", "B_ptr", "C_ptr", "out_ptr")
 
 
-def _hop():
-    return getattr(torch.ops.higher_order, "triton_kernel_wrapper_mutation", None)
-
-
-def jit_function(kernel):
-    """The ``JITFunction`` under autotuner / heuristics wrappers (``None`` if there is none)."""
-    seen = 0
-    while kernel is not None and not hasattr(kernel, "arg_names") and seen < 8:
-        kernel = getattr(kernel, "fn", None)
-        seen += 1
-    return kernel if hasattr(kernel, "arg_names") else None
-
-
-def kernel_call(node: fx.Node):
-    """``(jit_function, tensor kwargs, constant kwargs)`` of a Triton-kernel launch node, or ``None``."""
-    hop = _hop()
-    if hop is None or node.op != "call_function" or node.target is not hop:
-        return None
-    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
-
-    try:
-        kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
-        consts = kernel_side_table.get_constant_args(node.kwargs["constant_args_idx"])
-    except (KeyError, AssertionError, IndexError):
-        return None
-    return jit_function(kernel), dict(node.kwargs["kwargs"]), dict(consts)
-
-
 def anchors(gm: fx.GraphModule) -> list[fx.Node]:
     """Launches of a kernel named like mamba_ssm's state-update kernel."""
-    out = []
-    for n in gm.graph.nodes:
-        call = kernel_call(n)
-        if call is not None and call[0] is not None and getattr(call[0].fn, "__name__", "") == KERNEL:
-            out.append(n)
-    return out
+    return launches(gm, (KERNEL,))
 
 
 @dataclasses.dataclass
@@ -101,6 +69,13 @@ class KernelCallMatch(Mamba2Match):
 
     def exact_out(self, new: torch.Tensor, c: dict, D, z, x) -> torch.Tensor:
         return self.finish(self.exact_readout(new, c), x, D, z)
+
+    # the numerical check's view of a launch (shared with the other kernel-call anchors): the node holding the new
+    # state once the launch ran (the kernel writes the cache itself), and the output the launch should write
+    launch_new = property(lambda self: self.state)
+
+    def launch_out(self, new: torch.Tensor, c: dict, value) -> torch.Tensor:
+        return self.exact_out(new, c, value(self.D), value(self.z), c["x"])
 
 
 def match(node: fx.Node) -> KernelCallMatch:

@@ -21,8 +21,8 @@ from torch._dynamo.utils import counters
 from .._logging import log, timed_phase
 from ..config import ReplayConfig
 from ..errors import ReplayCompileError
-from . import (anchors as anchor_mod, broadcast, canonical, delta, graph_utils, mamba2,
-               mamba2_kernel_call as kernel_call, rewrite, state_writes, validate)
+from . import (anchors as anchor_mod, broadcast, canonical, delta, delta_kernel_call as fla_call, graph_utils, mamba2,
+               mamba2_kernel_call as kernel_call, rewrite, state_writes, triton_launch, validate)
 from .delta import DeltaMatcher
 from .mamba2 import Mamba2Matcher, NoMatch
 
@@ -103,7 +103,8 @@ class ReplaySSMPass:
     def uuid(self) -> str:
         """Changes whenever the pass's code or config does (for FX graph caches)."""
         h = hashlib.sha256(repr(self.config).encode())
-        for mod in (anchor_mod, broadcast, canonical, delta, graph_utils, mamba2, kernel_call, rewrite, state_writes, validate):
+        for mod in (anchor_mod, broadcast, canonical, delta, fla_call, graph_utils, mamba2, kernel_call, rewrite,
+                    state_writes, triton_launch, validate):
             h.update(inspect.getsource(mod).encode())
         return h.hexdigest()
 
@@ -114,8 +115,9 @@ class ReplaySSMPass:
         families = set(self.config.families)
         if not self.config.enabled or not families & {"mamba2", "gdn", "kda"}:
             return res
+        delta_on = bool(families & {"gdn", "kda"})
         if not (anchor_mod.find(gm.graph) or state_writes.computed_writes(gm.graph)
-                or ("mamba2" in families and kernel_call.anchors(gm))):
+                or ("mamba2" in families and kernel_call.anchors(gm)) or (delta_on and fla_call.anchors(gm))):
             return res
         gm = copy_graph_module(gm)
         forwarded, refused = state_writes.forward_clone_writebacks(gm.graph)
@@ -129,8 +131,13 @@ class ReplaySSMPass:
         m2, dm = Mamba2Matcher(gm), DeltaMatcher(gm)
         matches = []
         anchors = anchor_mod.find(gm.graph)
+        fla_launches = fla_call.anchors(gm) if delta_on else []
+        # the cache's copy of an fla launch's final state: matched (or skipped) with its launch below
+        fla_writebacks = {fla_call.writeback_of(n) for n in fla_launches} - {None}
         for a in anchors:
             cp = a.write
+            if cp in fla_writebacks:
+                continue
             layer = graph_utils.module_path(cp, default=f"state input `{a.state.name}`")
             try:
                 if cp in refused:
@@ -151,6 +158,15 @@ class ReplaySSMPass:
                 matches.append(kernel_call.match(call))
             except NoMatch as e:
                 self._skip(res, graph_utils.module_path(call, default=f"`{call.name}`"), str(e))
+        for call in fla_launches:                       # fla's recurrent delta-rule kernels, launched
+            try:
+                m = fla_call.match(call)
+                if m.family not in families:
+                    raise NoMatch(f"a {m.family} update, but family {m.family!r} is not enabled")
+                matches.append(m)
+            except NoMatch as e:
+                self._skip(res, graph_utils.module_path(call, default=f"`{call.name}`"), str(e),
+                           quiet=str(e).startswith("a launch over T="))
         if matches and self.config.validate:
             with timed_phase("replay_compile.validate"):
                 failed = validate.validate(gm, example_inputs, matches)
@@ -169,7 +185,12 @@ class ReplaySSMPass:
                 read_copy = None
             spec = rewrite.ring_spec(m, self.config.buffer_len, read_copy)
             rings = rewrite.add_ring_placeholders(gm, m, spec, i)
-            (kernel_call.apply if isinstance(m, kernel_call.KernelCallMatch) else rewrite.apply)(gm, m, rings, spec)
+            if isinstance(m, kernel_call.KernelCallMatch):
+                kernel_call.apply(gm, m, rings, spec)
+            elif isinstance(m, fla_call.FlaCallMatch):
+                fla_call.apply(gm, m, rings, spec)
+            else:
+                rewrite.apply(gm, m, rings, spec)
             res.fake_inputs.extend(r.meta["example_value"] for r in rings)
             res.sites.append(Site(placeholders.index(m.state), spec, m.layer, pooled=m.slot is not None))
             rw = Rewrite(m.layer, m.family, m.form, spec, m.describe(spec))

@@ -68,7 +68,7 @@ def add_ring_placeholders(gm: fx.GraphModule, m, spec, index: int) -> list[fx.No
     return list(reversed(out))
 
 
-def _erase_dead(graph: fx.Graph, roots: list) -> None:
+def erase_dead(graph: fx.Graph, roots: list) -> None:
     """Erase nodes that fed only removed nodes (pure ops only; in-place writes are never erased)."""
     todo, erased = [r for r in roots if isinstance(r, fx.Node)], set()
     while todo:
@@ -99,5 +99,5 @@ def apply(gm: fx.GraphModule, m, rings: list[fx.Node], spec=None) -> fx.Node:
     roots = list(m.readout.all_input_nodes) + list(m.copy_node.all_input_nodes)
     graph.erase_node(m.readout)
     graph.erase_node(m.copy_node)
-    _erase_dead(graph, [r for r in roots if r is not m.readout and r is not m.copy_node])
+    erase_dead(graph, [r for r in roots if r is not m.readout and r is not m.copy_node])
     return op
