@@ -27,6 +27,11 @@ from .delta import DeltaMatcher
 from .mamba2 import Mamba2Matcher, NoMatch
 
 
+PER_CHANNEL = ("a state [batch, (heads,) channels, states] updated as exp(dt A) S + update with a decay per (channel, state) "
+               "(Mamba-1's recurrence): not rewritten; at 16 states per channel a replay step's records would cost "
+               "most of what it saves (at most 1.28-1.44x, docs/design/mamba1.md)")
+
+
 @dataclasses.dataclass(frozen=True)
 class Rewrite:
     layer: str
@@ -118,6 +123,7 @@ class ReplaySSMPass:
         delta_on = bool(families & {"gdn", "kda"})
         if not (anchor_mod.find(gm.graph) or state_writes.computed_writes(gm.graph)
                 or ("mamba2" in families and kernel_call.anchors(gm)) or (delta_on and fla_call.anchors(gm))):
+            self._report_per_channel(res, gm)
             return res
         gm = copy_graph_module(gm)
         forwarded, refused = state_writes.forward_clone_writebacks(gm.graph)
@@ -134,6 +140,9 @@ class ReplaySSMPass:
         fla_launches = fla_call.anchors(gm) if delta_on else []
         # the cache's copy of an fla launch's final state: matched (or skipped) with its launch below
         fla_writebacks = {fla_call.writeback_of(n) for n in fla_launches} - {None}
+        # Mamba-1's shape of update: the reason given where the matchers find none (a Mamba-2 update written with
+        # dt and A expanded over the head and state dims looks the same by shape, and is matched)
+        per_channel = state_writes.per_channel_recurrences(gm.graph)
         for a in anchors:
             cp = a.write
             if cp in fla_writebacks:
@@ -147,9 +156,14 @@ class ReplaySSMPass:
                     raise NoMatch("the result of the state write is used")
                 matches.append(self._match(a, m2, dm, families))
             except NoMatch as e:
+                if a.state in per_channel:
+                    self._skip(res, layer, PER_CHANNEL)
+                    continue
                 why = None if cp in refused or a.old is None else state_writes.why_not_a_step(a.old, a.value)
                 self._skip(res, layer, why or str(e), quiet=why is not None)
-        self._report_other_writes(res, gm, {a.state for a in anchors})
+        anchored = {a.state for a in anchors}
+        self._report_other_writes(res, gm, anchored | set(per_channel))
+        self._report_per_channel(res, gm, anchored)
         refused_clones = {wb.args[1] for wb in refused}
         for call in kernel_call.anchors(gm) if "mamba2" in families else ():   # mamba_ssm's kernel, launched
             if refused_clones & set(call.all_input_nodes):
@@ -228,6 +242,12 @@ class ReplaySSMPass:
                 if err is None or "state itself" in str(err) or "dim -2" in str(err):
                     err = e
         raise err
+
+    def _report_per_channel(self, res: PassResult, gm: fx.GraphModule, anchored: set = frozenset()) -> None:
+        for state, w in state_writes.per_channel_recurrences(gm.graph).items():
+            if state in anchored:
+                continue                                # matched, or reported at its anchor
+            self._skip(res, graph_utils.module_path(w, default=f"state input `{state.name}`"), PER_CHANNEL)
 
     def _report_other_writes(self, res: PassResult, gm: fx.GraphModule, anchored: set) -> None:
         """Every computed write of a state that no anchor covers is reported (and raises under ``strict``)."""

@@ -210,3 +210,80 @@ def computed_writes(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
         if any(op_name(w) not in DATA_MOVES or any(computes_from(s, v) for v in _written_values(w)) for w in ws):
             out[s] = ws
     return out
+
+
+def _view_base(n) -> fx.Node | None:
+    """The graph input that ``n`` is (or is a slice of: ``S[:, h]``, as Zamba writes each head), else ``None``."""
+    while isinstance(n, fx.Node) and op_name(n) in ("getitem", "select", "narrow", "view", "float", "to"):
+        n = n.args[0]
+    return n if isinstance(n, fx.Node) and n.op == "placeholder" else None
+
+
+def _per_channel_step(p: fx.Node, target: fx.Node, value) -> bool:
+    """``value`` reads ``exp(·) * old + update``: the old state (``p`` or a slice or cast of it, or a clone of it
+    written in place before) times a factor computed through ``exp`` with one entry per (channel, state) of the
+    written ``target``, plus another term."""
+    from .graph_utils import flatten, shape, strip
+
+    def is_old(f) -> bool:
+        f = strip(f)
+        if is_call(f, "clone") and f.args:
+            f = f.args[0]
+        return _view_base(f) is p
+
+    def has_exp(f) -> bool:
+        seen, todo = set(), [f]
+        while todo:
+            x = todo.pop()
+            if not isinstance(x, fx.Node) or x in seen or x.op == "placeholder":
+                continue
+            seen.add(x)
+            if op_name(x) == "exp":
+                return True
+            todo.extend(x.all_input_nodes)
+        return False
+
+    from .broadcast import FULL, BroadcastAnalysis
+
+    bx = BroadcastAnalysis()
+
+    def per_entry(f) -> bool:
+        """A decay of its own along both last dims (channel and state): shaped [..., C, N] and not provably constant
+        along either (transformers' Mamba-2 step expands its per-head dt and A to [H, P, N]: constant there)."""
+        fs, ts = shape(f), shape(target)
+        if not (fs is not None and ts is not None and len(fs) >= 2 and len(ts) >= 2
+                and tuple(fs[-2:]) == tuple(ts[-2:]) and 1 not in tuple(ts[-2:])):
+            return False
+        rep = bx.rep(f)
+        return FULL not in rep[-2:]
+
+    terms = flatten(value, "add")
+    for t in terms:
+        factors = flatten(t, "mul")
+        if len(terms) == 2 and any(is_old(f) for f in factors) and any(
+                has_exp(f) and per_entry(f) for f in factors if not is_old(f)):
+            return True
+    return False
+
+
+def per_channel_recurrences(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
+    """``{state: write}`` of floating-point graph inputs ``[batch, (heads,) channels, states]`` updated as
+    ``S.copy_(exp(·) * S + update)`` (or a slice of S per head) with a decay of their own for every (channel, state)
+    entry, directly or through a clone written in place and copied back: Mamba-1's recurrence (Zamba writes it head
+    by head). A per-head decay (Mamba-2, a normaliser) broadcasts along the last dims and is not one; nor is a
+    convolution window shifted into its state (it multiplies nothing)."""
+    out = {}
+    for w in graph.nodes:
+        if op_name(w) != "copy_" or len(w.args) < 2 or not isinstance(w.args[0], fx.Node):
+            continue
+        p = _view_base(w.args[0])
+        v = p.meta.get("example_value") if p is not None else None
+        if p in out or not (isinstance(v, torch.Tensor) and v.dim() in (3, 4) and v.is_floating_point()):
+            continue
+        value = w.args[1]
+        if is_call(value, "clone") and value.args and value.args[0] is w.args[0]:
+            inner = [u for u in value.users if op_name(u) == "copy_" and u.args[0] is value]
+            value = inner[-1].args[1] if inner else value
+        if isinstance(value, fx.Node) and _per_channel_step(p, w.args[0], value):
+            out[p] = w
+    return out
