@@ -136,8 +136,9 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, ini
                                      use_gate_in_kernel=False, A_log=None, dt_bias=None,
                                      use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
                                      state_v_first=False, gk=None, **kwargs):
-    """fla's GDN entry point (its arguments, one launch, a new fp32 final state)."""
-    q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
+    """fla's GDN entry point (its arguments, one launch, a new fp32 final state; every tensor made contiguous, as
+    fla's ``input_guard`` does)."""
+    q, k, v, g, beta, initial_state = (x.contiguous() for x in (q, k, v, g, beta, initial_state))
     B_, T, H_, K_ = k.shape
     HV_, V_ = v.shape[2], v.shape[3]
     scale = K_ ** -0.5 if scale is None else scale
@@ -157,7 +158,7 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
                         output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
                         use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False, **kwargs):
     """fla's KDA entry point (``inplace_final_state=False``, as its public function launches it)."""
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    q, k, v, g, beta, initial_state = (x.contiguous() for x in (q, k, v, g, beta, initial_state))
     B_, T, H_, K_ = k.shape
     HV_, V_ = v.shape[2], v.shape[3]
     scale = K_ ** -0.5 if scale is None else scale

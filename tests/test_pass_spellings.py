@@ -203,7 +203,20 @@ class InPlaceAddcmul(_Parts):
         return (state * Ch[:, :, None, :]).sum(-1)
 
 
-@pytest.mark.parametrize("case", [EinsumOuterUpdate, ReadoutAfterWrite, InPlaceMulAdd, InPlaceAddcmul])
+class FlatBaddbmm(_Parts):
+    """The step over a flattened ``[b·H, P, N]`` state: ``baddbmm(S * dA, dt x, B)`` viewed back to the state."""
+
+    def forward(self, state, x, dt, B, C):
+        d, dA, Bh, Ch = self.parts(dt, B, C)
+        bh = state.shape[0] * H
+        flat = torch.baddbmm(state.view(bh, P, N) * dA.reshape(bh, 1, 1), (d[..., None] * x).reshape(bh, P, 1),
+                             Bh.reshape(bh, 1, N))
+        new = flat.view(state.shape)
+        state.copy_(new)
+        return torch.bmm(flat, Ch.reshape(bh, N, 1)).view(state.shape[0], H, P)
+
+
+@pytest.mark.parametrize("case", [EinsumOuterUpdate, ReadoutAfterWrite, InPlaceMulAdd, InPlaceAddcmul, FlatBaddbmm])
 def test_einsum_and_in_place_spellings_are_rewritten_and_match_eager(case):
     rep = only_report(run_both(case()))
     assert len(rep.rewrites) == 1 and rep.rewrites[0].family == "mamba2", rep.skipped

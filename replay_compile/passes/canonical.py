@@ -28,7 +28,9 @@ import torch
 import torch.fx as fx
 
 from . import anchors
-from .graph_utils import ALIASING, METADATA, dtype, example, op_name, shape, state_inputs, writers
+from .rewrite import erase_dead
+from .graph_utils import (ALIASING, METADATA, dtype, example, flatten, is_static_int, op_name, shape, state_inputs,
+                          strip, writers)
 
 # in-place arithmetic a state update is spelt with, and what each becomes
 _INPLACE = {"mul_", "add_", "sub_", "div_", "addcmul_"}
@@ -41,6 +43,7 @@ def canonicalize(graph: fx.Graph) -> list[str]:
         done += _functionalize_inplace(graph, s)
         done += _forward_reads_after_write(graph, s)
     done += _expand_outer_products(graph)
+    done += _sums_under_a_view(graph)
     return done
 
 
@@ -250,3 +253,70 @@ def _rank1_matmul_as_product(graph: fx.Graph, n: fx.Node) -> fx.Node | None:
         if kw.get("beta", 1) != 1:
             c = _call(graph, operator.mul, c, kw["beta"])
         return _call(graph, operator.add, c, prod)
+
+
+def _sums_under_a_view(graph: fx.Graph) -> list[str]:
+    """A step computed over a flattened ``[b·H, P, N]`` state and viewed back, ``S.copy_(flat.view(b, H, P, N))``
+    with ``flat = S.view(b·H, P, N) * a + x * B`` (``baddbmm``'s broadcast product): the sum computed over the
+    state's own shape instead, each factor viewed to it (a factor of ``b·H`` rows split, a broadcast one kept), and
+    other readers of ``flat`` (the readout) reading a view of the new sum."""
+    done = []
+    for a in anchors.find(graph):
+        v = a.value
+        if a.slot is not None or op_name(v) not in ("view", "reshape") or not isinstance(v.args[0], fx.Node):
+            continue
+        flat = v.args[0]
+        ts, fs = shape(v), shape(flat)
+        if ts is None or fs is None or len(ts) != 4 or len(fs) != 3 or tuple(fs[1:]) != tuple(ts[2:]):
+            continue
+        H = ts[1]
+        if not is_static_int(H) or not all(is_static_int(x) for x in ts[2:]):
+            continue
+        terms = flatten(flat, "add")
+        if len(terms) < 2:
+            continue
+        before = set(graph.nodes)
+        with graph.inserting_before(flat.next):
+            lifted = []
+            for t in terms:
+                factors = [_lift_rows(graph, f, fs, ts) for f in flatten(t, "mul")]
+                if any(f is None for f in factors):
+                    lifted = None
+                    break
+                lifted.append(factors)
+            if lifted is None:
+                continue
+            new = None
+            for factors in lifted:
+                prod = factors[0]
+                for f in factors[1:]:
+                    prod = _call(graph, operator.mul, prod, f)
+                new = prod if new is None else _call(graph, operator.add, new, prod)
+            as_flat = _method(graph, "reshape", new, -1, *fs[1:])
+        made = set(graph.nodes) - before
+        v.replace_all_uses_with(new)
+        for u in list(flat.users):
+            if u is not v and u not in made:
+                _read_as(u, {flat}, as_flat)
+        erase_dead(graph, [v, flat])                    # the flat sum and its view of S: no reader is left
+        done.append(f"the sum `{flat.name}` under the view `{v.name}` computed over the state's shape")
+    return done
+
+
+def _lift_rows(graph: fx.Graph, f, fs: tuple, ts: tuple):
+    """Factor ``f`` of a ``[b·H, P, N]`` sum as a factor of the ``[b, H, P, N]`` one (``None`` if it cannot be)."""
+    if not isinstance(f, fx.Node):
+        return f                                        # a scalar
+    src = strip(f)
+    if op_name(src) in ("view", "reshape") and isinstance(src.args[0], fx.Node) and shape(src.args[0]) is not None \
+            and tuple(shape(src.args[0])) == tuple(ts):
+        return src.args[0]                              # S.view(b·H, P, N): S itself
+    s = shape(f)
+    if s is None or len(s) > 3:
+        return None
+    s = (1,) * (3 - len(s)) + tuple(s)
+    if s[0] == 1:
+        return _method(graph, "reshape", f, 1, 1, *s[1:])
+    if s[0] == fs[0]:
+        return _method(graph, "reshape", f, -1, ts[1], *s[1:])
+    return None

@@ -72,6 +72,14 @@ class FlaCallMatch(DeltaMatch):
         return self.exact_readout(new, c).reshape(self.out_shape)
 
 
+def _source(n):
+    """What a launch argument holds: through ``contiguous`` / ``to`` / ``float`` (fla's ``input_guard`` makes every
+    argument contiguous; a launch is recorded as writing all its tensors, so :func:`strip` does not follow these)."""
+    while isinstance(n, fx.Node) and op_name(n) in ("contiguous", "to", "float") and n.args:
+        n = n.args[0]
+    return n
+
+
 def writeback_of(node: fx.Node) -> fx.Node | None:
     """The ``S.copy_(ht)`` that stores a launch's final-state buffer into the state it read (``None`` if absent)."""
     call = kernel_call(node)
@@ -80,7 +88,7 @@ def writeback_of(node: fx.Node) -> fx.Node | None:
     ht, h0 = call[1].get("ht"), call[1].get("h0")
     if not isinstance(ht, fx.Node) or not isinstance(h0, fx.Node):
         return None
-    state = strip(h0)
+    state = _source(h0)
     for u in _value_users(ht):
         if op_name(u) == "copy_" and len(u.args) >= 2 and strip(u.args[1]) is ht and strip(u.args[0]) is state:
             return u
@@ -126,7 +134,7 @@ def match(node: fx.Node) -> FlaCallMatch:
     T = args.get("T")
     if T != 1:
         raise NoMatch(f"a launch over T={T} tokens: not a single-token decode step")
-    state = strip(args["h0"])
+    state = _source(args["h0"])
     if state.op != "placeholder":
         raise NoMatch("the kernel's initial state is not a graph input (a cache tensor)")
     st = shape(state)
