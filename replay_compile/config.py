@@ -47,7 +47,7 @@ ENV_VARS: dict[str, tuple[str, Any, str]] = {
     "REPLAY_COMPILE_STRICT": ("strict", parse_flag, "1: raise instead of leaving an unrecognised SSM update unchanged"),
     "REPLAY_COMPILE_VALIDATE": ("validate", parse_flag, "0: skip the numerical check of each match at compile time"),
     "REPLAY_COMPILE_FAMILIES": ("families", lambda s: tuple(x for x in s.split(",") if x),
-                                "comma list of families to rewrite; default all (mamba2, gdn, kda)"),
+                                "comma list of families to rewrite; default all (mamba2, gdn, kda, mamba1)"),
     "REPLAY_COMPILE_DISABLE": ("enabled", lambda s: not parse_flag(s),
                                "1: compile with the lowering only, rewrite nothing"),
     "REPLAY_COMPILE_READ_COPY": ("read_copy", lambda s: s or None,
@@ -71,7 +71,7 @@ OTHER_ENV_VARS = {
     "REPLAY_COMPILE_BENCH_COMPILE_TIMES": "1: replay-compile bench prints Dynamo's compile phases per run",
 }
 
-SUPPORTED_FAMILIES = ("mamba2", "gdn", "kda")
+SUPPORTED_FAMILIES = ("mamba2", "gdn", "kda", "mamba1")
 SUPPORTED_LOWERINGS = ("inductor", "eager", "piecewise", "tensorrt")
 SUPPORTED_READ_COPIES = ("bf16", "fp8_e4m3", "nvfp4", "nvfp4_row")
 
@@ -86,7 +86,8 @@ class ReplayConfig:
         strict: raise :class:`~replay_compile.errors.ReplayCompileError` when a state update anchor is found
             but cannot be rewritten, instead of leaving it unchanged with a log line.
         validate: numerically check every match on small inputs before rewriting it.
-        families: SSM families to rewrite ("mamba2", "gdn": Gated DeltaNet, "kda": Kimi Delta Attention).
+        families: SSM families to rewrite ("mamba2", "gdn": Gated DeltaNet, "kda": Kimi Delta Attention,
+            "mamba1").
         enabled: rewrite at all (``False`` gives plain lowering, useful for A/B runs).
         lower: ``"inductor"`` (default), ``"eager"`` (run the rewritten FX graph as is; for debugging),
             ``"piecewise"`` (split at mutating nodes, Inductor per pure piece) or ``"tensorrt"`` (the same with

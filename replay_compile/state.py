@@ -105,6 +105,41 @@ class Mamba2RingSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class Mamba1RingSpec:
+    """Sizes of one Mamba-1 layer's rings (:mod:`replay_compile.kernels.mamba1_reference`): ``D`` channels, ``N``
+    state entries per channel, ``L`` the buffer length."""
+
+    D: int
+    N: int
+    L: int
+    rec_dtype: torch.dtype = torch.float32
+    read_copy: Optional[str] = None     # not offered for Mamba-1: always None
+
+    family = property(lambda self: "mamba1")
+    ring_names = property(lambda self: ("u_ring", "dt_ring", "B_ring", "A_keep", "cursor"))
+    step_op = property(lambda self: (torch.ops.replay_compile.mamba1_step.default, ()))
+
+    def allocate(self, slots, device) -> tuple:
+        """Zeroed (u_ring [S, L, D], dt_ring [S, L, D], B_ring [S, L, N], A_keep [D, N], cursor [S])."""
+        z = lambda shape: torch.zeros(shape, dtype=self.rec_dtype, device=device)  # noqa: E731
+        return (z((slots, self.L, self.D)), z((slots, self.L, self.D)), z((slots, self.L, self.N)),
+                z((self.D, self.N)), torch.zeros((slots,), dtype=torch.int32, device=device))
+
+    def sync_copy(self, state: torch.Tensor, rings: tuple) -> None:
+        pass
+
+    def flush(self, state: torch.Tensor, rings: tuple, slots: torch.Tensor | None = None) -> None:
+        torch.ops.replay_compile.mamba1_flush(state, *rings, slots)
+
+    def materialize(self, state: torch.Tensor, rings: tuple) -> torch.Tensor:
+        return torch.ops.replay_compile.mamba1_materialize(state, *rings)
+
+    def nbytes_per_slot(self) -> int:
+        es = torch.empty((), dtype=self.rec_dtype).element_size()
+        return self.L * (2 * self.D + self.N) * es + 4
+
+
+@dataclasses.dataclass(frozen=True)
 class DeltaRingSpec:
     """Sizes and dtypes of one delta-rule layer's rings (Gated DeltaNet, or KDA when ``kda``)."""
 

@@ -1,5 +1,5 @@
 """Custom ops (``torch.ops.replay_compile.*``). Importing this package registers them."""
 
-from . import delta, delta_readcopy, delta_spec, mamba2, mamba2_readcopy, mamba2_spec, spec  # noqa: F401
+from . import delta, delta_readcopy, delta_spec, mamba1, mamba2, mamba2_readcopy, mamba2_spec, spec  # noqa: F401
 
-__all__ = ["delta", "delta_readcopy", "delta_spec", "mamba2", "mamba2_readcopy", "mamba2_spec", "spec"]
+__all__ = ["delta", "delta_readcopy", "delta_spec", "mamba1", "mamba2", "mamba2_readcopy", "mamba2_spec", "spec"]

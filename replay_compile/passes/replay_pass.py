@@ -21,15 +21,15 @@ from torch._dynamo.utils import counters
 from .._logging import log, timed_phase
 from ..config import ReplayConfig
 from ..errors import ReplayCompileError
-from . import (anchors as anchor_mod, broadcast, canonical, delta, delta_kernel_call as fla_call, graph_utils, mamba2,
-               mamba2_kernel_call as kernel_call, rewrite, state_writes, triton_launch, validate)
+from . import (anchors as anchor_mod, broadcast, canonical, delta, delta_kernel_call as fla_call, graph_utils, mamba1,
+               mamba2, mamba2_kernel_call as kernel_call, rewrite, state_writes, triton_launch, validate)
+from .graph_utils import shape
 from .delta import DeltaMatcher
 from .mamba2 import Mamba2Matcher, NoMatch
 
 
 PER_CHANNEL = ("a state [batch, (heads,) channels, states] updated as exp(dt A) S + update with a decay per (channel, state) "
-               "(Mamba-1's recurrence): not rewritten; at 16 states per channel a replay step's records would cost "
-               "most of what it saves (at most 1.28-1.44x, docs/design/mamba1.md)")
+               "(Mamba-1's recurrence), in a form the Mamba-1 rewrite does not read")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,8 +108,8 @@ class ReplaySSMPass:
     def uuid(self) -> str:
         """Changes whenever the pass's code or config does (for FX graph caches)."""
         h = hashlib.sha256(repr(self.config).encode())
-        for mod in (anchor_mod, broadcast, canonical, delta, fla_call, graph_utils, mamba2, kernel_call, rewrite,
-                    state_writes, triton_launch, validate):
+        for mod in (anchor_mod, broadcast, canonical, delta, fla_call, graph_utils, mamba1, mamba2, kernel_call,
+                    rewrite, state_writes, triton_launch, validate):
             h.update(inspect.getsource(mod).encode())
         return h.hexdigest()
 
@@ -118,11 +118,12 @@ class ReplaySSMPass:
         res = PassResult(gm=gm)
         res.ops_before = res.ops_after = count_ops(gm)
         families = set(self.config.families)
-        if not self.config.enabled or not families & {"mamba2", "gdn", "kda"}:
+        if not self.config.enabled or not families & {"mamba2", "gdn", "kda", "mamba1"}:
             return res
         delta_on = bool(families & {"gdn", "kda"})
         if not (anchor_mod.find(gm.graph) or state_writes.computed_writes(gm.graph)
-                or ("mamba2" in families and kernel_call.anchors(gm)) or (delta_on and fla_call.anchors(gm))):
+                or ("mamba2" in families and kernel_call.anchors(gm)) or (delta_on and fla_call.anchors(gm))
+                or state_writes.per_channel_recurrences(gm.graph)):
             self._report_per_channel(res, gm)
             return res
         gm = copy_graph_module(gm)
@@ -162,6 +163,17 @@ class ReplaySSMPass:
                 why = None if cp in refused or a.old is None else state_writes.why_not_a_step(a.old, a.value)
                 self._skip(res, layer, why or str(e), quiet=why is not None)
         anchored = {a.state for a in anchors}
+        for state, w in per_channel.items():            # Mamba-1: whole 3-D states
+            if state in anchored or w.args[0] is not state or len(shape(state) or ()) != 3:
+                continue
+            anchored.add(state)
+            layer = graph_utils.module_path(w, default=f"state input `{state.name}`")
+            try:
+                if "mamba1" not in families:
+                    raise NoMatch("family 'mamba1' is not enabled")
+                matches.append(mamba1.match(state, w))
+            except NoMatch as e:
+                self._skip(res, layer, f"{PER_CHANNEL}: {e}")
         self._report_other_writes(res, gm, anchored | set(per_channel))
         self._report_per_channel(res, gm, anchored)
         refused_clones = {wb.args[1] for wb in refused}
@@ -247,7 +259,9 @@ class ReplaySSMPass:
         for state, w in state_writes.per_channel_recurrences(gm.graph).items():
             if state in anchored:
                 continue                                # matched, or reported at its anchor
-            self._skip(res, graph_utils.module_path(w, default=f"state input `{state.name}`"), PER_CHANNEL)
+            how = (": written head by head through slices of the state (Zamba), which the rewrite does not take"
+                   if w.args[0] is not state else "")
+            self._skip(res, graph_utils.module_path(w, default=f"state input `{state.name}`"), PER_CHANNEL + how)
 
     def _report_other_writes(self, res: PassResult, gm: fx.GraphModule, anchored: set) -> None:
         """Every computed write of a state that no anchor covers is reported (and raises under ``strict``)."""

@@ -353,6 +353,35 @@ DELTA_FAMILY: Dict[str, Callable[..., torch.nn.Module]] = {
 }
 
 
+def _mamba1_cfgs():
+    small = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2)
+    return {
+        "mamba": ("MambaConfig", "MambaForCausalLM", dict(small, state_size=8, expand=2)),
+        "falcon_mamba": ("FalconMambaConfig", "FalconMambaForCausalLM", dict(small, state_size=8, expand=2)),
+        "jamba": ("JambaConfig", "JambaForCausalLM", dict(
+            small, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, num_experts=1,
+            attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8, mamba_expand=2)),
+    }
+
+
+def _mamba1_builder(family: str) -> Callable[..., torch.nn.Module]:
+    def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides) -> torch.nn.Module:
+        import transformers
+        cfg_name, model_name, kw = _mamba1_cfgs()[family]
+        config = getattr(transformers, cfg_name)(**{**kw, **overrides})
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = getattr(transformers, model_name)(config)
+        model.generation_config.eos_token_id = None  # always run max_new_tokens
+        return model.to(dtype).eval()
+    build.__doc__ = f"Build a tiny random {family} model (Mamba-1 layers; eval mode)."
+    return build
+
+
+MAMBA1_FAMILY: Dict[str, Callable[..., torch.nn.Module]] = {f: _mamba1_builder(f) for f in ("mamba", "falcon_mamba",
+                                                                                         "jamba")}
+
+
 @torch.no_grad()
 def slow_gdn_gates(model, seed: int = 0) -> None:
     """Redraw every GDN layer's gates as the Mamba-2 builds do: -A ~ U[0.5, 2], softplus(dt_bias) ~ U[0.05, 0.4],
