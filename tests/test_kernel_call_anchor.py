@@ -42,7 +42,8 @@ def _selective_scan_update_kernel(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_STATE_BATCH_INDICES: tl.constexpr,
     BLOCK_SIZE_DSTATE: tl.constexpr,
 ):
-    # stand-in body (one program per row and head, the whole [dim, dstate] tile; the TIE_HDIM step only)
+    # stand-in body (one program per row and head, the whole [dim, dstate] tile; dt and A read per element, so the
+    # tied form (zero strides along dim / dstate) and the Mamba-1 form (a state of one head) both run)
     row = tl.program_id(1)
     h = tl.program_id(2)
     offs_m = tl.arange(0, BLOCK_SIZE_M)
@@ -54,16 +55,19 @@ def _selective_scan_update_kernel(
     s = tl.load(s_ptrs, mask=mm[:, None] & mn[None, :], other=0.0).to(tl.float32)
     x = tl.load(x_ptr + row * stride_x_batch + h * stride_x_head + offs_m * stride_x_dim, mask=mm, other=0.0)
     x = x.to(tl.float32)
-    dt = tl.load(dt_ptr + row * stride_dt_batch + h * stride_dt_head).to(tl.float32)
+    dt = tl.load(dt_ptr + row * stride_dt_batch + h * stride_dt_head + offs_m * stride_dt_dim, mask=mm,
+                 other=0.0).to(tl.float32)
     if HAS_DT_BIAS:
-        dt += tl.load(dt_bias_ptr + h * stride_dt_bias_head).to(tl.float32)
+        dt += tl.load(dt_bias_ptr + h * stride_dt_bias_head + offs_m * stride_dt_bias_dim, mask=mm,
+                      other=0.0).to(tl.float32)
     if DT_SOFTPLUS:
         dt = tl.where(dt <= 20.0, tl.log(1.0 + tl.exp(dt)), dt)
-    a = tl.load(A_ptr + h * stride_A_head).to(tl.float32)
+    a = tl.load(A_ptr + h * stride_A_head + offs_m[:, None] * stride_A_dim + offs_n[None, :] * stride_A_dstate,
+                mask=mm[:, None] & mn[None, :], other=0.0).to(tl.float32)
     g = h // nheads_ngroups_ratio
     bv = tl.load(B_ptr + row * stride_B_batch + g * stride_B_group + offs_n * stride_B_dstate, mask=mn, other=0.0)
     cv = tl.load(C_ptr + row * stride_C_batch + g * stride_C_group + offs_n * stride_C_dstate, mask=mn, other=0.0)
-    s = s * tl.exp(a * dt) + (dt * x)[:, None] * bv.to(tl.float32)[None, :]
+    s = s * tl.exp(a * dt[:, None]) + (dt * x)[:, None] * bv.to(tl.float32)[None, :]
     tl.store(s_ptrs, s, mask=mm[:, None] & mn[None, :])
     out = tl.sum(s * cv.to(tl.float32)[None, :], axis=1)
     if HAS_D:
@@ -256,3 +260,70 @@ def test_real_mamba_ssm_kernel_on_gpu():
             torch.testing.assert_close(y.double(), want, rtol=1e-4, atol=1e-4, msg=f"step {t}")
     rewrites = [w for r in replay_compile.reports() for w in r.rewrites]
     assert [w.form for w in rewrites] == ["mamba_ssm kernel"], [str(w) for w in rewrites]
+
+
+# -- Mamba-1: mamba_ssm's selective_state_update on a 3-D state (transformers' Mamba, Falcon-Mamba, Jamba) ----------
+
+D1, N1 = 12, 6
+
+
+def ssu_mamba1(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
+    """Shaped like ``selective_state_update`` with 3-D inputs: one head, everything unsqueezed, dt untied."""
+    out = ssu(state.unsqueeze(1), x.unsqueeze(1), dt.unsqueeze(1), A.unsqueeze(0), B.unsqueeze(1), C.unsqueeze(1),
+              D=D.unsqueeze(0) if D is not None else None, z=z.unsqueeze(1) if z is not None else None,
+              dt_bias=dt_bias.unsqueeze(0) if dt_bias is not None else None, dt_softplus=dt_softplus,
+              tie_hdim=False)
+    return out.squeeze(1)
+
+
+class Mamba1KernelStep(torch.nn.Module):
+    """A Mamba-1 decode step as transformers writes it when mamba_ssm is installed (5.25: on a clone copied back)."""
+
+    def __init__(self, cloned: bool):
+        super().__init__()
+        g = torch.Generator().manual_seed(2)
+        self.A_log = torch.nn.Parameter(torch.rand(D1, N1, generator=g).log1p())
+        self.D = torch.nn.Parameter(torch.randn(D1, generator=g))
+        self.dt_bias = torch.nn.Parameter(torch.randn(D1, generator=g) * 0.5)
+        self.cloned = cloned
+
+    def forward(self, state, x, dt, B, C, z):
+        cache, state = state, (state.clone() if self.cloned else state)
+        y = ssu_mamba1(state, x, dt, -torch.exp(self.A_log.float()), B, C, D=self.D, z=z, dt_bias=self.dt_bias,
+                       dt_softplus=True)
+        if self.cloned:
+            cache.copy_(state)
+        return y * 1.5
+
+
+def exact_mamba1(mod, S, x, dt, B, C, z):
+    d = torch.nn.functional.softplus(dt.double() + mod.dt_bias.double())
+    A = -torch.exp(mod.A_log.double())
+    S.mul_(torch.exp(d[..., None] * A)).add_((d * x.double())[..., None] * B.double()[:, None, :])
+    y = (S * C.double()[:, None, :]).sum(-1) + mod.D.double() * x.double()
+    return y * z.double() * torch.sigmoid(z.double()) * 1.5
+
+
+def inputs_mamba1(t):
+    g = torch.Generator().manual_seed(300 + t)
+    return (torch.randn(b, D1, generator=g), torch.randn(b, D1, generator=g), torch.randn(b, N1, generator=g),
+            torch.randn(b, N1, generator=g), torch.randn(b, D1, generator=g))
+
+
+@pytest.mark.parametrize("cloned", [False, True])
+def test_mamba1_kernel_launch_is_rewritten_and_tracks_the_exact_recurrence(triton_visible_to_dynamo, cloned):
+    mod = Mamba1KernelStep(cloned)
+    cmod = torch.compile(mod, backend="replayssm", options={"buffer_len": L, "lower": "eager"})
+    state = torch.randn(b, D1, N1)
+    oracle = state.double().clone()
+    replay_compile.clear_reports()
+    with torch.no_grad():
+        for t in range(2 * L + 2):
+            y = cmod(state, *inputs_mamba1(t))
+            want = exact_mamba1(mod, oracle, *inputs_mamba1(t))
+            torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5, msg=f"step {t}")
+            if t % L == L - 1:
+                torch.testing.assert_close(state.double(), oracle, rtol=1e-5, atol=1e-5, msg=f"step {t} state")
+    rewrites = [w for r in replay_compile.reports() for w in r.rewrites]
+    assert [(w.form, w.family) for w in rewrites] == [("mamba_ssm kernel", "mamba1")], [str(w) for w in rewrites]
+    torch.testing.assert_close(replay_compile.materialize(state).double(), oracle, rtol=1e-5, atol=1e-5)

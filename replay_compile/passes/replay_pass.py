@@ -122,7 +122,8 @@ class ReplaySSMPass:
             return res
         delta_on = bool(families & {"gdn", "kda"})
         if not (anchor_mod.find(gm.graph) or state_writes.computed_writes(gm.graph)
-                or ("mamba2" in families and kernel_call.anchors(gm)) or (delta_on and fla_call.anchors(gm))
+                or (families & {"mamba2", "mamba1"} and kernel_call.anchors(gm))
+                or (delta_on and fla_call.anchors(gm))
                 or state_writes.per_channel_recurrences(gm.graph)):
             self._report_per_channel(res, gm)
             return res
@@ -177,11 +178,14 @@ class ReplaySSMPass:
         self._report_other_writes(res, gm, anchored | set(per_channel))
         self._report_per_channel(res, gm, anchored)
         refused_clones = {wb.args[1] for wb in refused}
-        for call in kernel_call.anchors(gm) if "mamba2" in families else ():   # mamba_ssm's kernel, launched
+        for call in kernel_call.anchors(gm) if families & {"mamba2", "mamba1"} else ():   # mamba_ssm's kernel
             if refused_clones & set(call.all_input_nodes):
                 continue            # it updates a cloned state: skipped above, at its write-back, with the reason
             try:
-                matches.append(kernel_call.match(call))
+                m = kernel_call.match(call)
+                if m.family not in families:
+                    raise NoMatch(f"a {m.family} update, but family {m.family!r} is not enabled")
+                matches.append(m)
             except NoMatch as e:
                 self._skip(res, graph_utils.module_path(call, default=f"`{call.name}`"), str(e))
         for call in fla_launches:                       # fla's recurrent delta-rule kernels, launched
@@ -211,7 +215,7 @@ class ReplaySSMPass:
                 read_copy = None
             spec = rewrite.ring_spec(m, self.config.buffer_len, read_copy)
             rings = rewrite.add_ring_placeholders(gm, m, spec, i)
-            if isinstance(m, kernel_call.KernelCallMatch):
+            if isinstance(m, (kernel_call.KernelCallMatch, kernel_call.Mamba1KernelCallMatch)):
                 kernel_call.apply(gm, m, rings, spec)
             elif isinstance(m, fla_call.FlaCallMatch):
                 fla_call.apply(gm, m, rings, spec)

@@ -240,7 +240,7 @@ class _Checker(fx.Interpreter):
         want = None if isinstance(ref, str) else m.launch_out(ref, self.compact[id(m)], value)
         _launch(n, kwargs)
         if want is not None:
-            self.errors[id(m)].append(("new state", rel_err(self.env[m.launch_new], ref)))
+            self.errors[id(m)].append(("new state", rel_err(self.env[m.launch_new].reshape(ref.shape), ref)))
             self.errors[id(m)].append(("readout", rel_err(self.env[m.out], want)))
             self._done(m)
         return None
