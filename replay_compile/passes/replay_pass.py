@@ -126,6 +126,7 @@ class ReplaySSMPass:
                 or (delta_on and fla_call.anchors(gm))
                 or state_writes.per_channel_recurrences(gm.graph)):
             self._report_per_channel(res, gm)
+            self._report_returned(res, gm)
             return res
         gm = copy_graph_module(gm)
         forwarded, refused = state_writes.forward_clone_writebacks(gm.graph)
@@ -177,6 +178,7 @@ class ReplaySSMPass:
                 self._skip(res, layer, f"{PER_CHANNEL}: {e}")
         self._report_other_writes(res, gm, anchored | set(per_channel))
         self._report_per_channel(res, gm, anchored)
+        self._report_returned(res, gm)
         refused_clones = {wb.args[1] for wb in refused}
         for call in kernel_call.anchors(gm) if families & {"mamba2", "mamba1"} else ():   # mamba_ssm's kernel
             if refused_clones & set(call.all_input_nodes):
@@ -258,6 +260,14 @@ class ReplaySSMPass:
                 if err is None or "state itself" in str(err) or "dim -2" in str(err):
                     err = e
         raise err
+
+    def _report_returned(self, res: PassResult, gm: fx.GraphModule) -> None:
+        for state, value in state_writes.returned_recurrences(gm.graph).items():
+            self._skip(res, graph_utils.module_path(value, default=f"state input `{state.name}`"),
+                       f"the state's next value ({value.name}) is returned as a new tensor, which the cache stores in "
+                       f"place of the old one, instead of being written into the cache's tensor: the replay step keeps "
+                       f"its checkpoint and records with the cache's own tensor, so a state replaced every step "
+                       f"cannot be served")
 
     def _report_per_channel(self, res: PassResult, gm: fx.GraphModule, anchored: set = frozenset()) -> None:
         for state, w in state_writes.per_channel_recurrences(gm.graph).items():

@@ -287,3 +287,30 @@ def per_channel_recurrences(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
         if isinstance(value, fx.Node) and _per_channel_step(p, w.args[0], value):
             out[p] = w
     return out
+
+
+def returned_recurrences(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
+    """``{state: value}`` of floating-point graph inputs (3-D or 4-D) never written in the graph whose next value
+    ``decay * S + update`` is returned instead (the caller stores the new tensor in its cache in place of the old
+    one, as MiniMax's cache list does)."""
+    from .graph_utils import flatten, strip
+
+    out_node = next((n for n in graph.nodes if n.op == "output"), None)
+    if out_node is None:
+        return {}
+    leaves = [a for a in torch.utils._pytree.tree_flatten(out_node.args)[0] if isinstance(a, fx.Node)]
+    found = {}
+    for p in graph.nodes:
+        v = p.meta.get("example_value") if p.op == "placeholder" else None
+        if not (isinstance(v, torch.Tensor) and v.dim() in (3, 4) and v.is_floating_point()) or writers(p):
+            continue
+        for o in leaves:
+            o_ = strip(o)
+            if o_ is p or not isinstance(o_, fx.Node):
+                continue
+            terms = flatten(o_, "add")
+            if len(terms) == 2 and any(any(strip(f) is p for f in flatten(t, "mul")) for t in terms) \
+                    and any(not computes_from(p, t) for t in terms):
+                found[p] = o
+                break
+    return found
