@@ -14,12 +14,8 @@ import replay_compile
 pytestmark = pytest.mark.hf
 
 
-def test_xlstm_is_left_unchanged_with_the_stabiliser_as_the_reason():
-    from transformers import xLSTMConfig, xLSTMForCausalLM
-
-    torch.manual_seed(0)
-    model = xLSTMForCausalLM(xLSTMConfig(vocab_size=64, hidden_size=128, embedding_dim=128, num_hidden_layers=2,
-                                         num_heads=4)).eval()
+def _unchanged_skips(model) -> list:
+    """Greedy-decode ``model`` eagerly and compiled: tokens identical, nothing rewritten; returns the skips."""
     ids = torch.randint(3, 64, (2, 5))
     with torch.no_grad():
         ref = model.generate(ids, max_new_tokens=4, do_sample=False)
@@ -27,8 +23,18 @@ def test_xlstm_is_left_unchanged_with_the_stabiliser_as_the_reason():
         model.forward = torch.compile(model.forward, backend="replayssm", options={"lower": "eager"})
         out = model.generate(ids, max_new_tokens=4, do_sample=False)
     assert torch.equal(out, ref)
-    skipped = [s for r in replay_compile.reports() for s in r.skipped]
-    assert not any(r.rewrites for r in replay_compile.reports())
+    reps = replay_compile.reports()
+    assert not any(r.rewrites for r in reps)
+    return [s for r in reps for s in r.skipped]
+
+
+def test_xlstm_is_left_unchanged_with_the_stabiliser_as_the_reason():
+    from transformers import xLSTMConfig, xLSTMForCausalLM
+
+    torch.manual_seed(0)
+    model = xLSTMForCausalLM(xLSTMConfig(vocab_size=64, hidden_size=128, embedding_dim=128, num_hidden_layers=2,
+                                         num_heads=4)).eval()
+    skipped = _unchanged_skips(model)
     assert skipped and all("another recurrent state this step writes" in s.reason for s in skipped), skipped
 
 
@@ -41,16 +47,7 @@ def test_zamba_is_left_unchanged_with_the_reason():
         vocab_size=64, hidden_size=32, num_hidden_layers=4, intermediate_size=64, num_attention_heads=4,
         num_key_value_heads=4, attention_head_dim=16, n_mamba_heads=2, mamba_d_state=8, mamba_expand=2,
         layers_block_type=["mamba", "hybrid", "mamba", "hybrid"])).eval()
-    ids = torch.randint(3, 64, (2, 5))
-    with torch.no_grad():
-        ref = model.generate(ids, max_new_tokens=4, do_sample=False)
-        replay_compile.clear_reports()
-        model.forward = torch.compile(model.forward, backend="replayssm", options={"lower": "eager"})
-        out = model.generate(ids, max_new_tokens=4, do_sample=False)
-    assert torch.equal(out, ref)
-    reps = replay_compile.reports()
-    assert not any(r.rewrites for r in reps)
-    skipped = [s for r in reps for s in r.skipped]
+    skipped = _unchanged_skips(model)
     assert skipped and all("Mamba-1" in s.reason and "head by head" in s.reason for s in skipped), skipped
 
 
@@ -64,14 +61,5 @@ def test_minimax_is_left_unchanged_with_the_reason():
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, num_local_experts=2, num_experts_per_tok=1,
         layer_types=["linear_attention", "full_attention"], block_size=4)).eval()
-    ids = torch.randint(3, 64, (2, 5))
-    with torch.no_grad():
-        ref = model.generate(ids, max_new_tokens=4, do_sample=False)
-        replay_compile.clear_reports()
-        model.forward = torch.compile(model.forward, backend="replayssm", options={"lower": "eager"})
-        out = model.generate(ids, max_new_tokens=4, do_sample=False)
-    assert torch.equal(out, ref)
-    reps = replay_compile.reports()
-    assert not any(r.rewrites for r in reps)
-    skipped = [s for r in reps for s in r.skipped]
+    skipped = _unchanged_skips(model)
     assert skipped and all("returned as a new tensor" in s.reason for s in skipped), skipped

@@ -43,7 +43,7 @@ from torch.fx.proxy import GraphAppendingTracer, Proxy
 from .delta import DeltaMatch
 from .graph_utils import dtype, is_static_int, module_path, op_name, real_users, shape, strip
 from .mamba2 import STATE_DTYPES, NoMatch, Recipe
-from .rewrite import erase_dead
+from .rewrite import erase_dead, insert_step
 from .triton_launch import kernel_call, launches
 
 KERNELS = {"fused_recurrent_gated_delta_rule_fwd_kernel": "gdn", "fused_recurrent_kda_fwd_kernel": "kda"}
@@ -246,11 +246,7 @@ def apply(gm: fx.GraphModule, m: FlaCallMatch, rings: list[fx.Node], spec) -> fx
     tracer = GraphAppendingTracer(graph)
     node = m.copy_node
     with graph.inserting_before(node):
-        vals = {key: r([Proxy(s, tracer) for s in r.sources]).node for key, r in m.recipes.items()}
-        target, extra = spec.step_op
-        op = graph.call_function(target, (m.state, *rings, *(vals[k] for k in m.op_keys), m.slot, *extra))
-        op.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
-        op.meta["stack_trace"] = node.meta.get("stack_trace")
+        op, _ = insert_step(graph, tracer, m, rings, spec)
         Proxy(m.out, tracer).copy_(Proxy(op, tracer).reshape(m.out_shape))
     roots = list(node.all_input_nodes)
     graph.erase_node(node)

@@ -37,6 +37,7 @@ from torch.fx.proxy import GraphAppendingTracer, Proxy
 from .graph_utils import dtype, is_static_int, module_path, op_name, shape
 from .mamba1 import Mamba1Match
 from .mamba2 import STATE_DTYPES, Mamba2Match, NoMatch, Recipe
+from .rewrite import insert_step
 from .triton_launch import kernel_call, launches
 
 KERNEL = "_selective_scan_update_kernel"
@@ -50,6 +51,16 @@ def anchors(gm: fx.GraphModule) -> list[fx.Node]:
     return launches(gm, (KERNEL,))
 
 
+def _skip_and_gate(y, x, D, z):
+    """mamba_ssm's epilogue on the readout ``y`` (fp32): ``+ D x`` (HAS_D), ``* z sigmoid(z)`` (HAS_Z)."""
+    if D is not None:
+        y = y + x.to(y.dtype) * D.to(y.dtype)
+    if z is not None:
+        zf = z.to(y.dtype)
+        y = y * (zf * torch.sigmoid(zf))
+    return y
+
+
 @dataclasses.dataclass
 class KernelCallMatch(Mamba2Match):
     """A :class:`~.mamba2.Mamba2Match` whose write and readout are one kernel launch (``copy_node`` and ``readout``
@@ -61,12 +72,7 @@ class KernelCallMatch(Mamba2Match):
 
     def finish(self, y, x, D, z):
         """``out`` from the readout ``y [b, H, P]`` (fp32): ``+ D x``, ``* z sigmoid(z)``; tensors or proxies."""
-        if D is not None:
-            y = y + x.to(y.dtype) * D.to(y.dtype)
-        if z is not None:
-            zf = z.to(y.dtype)
-            y = y * (zf * torch.sigmoid(zf))
-        return y
+        return _skip_and_gate(y, x, D, z)
 
     def exact_out(self, new: torch.Tensor, c: dict, D, z, x) -> torch.Tensor:
         return self.finish(self.exact_readout(new, c), x, D, z)
@@ -165,12 +171,7 @@ class Mamba1KernelCallMatch(Mamba1Match):
 
     def finish(self, y, x, D, z):
         """``out`` from the readout ``y [b, D]``: ``+ D x``, ``* z sigmoid(z)``, the head dim put back."""
-        if D is not None:
-            y = y + x.to(y.dtype) * D.to(y.dtype)
-        if z is not None:
-            zf = z.to(y.dtype)
-            y = y * (zf * torch.sigmoid(zf))
-        return y.unsqueeze(1)
+        return _skip_and_gate(y, x, D, z).unsqueeze(1)
 
     def launch_out(self, new: torch.Tensor, c: dict, value) -> torch.Tensor:
         D = value(self.D_)
@@ -231,11 +232,7 @@ def apply(gm: fx.GraphModule, m: KernelCallMatch, rings: list[fx.Node], spec) ->
     tracer = GraphAppendingTracer(graph)
     node = m.copy_node
     with graph.inserting_before(node):
-        vals = {k: r([Proxy(s, tracer) for s in r.sources]).node for k, r in m.recipes.items()}
-        target, extra = spec.step_op
-        op = graph.call_function(target, (m.state, *rings, *(vals[k] for k in m.op_keys), m.slot, *extra))
-        op.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
-        op.meta["stack_trace"] = node.meta.get("stack_trace")
+        op, vals = insert_step(graph, tracer, m, rings, spec)
         p = (lambda n: Proxy(n, tracer) if n is not None else None)
         if isinstance(m, Mamba1KernelCallMatch):         # one-head views: D [1, D], z [b, 1, D]
             Dv, zv = p(m.D_), p(m.z)

@@ -180,19 +180,12 @@ class ReplaySSMPass:
         self._report_per_channel(res, gm, anchored)
         self._report_returned(res, gm)
         refused_clones = {wb.args[1] for wb in refused}
-        for call in kernel_call.anchors(gm) if families & {"mamba2", "mamba1"} else ():   # mamba_ssm's kernel
-            if refused_clones & set(call.all_input_nodes):
+        mamba_ssm_calls = kernel_call.anchors(gm) if families & {"mamba2", "mamba1"} else []
+        for mod, call in [(kernel_call, c) for c in mamba_ssm_calls] + [(fla_call, c) for c in fla_launches]:
+            if mod is kernel_call and refused_clones & set(call.all_input_nodes):
                 continue            # it updates a cloned state: skipped above, at its write-back, with the reason
-            try:
-                m = kernel_call.match(call)
-                if m.family not in families:
-                    raise NoMatch(f"a {m.family} update, but family {m.family!r} is not enabled")
-                matches.append(m)
-            except NoMatch as e:
-                self._skip(res, graph_utils.module_path(call, default=f"`{call.name}`"), str(e))
-        for call in fla_launches:                       # fla's recurrent delta-rule kernels, launched
-            try:
-                m = fla_call.match(call)
+            try:                    # mamba_ssm's or fla's kernel, launched
+                m = mod.match(call)
                 if m.family not in families:
                     raise NoMatch(f"a {m.family} update, but family {m.family!r} is not enabled")
                 matches.append(m)

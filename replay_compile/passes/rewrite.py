@@ -81,19 +81,24 @@ def erase_dead(graph: fx.Graph, roots: list) -> None:
         todo.extend(inputs)
 
 
+def insert_step(graph: fx.Graph, tracer, m, rings: list[fx.Node], spec=None) -> tuple[fx.Node, dict]:
+    """At the graph's insertion point: the match's compact tensors (its recipes, by key) and the step op that takes
+    them (``spec`` picks it: with a read copy ``mamba2_step_rc`` and its format; else the match's own op)."""
+    vals = {key: r([Proxy(s, tracer) for s in r.sources]).node for key, r in m.recipes.items()}
+    target, extra = spec.step_op if spec is not None else (m.op, ())
+    op = graph.call_function(target, (m.state, *rings, *(vals[k] for k in m.op_keys), m.slot, *extra))
+    op.meta["nn_module_stack"] = m.copy_node.meta.get("nn_module_stack", {})
+    op.meta["stack_trace"] = m.copy_node.meta.get("stack_trace")
+    return op, vals
+
+
 def apply(gm: fx.GraphModule, m, rings: list[fx.Node], spec=None) -> fx.Node:
     """Rewrite one match in place; returns the op node. ``spec`` (the ring spec) picks the op: with a read copy,
     ``mamba2_step_rc`` and its format argument; without one, the match's own op."""
     graph = gm.graph
     tracer = GraphAppendingTracer(graph)
     with graph.inserting_before(m.readout):
-        vals = {}
-        for key, recipe in m.recipes.items():
-            vals[key] = recipe([Proxy(s, tracer) for s in recipe.sources]).node
-        target, extra = spec.step_op if spec is not None else (m.op, ())
-        op = graph.call_function(target, (m.state, *rings, *(vals[k] for k in m.op_keys), m.slot, *extra))
-        op.meta["nn_module_stack"] = m.copy_node.meta.get("nn_module_stack", {})
-        op.meta["stack_trace"] = m.copy_node.meta.get("stack_trace")
+        op, _ = insert_step(graph, tracer, m, rings, spec)
         y = Proxy(op, tracer).to(m.out_dtype).reshape(m.out_shape).node
     m.readout.replace_all_uses_with(y)
     roots = list(m.readout.all_input_nodes) + list(m.copy_node.all_input_nodes)
