@@ -114,12 +114,12 @@ def match(state: fx.Node, write: fx.Node) -> Mamba1Match:
     if len(terms) != 2:
         raise NoMatch(f"new state is a sum of {len(terms)} terms, expected decay * state + update")
     bx = BroadcastAnalysis()
-    decay_term = upd_term = old = None
+    decay_term = upd_term = None
     for t in terms:
         fs = flatten(t, "mul")
         olds = [f for f in fs if _old_chain(f, state) is not None]
         if olds and decay_term is None:
-            decay_term, old, dfs = t, olds[0], [f for f in fs if f is not olds[0]]
+            decay_term, dfs = t, [f for f in fs if f is not olds[0]]
         else:
             upd_term, ufs = t, fs
     if decay_term is None or upd_term is None or len(dfs) != 1:
