@@ -28,8 +28,8 @@ from .delta import DeltaMatcher
 from .mamba2 import Mamba2Matcher, NoMatch
 
 
-PER_CHANNEL = ("a state [batch, (heads,) channels, states] updated as exp(dt A) S + update with a decay per (channel, state) "
-               "(Mamba-1's recurrence), in a form the Mamba-1 rewrite does not read")
+PER_CHANNEL = ("a state [batch, (heads,) channels, states] updated as exp(dt A) S + update with a decay per "
+               "(channel, state) (Mamba-1's recurrence), in a form the Mamba-1 rewrite does not read")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +125,6 @@ class ReplaySSMPass:
                 or (families & {"mamba2", "mamba1"} and kernel_call.anchors(gm))
                 or (delta_on and fla_call.anchors(gm))
                 or state_writes.per_channel_recurrences(gm.graph)):
-            self._report_per_channel(res, gm)
             self._report_returned(res, gm)
             return res
         gm = copy_graph_module(gm)
@@ -177,7 +176,7 @@ class ReplaySSMPass:
             except NoMatch as e:
                 self._skip(res, layer, f"{PER_CHANNEL}: {e}")
         self._report_other_writes(res, gm, anchored | set(per_channel))
-        self._report_per_channel(res, gm, anchored)
+        self._report_per_channel(res, per_channel, anchored)
         self._report_returned(res, gm)
         refused_clones = {wb.args[1] for wb in refused}
         mamba_ssm_calls = kernel_call.anchors(gm) if families & {"mamba2", "mamba1"} else []
@@ -262,8 +261,8 @@ class ReplaySSMPass:
                        f"its checkpoint and records with the cache's own tensor, so a state replaced every step "
                        f"cannot be served")
 
-    def _report_per_channel(self, res: PassResult, gm: fx.GraphModule, anchored: set = frozenset()) -> None:
-        for state, w in state_writes.per_channel_recurrences(gm.graph).items():
+    def _report_per_channel(self, res: PassResult, per_channel: dict, anchored: set) -> None:
+        for state, w in per_channel.items():
             if state in anchored:
                 continue                                # matched, or reported at its anchor
             how = (": written head by head through slices of the state (Zamba), which the rewrite does not take"

@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .graph_utils import ALIASING, METADATA, aliases, is_call, op_name, state_inputs, writers
+from .broadcast import FULL, BroadcastAnalysis
+from .graph_utils import ALIASING, METADATA, aliases, flatten, is_call, op_name, shape, state_inputs, strip, writers
 
 
 def _readers(nodes: set[fx.Node]) -> list[fx.Node]:
@@ -223,8 +224,6 @@ def _per_channel_step(p: fx.Node, target: fx.Node, value) -> bool:
     """``value`` reads ``exp(·) * old + update``: the old state (``p`` or a slice or cast of it, or a clone of it
     written in place before) times a factor computed through ``exp`` with one entry per (channel, state) of the
     written ``target``, plus another term."""
-    from .graph_utils import flatten, shape, strip
-
     def is_old(f) -> bool:
         f = strip(f)
         if is_call(f, "clone") and f.args:
@@ -242,8 +241,6 @@ def _per_channel_step(p: fx.Node, target: fx.Node, value) -> bool:
                 return True
             todo.extend(x.all_input_nodes)
         return False
-
-    from .broadcast import FULL, BroadcastAnalysis
 
     bx = BroadcastAnalysis()
 
@@ -293,8 +290,6 @@ def returned_recurrences(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
     """``{state: value}`` of floating-point graph inputs (3-D or 4-D) never written in the graph whose next value
     ``decay * S + update`` is returned instead (the caller stores the new tensor in its cache in place of the old
     one, as MiniMax's cache list does)."""
-    from .graph_utils import flatten, strip
-
     out_node = next((n for n in graph.nodes if n.op == "output"), None)
     if out_node is None:
         return {}
