@@ -327,3 +327,31 @@ def test_mamba1_kernel_launch_is_rewritten_and_tracks_the_exact_recurrence(trito
     rewrites = [w for r in replay_compile.reports() for w in r.rewrites]
     assert [(w.form, w.family) for w in rewrites] == [("mamba_ssm kernel", "mamba1")], [str(w) for w in rewrites]
     torch.testing.assert_close(replay_compile.materialize(state).double(), oracle, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the real mamba_ssm kernel needs a GPU")
+def test_real_mamba_ssm_mamba1_kernel_on_gpu():
+    """mamba_ssm's own kernel called with 3-D Mamba-1 arguments (it unsqueezes the head dim itself), as transformers'
+    Mamba / Falcon-Mamba / Jamba call it: rewritten, and the replay step tracks the exact recurrence through flushes."""
+    real = _real_ssu()
+    if real is None:
+        pytest.skip("mamba_ssm not importable (install it or carry its source in .baselines/)")
+    mod = Mamba1KernelStep(cloned=False).cuda()
+
+    def forward(state, x, dt, B, C, z):
+        return real(state, x, dt, -torch.exp(mod.A_log.float()), B, C, D=mod.D, z=z, dt_bias=mod.dt_bias,
+                    dt_softplus=True) * 1.5
+    torch._dynamo.reset()
+    cf = torch.compile(forward, backend="replayssm", options={"buffer_len": L})
+    state = torch.randn(b, D1, N1, device="cuda")
+    oracle = state.double().clone()
+    replay_compile.clear_reports()
+    with torch.no_grad():
+        for t in range(2 * L + 2):
+            inp = [v.cuda() for v in inputs_mamba1(t)]
+            y = cf(state, *inp)
+            want = exact_mamba1(mod, oracle, *inp)
+            torch.testing.assert_close(y.double(), want, rtol=1e-4, atol=1e-4, msg=f"step {t}")
+    rewrites = [w for r in replay_compile.reports() for w in r.rewrites]
+    assert [(w.form, w.family) for w in rewrites] == [("mamba_ssm kernel", "mamba1")], [str(w) for w in rewrites]
+    torch.testing.assert_close(replay_compile.materialize(state).double(), oracle, rtol=1e-4, atol=1e-4)
