@@ -58,6 +58,7 @@ class ReplayRunner:
         self.wrapped_idxs = list(wrapped_idxs)
         stepped = {s.state_index for s in self.sites}
         self.wrapped_readers = [i for i in self.wrapped_idxs if i not in stepped]
+        self.returns_state = bool(result.returns_state)
 
     def __call__(self, *args):
         fast = self._fast_path(args) if self._generation == replay_state.generation() else None
@@ -69,9 +70,12 @@ class ReplayRunner:
                     rs.flush()
         for i in self.wrapped_readers:
             args[i].fold()
+        wrappers = None
         if self.wrapped_idxs:
             args = list(args)
+            wrappers = {}
             for i in self.wrapped_idxs:
+                wrappers[id(args[i].checkpoint)] = args[i]
                 args[i] = args[i].checkpoint
         try:
             out = self.compiled(*args, *extra)     # Dynamo calls backends' results unboxed, so do we
@@ -83,6 +87,10 @@ class ReplayRunner:
                 rs.dirty = True
         for _, rs in states:
             rs.steps += 1
+        if wrappers and self.returns_state:
+            # a state returned for the cache to store (written in place, returned as itself) goes back as the
+            # wrapper it came in as: the cache keeps holding its ReplayTensor
+            out = type(out)(wrappers.get(id(o), o) for o in out)
         return out
 
     def _bind(self, args) -> tuple[list, list]:

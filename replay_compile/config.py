@@ -47,7 +47,7 @@ ENV_VARS: dict[str, tuple[str, Any, str]] = {
     "REPLAY_COMPILE_STRICT": ("strict", parse_flag, "1: raise instead of leaving an unrecognised SSM update unchanged"),
     "REPLAY_COMPILE_VALIDATE": ("validate", parse_flag, "0: skip the numerical check of each match at compile time"),
     "REPLAY_COMPILE_FAMILIES": ("families", lambda s: tuple(x for x in s.split(",") if x),
-                                "comma list of families to rewrite; default all (mamba2, gdn, kda, mamba1)"),
+                                "comma list of families to rewrite; default mamba2, gdn, kda (mamba1: opt-in)"),
     "REPLAY_COMPILE_DISABLE": ("enabled", lambda s: not parse_flag(s),
                                "1: compile with the lowering only, rewrite nothing"),
     "REPLAY_COMPILE_READ_COPY": ("read_copy", lambda s: s or None,
@@ -72,6 +72,10 @@ OTHER_ENV_VARS = {
 }
 
 SUPPORTED_FAMILIES = ("mamba2", "gdn", "kda", "mamba1")
+# Mamba-1 is opt-in: its replay step runs every held record's decay through an exp per (channel, state) entry, and
+# measured on the H200 (Falcon-Mamba-7B dims, L = 4) it is 1.05-1.15x mamba_ssm's exact step at batch 256-512 and
+# slower below batch 64 (docs/design/mamba1.md)
+DEFAULT_FAMILIES = ("mamba2", "gdn", "kda")
 SUPPORTED_LOWERINGS = ("inductor", "eager", "piecewise", "tensorrt")
 SUPPORTED_READ_COPIES = ("bf16", "fp8_e4m3", "nvfp4", "nvfp4_row")
 
@@ -86,8 +90,8 @@ class ReplayConfig:
         strict: raise :class:`~replay_compile.errors.ReplayCompileError` when a state update anchor is found
             but cannot be rewritten, instead of leaving it unchanged with a log line.
         validate: numerically check every match on small inputs before rewriting it.
-        families: SSM families to rewrite ("mamba2", "gdn": Gated DeltaNet, "kda": Kimi Delta Attention,
-            "mamba1").
+        families: SSM families to rewrite ("mamba2", "gdn": Gated DeltaNet, "kda": Kimi Delta Attention; "mamba1"
+            only when listed: ``DEFAULT_FAMILIES`` says why).
         enabled: rewrite at all (``False`` gives plain lowering, useful for A/B runs).
         lower: ``"inductor"`` (default), ``"eager"`` (run the rewritten FX graph as is; for debugging),
             ``"piecewise"`` (split at mutating nodes, Inductor per pure piece) or ``"tensorrt"`` (the same with
@@ -95,8 +99,8 @@ class ReplayConfig:
         read_copy: None (default: every read is exact) or a read-copy format (``"bf16"``, ``"fp8_e4m3"``,
             ``"nvfp4"``, ``"nvfp4_row"``: NVFP4 with a tensor scale per row, encoded inside the flush): Mamba-2
             non-flush steps read their checkpoint term from a copy in that format, rewritten at every flush; the
-            fp32 recurrence is untouched, outputs carry the copy's rounding (issue 7;
-            ``benchmarks/drift.py`` measures the drift).
+            fp32 recurrence is untouched, outputs carry the copy's rounding (``benchmarks/drift.py`` measures the
+            drift).
         read_copy_families: the families whose layers get the read copy when ``read_copy`` is set (default
             ``("mamba2",)``). Delta-rule layers (``"gdn"``, ``"kda"``) also keep raw values so that flushes re-run
             the exact recurrence; their read-copy step is correct on every device but measured slower than exact
@@ -106,7 +110,7 @@ class ReplayConfig:
     buffer_len: int = 16
     strict: bool = False
     validate: bool = True
-    families: tuple[str, ...] = SUPPORTED_FAMILIES
+    families: tuple[str, ...] = DEFAULT_FAMILIES
     enabled: bool = True
     lower: str = "inductor"
     read_copy: Optional[str] = None

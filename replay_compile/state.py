@@ -35,7 +35,9 @@ from .replay_tensor import ReplayTensor, checkpoint_of, same_view
 @dataclasses.dataclass(frozen=True)
 class Mamba2RingSpec:
     """Sizes and dtypes of one layer's rings. ``G``: B groups; ``L``: buffer length; ``read_copy``: a read-copy
-    format (``"bf16"``, ``"fp8_e4m3"``, ``"nvfp4"``) whose storage sits beside the rings, or None (exact reads)."""
+    format (``"bf16"``, ``"fp8_e4m3"``, ``"nvfp4"``) whose storage sits beside the rings, or None (exact reads).
+    ``transposed``: the cache tensor is laid out ``[S, H, N, P]`` (MiniMax's ``K^T V`` state, read out as ``q @ S``);
+    the ops see it as ``state.mT``, a view, so the cache keeps its own layout and nothing is copied."""
 
     H: int
     P: int
@@ -46,10 +48,15 @@ class Mamba2RingSpec:
     B_dtype: torch.dtype
     rec_dtype: torch.dtype = torch.float32
     read_copy: Optional[str] = None
+    transposed: bool = False
 
     @property
     def family(self) -> str:
         return "mamba2"
+
+    def op_view(self, state: torch.Tensor) -> torch.Tensor:
+        """The cache tensor as the ops take it, ``[S, H, P, N]``."""
+        return state.mT if self.transposed else state
 
     @property
     def ring_names(self) -> tuple[str, ...]:
@@ -82,17 +89,19 @@ class Mamba2RingSpec:
     def flush(self, state: torch.Tensor, rings: tuple, slots: torch.Tensor | None = None) -> None:
         """Fold the held records of every slot, or of ``slots`` [n], into ``state`` (their cursors to 0) and
         rewrite the read copy."""
-        torch.ops.replay_compile.mamba2_flush(state, *self.core(rings), slots)
+        torch.ops.replay_compile.mamba2_flush(self.op_view(state), *self.core(rings), slots)
         self.sync_copy(state, rings)
 
     def materialize(self, state: torch.Tensor, rings: tuple) -> torch.Tensor:
-        return torch.ops.replay_compile.mamba2_materialize(state, *self.core(rings))
+        """The true state, out of place, in the cache tensor's own layout."""
+        out = torch.ops.replay_compile.mamba2_materialize(self.op_view(state), *self.core(rings))
+        return out.mT.contiguous() if self.transposed else out
 
     def sync_copy(self, state: torch.Tensor, rings: tuple) -> None:
         """Rewrite the read copy from the checkpoint (which holds the true state: at bind, reset, after a flush)."""
         if self.read_copy:
             from .ops.mamba2_readcopy import encode_copy
-            encode_copy(self.read_copy, state, rings[4:7])
+            encode_copy(self.read_copy, self.op_view(state), rings[4:7])
 
     def nbytes_per_slot(self) -> int:
         es = lambda d: torch.empty((), dtype=d).element_size()  # noqa: E731
@@ -153,10 +162,15 @@ class DeltaRingSpec:
     kda: bool = False
     rec_dtype: torch.dtype = torch.float32
     read_copy: Optional[str] = None     # read-copy format; with it the raw v / beta rings are kept for exact flushes
+    transposed: bool = False            # the cache tensor is [S, HV, V, K] (fla's state_v_first); the ops take .mT
 
     @property
     def family(self) -> str:
         return "kda" if self.kda else "gdn"
+
+    def op_view(self, state: torch.Tensor) -> torch.Tensor:
+        """The cache tensor as the ops take it, ``[S, HV, K, V]``."""
+        return state.mT if self.transposed else state
 
     @property
     def ring_names(self) -> tuple[str, ...]:
@@ -187,20 +201,25 @@ class DeltaRingSpec:
     def sync_copy(self, state: torch.Tensor, rings: tuple) -> None:
         if self.read_copy:
             from .ops.mamba2_readcopy import encode_copy
-            encode_copy(self.read_copy, state, rings[5:8])
+            encode_copy(self.read_copy, self.op_view(state), rings[5:8])
 
     def flush(self, state: torch.Tensor, rings: tuple, slots: torch.Tensor | None = None) -> None:
         """Fold the held records of every slot, or of ``slots`` [n], into ``state`` (their cursors to 0); with a
         read copy exactly from the raw rings, the copy rewritten."""
+        state = self.op_view(state)
         if self.read_copy:
             torch.ops.replay_compile.delta_flush_rc(state, *rings, self.read_copy, slots)
         else:
             torch.ops.replay_compile.delta_flush(state, *rings, slots)
 
     def materialize(self, state: torch.Tensor, rings: tuple) -> torch.Tensor:
+        """The true state, out of place, in the cache tensor's own layout."""
+        state = self.op_view(state)
         if self.read_copy:
-            return torch.ops.replay_compile.delta_materialize_rc(state, *rings[:5], rings[-1])
-        return torch.ops.replay_compile.delta_materialize(state, *rings)
+            out = torch.ops.replay_compile.delta_materialize_rc(state, *rings[:5], rings[-1])
+        else:
+            out = torch.ops.replay_compile.delta_materialize(state, *rings)
+        return out.mT.contiguous() if self.transposed else out
 
     def nbytes_per_slot(self) -> int:
         es = lambda d: torch.empty((), dtype=d).element_size()  # noqa: E731

@@ -21,13 +21,13 @@ import replay_compile  # noqa: E402
 from replay_compile import state as replay_state  # noqa: E402
 from replay_compile.bench import cache_kwarg  # noqa: E402
 from replay_compile.replay_tensor import ReplayTensor  # noqa: E402
-from replay_compile.testing.hf_models import DELTA_FAMILY, MAMBA2_FAMILY, make_inputs  # noqa: E402
+from replay_compile.testing.hf_models import DELTA_FAMILY, LIGHTNING_FAMILY, MAMBA2_FAMILY, make_inputs  # noqa: E402
 
 pytestmark = pytest.mark.hf
 
 L = 4                   # short rings: a 20-token decode crosses four flushes
 NEW = 20
-BUILD = {**MAMBA2_FAMILY, **DELTA_FAMILY}
+BUILD = {**MAMBA2_FAMILY, **DELTA_FAMILY, **LIGHTNING_FAMILY}
 
 
 def build(family):
@@ -49,8 +49,9 @@ def generate(model, ids, cache=None, **kw):
 
 
 def states(cache) -> list:
+    """The recurrent states: of transformers' cache layers, or of MiniMax's own list."""
     return [t for layer in cache.layers for _, t in sorted(getattr(layer, "recurrent_states", {}).items())
-            if t is not None]
+            if t is not None] + [t for t in getattr(cache, "linear_cache", []) if isinstance(t, torch.Tensor)]
 
 
 def assert_same(got, want, got_cache=None, want_cache=None):
@@ -76,7 +77,7 @@ class AtStep(LogitsProcessor):
         return scores
 
 
-@pytest.mark.parametrize("family", ["nemotron_h", "qwen3_5"])
+@pytest.mark.parametrize("family", ["nemotron_h", "qwen3_5", "minimax"])
 def test_an_eager_fallback_in_the_middle_of_a_decode_is_exact(family):
     """``set_stance("force_eager")`` for steps 5-9 (as when Dynamo hits its recompile limit): those steps run
     transformers' own code on the cache states, which must see and write the current state."""

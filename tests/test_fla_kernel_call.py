@@ -38,7 +38,10 @@ def fused_recurrent_gated_delta_rule_fwd_kernel(
     i_h = i_hv // (HV // H)
     o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
     mk, mv = o_k < K, o_v < V
-    p_h = i_nh * K * V + o_k[:, None] * V + o_v[None, :]
+    if STATE_V_FIRST:                               # the state tensors [.., V, K]; h held as [K, V] all the same
+        p_h = i_nh * K * V + o_v[None, :] * K + o_k[:, None]
+    else:
+        p_h = i_nh * K * V + o_k[:, None] * V + o_v[None, :]
     h = tl.load(h0 + p_h, mask=mk[:, None] & mv[None, :], other=0.0).to(tl.float32)
     for t in range(0, T):
         tok = i_n * T + t
@@ -86,7 +89,10 @@ def fused_recurrent_kda_fwd_kernel(
     i_h = i_hv // (HV // H)
     o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
     mk, mv = o_k < K, o_v < V
-    p_h = i_nh * K * V + o_k[:, None] * V + o_v[None, :]
+    if STATE_V_FIRST:                               # the state tensors [.., V, K]; h held as [K, V] all the same
+        p_h = i_nh * K * V + o_v[None, :] * K + o_k[:, None]
+    else:
+        p_h = i_nh * K * V + o_k[:, None] * V + o_v[None, :]
     h = tl.load(h0 + p_h, mask=mk[:, None] & mv[None, :], other=0.0).to(tl.float32)
     for t in range(0, T):
         tok = i_n * T + t
@@ -143,7 +149,8 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, ini
     HV_, V_ = v.shape[2], v.shape[3]
     scale = K_ ** -0.5 if scale is None else scale
     o = torch.empty_like(v)
-    final = q.new_empty(B_, HV_, K_, V_, dtype=torch.float32) if output_final_state else None
+    final = (q.new_empty(B_, HV_, *((V_, K_) if state_v_first else (K_, V_)), dtype=torch.float32)
+             if output_final_state else None)
     GDN_KERNEL[(B_ * HV_,)](
         q=q, k=k, v=v, g=g, gk=gk, gv=None, beta=beta, A_log=A_log if use_gate_in_kernel else None,
         dt_bias=dt_bias if use_gate_in_kernel else None, o=o, h0=initial_state, ht=final, cu_seqlens=None,
@@ -163,7 +170,8 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
     HV_, V_ = v.shape[2], v.shape[3]
     scale = K_ ** -0.5 if scale is None else scale
     o = torch.zeros_like(v)
-    final = q.new_empty(B_, HV_, K_, V_, dtype=torch.float32) if output_final_state else None
+    final = (q.new_empty(B_, HV_, *((V_, K_) if state_v_first else (K_, V_)), dtype=torch.float32)
+             if output_final_state else None)
     KDA_KERNEL[(B_ * HV_,)](
         q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, o=o, h0=initial_state, ht=final,
         cu_seqlens=None, ssm_state_indices=None, num_accepted_tokens=None, lower_bound=None, scale=scale, N=B_, T=T,
@@ -260,6 +268,27 @@ def test_fla_launch_is_rewritten_and_tracks_the_exact_recurrence(triton_visible_
     rewrites = [w for r in replay_compile.reports() for w in r.rewrites]
     assert [(w.form, w.family) for w in rewrites] == [("fla kernel", "kda" if kda else "gdn")], rewrites
     torch.testing.assert_close(replay_compile.materialize(state).double(), oracle, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kda", [False, True])
+def test_state_v_first_launch_is_rewritten_on_the_transposed_state(triton_visible_to_dynamo, kda):
+    """``state_v_first``: the cache tensor is [b, HV, V, K]; stepped through its transposed view, exact at every
+    step, the true state in the cache's own layout after each flush and from ``materialize``."""
+    mod = FlaStep(kda, True, True, state_v_first=True)
+    cmod = torch.compile(mod, backend="replayssm", options={"buffer_len": L, "lower": "eager"})
+    state = torch.randn(b, HV, V, K)
+    oracle = state.mT.double().clone()                       # the oracle steps [b, HV, K, V]
+    replay_compile.clear_reports()
+    with torch.no_grad():
+        for t in range(2 * L + 2):
+            y = cmod(state, *inputs(t, kda))
+            want = exact_step(mod, oracle, *inputs(t, kda))
+            torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5, msg=f"step {t}")
+            if t % L == L - 1:
+                torch.testing.assert_close(state.mT.double(), oracle, rtol=1e-5, atol=1e-5, msg=f"step {t} state")
+    rewrites = [w for r in replay_compile.reports() for w in r.rewrites]
+    assert [(w.form, w.spec.transposed) for w in rewrites] == [("fla kernel", True)], rewrites
+    torch.testing.assert_close(replay_compile.materialize(state).mT.double(), oracle, rtol=1e-5, atol=1e-5)
 
 
 class _Captured(Exception):
@@ -402,3 +431,25 @@ def test_real_fla_kernels_on_gpu(monkeypatch, family):
     # logit scale apart from the exact replay step on the H200 (Qwen3-Next, Kimi-Linear tiny configs)
     assert rep.max_logit_diff <= 5e-3 * rep.logit_scale, rep
     assert rep.states_compared > 0 and rep.max_state_diff < 5e-3, rep
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fla's kernels need a GPU")
+def test_real_fla_state_v_first_on_gpu(monkeypatch):
+    """fla's own GDN kernel with ``state_v_first`` (a [b, HV, V, K] cache): rewritten, exact through flushes."""
+    fla_gdn = pytest.importorskip("fla.ops.gated_delta_rule")
+    monkeypatch.setitem(globals(), "fused_recurrent_gated_delta_rule", fla_gdn.fused_recurrent_gated_delta_rule)
+    mod = FlaStep(False, True, True, state_v_first=True).cuda()
+    torch._dynamo.reset()
+    cmod = torch.compile(mod, backend="replayssm", options={"buffer_len": L})
+    state = torch.randn(b, HV, V, K, device="cuda")
+    oracle = state.mT.double().clone()
+    replay_compile.clear_reports()
+    with torch.no_grad():
+        for t in range(2 * L + 2):
+            inp = [x.cuda() for x in inputs(t, False)]
+            y = cmod(state, *inp)
+            want = exact_step(mod, oracle, *inp)
+            torch.testing.assert_close(y.double(), want, rtol=2e-3, atol=2e-3, msg=f"step {t}")
+    rewrites = [w for r in replay_compile.reports() for w in r.rewrites]
+    assert [(w.form, w.spec.transposed) for w in rewrites] == [("fla kernel", True)], rewrites
+    torch.testing.assert_close(replay_compile.materialize(state).mT.double(), oracle, rtol=2e-3, atol=2e-3)

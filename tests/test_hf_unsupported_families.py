@@ -49,17 +49,3 @@ def test_zamba_is_left_unchanged_with_the_reason():
         layers_block_type=["mamba", "hybrid", "mamba", "hybrid"])).eval()
     skipped = _unchanged_skips(model)
     assert skipped and all("Mamba-1" in s.reason and "head by head" in s.reason for s in skipped), skipped
-
-
-def test_minimax_is_left_unchanged_with_the_reason():
-    """MiniMax's lightning attention returns its next state as a new tensor, which its cache list stores in place of
-    the old one: reported with that reason (the replay step keeps its records with the cache's own tensor)."""
-    from transformers import MiniMaxConfig, MiniMaxForCausalLM
-
-    torch.manual_seed(0)
-    model = MiniMaxForCausalLM(MiniMaxConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, num_local_experts=2, num_experts_per_tok=1,
-        layer_types=["linear_attention", "full_attention"], block_size=4)).eval()
-    skipped = _unchanged_skips(model)
-    assert skipped and all("returned as a new tensor" in s.reason for s in skipped), skipped

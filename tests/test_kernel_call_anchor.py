@@ -19,6 +19,7 @@ triton = pytest.importorskip("triton")
 tl = triton.language
 
 import replay_compile  # noqa: E402
+from replay_compile.config import SUPPORTED_FAMILIES  # noqa: E402 - Mamba-1 is opt-in
 from replay_compile.config import ReplayConfig  # noqa: E402
 from replay_compile.passes.replay_pass import ReplaySSMPass  # noqa: E402
 
@@ -313,7 +314,8 @@ def inputs_mamba1(t):
 @pytest.mark.parametrize("cloned", [False, True])
 def test_mamba1_kernel_launch_is_rewritten_and_tracks_the_exact_recurrence(triton_visible_to_dynamo, cloned):
     mod = Mamba1KernelStep(cloned)
-    cmod = torch.compile(mod, backend="replayssm", options={"buffer_len": L, "lower": "eager"})
+    cmod = torch.compile(mod, backend="replayssm", options={"buffer_len": L, "lower": "eager",
+                                                            "families": SUPPORTED_FAMILIES})
     state = torch.randn(b, D1, N1)
     oracle = state.double().clone()
     replay_compile.clear_reports()
@@ -342,7 +344,7 @@ def test_real_mamba_ssm_mamba1_kernel_on_gpu():
         return real(state, x, dt, -torch.exp(mod.A_log.float()), B, C, D=mod.D, z=z, dt_bias=mod.dt_bias,
                     dt_softplus=True) * 1.5
     torch._dynamo.reset()
-    cf = torch.compile(forward, backend="replayssm", options={"buffer_len": L})
+    cf = torch.compile(forward, backend="replayssm", options={"buffer_len": L, "families": SUPPORTED_FAMILIES})
     state = torch.randn(b, D1, N1, device="cuda")
     oracle = state.double().clone()
     replay_compile.clear_reports()

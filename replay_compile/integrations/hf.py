@@ -16,7 +16,8 @@ compiles a graph while transformers is imported. It wraps:
   assisted generation (``prompt_lookup_num_tokens`` / ``assistant_model``) on a model with SSM layers the
   speculative layers cover runs under :func:`replay_compile.speculative.assisted.assisted_generation`;
 * ``Cache.reorder_cache`` / ``batch_select_indices`` / ``batch_repeat_interleave`` / ``crop`` / ``offload``: flush
-  that cache first (beam search and friends copy rows of the state);
+  that cache first (beam search and friends copy rows of the state); a cache class that overrides one of them
+  (MiniMax's, whose states sit in a list) gets its own override wrapped, at install and at every compile;
 * ``Cache.reset`` and the linear-attention layers' ``reset``: drop the held records of that cache (the zeroed
   tensor is the truth; folding the records of the old sequence into it at a later flush would corrupt it). A flush
   also notices the write through the tensor's version counter, but inference-mode tensors have none.
@@ -111,7 +112,8 @@ def _protecting_kwargs_update(fn):
 
 def protect(cache, stepped_only: bool = False) -> int:
     """Replace every recurrent state tensor held by ``cache`` (a transformers cache: ``cache.layers[i].
-    recurrent_states``) by a ``ReplayTensor`` over it; returns how many were replaced. States already wrapped are
+    recurrent_states``, or a list of the cache's own that a compiled step stepped) by a ``ReplayTensor`` over it;
+    returns how many were replaced. States already wrapped are
     left alone. The wrapped checkpoint keeps its static address, so CUDA graphs are unaffected.
 
     ``stepped_only``: only the states a compiled replay step has bound (the hook after every ``generate`` forward):
@@ -123,13 +125,17 @@ def protect(cache, stepped_only: bool = False) -> int:
     from ..replay_tensor import ReplayTensor
 
     n = 0
-    for layer in getattr(cache, "layers", ()):
-        states = getattr(layer, "recurrent_states", None)
-        if not isinstance(states, dict):
+    holders = [getattr(layer, "recurrent_states", None) for layer in getattr(cache, "layers", ())]
+    # a cache that keeps its states in a list of its own (MiniMax's ``linear_cache``): the states a compiled step
+    # stepped (its other tensors are no recurrent states)
+    holders += [v for v in vars(cache).values() if isinstance(v, list)]
+    for states in holders:
+        if not isinstance(states, (dict, list)):
             continue
-        for key, t in states.items():
+        bound_only = stepped_only or isinstance(states, list)
+        for key, t in (states.items() if isinstance(states, dict) else enumerate(states)):
             if isinstance(t, torch.Tensor) and not isinstance(t, ReplayTensor) and t.dim() >= 3 \
-                    and not (stepped_only and replay_state.lookup(t) is None):
+                    and not (bound_only and replay_state.lookup(t) is None):
                 rt = ReplayTensor(t)        # finds the replay state a compiled step bound to t, if any
                 if getattr(t, "_dynamo_static_input_type", None):
                     torch._dynamo.mark_static_address(rt)
@@ -144,10 +150,26 @@ def _wrap(owner, name: str, wrap) -> None:
         setattr(owner, name, wrap(fn))
 
 
+def _wrap_cache_classes(cache_cls) -> None:
+    """Wrap the cache methods of ``cache_cls`` and of every subclass that defines its own (model modules are
+    imported lazily, so this runs again at each compile)."""
+    todo = [cache_cls]
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        for name in _CACHE_METHODS:
+            if name in cls.__dict__:
+                _wrap(cls, name, _flushing_method)
+        if "reset" in cls.__dict__:
+            _wrap(cls, "reset", _resetting_method)
+
+
 def install() -> None:
     """Idempotent; safe to call whether or not transformers is importable."""
     global _INSTALLED
     if _INSTALLED:
+        from transformers import cache_utils
+        _wrap_cache_classes(cache_utils.Cache)
         return
     try:
         from transformers import cache_utils
@@ -157,9 +179,7 @@ def install() -> None:
         return
     _wrap(GenerationMixin, "generate", _flushing_generate)
     _wrap(GenerationMixin, "_update_model_kwargs_for_generation", _protecting_kwargs_update)
-    for name in _CACHE_METHODS:
-        _wrap(cache_utils.Cache, name, _flushing_method)
-    _wrap(cache_utils.Cache, "reset", _resetting_method)
+    _wrap_cache_classes(cache_utils.Cache)
     layer_mixin = getattr(cache_utils, "LinearAttentionCacheLayerMixin", None)
     if layer_mixin is not None:
         _wrap(layer_mixin, "reset", _resetting_method)

@@ -6,8 +6,14 @@ of two) in fp32, runs it forward over the ``w`` held records one at a time, ``h 
 exact step's own arithmetic: a Mamba-1 decay is per (channel, state), so there is no closed form over the window
 that is cheaper), applies the current token, writes ``y = h C`` and its record ``(u, dt)`` slice and ``B`` at the
 cursor, and writes the checkpoint slice when the row's ring is full. ``A_keep`` (the decay parameter the records are
-folded with outside the step) is written by the programs of batch index 0, padding or not. The cursors advance in a second launch,
-after every program of the step has read them.
+folded with outside the step) is written by the programs of batch index 0, padding or not. The cursors advance in a
+second launch, after every program of the step has read them.
+
+The step is bound by its exponentials and their latency, not by bytes: every held record costs an ``exp2`` per
+(channel, state) entry in a dependent chain. Each record's loads are issued one record ahead of its use, and the
+token's own inputs before the loop (H200, Falcon-Mamba-7B dims, fp32 checkpoint, L = 4, bs 256: 71.2 µs L-avg
+against 76.3 with the loads in the loop; a fully unrolled, masked loop was slower still, 76-103 µs). Measured
+against mamba_ssm's ``selective_state_update`` in ``docs/design/mamba1.md``.
 
 On a GPU the record loop's trip count is the row's cursor; Triton's interpreter (CI's CPU path) cannot take a
 runtime loop bound with numpy >= 2.4, so there the loop runs ``L - 1`` times with the records past the cursor
@@ -27,7 +33,7 @@ from .launch import launch
 
 
 @triton.jit
-def _record(h, A, u_ring_ptr, dt_ring_ptr, B_ring_ptr, slot, j, w, offs_d, offs_n, mask_d, mask_n,
+def _record(h, A2, u_ring_ptr, dt_ring_ptr, B_ring_ptr, slot, j, w, offs_d, offs_n, mask_d, mask_n,
             s_ub, s_ul, s_ud, s_db, s_dl, s_dd, s_bb, s_bl, s_bn):
     """``h`` run forward over record ``j`` of ``slot`` if ``j < w`` (masks as vectors: the interpreter refuses a
     mask combined with a scalar)."""
@@ -36,7 +42,7 @@ def _record(h, A, u_ring_ptr, dt_ring_ptr, B_ring_ptr, slot, j, w, offs_d, offs_
     dt = tl.load(dt_ring_ptr + slot * s_db + j * s_dl + offs_d * s_dd, mask=live_d, other=0.0).to(tl.float32)
     u = tl.load(u_ring_ptr + slot * s_ub + j * s_ul + offs_d * s_ud, mask=live_d, other=0.0).to(tl.float32)
     b = tl.load(B_ring_ptr + slot * s_bb + j * s_bl + offs_n * s_bn, mask=live_n, other=0.0).to(tl.float32)
-    nxt = tl.exp(dt[:, None] * A) * h + u[:, None] * b[None, :]
+    nxt = tl.exp2(dt[:, None] * A2) * h + u[:, None] * b[None, :]
     return tl.where(((offs_d * 0 + j) < w)[:, None], nxt, h)
 
 
@@ -67,6 +73,7 @@ def _mamba1_step_kernel(
     A = tl.load(A_ptr + offs_d[:, None] * s_ad + offs_n[None, :] * s_an, mask=mask, other=0.0).to(tl.float32)
     if row == 0:
         tl.store(A_keep_ptr + offs_d[:, None] * s_kd + offs_n[None, :] * s_kn, A, mask=mask)
+    A2 = A * 1.4426950408889634             # exp(dt A) = exp2(dt A log2(e)): one multiply less per record
     if HAS_SLOT:
         slot = tl.load(slot_ptr + row).to(tl.int64)
     else:
@@ -80,19 +87,33 @@ def _mamba1_step_kernel(
     w = tl.where(real, tl.load(cursor_ptr + slot), 0)     # slot clamped to 0: a valid address either way
     h = tl.load(state_ptr + slot * s_sb + offs_d[:, None] * s_sd + offs_n[None, :] * s_sn, mask=mask,
                 other=0.0).to(tl.float32)
-    if RUNTIME_LOOP:
-        for j in range(0, w):
-            h = _record(h, A, u_ring_ptr, dt_ring_ptr, B_ring_ptr, slot, j, w, offs_d, offs_n, mask_d, mask_n,
-                        s_ub, s_ul, s_ud, s_db, s_dl, s_dd, s_bb, s_bl, s_bn)
-    else:
-        for j in range(0, L_MAX - 1):
-            h = _record(h, A, u_ring_ptr, dt_ring_ptr, B_ring_ptr, slot, j, w, offs_d, offs_n, mask_d, mask_n,
-                        s_ub, s_ul, s_ud, s_db, s_dl, s_dd, s_bb, s_bl, s_bn)
+    # this token's inputs, loaded before the record loop (they depend on nothing it computes)
     dt = tl.load(dt_ptr + row * s_tb + offs_d * s_td, mask=mask_d, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * s_xb + offs_d * s_xd, mask=mask_d, other=0.0).to(tl.float32)
     b = tl.load(B_ptr + row * s_Bb + offs_n * s_Bn, mask=mask_n, other=0.0).to(tl.float32)
     c = tl.load(C_ptr + row * s_Cb + offs_n * s_Cn, mask=mask_n, other=0.0).to(tl.float32)
-    h = tl.exp(dt[:, None] * A) * h + u[:, None] * b[None, :]
+    if RUNTIME_LOOP:                        # each record's loads issued one record ahead
+        live_d = mask_d & ((offs_d * 0) < w)
+        live_n = mask_n & ((offs_n * 0) < w)
+        rdt = tl.load(dt_ring_ptr + slot * s_db + offs_d * s_dd, mask=live_d, other=0.0).to(tl.float32)
+        ru = tl.load(u_ring_ptr + slot * s_ub + offs_d * s_ud, mask=live_d, other=0.0).to(tl.float32)
+        rb = tl.load(B_ring_ptr + slot * s_bb + offs_n * s_bn, mask=live_n, other=0.0).to(tl.float32)
+        for j in range(0, w):
+            cdt, cu, cb = rdt, ru, rb
+            live_d = mask_d & ((offs_d * 0 + j + 1) < w)
+            live_n = mask_n & ((offs_n * 0 + j + 1) < w)
+            rdt = tl.load(dt_ring_ptr + slot * s_db + (j + 1) * s_dl + offs_d * s_dd, mask=live_d,
+                          other=0.0).to(tl.float32)
+            ru = tl.load(u_ring_ptr + slot * s_ub + (j + 1) * s_ul + offs_d * s_ud, mask=live_d,
+                         other=0.0).to(tl.float32)
+            rb = tl.load(B_ring_ptr + slot * s_bb + (j + 1) * s_bl + offs_n * s_bn, mask=live_n,
+                         other=0.0).to(tl.float32)
+            h = tl.exp2(cdt[:, None] * A2) * h + cu[:, None] * cb[None, :]
+    else:
+        for j in range(0, L_MAX - 1):
+            h = _record(h, A2, u_ring_ptr, dt_ring_ptr, B_ring_ptr, slot, j, w, offs_d, offs_n, mask_d, mask_n,
+                        s_ub, s_ul, s_ud, s_db, s_dl, s_dd, s_bb, s_bl, s_bn)
+    h = tl.exp2(dt[:, None] * A2) * h + u[:, None] * b[None, :]
     y = tl.where(real, tl.sum(h * c[None, :], 1), 0.0)
     tl.store(y_ptr + row * s_yb + offs_d * s_yd, y, mask=offs_d < D)
     tl.store(u_ring_ptr + slot * s_ub + w * s_ul + offs_d * s_ud, u, mask=mask_d)
@@ -116,6 +137,9 @@ def _mamba1_advance_kernel(cursor_ptr, slot_ptr, b, L, HAS_SLOT: tl.constexpr, B
     tl.store(cursor_ptr + slots, tl.where(w == L - 1, 0, w + 1), mask=live)
 
 
+TUNING: dict = {}
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -128,14 +152,19 @@ def mamba1_replay_step_triton(state, u_ring, dt_ring, B_ring, A_keep, cursor, u,
     if b == 0:
         return y
     BLOCK_N = max(next_pow2(N), 2)
-    BLOCK_D = max(min(next_pow2(D), 4096 // BLOCK_N), 16)      # a [BLOCK_D, N] fp32 tile of 4096 values
+    # [BLOCK_D, N] tiles of 1024 values on 2 warps for fp32 checkpoints, 2048 for 2-byte ones (H200, Falcon-Mamba-7B
+    # dims, L = 4, bs 256 / 512: fp32 71.2 / 137.1 µs L-avg against 72.0 / 138.7 at 2048 on 4 warps and 77.9 /
+    # 149.7 at 512 on 1; bf16 65.5 / 125.1 against 74.3 / 143.2 at 1024 on 2 warps)
+    narrow = state.element_size() <= 2
+    tile = TUNING.get("tile", 2048 if narrow else 1024)
+    BLOCK_D = max(min(next_pow2(D), tile // BLOCK_N), 16)
     has_slot = slot_idx is not None
     launch(_mamba1_step_kernel)[(cdiv(D, BLOCK_D), b)](
         state, u_ring, dt_ring, B_ring, A_keep, cursor, u, dt, A, B, C, slot_idx if has_slot else None, y,
         D, N, L, *state.stride(), *u_ring.stride(), *dt_ring.stride(), *B_ring.stride(), *A_keep.stride(),
         *u.stride(), *dt.stride(), *A.stride(), *B.stride(), *C.stride(), *y.stride(),
         HAS_SLOT=has_slot, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, L_MAX=L, RUNTIME_LOOP=not _interpreting(),
-        num_warps=4)
+        num_warps=TUNING.get("warps", 2))
     BLOCK = 128
     launch(_mamba1_advance_kernel)[(cdiv(b, BLOCK),)](cursor, slot_idx if has_slot else None, b, L,
                                                       HAS_SLOT=has_slot, BLOCK=BLOCK)

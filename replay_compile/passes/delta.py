@@ -94,6 +94,8 @@ class DeltaMatch(SiteMatch):
     out_dtype: torch.dtype
     k_dtype: torch.dtype
     rec_dtype: torch.dtype
+    # the state is [b, HV, V, K] (fla's ``state_v_first``, serving engines' GDN pools); the op steps ``S.mT``
+    transposed: bool = dataclasses.field(default=False, kw_only=True)
 
     @property
     def family(self) -> str:
@@ -111,23 +113,25 @@ class DeltaMatch(SiteMatch):
 
     def ring_spec(self, L: int) -> DeltaRingSpec:
         return DeltaRingSpec(HV=self.HV, Hk=self.Hk, K=self.K, V=self.V, L=L, d_dtype=self.rec_dtype,
-                             k_dtype=self.k_dtype, kda=self.kda, rec_dtype=self.rec_dtype)
+                             k_dtype=self.k_dtype, kda=self.kda, rec_dtype=self.rec_dtype, transposed=self.transposed)
 
     def low_precision(self) -> bool:
         return any(d in (torch.bfloat16, torch.float16) for d in (self.k_dtype, self.out_dtype))
 
     def exact_new(self, S0: torch.Tensor, c: dict) -> torch.Tensor:
-        s = S0.to(self.rec_dtype).clone()
+        """The new state in the cache tensor's own layout."""
+        s = (S0.mT if self.transposed else S0).to(self.rec_dtype).clone()
         delta_exact_step(s, c["k"], c["k"], c["v"], c["g"], c["beta"])
-        return s
+        return s.mT if self.transposed else s
 
     def exact_readout(self, new: torch.Tensor, c: dict) -> torch.Tensor:
         q = c["q"].to(new.dtype).repeat_interleave(self.HV // c["q"].shape[1], dim=1)
-        return torch.einsum("bhkv,bhk->bhv", new, q)
+        return torch.einsum("bhvk,bhk->bhv" if self.transposed else "bhkv,bhk->bhv", new, q)
 
     def describe(self, spec: DeltaRingSpec) -> str:
         rc = f" read copy {spec.read_copy}" if spec.read_copy else ""
-        return f"HV={self.HV} Hk={self.Hk} K={self.K} V={self.V} L={spec.L}{rc}"
+        layout = " state [V, K]" if self.transposed else ""
+        return f"HV={self.HV} Hk={self.Hk} K={self.K} V={self.V} L={spec.L}{layout}{rc}"
 
 
 class DeltaMatcher(Mamba2Matcher):

@@ -24,9 +24,10 @@ one token, in fp32, with ``q``, ``k``, ``v``, ``beta`` of shapes ``[B, 1, H, K]`
 
 which is the replay op's step once ``q`` and ``k`` are normalised and scaled: the rewrite computes those in the
 graph, calls ``delta_step`` on the cache's state itself, copies its output into ``o`` and drops the launch, the
-buffer and the copy back. Launches outside that contract are left unchanged with the reason: several tokens
-(``T > 1``: a prefill or a verify), packed sequences (``cu_seqlens``), state indices (serving engines' pools),
-the ``state_v_first`` ``[V, K]`` layout, a gate along V (``gv``), a beta per value channel, KDA's lower-bounded
+buffer and the copy back. A ``state_v_first`` launch (the state laid out ``[B, HV, V, K]``, as serving engines'
+GDN pools keep it) is stepped through the state's transposed view. Launches outside that contract are left
+unchanged with the reason: several tokens (``T > 1``: a prefill or a verify), packed sequences (``cu_seqlens``),
+state indices (serving engines' pools), a gate along V (``gv``), a beta per value channel, KDA's lower-bounded
 gate.
 """
 
@@ -129,8 +130,6 @@ def match(node: fx.Node) -> FlaCallMatch:
                    ("lower_bound", "a lower-bounded gate")):
         if args.get(p) is not None:
             raise NoMatch(f"a {name} launch with {why}, which the replay step does not take")
-    if args.get("STATE_V_FIRST", False):
-        raise NoMatch("state_v_first: the state in [V, K] layout, which the replay op does not take yet")
     T = args.get("T")
     if T != 1:
         raise NoMatch(f"a launch over T={T} tokens: not a single-token decode step")
@@ -140,7 +139,8 @@ def match(node: fx.Node) -> FlaCallMatch:
     st = shape(state)
     if st is None or len(st) != 4:
         raise NoMatch(f"state of shape {st}: expected [batch, value heads, key dim, value dim]")
-    b, HV, K, V = st
+    v_first = bool(args.get("STATE_V_FIRST", False))
+    b, HV, K, V = (st[0], st[1], st[3], st[2]) if v_first else st
     if dtype(state) not in STATE_DTYPES:
         raise NoMatch(f"state dtype {dtype(state)} is not supported")
     if not all(is_static_int(s) for s in (HV, K, V)):
@@ -237,7 +237,7 @@ def match(node: fx.Node) -> FlaCallMatch:
         q=Recipe([q], lambda x: qk(x, float(scale))), k=Recipe([k], lambda x: qk(x, 1.0)),
         v=Recipe([v], lambda x: x[:, 0]), g=Recipe(g_src, g_fn), beta=Recipe([beta], beta_fn),
         out_shape=tuple(shape(o)), out_dtype=dtype(o), k_dtype=torch.float32, rec_dtype=rec,
-        out=o, final=ht, writeback=wb)
+        out=o, final=ht, writeback=wb, transposed=v_first)
 
 
 def apply(gm: fx.GraphModule, m: FlaCallMatch, rings: list[fx.Node], spec) -> fx.Node:

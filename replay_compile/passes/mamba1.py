@@ -27,6 +27,10 @@ from .mamba2 import STATE_DTYPES, NoMatch, Recipe, SiteMatch
 from ..kernels.mamba1_reference import mamba1_exact_step
 
 _B, _D, _N = 0, 1, 2
+# The longest Mamba-1 ring: each held record costs every later step an exp per (channel, state) entry, so longer
+# rings lose (H200, Falcon-Mamba-7B dims, fp32 checkpoint, bs 256, L-step average against mamba_ssm's exact step:
+# 1.06x at L = 4, 0.82x at L = 8, 0.33x at L = 16)
+MAX_BUFFER_LEN = 4
 
 
 @dataclasses.dataclass
@@ -53,7 +57,8 @@ class Mamba1Match(SiteMatch):
         return {"u": self.u, "dt": self.dt, "A": self.A, "B": self.B, "C": self.C}
 
     def ring_spec(self, L: int) -> Mamba1RingSpec:
-        return Mamba1RingSpec(D=self.D, N=self.N, L=L, rec_dtype=self.rec_dtype)
+        """Rings of ``min(L, MAX_BUFFER_LEN)`` records."""
+        return Mamba1RingSpec(D=self.D, N=self.N, L=min(L, MAX_BUFFER_LEN), rec_dtype=self.rec_dtype)
 
     def low_precision(self) -> bool:
         return self.out_dtype in (torch.bfloat16, torch.float16)

@@ -6,6 +6,9 @@ What is matched (names never matter; casts, device moves and view spellings are 
     S.copy_(new)                                    the anchor: an in-place write of that input
     y = readout(new, C)                             bmm / matmul / einsum / (new * C).sum(-1), contracting N
 
+or the same with the state laid out ``[b, H, N, P]`` and read out by contracting dim -2 (``y = C @ new``,
+``(new * C[..., None]).sum(-2)``): MiniMax's lightning attention keeps ``K^T V`` so, with a constant decay per head.
+
 with ``a`` provably constant along P and N (a log-decay per row and head), and the update factors ``f_i`` each
 provably constant along P (the n-side, ``B``), along N (the p-side, ``x``) or both (scalars, ``dt``). "Provably"
 is the broadcast-provenance analysis of :mod:`.broadcast`; it also finds B/C groups (heads sharing a group show
@@ -88,6 +91,7 @@ class Mamba2Match(SiteMatch):
     x_dtype: torch.dtype
     B_dtype: torch.dtype
     rec_dtype: torch.dtype          # dt / log-decay records and the ops' compute dtype (fp64 only for fp64 states)
+    transposed: bool = False        # the state is [b, H, N, P]; the op steps its view ``S.mT``
     family: str = FAMILY
 
     @property
@@ -102,24 +106,29 @@ class Mamba2Match(SiteMatch):
 
     def ring_spec(self, L: int) -> Mamba2RingSpec:
         return Mamba2RingSpec(H=self.H, P=self.P, N=self.N, G=self.G, L=L, x_dtype=self.x_dtype,
-                              B_dtype=self.B_dtype, rec_dtype=self.rec_dtype)
+                              B_dtype=self.B_dtype, rec_dtype=self.rec_dtype, transposed=self.transposed)
 
     def low_precision(self) -> bool:
         return any(d in (torch.bfloat16, torch.float16) for d in (self.x_dtype, self.B_dtype, self.out_dtype))
 
     def exact_new(self, S0: torch.Tensor, c: dict) -> torch.Tensor:
+        """The new state in the cache tensor's own layout."""
         cdt = self.rec_dtype
         Bh = c["B"].to(cdt).repeat_interleave(self.H // self.G, dim=1)
-        return torch.exp(c["la"].to(cdt))[..., None, None] * S0.to(cdt) + \
+        S0 = S0.mT if self.transposed else S0
+        new = torch.exp(c["la"].to(cdt))[..., None, None] * S0.to(cdt) + \
             (c["dt"].to(cdt)[..., None] * c["x"].to(cdt))[..., None] * Bh[:, :, None, :]
+        return new.mT if self.transposed else new
 
     def exact_readout(self, new: torch.Tensor, c: dict) -> torch.Tensor:
         Ch = c["C"].to(new.dtype).repeat_interleave(self.H // c["C"].shape[1], dim=1)
-        return torch.einsum("bhpn,bhn->bhp", new, Ch)
+        return torch.einsum("bhnp,bhn->bhp" if self.transposed else "bhpn,bhn->bhp", new, Ch)
 
     def describe(self, spec) -> str:
         rc = f" read copy {spec.read_copy}" if getattr(spec, "read_copy", None) else ""
-        return f"H={self.H} P={self.P} N={self.N} G={self.G} L={spec.L} x:{str(self.x_dtype).replace('torch.', '')}{rc}"
+        layout = " state [N, P]" if self.transposed else ""
+        return (f"H={self.H} P={self.P} N={self.N} G={self.G} L={spec.L} "
+                f"x:{str(self.x_dtype).replace('torch.', '')}{layout}{rc}")
 
 
 def _apply(node: fx.Node, value):
@@ -165,8 +174,11 @@ def _extractor(src_shape: tuple, src_dims: list, keep: dict, sizes: dict) -> Cal
     return fn
 
 
-def _frame_dims(rank: int, frame_rank: int = 4) -> list:
-    return list(range(frame_rank - rank, frame_rank))
+def _frame_dims(rank: int, frame_rank: int = 4, transposed: bool = False) -> list:
+    """Frame dims of a value of ``rank`` dims right-aligned to the state's frame (``[b, H, N, P]`` when
+    ``transposed``)."""
+    frame = [B_, H_, N_, P_] if transposed and frame_rank == 4 else list(range(frame_rank))
+    return frame[frame_rank - rank:]
 
 
 class Mamba2Matcher:
@@ -183,15 +195,17 @@ class Mamba2Matcher:
         layer = module_path(cp, default=f"state input `{store.name}`")
         if a.why:
             raise NoMatch(a.why)
-        b, H, P, N = shape(state)
+        new = strip(a.value)
+        if not isinstance(new, fx.Node):
+            raise NoMatch("the value written is not computed in this graph")
+        t = self._transposed_readout(new, cp)
+        PD, ND = (N_, P_) if t else (P_, N_)         # positions of P and N in the state
+        b, H, P, N = (shape(state)[i] for i in (B_, H_, PD, ND))
         if dtype(state) not in STATE_DTYPES:
             raise NoMatch(f"state dtype {dtype(state)} is not supported (use one of "
                           f"{', '.join(str(d).replace('torch.', '') for d in STATE_DTYPES)})")
         if not all(is_static_int(s) for s in (H, P, N)):
             raise NoMatch(f"state {tuple(shape(state))}: head and state dims must be static")
-        new = strip(a.value)
-        if not isinstance(new, fx.Node):
-            raise NoMatch("the value written is not computed in this graph")
         ns = shape(new) or ()
         if len(ns) != 4 or not all(same_size(x, y) for x, y in zip(ns, shape(state))):
             raise NoMatch(f"the value written has shape {shape(new)}, not the state's {shape(state)}")
@@ -219,11 +233,11 @@ class Mamba2Matcher:
             r = self.bx.aligned(f, 4)
             if len(fs) == 4 and not same_size(fs[B_], b):
                 raise NoMatch(f"update factor {f.name} {fs} is broadcast over the batch")
-            if r[P_] == FULL and r[N_] == FULL:
+            if r[PD] == FULL and r[ND] == FULL:
                 scal.append(f)
-            elif r[N_] == FULL:
+            elif r[ND] == FULL:
                 p_side.append(f)
-            elif r[P_] == FULL:
+            elif r[PD] == FULL:
                 n_side.append(f)
             else:
                 raise NoMatch(f"update factor {f.name} {fs} varies along both P and N: not a rank-1 update")
@@ -239,20 +253,27 @@ class Mamba2Matcher:
         G = self._groups(n_side, H)
         keep_hp = {B_: 1, H_: 1, P_: 1}
         sizes = {B_: -1, H_: H, P_: P, N_: N}
-        x_fn = self._product(p_side, keep_hp, sizes)
-        B_fn = self._product(n_side, {B_: 1, H_: H // G, N_: 1}, {B_: -1, H_: G, N_: N})
-        dt_fn = self._product(scal, {B_: 1, H_: 1}, sizes) if scal else None
-        if la_frame_rep[P_] != FULL or la_frame_rep[N_] != FULL:
+        x_fn = self._product(p_side, keep_hp, sizes, t)
+        B_fn = self._product(n_side, {B_: 1, H_: H // G, N_: 1}, {B_: -1, H_: G, N_: N}, t)
+        dt_fn = self._product(scal, {B_: 1, H_: 1}, sizes, t) if scal else None
+        if la_frame_rep[PD] != FULL or la_frame_rep[ND] != FULL:
             raise NoMatch("decay is not provably constant along P and N (not a scalar decay per head)")
-        la_cut = _extractor(shape(decay), _frame_dims(len(shape(decay))), {B_: 1, H_: 1}, sizes)
+        la_dims = _frame_dims(len(shape(decay)), transposed=t)
+        la_cut = _extractor(shape(decay), la_dims, {B_: 1, H_: 1}, sizes)
 
         self._check_state_uses(state, cp, state_term)
-        readout, C_src, C_fn, Gc, form = self._readout(new, cp, H, N)
+        readout, C_src, C_fn, Gc, form = self._readout(new, cp, H, N, t)
 
         rec = torch.float64 if dtype(state) == torch.float64 else torch.float32
-        la = Recipe([la_src], lambda a, _f=la_fn, _c=la_cut: _c(_f(a)).to(rec))
+        if B_ in la_dims and not same_size(shape(decay)[la_dims.index(B_)], 1):
+            la_srcs, la_of = [la_src], (lambda a, _f=la_fn, _c=la_cut: _c(_f(a)).to(rec))
+        else:
+            # one decay for every row (MiniMax's exp(-slope) per head): expanded over the state's rows
+            la_srcs = [la_src, state]
+            la_of = (lambda a, s0, _f=la_fn, _c=la_cut: _c(_f(a)).to(rec).expand(s0.shape[0], H).contiguous())
+        la = Recipe(la_srcs, la_of)
         if dt_fn is None:
-            dt = Recipe([la_src], lambda a, _f=la_fn, _c=la_cut: torch.ones_like(_c(_f(a)), dtype=rec) * consts)
+            dt = Recipe(la_srcs, lambda *v, _l=la_of: torch.ones_like(_l(*v)) * consts)
         else:
             dt = Recipe(list(scal), lambda *v, _f=dt_fn: (_f(*v).to(rec) * consts) if consts != 1.0
                         else _f(*v).to(rec))
@@ -266,7 +287,8 @@ class Mamba2Matcher:
             x=Recipe(list(p_side), lambda *v, _f=x_fn: _f(*v).to(x_dtype)),
             B=Recipe(list(n_side), lambda *v, _f=B_fn: _f(*v).to(B_dtype)),
             C=Recipe([C_src], C_fn),
-            out_shape=out_shape, out_dtype=dtype(readout), x_dtype=x_dtype, B_dtype=B_dtype, rec_dtype=rec)
+            out_shape=out_shape, out_dtype=dtype(readout), x_dtype=x_dtype, B_dtype=B_dtype, rec_dtype=rec,
+            transposed=t)
 
     # -- pieces ----------------------------------------------------------------------------------------------
     def _check_reads_no_other_state(self, state: fx.Node, decay: fx.Node, upd) -> None:
@@ -321,8 +343,8 @@ class Mamba2Matcher:
         r = H if r == FULL else r
         return H // r if H % r == 0 else H
 
-    def _product(self, nodes, keep, sizes):
-        cuts = [_extractor(shape(f), _frame_dims(len(shape(f))), keep, sizes) for f in nodes]
+    def _product(self, nodes, keep, sizes, t: bool = False):
+        cuts = [_extractor(shape(f), _frame_dims(len(shape(f)), transposed=t), keep, sizes) for f in nodes]
 
         def fn(*vals):
             out = cuts[0](vals[0])
@@ -333,9 +355,10 @@ class Mamba2Matcher:
         return fn
 
     def _check_state_uses(self, state, cp, state_term):
-        """The state may be read only by the decay product (through casts) and written only by the anchor."""
+        """The state may be read only by the decay product (through casts) and written only by the anchor. Returning
+        it is not a read: the caller gets the cache tensor itself (a returned next state, written in place)."""
         for u in real_users(state):
-            if u is cp:
+            if u is cp or u.op == "output":
                 continue
             n = u
             while n is not state_term and is_value_cast(n) and len(real_users(n)) == 1:
@@ -356,7 +379,8 @@ class Mamba2Matcher:
                     todo.append(u)
         return out
 
-    def _readout(self, new, cp, H, N):
+    def _readout_use(self, new, cp):
+        """(alias of the new state, its one reader)."""
         aliases = self._aliases(new)
         uses = [(a, u) for a in aliases for u in real_users(a) if u not in aliases and u is not cp]
         if not uses:
@@ -364,14 +388,36 @@ class Mamba2Matcher:
         if len(uses) != 1:
             names = ", ".join(f"`{u.name}` ({op_name(u)})" for _, u in uses)
             raise NoMatch(f"the new state has {len(uses)} readers ({names}); only one readout is supported")
-        alias, u = uses[0]
+        return uses[0]
+
+    def _transposed_readout(self, new, cp) -> bool:
+        """Whether the readout contracts the state's dim -2 (a ``[b, H, N, P]`` state): ``C @ new``, an einsum
+        summing its third index, or ``(new * C).sum(-2)``. Anything else is read as ``[b, H, P, N]``; the readout
+        matchers below then say what they found."""
+        try:
+            alias, u = self._readout_use(new, cp)
+        except NoMatch:
+            return False
         name = op_name(u)
-        if name in ("bmm", "matmul") and u.args[0] is alias:
-            return self._readout_matmul(alias, u, H, N)
+        if name in ("bmm", "matmul"):
+            return u.args[0] is not alias and len(u.args) > 1 and u.args[1] is alias and len(shape(alias) or ()) == 4
         if name == "einsum":
-            return self._readout_einsum(alias, u, H, N)
+            m = _einsum_parts(u, alias)
+            return m is not None and len(m[0]) == 4 and m[2] == m[0][:2] + m[0][3]
+        if name == "mul":
+            sums = real_users(u)
+            return len(sums) == 1 and op_name(sums[0]) == "sum" and _sum_dim(sums[0])[0] in (-2, 2)
+        return False
+
+    def _readout(self, new, cp, H, N, t: bool):
+        alias, u = self._readout_use(new, cp)
+        name = op_name(u)
+        if name in ("bmm", "matmul") and u.args[0 if not t else 1] is alias:
+            return self._readout_matmul(alias, u, H, N, t)
+        if name == "einsum":
+            return self._readout_einsum(alias, u, H, N, t)
         if name == "mul" and shape(alias) is not None and len(shape(alias)) == 4:
-            return self._readout_mul_sum(alias, u, H, N)
+            return self._readout_mul_sum(alias, u, H, N, t)
         raise NoMatch(f"readout `{u.name}` ({name}) of the new state is not a contraction with C over N")
 
     def _C_from_frame(self, c, c_dims, H, N, frame_rank):
@@ -386,7 +432,14 @@ class Mamba2Matcher:
         fn = _extractor(shape(c), c_dims, {B_: 1, H_: H // Gc, N_: 1}, {B_: -1, H_: Gc, N_: N})
         return fn, Gc
 
-    def _readout_matmul(self, alias, u, H, N):
+    def _readout_matmul(self, alias, u, H, N, t: bool):
+        if t:                                   # C [b, H(or Gc), 1, N] @ new [b, H, N, P]
+            c = u.args[0]
+            c_shape = shape(c)
+            if c_shape is None or len(c_shape) != 4 or c_shape[-2] != 1 or c_shape[-1] != N:
+                raise NoMatch(f"readout `{u.name}`: C operand {c_shape} is not [..., 1, N]")
+            fn, Gc = self._C_from_frame(c, [B_, H_, P_, N_], H, N, 4)
+            return u, c, fn, Gc, "matmul"
         a_shape, c = shape(alias), u.args[1]
         c_shape = shape(c)
         if a_shape is None or c_shape is None or len(c_shape) != len(a_shape) or c_shape[-1] != 1 \
@@ -406,27 +459,22 @@ class Mamba2Matcher:
             return u, c, fn, Gc, "matmul"
         raise NoMatch(f"readout `{u.name}`: unsupported operand rank {len(a_shape)}")
 
-    def _readout_einsum(self, alias, u, H, N):
-        eq, ops = u.args[0], list(u.args[1:])
-        if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
-            ops = list(ops[0])
-        if not isinstance(eq, str) or len(ops) != 2 or alias not in ops or len(shape(alias) or ()) != 4:
-            raise NoMatch(f"einsum readout `{u.name}` is not (new, C)")
-        m = re.fullmatch(r"\s*(\w+)\s*,\s*(\w+)\s*->\s*(\w*)\s*", eq.replace("...", ""))
-        if not m:
-            raise NoMatch(f"einsum equation {eq!r} not understood")
-        i_new = ops.index(alias)
-        s_new, s_c, s_out = m.group(1 + i_new), m.group(2 - i_new), m.group(3)
-        c = ops[1 - i_new]
-        if len(s_new) != 4 or s_out != s_new[:3] or sorted(s_c) != sorted(s_new[0] + s_new[1] + s_new[3]):
+    def _readout_einsum(self, alias, u, H, N, t: bool):
+        parts = _einsum_parts(u, alias)
+        if parts is None or len(shape(alias) or ()) != 4:
+            raise NoMatch(f"einsum readout `{u.name}` is not (new, C) with an equation read here")
+        s_new, s_c, s_out, c = parts
+        eq = u.args[0]
+        n_ch = s_new[2] if t else s_new[3]
+        if len(s_new) != 4 or s_out != s_new.replace(n_ch, "") or sorted(s_c) != sorted(s_new[:2] + n_ch):
             raise NoMatch(f"einsum {eq!r} does not contract the state's last dim with C")
-        frame = {s_new[0]: B_, s_new[1]: H_, s_new[3]: N_}
+        frame = {s_new[0]: B_, s_new[1]: H_, n_ch: N_}
         if [frame[ch] for ch in s_c] != sorted(frame[ch] for ch in s_c):
             raise NoMatch(f"einsum {eq!r}: C dims are permuted")
         fn, Gc = self._C_from_frame(c, [frame[ch] for ch in s_c], H, N, 3)
         return u, c, fn, Gc, "einsum"
 
-    def _readout_mul_sum(self, alias, u, H, N):
+    def _readout_mul_sum(self, alias, u, H, N, t: bool):
         others = [a for a in u.args if a is not alias]
         if len(u.args) != 2 or len(others) != 1 or not isinstance(others[0], fx.Node):
             raise NoMatch(f"readout `{u.name}`: expected new * C")
@@ -435,14 +483,33 @@ class Mamba2Matcher:
         if len(sums) != 1 or op_name(sums[0]) != "sum":
             raise NoMatch(f"readout `{u.name}`: new * C is not summed")
         s = sums[0]
-        dim = s.args[1] if len(s.args) > 1 else s.kwargs.get("dim")
-        keep = s.kwargs.get("keepdim", s.args[2] if len(s.args) > 2 else False)
-        dim = dim[0] if isinstance(dim, (list, tuple)) and len(dim) == 1 else dim
-        if dim not in (-1, 3) or keep:
+        dim, keep = _sum_dim(s)
+        if dim not in ((-2, 2) if t else (-1, 3)) or keep:
             raise NoMatch(f"readout `{s.name}` sums dim {dim} (keepdim={keep}), expected the last dim")
         cs = shape(c)
-        fn, Gc = self._C_from_frame(c, _frame_dims(len(cs)), H, N, 4)
+        fn, Gc = self._C_from_frame(c, _frame_dims(len(cs), transposed=t), H, N, 4)
         return s, c, fn, Gc, "mul-sum"
+
+
+def _einsum_parts(u: fx.Node, alias: fx.Node):
+    """(new's indices, C's indices, output indices, C) of a two-operand einsum over ``alias``, or None."""
+    eq, ops = u.args[0], list(u.args[1:])
+    if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
+        ops = list(ops[0])
+    if not isinstance(eq, str) or len(ops) != 2 or alias not in ops:
+        return None
+    m = re.fullmatch(r"\s*(\w+)\s*,\s*(\w+)\s*->\s*(\w*)\s*", eq.replace("...", ""))
+    if not m:
+        return None
+    i_new = ops.index(alias)
+    return m.group(1 + i_new), m.group(2 - i_new), m.group(3), ops[1 - i_new]
+
+
+def _sum_dim(s: fx.Node):
+    """(dim, keepdim) of a ``sum`` node, a one-element dim list read as its element."""
+    dim = s.args[1] if len(s.args) > 1 else s.kwargs.get("dim")
+    keep = s.kwargs.get("keepdim", s.args[2] if len(s.args) > 2 else False)
+    return (dim[0] if isinstance(dim, (list, tuple)) and len(dim) == 1 else dim), keep
 
 
 def _promote(nodes) -> torch.dtype:

@@ -32,6 +32,11 @@ PER_CHANNEL = ("a state [batch, (heads,) channels, states] updated as exp(dt A) 
                "(channel, state) (Mamba-1's recurrence), in a form the Mamba-1 rewrite does not read")
 
 
+OPT_IN = ("family 'mamba1' is not enabled: it is opt-in (options={'families': ('mamba2', 'gdn', 'kda', 'mamba1')}); "
+          "its replay step measured 1.05-1.15x the exact step at batch 256-512 on an H200 and slower below batch 64 "
+          "(docs/design/mamba1.md)")
+
+
 @dataclasses.dataclass(frozen=True)
 class Rewrite:
     layer: str
@@ -76,6 +81,7 @@ class PassResult:
     fake_inputs: list = dataclasses.field(default_factory=list)
     ops_before: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     ops_after: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    returns_state: bool = False     # a stepped state is returned for the caller to store (a returned next state)
 
 
 def count_ops(gm: fx.GraphModule) -> collections.Counter:
@@ -124,17 +130,21 @@ class ReplaySSMPass:
         if not (anchor_mod.find(gm.graph) or state_writes.computed_writes(gm.graph)
                 or (families & {"mamba2", "mamba1"} and kernel_call.anchors(gm))
                 or (delta_on and fla_call.anchors(gm))
-                or state_writes.per_channel_recurrences(gm.graph)):
+                or state_writes.per_channel_recurrences(gm.graph)
+                or ("mamba2" in families and state_writes.returned_recurrences(gm.graph))):
             self._report_returned(res, gm)
             return res
         gm = copy_graph_module(gm)
+        # a state whose next value is returned (MiniMax's cache list stores it in place of the old tensor): read as
+        # an in-place write, the graph returning the state itself; put back below where it is not rewritten
+        in_place = state_writes.write_returned_in_place(gm.graph) if "mamba2" in families else {}
         forwarded, refused = state_writes.forward_clone_writebacks(gm.graph)
         if forwarded:
             log.debug("replay_compile: updates of cloned states moved onto %s", ", ".join(forwarded))
         spelt = canonical.canonicalize(gm.graph)
         if spelt:
             log.debug("replay_compile: %s", "; ".join(spelt))
-        if forwarded or spelt:
+        if forwarded or spelt or in_place:
             gm.recompile()
         m2, dm = Mamba2Matcher(gm), DeltaMatcher(gm)
         matches = []
@@ -162,6 +172,9 @@ class ReplaySSMPass:
                     self._skip(res, layer, PER_CHANNEL)
                     continue
                 why = None if cp in refused or a.old is None else state_writes.why_not_a_step(a.old, a.value)
+                if a.state in in_place:
+                    e = f"its next value is returned as a new tensor for the cache to store; read as an in-place " \
+                        f"write of the state, {e}"
                 self._skip(res, layer, why or str(e), quiet=why is not None)
         anchored = {a.state for a in anchors}
         for state, w in per_channel.items():            # Mamba-1: whole 3-D states
@@ -171,7 +184,8 @@ class ReplaySSMPass:
             layer = graph_utils.module_path(w, default=f"state input `{state.name}`")
             try:
                 if "mamba1" not in families:
-                    raise NoMatch("family 'mamba1' is not enabled")
+                    self._skip(res, layer, f"{PER_CHANNEL}: {OPT_IN}", quiet=True)
+                    continue
                 matches.append(mamba1.match(state, w))
             except NoMatch as e:
                 self._skip(res, layer, f"{PER_CHANNEL}: {e}")
@@ -186,6 +200,9 @@ class ReplaySSMPass:
             try:                    # mamba_ssm's or fla's kernel, launched
                 m = mod.match(call)
                 if m.family not in families:
+                    if m.family == "mamba1":
+                        self._skip(res, m.layer, OPT_IN, quiet=True)
+                        continue
                     raise NoMatch(f"a {m.family} update, but family {m.family!r} is not enabled")
                 matches.append(m)
             except NoMatch as e:
@@ -197,6 +214,11 @@ class ReplaySSMPass:
             for m in [m for m in matches if id(m) in failed]:
                 self._skip(res, m.layer, failed[id(m)])
             matches = [m for m in matches if id(m) not in failed]
+        taken = {m.state for m in matches}
+        for s, cp in in_place.items():
+            if s not in taken:
+                state_writes.undo_write_in_place(gm.graph, s, cp)
+        res.returns_state = bool(taken & set(in_place))
         if log.isEnabledFor(logging.DEBUG) and matches:
             log.debug("replay_compile: graph before rewrite:\n%s", gm.code)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

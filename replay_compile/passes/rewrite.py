@@ -86,7 +86,9 @@ def insert_step(graph: fx.Graph, tracer, m, rings: list[fx.Node], spec=None) -> 
     them (``spec`` picks it: with a read copy ``mamba2_step_rc`` and its format; else the match's own op)."""
     vals = {key: r([Proxy(s, tracer) for s in r.sources]).node for key, r in m.recipes.items()}
     target, extra = spec.step_op if spec is not None else (m.op, ())
-    op = graph.call_function(target, (m.state, *rings, *(vals[k] for k in m.op_keys), m.slot, *extra))
+    # a [b, H, N, P] state is stepped through its transposed view: the cache keeps its layout, nothing is copied
+    state = Proxy(m.state, tracer).transpose(-2, -1).node if getattr(m, "transposed", False) else m.state
+    op = graph.call_function(target, (state, *rings, *(vals[k] for k in m.op_keys), m.slot, *extra))
     op.meta["nn_module_stack"] = m.copy_node.meta.get("nn_module_stack", {})
     op.meta["stack_trace"] = m.copy_node.meta.get("stack_trace")
     return op, vals

@@ -309,3 +309,35 @@ def returned_recurrences(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
                 found[p] = o
                 break
     return found
+
+
+def write_returned_in_place(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
+    """Turn each :func:`returned_recurrences` step into the in-place form the matchers read: ``S.copy_(new)`` right
+    after ``new``, and the graph returns ``S`` where it returned ``new``. The caller's cache then keeps storing the
+    same tensor, whose replay state lives as long as it does. Only where ``new`` has the state's shape and dtype
+    (so the stored tensor is unchanged but for its identity). Returns ``{state: the copy_ node}``; a state the
+    rewrite then does not take is put back by :func:`undo_write_in_place`."""
+    out_node = next((n for n in graph.nodes if n.op == "output"), None)
+    done = {}
+    leaves = torch.utils._pytree.tree_flatten(out_node.args)[0] if out_node is not None else []
+    for p, o in returned_recurrences(graph).items():
+        pv, ov = p.meta.get("example_value"), o.meta.get("example_value")
+        if not (isinstance(ov, torch.Tensor) and ov.shape == pv.shape and ov.dtype == pv.dtype) \
+                or any(a is p for a in leaves):
+            continue
+        with graph.inserting_after(o):
+            cp = graph.call_method("copy_", (p, o))
+        cp.meta["example_value"] = pv
+        cp.meta["nn_module_stack"] = o.meta.get("nn_module_stack", {})
+        cp.meta["stack_trace"] = o.meta.get("stack_trace")
+        out_node.args = torch.utils._pytree.tree_map(lambda a: p if a is o else a, out_node.args)
+        done[p] = cp
+    return done
+
+
+def undo_write_in_place(graph: fx.Graph, state: fx.Node, cp: fx.Node) -> None:
+    """Put back what :func:`write_returned_in_place` changed for ``state``: return the value written, drop the copy."""
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    value = cp.args[1]
+    out_node.args = torch.utils._pytree.tree_map(lambda a: value if a is state else a, out_node.args)
+    graph.erase_node(cp)

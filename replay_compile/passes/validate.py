@@ -351,8 +351,10 @@ def validate(gm: fx.GraphModule, example_inputs: Sequence, matches: Sequence) ->
     env = dict(zip(placeholders, args))
     del args
     checker.inputs.update(id(v) for v in env.values() if isinstance(v, torch.Tensor))
-    for node, value in env.items():           # graph inputs that are recipe sources themselves (x, B of a launch)
-        if isinstance(value, torch.Tensor):
+    # graph inputs that are recipe sources themselves (x, B of a launch; a state whose rows a shared decay is
+    # expanded over: its random stand-in has the shape)
+    for node, value in env.items():
+        if isinstance(value, (torch.Tensor, _RandomState)):
             for m, key in checker.need.get(node, ()):
                 checker._collect(m, key, node, value)
     with torch.no_grad():

@@ -325,12 +325,16 @@ def _glm5_next_cfg():
         **{k: v for k, v in _COMMON.items() if k != "hidden_size"})
 
 
-def _delta_builder(cfg_fn: Callable[[], Any], model_cls_name: str) -> Callable[..., torch.nn.Module]:
-    def build(dtype: torch.dtype = torch.float32, seed: int = 0, initializer_range: float = 0.5,
+def _plain_builder(cfg_fn: Callable[[], Any], model_cls_name: str,
+                   initializer_range: float | None = 0.5) -> Callable[..., torch.nn.Module]:
+    """A builder of ``model_cls_name`` from ``cfg_fn() -> (config class, kwargs)``; ``initializer_range`` None keeps
+    the config's own."""
+    def build(dtype: torch.dtype = torch.float32, seed: int = 0, initializer_range: float | None = initializer_range,
               **overrides) -> torch.nn.Module:
         import transformers
         cfg_cls, kw = cfg_fn()
-        config = cfg_cls(**{**kw, "initializer_range": initializer_range, **overrides})
+        init = {} if initializer_range is None else {"initializer_range": initializer_range}
+        config = cfg_cls(**{**kw, **init, **overrides})
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = getattr(transformers, model_cls_name)(config)
@@ -341,45 +345,45 @@ def _delta_builder(cfg_fn: Callable[[], Any], model_cls_name: str) -> Callable[.
 
 
 DELTA_FAMILY: Dict[str, Callable[..., torch.nn.Module]] = {
-    "qwen3_next": _delta_builder(_qwen3_next_cfg, "Qwen3NextForCausalLM"),
-    "qwen3_5": _delta_builder(_qwen3_5_cfg, "Qwen3_5ForCausalLM"),
-    "qwen3_5_moe": _delta_builder(_qwen3_5_moe_cfg, "Qwen3_5MoeForCausalLM"),
-    "kimi_linear": _delta_builder(_kimi_linear_cfg, "KimiLinearForCausalLM"),
-    "olmo_hybrid": _delta_builder(_olmo_hybrid_cfg, "OlmoHybridForCausalLM"),
-    "lara_mini": _delta_builder(_lara_mini_cfg, "LaraMiniForCausalLM"),
-    "bailing_hybrid": _delta_builder(_bailing_hybrid_cfg, "BailingHybridForCausalLM"),
-    "qwen4_exp": _delta_builder(_qwen4_exp_cfg, "Qwen4ExpForCausalLM"),
-    "glm5_next": _delta_builder(_glm5_next_cfg, "Glm5NextForConditionalGeneration"),
+    "qwen3_next": _plain_builder(_qwen3_next_cfg, "Qwen3NextForCausalLM"),
+    "qwen3_5": _plain_builder(_qwen3_5_cfg, "Qwen3_5ForCausalLM"),
+    "qwen3_5_moe": _plain_builder(_qwen3_5_moe_cfg, "Qwen3_5MoeForCausalLM"),
+    "kimi_linear": _plain_builder(_kimi_linear_cfg, "KimiLinearForCausalLM"),
+    "olmo_hybrid": _plain_builder(_olmo_hybrid_cfg, "OlmoHybridForCausalLM"),
+    "lara_mini": _plain_builder(_lara_mini_cfg, "LaraMiniForCausalLM"),
+    "bailing_hybrid": _plain_builder(_bailing_hybrid_cfg, "BailingHybridForCausalLM"),
+    "qwen4_exp": _plain_builder(_qwen4_exp_cfg, "Qwen4ExpForCausalLM"),
+    "glm5_next": _plain_builder(_glm5_next_cfg, "Glm5NextForConditionalGeneration"),
 }
 
 
-def _mamba1_cfgs():
-    small = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2)
-    return {
-        "mamba": ("MambaConfig", "MambaForCausalLM", dict(small, state_size=8, expand=2)),
-        "falcon_mamba": ("FalconMambaConfig", "FalconMambaForCausalLM", dict(small, state_size=8, expand=2)),
-        "jamba": ("JambaConfig", "JambaForCausalLM", dict(
-            small, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, num_experts=1,
-            attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8, mamba_expand=2)),
-    }
+_SMALL = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2)
 
 
-def _mamba1_builder(family: str) -> Callable[..., torch.nn.Module]:
-    def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides) -> torch.nn.Module:
+def _config(cls_name: str, **kw) -> Callable[[], Any]:
+    def cfg():
         import transformers
-        cfg_name, model_name, kw = _mamba1_cfgs()[family]
-        config = getattr(transformers, cfg_name)(**{**kw, **overrides})
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = getattr(transformers, model_name)(config)
-        model.generation_config.eos_token_id = None  # always run max_new_tokens
-        return model.to(dtype).eval()
-    build.__doc__ = f"Build a tiny random {family} model (Mamba-1 layers; eval mode)."
-    return build
+        return getattr(transformers, cls_name), kw
+    return cfg
 
 
-MAMBA1_FAMILY: Dict[str, Callable[..., torch.nn.Module]] = {f: _mamba1_builder(f) for f in ("mamba", "falcon_mamba",
-                                                                                         "jamba")}
+MAMBA1_FAMILY: Dict[str, Callable[..., torch.nn.Module]] = {
+    "mamba": _plain_builder(_config("MambaConfig", **_SMALL, state_size=8, expand=2), "MambaForCausalLM", None),
+    "falcon_mamba": _plain_builder(_config("FalconMambaConfig", **_SMALL, state_size=8, expand=2),
+                                   "FalconMambaForCausalLM", None),
+    "jamba": _plain_builder(_config("JambaConfig", **_SMALL, intermediate_size=64, num_attention_heads=4,
+                                    num_key_value_heads=2, num_experts=1, attn_layer_period=2, attn_layer_offset=1,
+                                    mamba_d_state=8, mamba_expand=2), "JambaForCausalLM", None),
+}
+
+# Lightning attention (MiniMax-Text-01): a per-head constant decay and a rank-1 ``k^T v`` update, Mamba-2's form on
+# a [K, V] state, returned as a new tensor each step for the cache list to store
+LIGHTNING_FAMILY: Dict[str, Callable[..., torch.nn.Module]] = {
+    "minimax": _plain_builder(_config(
+        "MiniMaxConfig", **_SMALL, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_local_experts=2, num_experts_per_tok=1, layer_types=["linear_attention", "full_attention"],
+        block_size=4), "MiniMaxForCausalLM", None),
+}
 
 
 @torch.no_grad()
