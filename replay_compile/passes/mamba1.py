@@ -29,7 +29,7 @@ from ..kernels.mamba1_reference import mamba1_exact_step
 _B, _D, _N = 0, 1, 2
 # The longest Mamba-1 ring: each held record costs every later step an exp per (channel, state) entry, so longer
 # rings lose (H200, Falcon-Mamba-7B dims, fp32 checkpoint, bs 256, L-step average against mamba_ssm's exact step:
-# 1.06x at L = 4, 0.82x at L = 8, 0.33x at L = 16)
+# 1.06x at L = 4, 0.81x at L = 8, 0.54x at L = 16; benchmarks/results/mamba1_kernel)
 MAX_BUFFER_LEN = 4
 
 
