@@ -116,36 +116,50 @@ class Mamba2RingSpec:
 @dataclasses.dataclass(frozen=True)
 class Mamba1RingSpec:
     """Sizes of one Mamba-1 layer's rings (:mod:`replay_compile.kernels.mamba1_reference`): ``D`` channels, ``N``
-    state entries per channel, ``L`` the buffer length."""
+    state entries per channel, ``L`` the buffer length. ``heads``: a state ``[S, heads, D, N]`` stepped head by head
+    (Zamba), one ring set per head (``u_ring [S, heads, L, D]``, ``A_keep [heads, D, N]``, ``cursor [heads, S]``,
+    the ops given ``ring[:, h]``, ``A_keep[h]``, ``cursor[h]``); 0 for a plain ``[S, D, N]`` state."""
 
     D: int
     N: int
     L: int
     rec_dtype: torch.dtype = torch.float32
     read_copy: Optional[str] = None     # not offered for Mamba-1: always None
+    heads: int = 0
 
     family = property(lambda self: "mamba1")
     ring_names = property(lambda self: ("u_ring", "dt_ring", "B_ring", "A_keep", "cursor"))
     step_op = property(lambda self: (torch.ops.replay_compile.mamba1_step.default, ()))
 
     def allocate(self, slots, device) -> tuple:
-        """Zeroed (u_ring [S, L, D], dt_ring [S, L, D], B_ring [S, L, N], A_keep [D, N], cursor [S])."""
+        """Zeroed (u_ring [S, L, D], dt_ring [S, L, D], B_ring [S, L, N], A_keep [D, N], cursor [S]); with
+        ``heads``, a head dim after the slots (before them for ``A_keep`` and the cursor)."""
         z = lambda shape: torch.zeros(shape, dtype=self.rec_dtype, device=device)  # noqa: E731
-        return (z((slots, self.L, self.D)), z((slots, self.L, self.D)), z((slots, self.L, self.N)),
-                z((self.D, self.N)), torch.zeros((slots,), dtype=torch.int32, device=device))
+        hd = (self.heads,) if self.heads else ()
+        return (z((slots, *hd, self.L, self.D)), z((slots, *hd, self.L, self.D)), z((slots, *hd, self.L, self.N)),
+                z((*hd, self.D, self.N)), torch.zeros((*hd, slots), dtype=torch.int32, device=device))
+
+    def head(self, state: torch.Tensor, rings: tuple, h: int) -> tuple:
+        """Head ``h``'s state and rings, as the ops take them (views)."""
+        u, dt, B, A_keep, cursor = rings
+        return (state[:, h], u[:, h], dt[:, h], B[:, h], A_keep[h], cursor[h])
 
     def sync_copy(self, state: torch.Tensor, rings: tuple) -> None:
         pass
 
     def flush(self, state: torch.Tensor, rings: tuple, slots: torch.Tensor | None = None) -> None:
-        torch.ops.replay_compile.mamba1_flush(state, *rings, slots)
+        for args in ([self.head(state, rings, h) for h in range(self.heads)] if self.heads else [(state, *rings)]):
+            torch.ops.replay_compile.mamba1_flush(*args, slots)
 
     def materialize(self, state: torch.Tensor, rings: tuple) -> torch.Tensor:
+        if self.heads:
+            return torch.stack([torch.ops.replay_compile.mamba1_materialize(*self.head(state, rings, h))
+                                for h in range(self.heads)], dim=1)
         return torch.ops.replay_compile.mamba1_materialize(state, *rings)
 
     def nbytes_per_slot(self) -> int:
         es = torch.empty((), dtype=self.rec_dtype).element_size()
-        return self.L * (2 * self.D + self.N) * es + 4
+        return max(self.heads, 1) * (self.L * (2 * self.D + self.N) * es + 4)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""Mamba-1 models (Mamba, Falcon-Mamba, Jamba) through ``backend="replayssm"``: greedy decoding through two flushes
-identical to eager, logits and the flushed cache states close, every Mamba-1 layer rewritten."""
+"""Mamba-1 models (Mamba, Falcon-Mamba, Jamba, and Zamba's head-by-head Mamba-1) through ``backend="replayssm"``,
+Mamba-1 opted in: greedy decoding through two flushes identical to eager, logits and the flushed cache states close,
+every Mamba-1 layer rewritten."""
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from replay_compile.testing import check_equivalence  # noqa: E402
 from replay_compile.testing.hf_models import MAMBA1_FAMILY, make_inputs  # noqa: E402
 
 pytestmark = pytest.mark.hf
-LAYERS = {"mamba": 2, "falcon_mamba": 2, "jamba": 1}       # Mamba-1 layers in each tiny config
+LAYERS = {"mamba": 2, "falcon_mamba": 2, "jamba": 1, "zamba": 4}    # Mamba-1 layers in each tiny config
 OPT_IN = {"families": SUPPORTED_FAMILIES}                   # Mamba-1 is opt-in
 
 

@@ -36,16 +36,3 @@ def test_xlstm_is_left_unchanged_with_the_stabiliser_as_the_reason():
                                          num_heads=4)).eval()
     skipped = _unchanged_skips(model)
     assert skipped and all("another recurrent state this step writes" in s.reason for s in skipped), skipped
-
-
-def test_zamba_is_left_unchanged_with_the_reason():
-    """Zamba splits its Mamba-1 state into heads and writes it head by head through slices: reported, unchanged."""
-    from transformers import ZambaConfig, ZambaForCausalLM
-
-    torch.manual_seed(0)
-    model = ZambaForCausalLM(ZambaConfig(
-        vocab_size=64, hidden_size=32, num_hidden_layers=4, intermediate_size=64, num_attention_heads=4,
-        num_key_value_heads=4, attention_head_dim=16, n_mamba_heads=2, mamba_d_state=8, mamba_expand=2,
-        layers_block_type=["mamba", "hybrid", "mamba", "hybrid"])).eval()
-    skipped = _unchanged_skips(model)
-    assert skipped and all("Mamba-1" in s.reason and "head by head" in s.reason for s in skipped), skipped

@@ -45,6 +45,9 @@ class Mamba1Match(SiteMatch):
     out_shape: tuple
     out_dtype: torch.dtype
     rec_dtype: torch.dtype
+    # a state [b, heads, D, N] written head by head through ``state[:, head]`` (Zamba): this match is one head's step
+    head: int | None = dataclasses.field(default=None, kw_only=True)
+    heads: int = dataclasses.field(default=0, kw_only=True)
 
     family = property(lambda self: "mamba1")
     op = property(lambda self: torch.ops.replay_compile.mamba1_step.default)
@@ -58,7 +61,8 @@ class Mamba1Match(SiteMatch):
 
     def ring_spec(self, L: int) -> Mamba1RingSpec:
         """Rings of ``min(L, MAX_BUFFER_LEN)`` records."""
-        return Mamba1RingSpec(D=self.D, N=self.N, L=min(L, MAX_BUFFER_LEN), rec_dtype=self.rec_dtype)
+        return Mamba1RingSpec(D=self.D, N=self.N, L=min(L, MAX_BUFFER_LEN), rec_dtype=self.rec_dtype,
+                              heads=self.heads)
 
     def low_precision(self) -> bool:
         return self.out_dtype in (torch.bfloat16, torch.float16)
@@ -72,7 +76,8 @@ class Mamba1Match(SiteMatch):
         return (new * c["C"].to(new.dtype)[:, None, :]).sum(-1)
 
     def describe(self, spec: Mamba1RingSpec) -> str:
-        return f"D={self.D} N={self.N} L={spec.L}"
+        head = f" head {self.head} of {self.heads}" if self.head is not None else ""
+        return f"D={self.D} N={self.N} L={spec.L}{head}"
 
 
 def _old_chain(f, state: fx.Node):
@@ -227,3 +232,44 @@ def match(state: fx.Node, write: fx.Node) -> Mamba1Match:
         state=state, new=new, readout=readout, old=state, D=D, N=N,
         u=u_rec, dt=dt_rec, A=A_rec, B=B_rec, C=c_rec,
         out_shape=tuple(shape(readout)), out_dtype=dtype(readout), rec_dtype=rec)
+
+
+def _head_index(n: fx.Node, state: fx.Node) -> int | None:
+    """``h`` where ``n`` is ``state[:, h]`` (a ``getitem`` or ``select``), else ``None``."""
+    if op_name(n) == "getitem" and n.args[0] is state:
+        idx = n.args[1]
+        if isinstance(idx, tuple) and len(idx) == 2 and idx[0] == slice(None) and isinstance(idx[1], int):
+            return idx[1]
+    if op_name(n) == "select" and n.args[0] is state and n.args[1:3] and n.args[1] == 1 \
+            and isinstance(n.args[2], int):
+        return n.args[2]
+    return None
+
+
+def match_heads(state: fx.Node) -> list[Mamba1Match]:
+    """A state ``[batch, heads, D, N]`` stepped head by head, each head through ``state[:, h]`` and written once by
+    ``state[:, h].copy_(...)`` in Mamba-1's form (Zamba's mixer): one match per head, or :class:`NoMatch`."""
+    st = shape(state)
+    if st is None or len(st) != 4 or not all(is_static_int(s) for s in st[1:]):
+        raise NoMatch(f"state of shape {st}: expected [batch, heads, channels, states] with static heads and sizes")
+    if not state.meta["example_value"].is_contiguous():
+        raise NoMatch("a head-by-head state that is not contiguous")
+    H = st[1]
+    views: dict[int, list] = {}
+    for u in real_users(state):
+        h = _head_index(u, state)
+        if h is None:
+            raise NoMatch(f"the state is also read by `{u.name}` ({op_name(u)}), not only head by head")
+        views.setdefault(h % H, []).append(u)
+    if sorted(views) != list(range(H)) or any(len(v) != 1 for v in views.values()):
+        raise NoMatch(f"the state's {H} heads are not each taken once ({sorted(views)})")
+    out = []
+    for h in range(H):
+        v = views[h][0]
+        writes = [u for u in v.users if op_name(u) == "copy_" and u.args[0] is v]
+        if len(writes) != 1:
+            raise NoMatch(f"head {h} of the state is written {len(writes)} times, not once")
+        m = match(v, writes[0])
+        m.state, m.old, m.head, m.heads = state, v, h, H
+        out.append(m)
+    return out

@@ -177,8 +177,10 @@ class ReplaySSMPass:
                         f"write of the state, {e}"
                 self._skip(res, layer, why or str(e), quiet=why is not None)
         anchored = {a.state for a in anchors}
-        for state, w in per_channel.items():            # Mamba-1: whole 3-D states
-            if state in anchored or w.args[0] is not state or len(shape(state) or ()) != 3:
+        for state, w in per_channel.items():            # Mamba-1: whole 3-D states, or 4-D ones head by head
+            rank = len(shape(state) or ())
+            whole = w.args[0] is state and rank == 3
+            if state in anchored or not (whole or (w.args[0] is not state and rank == 4)):
                 continue
             anchored.add(state)
             layer = graph_utils.module_path(w, default=f"state input `{state.name}`")
@@ -186,7 +188,10 @@ class ReplaySSMPass:
                 if "mamba1" not in families:
                     self._skip(res, layer, f"{PER_CHANNEL}: {OPT_IN}", quiet=True)
                     continue
-                matches.append(mamba1.match(state, w))
+                if whole:
+                    matches.append(mamba1.match(state, w))
+                else:
+                    matches.extend(mamba1.match_heads(state))
             except NoMatch as e:
                 self._skip(res, layer, f"{PER_CHANNEL}: {e}")
         self._report_other_writes(res, gm, anchored | set(per_channel))
@@ -222,6 +227,14 @@ class ReplaySSMPass:
         if log.isEnabledFor(logging.DEBUG) and matches:
             log.debug("replay_compile: graph before rewrite:\n%s", gm.code)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        # a state stepped head by head (Zamba) validates head by head, and a head that fails leaves the others
+        # without their step: such a state is rewritten whole or not at all
+        headed = collections.Counter(m.state for m in matches if getattr(m, "head", None) is not None)
+        for m in [m for m in matches if getattr(m, "head", None) is not None and headed[m.state] != m.heads]:
+            matches.remove(m)
+            self._skip(res, m.layer, f"head {m.head} of {m.heads}: another head of this state did not pass, and "
+                                     f"a state is stepped whole or not at all", quiet=True)
+        head_rings: dict = {}                           # state -> the ring placeholders its heads share
         for i, m in enumerate(matches):
             read_copy = self.config.read_copy
             if read_copy and m.family not in self.config.read_copy_families:
@@ -230,15 +243,19 @@ class ReplaySSMPass:
                          ", ".join(self.config.read_copy_families) or "no", m.family)
                 read_copy = None
             spec = rewrite.ring_spec(m, self.config.buffer_len, read_copy)
-            rings = rewrite.add_ring_placeholders(gm, m, spec, i)
+            shared = getattr(m, "head", None) is not None and m.state in head_rings
+            rings = head_rings[m.state] if shared else rewrite.add_ring_placeholders(gm, m, spec, i)
+            if getattr(m, "head", None) is not None:
+                head_rings[m.state] = rings
             if isinstance(m, (kernel_call.KernelCallMatch, kernel_call.Mamba1KernelCallMatch)):
                 kernel_call.apply(gm, m, rings, spec)
             elif isinstance(m, fla_call.FlaCallMatch):
                 fla_call.apply(gm, m, rings, spec)
             else:
                 rewrite.apply(gm, m, rings, spec)
-            res.fake_inputs.extend(r.meta["example_value"] for r in rings)
-            res.sites.append(Site(placeholders.index(m.state), spec, m.layer, pooled=m.slot is not None))
+            if not shared:
+                res.fake_inputs.extend(r.meta["example_value"] for r in rings)
+                res.sites.append(Site(placeholders.index(m.state), spec, m.layer, pooled=m.slot is not None))
             rw = Rewrite(m.layer, m.family, m.form, spec, m.describe(spec))
             res.rewrites.append(rw)
             counters["replay_compile"][m.family] += 1
@@ -287,9 +304,7 @@ class ReplaySSMPass:
         for state, w in per_channel.items():
             if state in anchored:
                 continue                                # matched, or reported at its anchor
-            how = (": written head by head through slices of the state (Zamba), which the rewrite does not take"
-                   if w.args[0] is not state else "")
-            self._skip(res, graph_utils.module_path(w, default=f"state input `{state.name}`"), PER_CHANNEL + how)
+            self._skip(res, graph_utils.module_path(w, default=f"state input `{state.name}`"), PER_CHANNEL)
 
     def _report_other_writes(self, res: PassResult, gm: fx.GraphModule, anchored: set) -> None:
         """Every computed write of a state that no anchor covers is reported (and raises under ``strict``)."""

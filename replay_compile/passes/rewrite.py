@@ -88,6 +88,11 @@ def insert_step(graph: fx.Graph, tracer, m, rings: list[fx.Node], spec=None) -> 
     target, extra = spec.step_op if spec is not None else (m.op, ())
     # a [b, H, N, P] state is stepped through its transposed view: the cache keeps its layout, nothing is copied
     state = Proxy(m.state, tracer).transpose(-2, -1).node if getattr(m, "transposed", False) else m.state
+    head = getattr(m, "head", None)
+    if head is not None:                # one head of a state stepped head by head: its slices of state and rings
+        sel = lambda n, d: Proxy(n, tracer).select(d, head).node  # noqa: E731
+        state = sel(m.state, 1)
+        rings = [sel(r, 1) for r in rings[:3]] + [sel(r, 0) for r in rings[3:]]
     op = graph.call_function(target, (state, *rings, *(vals[k] for k in m.op_keys), m.slot, *extra))
     op.meta["nn_module_stack"] = m.copy_node.meta.get("nn_module_stack", {})
     op.meta["stack_trace"] = m.copy_node.meta.get("stack_trace")

@@ -374,6 +374,12 @@ MAMBA1_FAMILY: Dict[str, Callable[..., torch.nn.Module]] = {
     "jamba": _plain_builder(_config("JambaConfig", **_SMALL, intermediate_size=64, num_attention_heads=4,
                                     num_key_value_heads=2, num_experts=1, attn_layer_period=2, attn_layer_offset=1,
                                     mamba_d_state=8, mamba_expand=2), "JambaForCausalLM", None),
+    # Mamba-1 split into heads, stepped head by head through slices of one state
+    "zamba": _plain_builder(_config("ZambaConfig", vocab_size=64, hidden_size=32, num_hidden_layers=4,
+                                    intermediate_size=64, num_attention_heads=4, num_key_value_heads=4,
+                                    attention_head_dim=16, n_mamba_heads=2, mamba_d_state=8, mamba_expand=2,
+                                    layers_block_type=["mamba", "hybrid", "mamba", "hybrid"]),
+                            "ZambaForCausalLM", None),
 }
 
 # Lightning attention (MiniMax-Text-01): a per-head constant decay and a rank-1 ``k^T v`` update, Mamba-2's form on
