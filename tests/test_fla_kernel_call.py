@@ -249,14 +249,18 @@ def triton_visible_to_dynamo(monkeypatch):
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("kda, gate_in_kernel, beta_in_kernel", [
-    (False, False, False), (False, True, True), (True, False, False), (True, True, True)])
+@pytest.mark.parametrize("kda, gate_in_kernel, beta_in_kernel, v_first", [
+    (False, False, False, False), (False, True, True, False), (True, False, False, False), (True, True, True, False),
+    (False, True, True, True), (True, True, True, True)])
 def test_fla_launch_is_rewritten_and_tracks_the_exact_recurrence(triton_visible_to_dynamo, kda, gate_in_kernel,
-                                                                 beta_in_kernel):
-    mod = FlaStep(kda, gate_in_kernel, beta_in_kernel)
+                                                                 beta_in_kernel, v_first):
+    """``v_first``: fla's ``state_v_first``, the cache tensor [b, HV, V, K], stepped through its transposed view; the
+    true state in the cache's own layout after each flush and from ``materialize``."""
+    mod = FlaStep(kda, gate_in_kernel, beta_in_kernel, state_v_first=v_first)
     cmod = torch.compile(mod, backend="replayssm", options={"buffer_len": L, "lower": "eager"})
-    state = torch.randn(b, HV, K, V)
-    oracle = state.double().clone()
+    state = torch.randn(b, HV, V, K) if v_first else torch.randn(b, HV, K, V)
+    kv = (lambda s: s.mT) if v_first else (lambda s: s)          # the oracle steps [b, HV, K, V]
+    oracle = kv(state).double().clone()
     replay_compile.clear_reports()
     with torch.no_grad():
         for t in range(2 * L + 2):
@@ -264,31 +268,11 @@ def test_fla_launch_is_rewritten_and_tracks_the_exact_recurrence(triton_visible_
             want = exact_step(mod, oracle, *inputs(t, kda))
             torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5, msg=f"step {t}")
             if t % L == L - 1:                               # just flushed: the cache holds the true state
-                torch.testing.assert_close(state.double(), oracle, rtol=1e-5, atol=1e-5, msg=f"step {t} state")
+                torch.testing.assert_close(kv(state).double(), oracle, rtol=1e-5, atol=1e-5, msg=f"step {t} state")
     rewrites = [w for r in replay_compile.reports() for w in r.rewrites]
-    assert [(w.form, w.family) for w in rewrites] == [("fla kernel", "kda" if kda else "gdn")], rewrites
-    torch.testing.assert_close(replay_compile.materialize(state).double(), oracle, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("kda", [False, True])
-def test_state_v_first_launch_is_rewritten_on_the_transposed_state(triton_visible_to_dynamo, kda):
-    """``state_v_first``: the cache tensor is [b, HV, V, K]; stepped through its transposed view, exact at every
-    step, the true state in the cache's own layout after each flush and from ``materialize``."""
-    mod = FlaStep(kda, True, True, state_v_first=True)
-    cmod = torch.compile(mod, backend="replayssm", options={"buffer_len": L, "lower": "eager"})
-    state = torch.randn(b, HV, V, K)
-    oracle = state.mT.double().clone()                       # the oracle steps [b, HV, K, V]
-    replay_compile.clear_reports()
-    with torch.no_grad():
-        for t in range(2 * L + 2):
-            y = cmod(state, *inputs(t, kda))
-            want = exact_step(mod, oracle, *inputs(t, kda))
-            torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5, msg=f"step {t}")
-            if t % L == L - 1:
-                torch.testing.assert_close(state.mT.double(), oracle, rtol=1e-5, atol=1e-5, msg=f"step {t} state")
-    rewrites = [w for r in replay_compile.reports() for w in r.rewrites]
-    assert [(w.form, w.spec.transposed) for w in rewrites] == [("fla kernel", True)], rewrites
-    torch.testing.assert_close(replay_compile.materialize(state).mT.double(), oracle, rtol=1e-5, atol=1e-5)
+    assert [(w.form, w.family, w.spec.transposed) for w in rewrites] == [("fla kernel", "kda" if kda else "gdn",
+                                                                          v_first)], rewrites
+    torch.testing.assert_close(kv(replay_compile.materialize(state)).double(), oracle, rtol=1e-5, atol=1e-5)
 
 
 class _Captured(Exception):
