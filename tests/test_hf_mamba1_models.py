@@ -4,6 +4,7 @@ every Mamba-1 layer rewritten."""
 
 import pytest
 import torch
+import torch._inductor.exc
 
 pytest.importorskip("transformers")
 
@@ -17,7 +18,15 @@ LAYERS = {"mamba": 2, "falcon_mamba": 2, "jamba": 1, "zamba": 4}    # Mamba-1 la
 OPT_IN = {"families": SUPPORTED_FAMILIES}                   # Mamba-1 is opt-in
 
 
-@pytest.mark.parametrize("name", sorted(MAMBA1_FAMILY))
+# torch 2.11's Inductor emits C++ that does not compile for these models' CPU decode graphs once their attention
+# cache makes the shapes dynamic ("'tmp2' was not declared" in an index bounds check); plain torch.compile fails the
+# same way, with or without this library, and torch 2.13 compiles them
+_OLD_CPU_INDUCTOR = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 12)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
+    _OLD_CPU_INDUCTOR and n in ("jamba", "zamba"), reason="torch 2.11 Inductor CPU codegen", strict=False,
+    raises=torch._inductor.exc.InductorError)) for n in sorted(MAMBA1_FAMILY)])
 def test_mamba1_model_decodes_like_eager(name):
     torch._dynamo.utils.counters.clear()
     model = MAMBA1_FAMILY[name]()
