@@ -216,7 +216,17 @@ class FlatBaddbmm(_Parts):
         return torch.bmm(flat, Ch.reshape(bh, N, 1)).view(state.shape[0], H, P)
 
 
-@pytest.mark.parametrize("case", [EinsumOuterUpdate, ReadoutAfterWrite, InPlaceMulAdd, InPlaceAddcmul, FlatBaddbmm])
+class ReadoutOverP(torch.nn.Module):
+    """Contracting dim -2 reads the state as [b, H, N, P] (MiniMax's layout): the roles of x and B swap."""
+
+    def forward(self, state, x, dt, B, C):
+        new = state * torch.exp(-dt.abs())[:, :, None, None] + x[..., None] * B.repeat_interleave(2, 1)[:, :, None]
+        state.copy_(new)
+        return torch.einsum("bhpn,bhp->bhn", new, x)
+
+
+@pytest.mark.parametrize("case", [EinsumOuterUpdate, ReadoutAfterWrite, InPlaceMulAdd, InPlaceAddcmul, FlatBaddbmm,
+                                  ReadoutOverP])
 def test_einsum_and_in_place_spellings_are_rewritten_and_match_eager(case):
     rep = only_report(run_both(case()))
     assert len(rep.rewrites) == 1 and rep.rewrites[0].family == "mamba2", rep.skipped
@@ -271,11 +281,11 @@ class DecayNotExp(torch.nn.Module):
         return torch.einsum("bhpn,bhn->bhp", new, C.repeat_interleave(2, 1))
 
 
-class ReadoutOverP(torch.nn.Module):
+class ReadoutWithoutContraction(torch.nn.Module):
     def forward(self, state, x, dt, B, C):
         new = state * torch.exp(-dt.abs())[:, :, None, None] + x[..., None] * B.repeat_interleave(2, 1)[:, :, None]
         state.copy_(new)
-        return torch.einsum("bhpn,bhp->bhn", new, x)
+        return torch.einsum("bhpn,bhn->bhpn", new, C.repeat_interleave(2, 1))
 
 
 class TwoReadouts(torch.nn.Module):
@@ -326,7 +336,7 @@ def test_a_decay_relative_to_another_written_state_stays_unchanged_and_says_why(
     (ReturnsNewState, "the new state has 2 readers"),       # the state read after its write reads the new value
     (FullRankUpdate, "not a rank-1 update"),
     (DecayNotExp, "not exp"),
-    (ReadoutOverP, "not contract the state's last dim"),
+    (ReadoutWithoutContraction, "not contract the state's last dim"),
     (TwoReadouts, "2 readers"),
 ])
 def test_near_misses_stay_unchanged_and_say_why(case, reason, caplog):

@@ -14,9 +14,11 @@ import torch
 import torch.nn.functional as F
 
 import replay_compile
+from replay_compile.config import SUPPORTED_FAMILIES
 
 H, P, N, G = 4, 6, 5, 2            # Mamba-2: heads, head dim, state dim, B/C groups
 HV, HK, K, V = 4, 2, 5, 6          # delta rule: value heads, key heads, key dim, value dim
+D1, N1 = 7, 4                      # Mamba-1: channels, states per channel
 L = 3
 SLOTS, BATCH = 6, 4                # the pool's slots, and BATCH more kept free for padding rows
 
@@ -82,6 +84,28 @@ class DeltaPool(torch.nn.Module):
     state_shape = (HV, K, V)
 
 
+class Mamba1Pool(torch.nn.Module):
+    """Mamba-1's step on a pool of [D, N] states (a decay per channel and state)."""
+
+    def __init__(self, read="getitem", write="setitem"):
+        super().__init__()
+        self.A_log = torch.nn.Parameter(torch.rand(D1, N1).log1p())
+        self.read, self.write = read, write
+
+    def forward(self, pool, slot, x, dt, B, C):
+        d = F.softplus(dt)                                                  # [b, D]
+        s = gather(pool, slot, self.read)
+        new = torch.exp(d[..., None] * -torch.exp(self.A_log)) * s + (d * x)[..., None] * B[:, None, :]
+        scatter(pool, slot, new, self.write)
+        return torch.matmul(new, C[..., None]).squeeze(-1)
+
+    @staticmethod
+    def shapes(b):
+        return (b, D1), (b, D1), (b, N1), (b, N1)
+
+    state_shape = (D1, N1)
+
+
 def schedule(steps, gen, pad):
     """Per step: the slots of the batch's rows (real rows in a new order, then padding rows: slot -1, or with
     ``pad="spare"`` a spare slot of their own) and the slots that get a new request (a prefill state) before the
@@ -122,6 +146,7 @@ def serve(mod, steps=5 * L + 4, pool_kind="wrapped", seed=0, device="cpu"):
         pool_c = replay_compile.ReplayTensor(pool_c)
     last = pool_c[-1].clone()
     options = {"buffer_len": L} if device == "cuda" else {"buffer_len": L, "lower": "eager"}
+    options["families"] = SUPPORTED_FAMILIES          # Mamba-1 is opt-in
     cmod = torch.compile(mod, backend="replayssm", options=options, dynamic=False)
     with torch.no_grad():
         for t, (rows, joins) in enumerate(schedule(steps, gen, pad)):
@@ -169,10 +194,17 @@ def test_delta_pool_serving_loop(kda, read, write):
     assert rws[0].form.endswith("/slot pool")
 
 
+@pytest.mark.parametrize("read, write", [("getitem", "setitem"), ("index_select", "index_copy")])
+def test_mamba1_pool_serving_loop(read, write):
+    rws = serve(Mamba1Pool(read, write))
+    assert [(r.family, r.form) for r in rws] == [("mamba1", "mamba1/slot pool")]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("make", [lambda: Mamba2Pool(), lambda: Mamba2Pool("index_select", "index_copy"),
-                                  lambda: DeltaPool(False), lambda: DeltaPool(True, "index_select", "index_copy")],
-                         ids=["mamba2", "mamba2-index_copy", "gdn", "kda-index_copy"])
+                                  lambda: DeltaPool(False), lambda: DeltaPool(True, "index_select", "index_copy"),
+                                  lambda: Mamba1Pool()],
+                         ids=["mamba2", "mamba2-index_copy", "gdn", "kda-index_copy", "mamba1"])
 def test_pool_serving_loop_cuda(make):
     """The same loop through Inductor and the Triton kernels (their ``slot_idx`` rows and padding)."""
     rws = serve(make(), device="cuda")

@@ -59,10 +59,11 @@ def written_value(w: fx.Node) -> Any:
     return w.args[1]
 
 
-def _pool_write(n: fx.Node) -> tuple[fx.Node, fx.Node] | None:
-    """(pool, slot) of a write of whole rows chosen by a 1-D integer index along dim 0, else None."""
+def _pool_write(n: fx.Node, dims: int = 4) -> tuple[fx.Node, fx.Node] | None:
+    """(pool, slot) of a write of whole rows chosen by a 1-D integer index along dim 0 of a ``dims``-D floating-point
+    graph input, else None."""
     name = op_name(n)
-    if not n.args or not isinstance(n.args[0], fx.Node) or not is_state_input(n.args[0]):
+    if not n.args or not isinstance(n.args[0], fx.Node) or not is_state_input(n.args[0], dims):
         return None
     idx = None
     if name == "setitem" and len(n.args) == 3:
@@ -112,6 +113,16 @@ def _pool_anchor(w: fx.Node, pool: fx.Node, slot: fx.Node) -> Anchor:
             why = (f"a state pool written at rows `{slot.name}` is also read or written by {names}: rewriting "
                    f"would expose the checkpoint")
     return Anchor(write=w, state=pool, old=None if why else gathers[0], value=value, slot=slot, why=why)
+
+
+def find_pools(graph: fx.Graph, dims: int) -> list[Anchor]:
+    """The slot-pool anchors of ``dims``-D pools (3: Mamba-1's ``[slots, D, N]``), in graph order."""
+    out = []
+    for n in graph.nodes:
+        pw = _pool_write(n, dims)
+        if pw is not None:
+            out.append(_pool_anchor(n, *pw))
+    return out
 
 
 def find(graph: fx.Graph) -> list[Anchor]:

@@ -215,10 +215,10 @@ def depends_elementwise(n: Any, target: fx.Node) -> bool:
     return False
 
 
-def is_state_input(n: fx.Node) -> bool:
-    """A graph input shaped like a recurrent state: a 4-D floating-point tensor."""
+def is_state_input(n: fx.Node, dims: int = 4) -> bool:
+    """A graph input shaped like a recurrent state: a 4-D (or ``dims``-D) floating-point tensor."""
     v = example(n) if n.op == "placeholder" else None
-    return isinstance(v, torch.Tensor) and v.dim() == 4 and v.is_floating_point()
+    return isinstance(v, torch.Tensor) and v.dim() == dims and v.is_floating_point()
 
 
 def state_inputs(graph: fx.Graph) -> list[fx.Node]:

@@ -107,8 +107,14 @@ def _cast_users(n: fx.Node) -> list[fx.Node]:
     return out
 
 
-def match(state: fx.Node, write: fx.Node) -> Mamba1Match:
-    """Describe the step written by ``write = state.copy_(value)``, or raise :class:`NoMatch` with the reason."""
+def match(state: fx.Node, write: fx.Node, old: fx.Node | None = None, value=None,
+          slot: fx.Node | None = None) -> Mamba1Match:
+    """Describe the step written by ``write = state.copy_(value)``, or raise :class:`NoMatch` with the reason. A slot
+    pool's step (:mod:`.anchors`): ``state`` the pool, ``old`` its rows gathered at ``slot``, ``value`` the rows
+    written back there."""
+    pool, slot_form = state, slot is not None
+    if slot_form:
+        state = old
     st = shape(state)
     if st is None or len(st) != 3:
         raise NoMatch(f"state of shape {st}: expected [batch, channels, states]")
@@ -117,9 +123,9 @@ def match(state: fx.Node, write: fx.Node) -> Mamba1Match:
         raise NoMatch(f"state dtype {dtype(state)} is not supported")
     if not (is_static_int(D) and is_static_int(N)):
         raise NoMatch(f"state {tuple(st)}: channel and state dims must be static")
-    if write.args[0] is not state:
+    if not slot_form and write.args[0] is not state:
         raise NoMatch("the state is written through a view (a slice per head)")
-    new = strip(write.args[1])
+    new = strip(value if slot_form else write.args[1])
     terms = flatten(new, "add") if isinstance(new, fx.Node) else []
     if len(terms) != 2:
         raise NoMatch(f"new state is a sum of {len(terms)} terms, expected decay * state + update")
@@ -228,8 +234,9 @@ def match(state: fx.Node, write: fx.Node) -> Mamba1Match:
         raise NoMatch(f"readout `{r.name}` ({op_name(r)}) of the new state is not a contraction with C over N")
     rec = torch.float64 if dtype(state) == torch.float64 else torch.float32
     return Mamba1Match(
-        layer=module_path(write, default=f"state input `{state.name}`"), form="mamba1", copy_node=write,
-        state=state, new=new, readout=readout, old=state, D=D, N=N,
+        layer=module_path(write, default=f"state input `{pool.name}`"),
+        form="mamba1/slot pool" if slot_form else "mamba1", copy_node=write,
+        state=pool, new=new, readout=readout, old=state, slot=slot, D=D, N=N,
         u=u_rec, dt=dt_rec, A=A_rec, B=B_rec, C=c_rec,
         out_shape=tuple(shape(readout)), out_dtype=dtype(readout), rec_dtype=rec)
 

@@ -130,7 +130,7 @@ class ReplaySSMPass:
         if not (anchor_mod.find(gm.graph) or state_writes.computed_writes(gm.graph)
                 or (families & {"mamba2", "mamba1"} and kernel_call.anchors(gm))
                 or (delta_on and fla_call.anchors(gm))
-                or state_writes.per_channel_recurrences(gm.graph)
+                or state_writes.per_channel_recurrences(gm.graph) or anchor_mod.find_pools(gm.graph, 3)
                 or ("mamba2" in families and state_writes.returned_recurrences(gm.graph))):
             self._report_returned(res, gm)
             return res
@@ -194,6 +194,22 @@ class ReplaySSMPass:
                     matches.extend(mamba1.match_heads(state))
             except NoMatch as e:
                 self._skip(res, layer, f"{PER_CHANNEL}: {e}")
+        for a in anchor_mod.find_pools(gm.graph, 3):      # Mamba-1 slot pools [slots, D, N]
+            if a.state in anchored:
+                continue
+            anchored.add(a.state)
+            layer = graph_utils.module_path(a.write, default=f"state input `{a.state.name}`")
+            try:
+                if a.why:
+                    raise NoMatch(a.why)
+                m = mamba1.match(a.state, a.write, old=a.old, value=a.value, slot=a.slot)
+                if "mamba1" not in families:
+                    self._skip(res, layer, f"{PER_CHANNEL}: {OPT_IN}", quiet=True)
+                    continue
+                matches.append(m)
+            except NoMatch as e:
+                why = None if a.old is None else state_writes.why_not_a_step(a.old, a.value)
+                self._skip(res, layer, why or str(e), quiet=why is not None)
         self._report_other_writes(res, gm, anchored | set(per_channel))
         self._report_per_channel(res, per_channel, anchored)
         self._report_returned(res, gm)
