@@ -70,12 +70,13 @@ class ReplayRunner:
                     rs.flush()
         for i in self.wrapped_readers:
             args[i].fold()
-        wrappers = None
+        # only a graph that returns a stepped state needs the wrappers back (the decode hot path otherwise)
+        wrappers = {} if self.wrapped_idxs and self.returns_state else None
         if self.wrapped_idxs:
             args = list(args)
-            wrappers = {}
             for i in self.wrapped_idxs:
-                wrappers[id(args[i].checkpoint)] = args[i]
+                if wrappers is not None:
+                    wrappers[id(args[i].checkpoint)] = args[i]
                 args[i] = args[i].checkpoint
         try:
             out = self.compiled(*args, *extra)     # Dynamo calls backends' results unboxed, so do we
@@ -87,7 +88,7 @@ class ReplayRunner:
                 rs.dirty = True
         for _, rs in states:
             rs.steps += 1
-        if wrappers and self.returns_state:
+        if wrappers:
             # a state returned for the cache to store (written in place, returned as itself) goes back as the
             # wrapper it came in as: the cache keeps holding its ReplayTensor
             out = type(out)(wrappers.get(id(o), o) for o in out)

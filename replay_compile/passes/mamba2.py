@@ -465,8 +465,8 @@ class Mamba2Matcher:
             raise NoMatch(f"einsum readout `{u.name}` is not (new, C) with an equation read here")
         s_new, s_c, s_out, c = parts
         eq = u.args[0]
-        n_ch = s_new[2] if t else s_new[3]
-        if len(s_new) != 4 or s_out != s_new.replace(n_ch, "") or sorted(s_c) != sorted(s_new[:2] + n_ch):
+        n_ch = (s_new[2] if t else s_new[3]) if len(s_new) == 4 else ""
+        if not n_ch or s_out != s_new.replace(n_ch, "") or sorted(s_c) != sorted(s_new[:2] + n_ch):
             raise NoMatch(f"einsum {eq!r} does not contract the state's last dim with C")
         frame = {s_new[0]: B_, s_new[1]: H_, n_ch: N_}
         if [frame[ch] for ch in s_c] != sorted(frame[ch] for ch in s_c):
