@@ -1,11 +1,14 @@
 """End-to-end speculative generation (``replay_compile.speculative.generate_speculative``) against decoding without
 drafts, compiled on both sides.
 
-    python benchmarks/bench_spec_generate.py --out results/ [--models nemotron_h_nano4b,qwen35_4b] [--layers 8]
+    python benchmarks/bench_spec_generate.py --out results/ [--models nemotron_h_nano4b,qwen35_4b] [--layers N]
 
-Real-size layer dimensions (``replay_compile.bench``'s models, random weights, ``--layers`` blocks), a repetitive
-prompt set (a random ``--phrase``-token phrase repeated ``--repeats`` times per row), greedy decoding of ``--new``
-tokens. Per model and batch, in one process:
+Real-size layer dimensions (``replay_compile.bench``'s models, random weights, full depth or the first ``--layers``
+blocks), a repetitive prompt set (a random ``--phrase``-token phrase repeated ``--repeats`` times per row), greedy
+decoding of ``--new`` tokens. Every variant's attention layers hold a static cache of ``--context`` positions:
+transformers' attention reads every static position each step, so the steps cost what they would after a prompt of
+that length, without paying its prefill (the SSM layers' cost does not depend on the context). Per model and batch,
+in one process:
 
 * ``decode``: the compiled decode step without drafts (``backend="replayssm"``, ``mode="reduce-overhead"``,
   ``replay_compile.bench.bench_one``'s median per-step time): the baseline the ratios are against;
@@ -29,7 +32,9 @@ captured its round. ``tok/s``: the steady state, tokens emitted by the replayed 
 (``SpeculativeOutput.timing``; ``decode``'s per-step median is the same kind of figure), with ``ms/round``;
 ``call tok/s``: the whole call (prefill, the compiled warm-up rounds, the capture and the final fold included),
 with ``prefill`` and ``warmup`` in seconds. Also tokens per round and the share of tokens equal to the lookup row's
-(exactness against ``generate`` is the tests' business, in fp32). CSV and a PNG of tokens/s against batch.
+(exactness against ``generate`` is the tests' business, in fp32), and the first call's seconds (``first``: compile,
+capture, and for the oracle rows the runs that found its drafts). The CSV grows row by row; a PNG of tokens/s
+against batch at the end.
 """
 
 from __future__ import annotations
@@ -126,8 +131,10 @@ def main(argv=None):
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="nemotron_h_nano4b,qwen35_4b")
-    ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--batches", default="1,32,256,512")
+    ap.add_argument("--layers", type=int, default=0, help="the first N blocks (0: full depth)")
+    ap.add_argument("--context", type=int, default=1024,
+                    help="static cache positions of every variant (at least what the prompt and new tokens need)")
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--num-draft", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16")
@@ -155,19 +162,24 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype)
     rows = []
     dev_name = torch.cuda.get_device_name() if args.device == "cuda" else args.device
-    print(f"# {dev_name}, torch {torch.__version__}, {args.dtype}, {args.layers} layers, "
-          f"{args.new} new tokens, {args.num_draft} drafts per round"
+    import transformers
+    print(f"# {dev_name}, torch {torch.__version__}, transformers {transformers.__version__}, {args.dtype}, "
+          f"{args.layers or 'all'} layers, {args.new} new tokens, {args.num_draft} drafts per round, static caches "
+          f"of >= {args.context} positions"
           + (f", models trained on the copy task (<= {args.train_copy} steps, phrases of {args.copy_phrase} over "
              f"{args.copy_vocab} ids)" if args.train_copy else ""))
     print(f"{'model':18} {'bs':>3} {'variant':8} {'tok/s':>10} {'x decode':>8} {'ms/round':>8} {'tok/round':>9} "
-          f"{'call tok/s':>9} {'x decode':>8} {'prefill':>6} {'warmup':>6} {'agree':>6}")
+          f"{'call tok/s':>9} {'x decode':>8} {'prefill':>6} {'warmup':>6} {'agree':>6} {'first':>6}")
+    csv_path = os.path.join(args.out, "spec_generate.csv")
+    if os.path.exists(csv_path):
+        os.remove(csv_path)
     for name in args.models.split(","):
         trained = None
         if args.train_copy:
             model, trained = _train(name, args)
             model = model.to(dtype)
         else:
-            model = build_model(name, dtype, args.device, layers=args.layers)
+            model = build_model(name, dtype, args.device, layers=args.layers or None)
         vocab = model.config.vocab_size
         drafter = _draft_model(args.draft_model, vocab, dtype, args.device) if "draft" in args.variants else None
         for bs in map(int, args.batches.split(",")):
@@ -179,14 +191,17 @@ def main(argv=None):
                 ids = torch.randint(3, vocab, (bs, args.phrase), generator=g).repeat(1, args.repeats).to(args.device)
             extra = dict(copy_steps=trained["steps"] if trained else 0,
                          copy_acc=trained["copy_acc"] if trained else float("nan"))
-            step = bench.bench_one(model, bs, "replayssm-ro", args.new, 16, prompt_len=ids.shape[1])
+            # the same cache length on every side: the rounds' need (prompt, new tokens, scratch) or the context
+            cache_len = max(args.context, ids.shape[1] + args.new + 2 * (args.num_draft + 1))
+            step = bench.bench_one(model, bs, "replayssm-ro", args.new, 16, prompt_len=ids.shape[1],
+                                   cache_len=cache_len)
             dec_tps = bs / (step["median_step_ms"] * 1e-3)
-            rows.append(dict(model=name, bs=bs, variant="decode", tok_s_rounds=dec_tps, x_decode=1.0,
-                             tok_s_call=float("nan"), x_decode_call=float("nan"), tok_round=1.0,
-                             ms_round=step["median_step_ms"], prefill_s=float("nan"), warmup_s=float("nan"),
-                             agree=1.0, **extra))
+            _emit(rows, csv_path, dict(model=name, bs=bs, variant="decode", cache_len=cache_len, tok_s_rounds=dec_tps,
+                                       x_decode=1.0, tok_s_call=float("nan"), x_decode_call=float("nan"),
+                                       tok_round=1.0, ms_round=step["median_step_ms"], prefill_s=float("nan"),
+                                       warmup_s=float("nan"), agree=1.0, first_s=step["first_step_s"], **extra))
             print(f"{name:18} {bs:3d} {'decode':8} {dec_tps:10.1f} {1.0:7.2f}x {step['median_step_ms']:8.2f} "
-                  f"{1.0:9.2f}", flush=True)
+                  f"{1.0:9.2f} {'':>9} {'':>8} {'':>6} {'':>6} {'':>6} {step['first_step_s']:6.1f}", flush=True)
             ref = None                          # the lookup run's tokens at 2N: what the oracle rows draft
             for variant in ("lookup", "oracle", "snapshot", "draft"):
                 if variant != "lookup" and variant not in args.variants or variant == "draft" and drafter is None:
@@ -196,10 +211,11 @@ def main(argv=None):
                 def run(new, draft):
                     if layers_for is None:
                         return generate_speculative(model, ids, new, num_draft=args.num_draft, draft=draft,
-                                                    compile=True, eos_token_id=[])
+                                                    compile=True, eos_token_id=[], max_cache_len=cache_len)
                     return generate_rounds(model, ids, new, num_draft=args.num_draft, draft=draft, buffer_len=16,
                                            compiler=compiler, eos=[], layers_for=layers_for,
-                                           cuda_graph=args.device == "cuda")
+                                           cuda_graph=args.device == "cuda", max_cache_len=cache_len)
+                t_first = time.perf_counter()
                 if variant == "lookup":
                     draft = PromptLookup(ngram=3)
                 elif variant == "draft":
@@ -208,6 +224,7 @@ def main(argv=None):
                     draft = known_continuation(_fixed_point(lambda d: run(args.new, d).sequences, ref,
                                                             args.oracle_iters))
                 run(args.new, draft)                                      # compile, capture
+                t_first = time.perf_counter() - t_first
                 out, t = _timed(lambda: run(args.new, draft))
                 if ref is None:
                     ref = out.sequences
@@ -215,21 +232,32 @@ def main(argv=None):
                 tm = out.timing
                 tps = bs * args.new / t
                 tps_r = tm["replay_tokens"] / tm["replay"] if tm["replay"] > 0 else float("nan")
-                rows.append(dict(model=name, bs=bs, variant=variant, tok_s_rounds=tps_r, x_decode=tps_r / dec_tps,
-                                 tok_s_call=tps, x_decode_call=tps / dec_tps, tok_round=out.tokens_per_round,
-                                 ms_round=1e3 * tm["replay"] / max(tm["replay_rounds"], 1),
-                                 prefill_s=tm["prefill"], warmup_s=tm["warmup"], agree=agree, **extra))
+                _emit(rows, csv_path, dict(model=name, bs=bs, variant=variant, cache_len=cache_len, tok_s_rounds=tps_r,
+                                           x_decode=tps_r / dec_tps, tok_s_call=tps, x_decode_call=tps / dec_tps,
+                                           tok_round=out.tokens_per_round,
+                                           ms_round=1e3 * tm["replay"] / max(tm["replay_rounds"], 1),
+                                           prefill_s=tm["prefill"], warmup_s=tm["warmup"], agree=agree,
+                                           first_s=t_first, **extra))
                 print(f"{name:18} {bs:3d} {variant:8} {tps_r:10.1f} {tps_r / dec_tps:7.2f}x "
                       f"{1e3 * tm['replay'] / max(tm['replay_rounds'], 1):8.2f} {out.tokens_per_round:9.2f} "
-                      f"{tps:9.1f} {tps / dec_tps:7.2f}x {tm['prefill']:6.3f} {tm['warmup']:6.3f} {agree:6.3f}",
-                      flush=True)
-        model = None
-        torch.cuda.empty_cache()
-    with open(os.path.join(args.out, "spec_generate.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+                      f"{tps:9.1f} {tps / dec_tps:7.2f}x {tm['prefill']:6.3f} {tm['warmup']:6.3f} {agree:6.3f} "
+                      f"{t_first:6.1f}", flush=True)
+                out = None
+        model = drafter = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     _plot(rows, os.path.join(args.out, "spec_generate.png"))
+
+
+def _emit(rows: list, path: str, row: dict) -> None:
+    """Keep ``row`` and append it to the CSV at once (a run stopped part-way keeps what it measured)."""
+    new = not os.path.exists(path)
+    rows.append(row)
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(row))
+        if new:
+            w.writeheader()
+        w.writerow(row)
 
 
 def _plot(rows, path):

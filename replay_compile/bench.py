@@ -209,8 +209,11 @@ def cache_kwarg(model) -> str:
 WARM_STEPS = 3          # steps left out of the statistics: compile, CUDA-graph warm-up, CUDA-graph recording
 
 
-def bench_one(model, batch: int, mode: str, steps: int, L: int, prompt_len: int = 16, seed: int = 0) -> dict:
-    """Decode ``steps`` tokens after an eager prefill; per-step times. The first compiled step is the compile."""
+def bench_one(model, batch: int, mode: str, steps: int, L: int, prompt_len: int = 16, seed: int = 0,
+              cache_len: int | None = None) -> dict:
+    """Decode ``steps`` tokens after an eager prefill; per-step times. The first compiled step is the compile.
+    ``cache_len``: the static cache's positions (default: just enough); transformers' attention reads all of them,
+    so a cache of N positions costs each step what an N-token context does."""
     import torch
     from transformers import StaticCache
 
@@ -222,7 +225,11 @@ def bench_one(model, batch: int, mode: str, steps: int, L: int, prompt_len: int 
     rb.clear_reports()
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, model.config.vocab_size, (batch, prompt_len), generator=gen).to(device)
-    cache = StaticCache(config=model.config, max_cache_len=prompt_len + steps + 2)
+    need = prompt_len + steps + 2
+    if cache_len is not None and cache_len < need:
+        raise SystemExit(f"replay-compile bench: a cache of {cache_len} positions is too short for a {prompt_len}-token "
+                         f"prompt and {steps} steps ({need})")
+    cache = StaticCache(config=model.config, max_cache_len=cache_len or need)
     timer = _Timer(device)
     if timer.cuda:
         torch.cuda.reset_peak_memory_stats()

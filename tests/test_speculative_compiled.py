@@ -21,6 +21,7 @@ from replay_compile.integrations.hf_modules import output_cache  # noqa: E402
 from replay_compile.passes.validate import rel_err  # noqa: E402
 from replay_compile.speculative import PromptLookup, generate_speculative  # noqa: E402
 from replay_compile.speculative.generate import generate_rounds  # noqa: E402
+from replay_compile.speculative.rounds import attention_layers  # noqa: E402
 from replay_compile.testing.drafts import known_continuation  # noqa: E402
 from replay_compile.testing.hf_models import build_for_speculation, make_inputs  # noqa: E402
 from replay_compile.testing.tp_parity import _conv_states, _recurrent_states  # noqa: E402
@@ -84,6 +85,24 @@ def test_prompt_lookup_rounds_match_generate(reference):
     family, model, ids, ref = reference
     out = generate_rounds(model, ids, NEW, num_draft=3, draft=PromptLookup(ngram=3), buffer_len=8, compiler=None)
     assert torch.equal(out.sequences, ref.sequences), (family, out.accepted)
+
+
+def test_a_longer_static_cache_leaves_the_tokens_unchanged(reference):
+    """``max_cache_len`` beyond what the rounds need: the extra positions stay masked, whatever they hold."""
+    family, model, ids, ref = reference
+    out = generate_speculative(model, ids, NEW, num_draft=3, draft=known_continuation(ref.sequences, 2),
+                               buffer_len=8, compile=False, max_cache_len=ids.shape[1] + NEW + 8 + 21)
+    assert torch.equal(out.sequences, ref.sequences), (family, out.accepted)
+    assert all(layer.keys.shape[2] == ids.shape[1] + NEW + 8 + 21 for layer in attention_layers(out.cache))
+
+
+def test_a_static_cache_too_short_for_the_rounds_is_refused():
+    model = build_for_speculation("nemotron_h")
+    ids = make_inputs(model, batch=2, prompt_len=5, seed=0)
+    with pytest.raises(ValueError, match=r"max_cache_len=20 is too small: .* need 21"):
+        generate_speculative(model, ids, 8, num_draft=3, compile=False, max_cache_len=20)
+    with pytest.raises(ValueError, match="max_cache_len"):
+        generate_speculative(model, ids, 8, num_draft=3, compile=False, per_row=False, max_cache_len=40)
 
 
 def test_compile_needs_per_row():

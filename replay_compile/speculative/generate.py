@@ -149,7 +149,7 @@ def generate_speculative(model, input_ids: torch.Tensor, max_new_tokens: int, *,
                          compile: bool | None = None, backend: str = "replayssm", mode: str | None = None,
                          eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
                          do_sample: bool = False, temperature: float | None = None, top_k: int | None = None,
-                         top_p: float | None = None) -> SpeculativeOutput:
+                         top_p: float | None = None, max_cache_len: int | None = None) -> SpeculativeOutput:
     """Decode ``max_new_tokens`` tokens (greedy, or sampled with ``do_sample``) with drafts verified ``num_draft`` at
     a time.
 
@@ -176,6 +176,9 @@ def generate_speculative(model, input_ids: torch.Tensor, max_new_tokens: int, *,
             drafts are accepted by the speculative sampling rule (:mod:`.sampling`), so every token is distributed
             as plain sampling's; the random draws come from torch's default generator (``torch.manual_seed``).
             Needs ``per_row``.
+        max_cache_len: positions of the attention caches the rounds allocate (``per_row``; default and minimum:
+            ``prompt + max_new_tokens + 2 * (num_draft + 1)``). transformers' attention reads every position of a
+            static cache, so this is also what each round's attention costs.
     Returns:
         :class:`SpeculativeOutput`; greedy, ``sequences`` equals ``model.generate(input_ids, max_new_tokens=...,
         do_sample=False)``'s. ``cache`` holds the SSM state after every fed token of each row, as ``generate``'s
@@ -187,6 +190,9 @@ def generate_speculative(model, input_ids: torch.Tensor, max_new_tokens: int, *,
                          f"{num_draft}")
     if compile and not per_row:
         raise ValueError("generate_speculative: compile=True runs per-row rounds; per_row=False is eager only")
+    if max_cache_len is not None and not per_row:
+        raise ValueError("generate_speculative: max_cache_len sizes the per-row rounds' static cache; per_row=False "
+                         "grows a dynamic cache")
     if do_sample and not per_row:
         raise ValueError("generate_speculative: do_sample=True runs per-row rounds; per_row=False is greedy only")
     sampling = _sampling(model, temperature, top_k, top_p) if do_sample else None
@@ -200,7 +206,7 @@ def generate_speculative(model, input_ids: torch.Tensor, max_new_tokens: int, *,
         compiler = (lambda fn: torch.compile(fn, backend=backend, mode=mode)) if compile else None
         return generate_rounds(model, input_ids, max_new_tokens, num_draft=num_draft, draft=draft,
                                buffer_len=buffer_len, compiler=compiler, eos=eos, pad=pad, sampling=sampling,
-                               cuda_graph=bool(compile) and input_ids.is_cuda)
+                               cuda_graph=bool(compile) and input_ids.is_cuda, max_cache_len=max_cache_len)
     T = num_draft + 1
     with torch.no_grad():
         out = model(input_ids, use_cache=True)
@@ -252,19 +258,25 @@ def _end_at_eos(sequences: torch.Tensor, prompt: int, eos: list[int], pad: int) 
 def generate_rounds(model, input_ids: torch.Tensor, max_new_tokens: int, *, num_draft: int, draft: Callable,
                     buffer_len: int, compiler: Callable | None, eos: list[int] | None = None,
                     pad: int = 0, layers_for: Callable | None = None, sampling: Sampling | None = None,
-                    cuda_graph: bool = False) -> SpeculativeOutput:
+                    cuda_graph: bool = False, max_cache_len: int | None = None) -> SpeculativeOutput:
     """:func:`generate_speculative` through :class:`~.rounds.Rounds`: prefill into a ``StaticCache`` sized for the
     rounds, then rounds until every row has its tokens; each round runs as ``compiler(rounds.step)`` (``None``:
     eagerly, the same code), and with ``cuda_graph`` (CUDA only) from the third round on as one CUDA graph replay.
     ``attention_mask`` of the result marks each row's valid cache positions.
     ``layers_for(model, cache, buffer_len, T)``: the SSM layers' speculative forms (default: the replay verify of
-    each family; benchmarks pass their baselines')."""
+    each family; benchmarks pass their baselines'). ``max_cache_len``: the cache's positions (at least, and by
+    default, ``prompt + max_new_tokens + 2T``)."""
     from transformers import StaticCache
 
     T = num_draft + 1
     b, prompt = input_ids.shape
     ck, _ = _step_kwargs(model)
-    cache = StaticCache(config=model.config, max_cache_len=prompt + max_new_tokens + 2 * T)
+    need = prompt + max_new_tokens + 2 * T
+    if max_cache_len is not None and max_cache_len < need:
+        raise ValueError(f"generate_speculative: max_cache_len={max_cache_len} is too small: a {prompt}-token prompt, "
+                         f"{max_new_tokens} new tokens and rounds of T={T} need {need} positions (2T for the verify "
+                         f"window and the rejected tail)")
+    cache = StaticCache(config=model.config, max_cache_len=max_cache_len or need)
     sync = torch.cuda.synchronize if input_ids.is_cuda else (lambda: None)
     sync()
     t0 = time.perf_counter()

@@ -90,7 +90,7 @@ def default_lr(model) -> float:
     """AdamW learning rate for the copy task: 3e-3 up to hidden size 512, ``3e-3 * sqrt(512 / hidden)`` above.
     Measured (CPU, NemotronH, 4 layers, phrases of 8 over 128 ids, batch 48): hidden 32 copies after ~400 steps and
     hidden 512 reaches 0.90 copy accuracy after 300 steps at 3e-3. A Nemotron-Nano-4B-sized model (hidden 3072) at
-    3e-3 on phrases of 16 over 1000 ids, batch 32, stayed at chance for 600 steps (H200, session 9); the gentler rate
+    3e-3 on phrases of 16 over 1000 ids, batch 32, stayed at chance for 600 steps (H200); the gentler rate
     at that width is a guess, which is why the benchmark retries at a third of it when a model does not learn."""
     hidden = getattr(model.config, "hidden_size", 512)
     return 3e-3 * min(1.0, (512 / hidden) ** 0.5)
