@@ -15,11 +15,13 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
+from torch._dynamo.utils import counters
 
 from . import ops  # noqa: F401 - registers the custom ops
 from . import state as replay_state
 from ._logging import log, timed_phase
 from .config import ReplayConfig, env_flag
+from .passes import decode_attention
 from .passes.replay_pass import PassResult, ReplaySSMPass, copy_graph_module
 from .replay_tensor import ReplayTensor, checkpoint_of
 
@@ -223,6 +225,19 @@ def _install_integrations() -> None:
         hf.install()
 
 
+def _rewrite_attention(result: PassResult, original: fx.GraphModule, cfg: ReplayConfig) -> None:
+    """Decode attention into ``replay_compile::decode_attention`` (:mod:`.passes.decode_attention`), on a copy of
+    Dynamo's graph as the SSM pass does."""
+    if not decode_attention.sdpa_calls(result.gm.graph):
+        return
+    gm = result.gm if result.gm is not original else copy_graph_module(original)
+    done, _ = decode_attention.rewrite(gm, cuda_only=cfg.decode_attention == "auto")
+    if done:
+        result.gm = gm
+        result.attention = [m.layer for m in done]
+        counters["replay_compile"]["decode_attention"] += len(done)
+
+
 def replayssm_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | None = None,
                       options: dict | None = None):
     """torch.compile backend: rewrite SSM state updates into ReplaySSM ops, then lower."""
@@ -232,6 +247,9 @@ def replayssm_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | 
     _install_integrations()
     with timed_phase("replay_compile.ReplaySSMPass"):
         result = ReplaySSMPass(cfg)(gm, example_inputs)
+    if cfg.enabled and cfg.decode_attention != "off":
+        with timed_phase("replay_compile.decode_attention"):
+            _rewrite_attention(result, gm, cfg)
     _REPORTS.append(dataclasses.replace(result, gm=None, fake_inputs=[]))
     gm = result.gm
     if result.sites and env_flag("REPLAY_COMPILE_COMBO_KERNELS", True) \

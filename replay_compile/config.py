@@ -12,7 +12,7 @@ import dataclasses
 import os
 from typing import Any, Mapping, Optional
 
-CONFIG_VERSION = 3        # 2: read_copy; 3: read_copy_families
+CONFIG_VERSION = 4        # 2: read_copy; 3: read_copy_families; 4: decode_attention
 
 _TRUE = ("1", "true", "on", "yes")
 _FALSE = ("0", "false", "off", "no")
@@ -53,6 +53,10 @@ ENV_VARS: dict[str, tuple[str, Any, str]] = {
     "REPLAY_COMPILE_READ_COPY": ("read_copy", lambda s: s or None,
                                  "bf16 / fp8_e4m3 / nvfp4 / nvfp4_row: non-flush steps read a low-precision copy of "
                                  "the checkpoint (the recurrence stays exact); default: none"),
+    "REPLAY_COMPILE_DECODE_ATTENTION": ("decode_attention", lambda s: s.strip().lower(),
+                                        "auto (CUDA graphs) / on (every device; CPU runs the reference) / off: "
+                                        "rewrite one-token SDPA over a cache into the grouped-head decode "
+                                        "attention op; default auto"),
     "REPLAY_COMPILE_READ_COPY_FAMILIES": ("read_copy_families", lambda s: tuple(x for x in s.split(",") if x),
                                           "comma list of families given the read copy; default mamba2"),
 }
@@ -78,6 +82,7 @@ SUPPORTED_FAMILIES = ("mamba2", "gdn", "kda", "mamba1")
 DEFAULT_FAMILIES = ("mamba2", "gdn", "kda")
 SUPPORTED_LOWERINGS = ("inductor", "eager", "piecewise", "tensorrt")
 SUPPORTED_READ_COPIES = ("bf16", "fp8_e4m3", "nvfp4", "nvfp4_row")
+DECODE_ATTENTION_MODES = ("auto", "on", "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +110,10 @@ class ReplayConfig:
             ``("mamba2",)``). Delta-rule layers (``"gdn"``, ``"kda"``) also keep raw values so that flushes re-run
             the exact recurrence; their read-copy step is correct on every device but measured slower than exact
             reads on the H200 (Qwen3.5-4B dims, bs256, fp8: 5.87 vs 4.81 ms per whole step), so it is opt-in.
+        decode_attention: ``"auto"`` (default): one-token ``scaled_dot_product_attention`` over a key/value cache
+            on CUDA becomes ``replay_compile::decode_attention`` (grouped heads read once, only the positions the
+            mask keeps; :mod:`replay_compile.passes.decode_attention`); ``"on"``: on every device (the CPU op is
+            the reference, slower than SDPA: for tests); ``"off"``: attention is left to the lowering.
     """
 
     buffer_len: int = 16
@@ -115,6 +124,7 @@ class ReplayConfig:
     lower: str = "inductor"
     read_copy: Optional[str] = None
     read_copy_families: tuple[str, ...] = ("mamba2",)
+    decode_attention: str = "auto"
     version: int = CONFIG_VERSION
 
     def __post_init__(self):
@@ -129,6 +139,9 @@ class ReplayConfig:
         if unknown:
             raise ValueError(f"replay_compile: unknown read_copy_families {sorted(unknown)}; supported: "
                              f"{SUPPORTED_FAMILIES}")
+        if self.decode_attention not in DECODE_ATTENTION_MODES:
+            raise ValueError(f"replay_compile: decode_attention must be one of {DECODE_ATTENTION_MODES}, got "
+                             f"{self.decode_attention!r}")
         if self.read_copy is not None and self.read_copy not in SUPPORTED_READ_COPIES:
             raise ValueError(f"replay_compile: read_copy must be None or one of {SUPPORTED_READ_COPIES}, "
                              f"got {self.read_copy!r}")

@@ -82,6 +82,7 @@ class PassResult:
     ops_before: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     ops_after: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     returns_state: bool = False     # a stepped state is returned for the caller to store (a returned next state)
+    attention: list = dataclasses.field(default_factory=list)   # layers whose decode attention was rewritten
 
 
 def count_ops(gm: fx.GraphModule) -> collections.Counter:

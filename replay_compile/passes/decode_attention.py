@@ -1,0 +1,257 @@
+"""Decode attention: ``scaled_dot_product_attention`` of one query token over a cache, rewritten into
+``replay_compile::decode_attention`` so that each key/value head is read once, over its filled positions only.
+
+What is found (by dataflow, in Dynamo's graph): a ``scaled_dot_product_attention`` call whose query is ``[b, H, 1,
+dk]`` and whose keys and values are a cache's ``[b, KV, S, d]`` tensors, either as they are (``H == KV``, or
+``enable_gqa=True``) or expanded to ``H`` heads the way transformers' ``repeat_kv`` does (``x[:, :, None]
+.expand(b, KV, G, S, d).reshape(b, KV * G, S, d)``, or ``repeat_interleave(x, G, dim=1)``): query head ``h`` reads
+key/value head ``h // G``. The mask is None or ``[b or 1, 1, 1, S]`` (shared by the heads), boolean or additive;
+no dropout, not ``is_causal``. Every call that is not this is left as it is, with its reason logged at debug
+(prefill graphs and other attention are not decode attention, so nothing is said at info).
+
+Why: under ``torch.compile``, transformers expands the grouped key/value heads with ``repeat_kv`` (a copy of the
+whole static cache into ``H`` heads) and SDPA then reads the copy over every static position: on the H200 at batch
+256 with a 1,040-position cache this was 58-67% of a hybrid model's rewritten decode step (Nemotron-Nano-4B and
+Qwen3.5-4B dimensions, full depth). The op reads the cache itself.
+
+Checked: the op against SDPA over ``repeat_kv``-expanded heads on a small instance of each matched configuration
+(heads, head dims, dtype, mask kind, scale) before the first rewrite of that configuration; a configuration that
+fails is left unchanged with the difference logged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx as fx
+
+from .._logging import log
+from .graph_utils import dtype as dtype_of, example, module_path, op_name, shape
+
+_SDPA = ("scaled_dot_product_attention", "_scaled_dot_product_attention")
+_EXPANSION = ("reshape", "view", "expand", "getitem", "unsqueeze", "repeat_interleave")
+
+
+class NotDecodeAttention(Exception):
+    """Why an attention call is left unchanged."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionMatch:
+    sdpa: fx.Node
+    q: fx.Node
+    k: fx.Node              # the cache's keys [b, KV, S, dk]
+    v: fx.Node              # the cache's values [b, KV, S, dv]
+    mask: fx.Node | None    # [b or 1, 1, 1, S] or None
+    scale: float
+    heads: int
+    kv_heads: int
+    positions: int
+    dk: int
+    dv: int
+    dtype: torch.dtype
+    mask_dtype: torch.dtype | None
+    layer: str
+
+    def config(self) -> tuple:
+        return (self.heads, self.kv_heads, self.dk, self.dv, self.dtype, self.mask_dtype, self.scale)
+
+
+def sdpa_calls(graph: fx.Graph) -> list[fx.Node]:
+    return [n for n in graph.nodes if n.op == "call_function" and op_name(n) in _SDPA]
+
+
+def _arg(n: fx.Node, index: int, name: str, default=None):
+    if len(n.args) > index:
+        return n.args[index]
+    return n.kwargs.get(name, default)
+
+
+def _sizes(n: fx.Node) -> tuple:
+    """The size arguments of ``expand`` / ``reshape`` / ``view`` (given as varargs or one sequence)."""
+    sizes = n.args[1:]
+    if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)):
+        sizes = tuple(sizes[0])
+    return tuple(sizes)
+
+
+def _full(idx) -> bool:
+    return idx == slice(None)
+
+
+def kv_source(n, heads: int, gqa: bool) -> tuple[fx.Node, int]:
+    """``(cache tensor [b, KV, S, d], G)`` behind SDPA's key or value argument ``n`` (see the module docstring)."""
+    if not isinstance(n, fx.Node):
+        raise NotDecodeAttention("keys or values are not a graph tensor")
+    s = shape(n)
+    if s is None or len(s) != 4:
+        raise NotDecodeAttention(f"keys or values of shape {s}, not [b, heads, positions, head_dim]")
+    name = op_name(n)
+    if name in ("reshape", "view") and n.op == "call_method":
+        ex = n.args[0]
+        se = shape(ex)
+        if op_name(ex) != "expand" or se is None or len(se) != 5:
+            raise NotDecodeAttention("keys or values reshaped from something other than repeat_kv's expand")
+        b, KV, G, S, d = se
+        if s != (b, KV * G, S, d):
+            raise NotDecodeAttention(f"a [b, KV, G, S, d] expansion reshaped to {s}, not [b, KV*G, S, d]")
+        src = ex.args[0]
+        base = None
+        if op_name(src) == "getitem" and isinstance(src.args[1], tuple):
+            idx = src.args[1]
+            idx = idx[:-1] if idx and idx[-1] is Ellipsis else idx
+            if len(idx) >= 3 and _full(idx[0]) and _full(idx[1]) and idx[2] is None and all(map(_full, idx[3:])):
+                base = src.args[0]
+        elif op_name(src) == "unsqueeze" and tuple(src.args[1:]) in ((2,), (-3,)):
+            base = src.args[0]
+        if base is None or shape(src) != (b, KV, 1, S, d) or shape(base) != (b, KV, S, d):
+            raise NotDecodeAttention("the grouped heads are not expanded as repeat_kv's x[:, :, None].expand(...)")
+        return base, G
+    if name == "repeat_interleave":
+        G = _arg(n, 1, "repeats")
+        dim = _arg(n, 2, "dim")
+        base = n.args[0]
+        sb = shape(base)
+        if not isinstance(G, int) or dim not in (1, -3) or sb is None or s != (sb[0], sb[1] * G, sb[2], sb[3]):
+            raise NotDecodeAttention("keys or values repeated other than head-wise (repeat_interleave(x, G, dim=1))")
+        return base, G
+    if s[1] == heads or gqa:
+        return n, 1 if s[1] == heads else heads // s[1]
+    raise NotDecodeAttention(f"{s[1]} key/value heads for {heads} query heads, not expanded by repeat_kv")
+
+
+def match(n: fx.Node) -> AttentionMatch:
+    """The decode attention of SDPA call ``n``, or :class:`NotDecodeAttention` with the reason."""
+    q, k, v = n.args[:3]
+    mask = _arg(n, 3, "attn_mask")
+    dropout = _arg(n, 4, "dropout_p", 0.0)
+    causal = _arg(n, 5, "is_causal", False)
+    scale = _arg(n, 6, "scale")
+    gqa = bool(n.kwargs.get("enable_gqa", False))
+    if not isinstance(dropout, (int, float)) or dropout != 0:
+        raise NotDecodeAttention(f"dropout_p={dropout}")
+    if causal is not False:
+        raise NotDecodeAttention("is_causal=True")
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise NotDecodeAttention("a scale computed in the graph")
+    sq = shape(q)
+    if sq is None or len(sq) != 4 or not all(isinstance(x, int) for x in sq):
+        raise NotDecodeAttention(f"query of shape {sq}, not a static [b, H, 1, dk]")
+    b, H, T, dk = sq
+    if T != 1:
+        raise NotDecodeAttention(f"{T} query tokens, not one (a prefill or a verify)")
+    kb, G = kv_source(k, H, gqa)
+    vb, Gv = kv_source(v, H, gqa)
+    sk, sv = shape(kb), shape(vb)
+    if G != Gv or sk[:3] != sv[:3] or sk[0] != b or sk[1] * G != H or sk[3] != dk:
+        raise NotDecodeAttention(f"keys {sk} and values {sv} (groups {G} / {Gv}) do not fit a query {sq}")
+    if not all(isinstance(x, int) for x in sk + sv):
+        raise NotDecodeAttention("a dynamic cache shape")
+    S = sk[2]
+    mdt = None
+    if mask is not None:
+        sm = shape(mask)
+        mdt = dtype_of(mask)
+        if sm is None or len(sm) != 4 or sm[0] not in (1, b) or sm[1:3] != (1, 1) or sm[3] != S:
+            raise NotDecodeAttention(f"a mask of shape {sm}, not [b or 1, 1, 1, {S}] shared by the heads")
+        if mdt != torch.bool and not (mdt is not None and mdt.is_floating_point):
+            raise NotDecodeAttention(f"a mask of dtype {mdt}")
+    dt = dtype_of(q)
+    if not dt == dtype_of(kb) == dtype_of(vb) or dt not in (torch.float16, torch.bfloat16, torch.float32):
+        raise NotDecodeAttention(f"query / keys / values of dtypes {dt} / {dtype_of(kb)} / {dtype_of(vb)}")
+    kex, vex = example(kb), example(vb)
+    if kex.stride(-1) != 1 or vex.stride(-1) != 1:
+        raise NotDecodeAttention("a cache without unit stride in its head dimension")
+    return AttentionMatch(n, q, kb, vb, mask, float(scale) if scale is not None else dk ** -0.5, H, sk[1], S, dk,
+                          sv[3], dt, mdt, module_path(n))
+
+
+def _insert(graph: fx.Graph, m: AttentionMatch) -> None:
+    n = m.sdpa
+    with graph.inserting_before(n):
+        q3 = graph.call_function(operator.getitem, (m.q, (slice(None), slice(None), 0)))
+        if m.mask is None:
+            mask = graph.call_function(torch.ones, ((1, m.positions),), {"dtype": torch.bool,
+                                                                          "device": example(m.q).device})
+        else:
+            mask = graph.call_function(operator.getitem, (m.mask, (slice(None), 0, 0)))
+        out = graph.call_function(torch.ops.replay_compile.decode_attention.default, (q3, m.k, m.v, mask, m.scale))
+        out4 = graph.call_method("unsqueeze", (out, 2))
+    n.replace_all_uses_with(out4)
+    old = [a for a in n.args[1:4] if isinstance(a, fx.Node)]
+    graph.erase_node(n)
+    for a in old:                              # the expansion feeding nothing now: reshape <- expand <- index
+        while a.op in ("call_method", "call_function") and not a.users and op_name(a) in _EXPANSION:
+            nxt = a.args[0]
+            graph.erase_node(a)
+            if not isinstance(nxt, fx.Node):
+                break
+            a = nxt
+
+
+_CHECKED: dict[tuple, str | None] = {}
+
+
+def check(m: AttentionMatch) -> str | None:
+    """None if the op equals SDPA over expanded heads on a small instance of ``m``'s configuration (CPU reference,
+    float64 inputs rounded to ``m.dtype``), else the difference."""
+    key = m.config()
+    if key not in _CHECKED:
+        _CHECKED[key] = _check(m)
+    return _CHECKED[key]
+
+
+def _check(m: AttentionMatch) -> str | None:
+    from ..ops.decode_attention import decode_attention
+
+    g = torch.Generator().manual_seed(0)
+    b, S, G = 2, 7, m.heads // m.kv_heads
+    q = torch.randn(b, m.heads, m.dk, generator=g).to(m.dtype)
+    k = torch.randn(b, m.kv_heads, S, m.dk, generator=g).to(m.dtype)
+    v = torch.randn(b, m.kv_heads, S, m.dv, generator=g).to(m.dtype)
+    keep = torch.arange(S)[None, :] < torch.tensor([[S], [S - 3]])
+    mask = keep if m.mask_dtype in (None, torch.bool) else \
+        torch.where(keep, torch.randn(b, S, generator=g, dtype=torch.float64), float("-inf")).to(m.mask_dtype)
+
+    def expand(x):
+        return x[:, :, None].expand(b, m.kv_heads, G, S, x.shape[-1]).reshape(b, m.heads, S, x.shape[-1])
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, None].double(), expand(k).double(), expand(v).double(),
+        attn_mask=mask[:, None, None].double() if mask.dtype != torch.bool else mask[:, None, None],
+        scale=m.scale)[:, :, 0]
+    got = decode_attention(q, k, v, mask, m.scale).double()
+    tol = 1e-5 if m.dtype == torch.float32 else 2e-2
+    err = float((got - want).abs().max())
+    return None if err <= tol * (1 + float(want.abs().max())) else f"max difference {err:.3g} from SDPA"
+
+
+def rewrite(gm: fx.GraphModule, cuda_only: bool = True) -> tuple[list[AttentionMatch], list[tuple[str, str]]]:
+    """Rewrite every decode attention of ``gm``'s graph in place (``cuda_only``: those on CUDA tensors). Returns the
+    rewritten matches and ``(layer, reason)`` for the SDPA calls left unchanged."""
+    done, left = [], []
+    for n in sdpa_calls(gm.graph):
+        layer = module_path(n)
+        try:
+            m = match(n)
+            if cuda_only and example(m.q).device.type != "cuda":
+                raise NotDecodeAttention("not on CUDA (the CPU op is the reference: slower than SDPA there)")
+            bad = check(m)
+            if bad:
+                log.warning("replay_compile: %s: attention left unchanged: the decode attention op failed its check "
+                            "for this configuration (%s)", layer, bad)
+                left.append((layer, bad))
+                continue
+        except NotDecodeAttention as e:
+            left.append((layer, str(e)))
+            log.debug("replay_compile: %s: attention left unchanged: %s", layer, e)
+            continue
+        _insert(gm.graph, m)
+        done.append(m)
+        log.info("replay_compile: %s: decode attention (%d query heads over %d key/value heads, %d positions) -> "
+                 "replay_compile::decode_attention", layer, m.heads, m.kv_heads, m.positions)
+    if done:
+        gm.graph.lint()
+        gm.recompile()
+    return done, left
