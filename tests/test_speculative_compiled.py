@@ -17,11 +17,10 @@ from torch._dynamo.utils import counters
 pytest.importorskip("transformers")
 
 from replay_compile import ReplayCompileError  # noqa: E402
-from replay_compile.integrations.hf_modules import output_cache  # noqa: E402
+from replay_compile.integrations.hf_modules import attention_layers, output_cache  # noqa: E402
 from replay_compile.passes.validate import rel_err  # noqa: E402
 from replay_compile.speculative import PromptLookup, generate_speculative  # noqa: E402
 from replay_compile.speculative.generate import generate_rounds  # noqa: E402
-from replay_compile.speculative.rounds import attention_layers  # noqa: E402
 from replay_compile.testing.drafts import known_continuation  # noqa: E402
 from replay_compile.testing.hf_models import build_for_speculation, make_inputs  # noqa: E402
 from replay_compile.testing.tp_parity import _conv_states, _recurrent_states  # noqa: E402

@@ -80,3 +80,20 @@ def ssm_layer_states(cache, layer_idx: int):
         return None, None
     rs, cs = getattr(layer, "recurrent_states", None), getattr(layer, "conv_states", None)
     return (rs.get(0) if isinstance(rs, dict) else None), (cs.get(0) if isinstance(cs, dict) else None)
+
+
+def attention_layers(cache) -> list:
+    """The attention layers of a ``StaticCache`` (``keys`` / ``values`` [b, heads, M, head_dim])."""
+    return [layer for layer in getattr(cache, "layers", [])
+            if isinstance(getattr(layer, "keys", None), torch.Tensor) and layer.keys.dim() == 4
+            and isinstance(getattr(layer, "values", None), torch.Tensor)]
+
+
+def write_at(layer, position: int) -> None:
+    """Make a static attention layer write its next keys at ``position``: transformers from 5.2x counts positions in
+    the layer (``cumulative_length``, also the mask's query offset); older ones take ``cache_position`` (passed too)."""
+    count = getattr(layer, "cumulative_length", None)
+    if isinstance(count, torch.Tensor):
+        count.fill_(position)
+    elif count is not None:
+        layer.cumulative_length = position

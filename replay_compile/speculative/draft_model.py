@@ -26,7 +26,8 @@ import torch
 
 from ..errors import ReplayCompileError
 from ..integrations.hf_modules import cache_kwarg, looks_like_ssm
-from .rounds import _write_at, attention_layers, copy_scratch
+from ..integrations.hf_modules import attention_layers, write_at
+from .rounds import copy_scratch
 
 
 class DraftModel:
@@ -73,7 +74,7 @@ class DraftModel:
 
     def _forward(self, ids, at: int, positions, mask) -> torch.Tensor:
         for layer in self.attn:
-            _write_at(layer, at)
+            write_at(layer, at)
         extra = {"position_ids": positions} if self.takes_positions else {}
         return self.model(ids, use_cache=True, attention_mask=mask, cache_position=self.positions[at:at + ids.shape[1]],
                           **{self.ck: self.cache}, **extra).logits[:, -1]

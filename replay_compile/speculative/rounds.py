@@ -30,16 +30,9 @@ import inspect
 import torch
 
 from ..errors import ReplayCompileError
-from ..integrations.hf_modules import cache_kwarg
+from ..integrations.hf_modules import attention_layers, cache_kwarg, write_at
 from .base import SpecLayer
 from .sampling import Sampling, accept
-
-
-def attention_layers(cache) -> list:
-    """The attention layers of a ``StaticCache`` (``keys`` / ``values`` [b, heads, M, head_dim])."""
-    return [layer for layer in getattr(cache, "layers", [])
-            if isinstance(getattr(layer, "keys", None), torch.Tensor) and layer.keys.dim() == 4
-            and isinstance(getattr(layer, "values", None), torch.Tensor)]
 
 
 # what a cache layer may hold for the speculative rounds to roll it back: attention keys and values (and a static
@@ -84,16 +77,6 @@ def copy_scratch(attn: list, start: int, dest: torch.Tensor) -> None:
         for t in (layer.keys, layer.values):
             src = t[:, :, start:start + T].clone()
             t.scatter_(2, dest[:, None, :, None].expand(b, t.shape[1], T, t.shape[3]), src)
-
-
-def _write_at(layer, position: int) -> None:
-    """Make a static attention layer write its next keys at ``position``: transformers from 5.2x counts positions in
-    the layer (``cumulative_length``, also the mask's query offset); older ones take ``cache_position`` (passed too)."""
-    count = getattr(layer, "cumulative_length", None)
-    if isinstance(count, torch.Tensor):
-        count.fill_(position)
-    elif count is not None:
-        layer.cumulative_length = position
 
 
 class Rounds:
@@ -189,7 +172,7 @@ class Rounds:
         for layer in self.layers:                    # the verify forward and the commit see the same slots
             layer.slot_idx = slots
         for layer in self.attn:                      # the window's keys go to the scratch positions
-            _write_at(layer, self.M - T)
+            write_at(layer, self.M - T)
         extra = {"position_ids": pos} if self.takes_positions else {}
         logits = self.model(window, **{self.ck: self.cache}, attention_mask=self.attention_mask(),
                             cache_position=self.scratch, use_cache=True, **extra).logits
