@@ -61,7 +61,9 @@ def main(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-results"))
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    from bench_mamba2_kernel import copy_bandwidth, warm_clocks
+    from bench_mamba2_kernel import warm_clocks
+
+    from replay_compile.bench import copy_bandwidth
 
     dt = torch.bfloat16
     S, filled = args.positions, args.filled

@@ -27,6 +27,8 @@ import types
 
 import torch
 
+from replay_compile.bench import copy_bandwidth
+
 GEOMS = {"nano": (96, 80, 128, 8), "super": (128, 64, 128, 8)}   # H, P, N, G (Nemotron-Nano-4B, -Super-120B)
 
 
@@ -43,29 +45,6 @@ def load_baseline():
         sys.modules["mamba_ssm"] = pkg
         from mamba_ssm.ops.triton.selective_state_update import selective_state_update
         return selective_state_update
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth (bytes read + written per second): best of several sizes, plain launches
-    timed with events (no graph), after the clocks were warmed up."""
-    best = 0.0
-    for gib in (0.5, 1, 2):
-        n = int(gib * 2**30) // 4
-        x = torch.randn(n, device="cuda")
-        y = torch.empty_like(x)
-        for _ in range(3):
-            y.copy_(x)
-        times = []
-        for _ in range(10):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            y.copy_(x)
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b) * 1e-3)
-        best = max(best, 2 * n * 4 / statistics.median(times))
-        del x, y
-    return best
 
 
 def time_graph(fn, reps=30, warmup=3, inner=1) -> float:

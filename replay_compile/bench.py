@@ -206,14 +206,93 @@ def cache_kwarg(model) -> str:
     return name
 
 
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second): best of several sizes, plain launches
+    timed with events (no graph), after the clocks were warmed up."""
+    import torch
+
+    best = 0.0
+    for gib in (0.5, 1, 2):
+        n = int(gib * 2**30) // 4
+        x = torch.randn(n, device="cuda")
+        y = torch.empty_like(x)
+        for _ in range(3):
+            y.copy_(x)
+        times = []
+        for _ in range(10):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            y.copy_(x)
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b) * 1e-3)
+        best = max(best, 2 * n * 4 / statistics.median(times))
+        del x, y
+    return best
+
+
+def fill_context(cache, start: int, context: int, seed: int = 0) -> None:
+    """Positions ``[start, context)`` of every static attention layer of ``cache`` hold random keys and values with
+    the spread of the prefilled ones, and the layers write their next keys at ``context``: as far as a decode step's
+    cost goes, what a ``context``-token prompt leaves (a step reads those positions whatever they hold; SSM layers
+    cost the same at any context). An eager prefill of ``context`` tokens at batch 256 would not fit the GPU:
+    transformers' PyTorch chunk scan materialises [b, chunks, chunk, chunk, heads, state] products."""
+    import torch
+
+    from .integrations.hf_modules import attention_layers, write_at
+
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for layer in attention_layers(cache):
+        for t in (layer.keys, layer.values):
+            spread = float(t[:, :, :start].float().std()) if start > 1 else 1.0
+            noise = torch.randn(t[:, :, start:context].shape, generator=gen, dtype=torch.float32)
+            t[:, :, start:context].copy_(noise.mul_(spread))
+        write_at(layer, context)
+
+
+def step_floor_bytes(model, cache, batch: int, filled: int) -> dict:
+    """Bytes a decode step must move: the weights once (of the input embedding only the ``batch`` rows it gathers,
+    unless the language-model head shares it), every SSM state read once (what a replay step reads; the exact step
+    also writes it), conv states read and written, each attention layer's ``filled`` keys and values read once.
+    Per-token records and activations are left out (under 1% of the total at these sizes)."""
+    import torch
+
+    from .integrations.hf_modules import attention_layers
+
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight.data_ptr() == emb.data_ptr()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not tied:
+        weights -= emb.numel() * emb.element_size() - batch * emb.shape[1] * emb.element_size()
+    attn = attention_layers(cache)
+    kv = sum(batch * t.shape[1] * filled * t.shape[3] * t.element_size() for layer in attn
+             for t in (layer.keys, layer.values))
+    ssm = conv = 0
+    seen = {id(t) for layer in attn for t in (layer.keys, layer.values)}
+    for layer in getattr(cache, "layers", []):
+        for name, val in vars(layer).items():
+            items = val.values() if isinstance(val, dict) else val if isinstance(val, (list, tuple)) else [val]
+            for t in items:
+                if not isinstance(t, torch.Tensor) or id(t) in seen or t.dim() < 3 or t.shape[0] != batch:
+                    continue
+                seen.add(id(t))
+                if "conv" in name:
+                    conv += 2 * t.numel() * t.element_size()
+                else:
+                    ssm += t.numel() * t.element_size()
+    return dict(weights=weights, ssm=ssm, conv=conv, kv=kv, total=weights + ssm + conv + kv)
+
+
 WARM_STEPS = 3          # steps left out of the statistics: compile, CUDA-graph warm-up, CUDA-graph recording
 
 
 def bench_one(model, batch: int, mode: str, steps: int, L: int, prompt_len: int = 16, seed: int = 0,
-              cache_len: int | None = None) -> dict:
+              cache_len: int | None = None, context: int = 0) -> dict:
     """Decode ``steps`` tokens after an eager prefill; per-step times. The first compiled step is the compile.
-    ``cache_len``: the static cache's positions (default: just enough); transformers' attention reads all of them,
-    so a cache of N positions costs each step what an N-token context does."""
+    ``context``: decode from position ``context``, the positions after the prompt filled by :func:`fill_context`.
+    ``cache_len``: the static cache's positions (default: just enough); a longer one holds unfilled positions,
+    which transformers' SDPA reads and the decode-attention rewrite skips."""
     import torch
     from transformers import StaticCache
 
@@ -225,7 +304,8 @@ def bench_one(model, batch: int, mode: str, steps: int, L: int, prompt_len: int 
     rb.clear_reports()
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, model.config.vocab_size, (batch, prompt_len), generator=gen).to(device)
-    need = prompt_len + steps + 2
+    start = max(context, prompt_len)
+    need = start + steps + 2
     if cache_len is not None and cache_len < need:
         raise SystemExit(f"replay-compile bench: a cache of {cache_len} positions is too short for a {prompt_len}-token "
                          f"prompt and {steps} steps ({need})")
@@ -239,11 +319,14 @@ def bench_one(model, batch: int, mode: str, steps: int, L: int, prompt_len: int 
     steady, compile_peak = float("nan"), 0
     with torch.no_grad():
         out = model(ids, use_cache=True, cache_position=torch.arange(prompt_len, device=device), **{ck: cache})
+        if start > prompt_len:
+            fill_context(cache, prompt_len, start, seed)
+        floor = step_floor_bytes(model, cache, batch, start + 1)
         if mode.startswith("replayssm"):
             rs.protect(cache)                # what generate does after its prefill
         tok = out.logits[:, -1:].argmax(-1)
         for t in range(steps + 1):
-            pos = torch.tensor([prompt_len + t], device=device)
+            pos = torch.tensor([start + t], device=device)
             out, dt = timer(lambda: forward(tok, use_cache=True, cache_position=pos, **{ck: cache}))
             tok = out.logits[:, -1:].argmax(-1)
             times.append(dt)
@@ -269,7 +352,7 @@ def bench_one(model, batch: int, mode: str, steps: int, L: int, prompt_len: int 
                 tokens_per_s=batch / mean, first_step_s=first,
                 peak_mem_gib=max(compile_peak / 2**30, steady) if timer.cuda else float("nan"),
                 steady_mem_gib=steady,
-                rewrites=rewrites)
+                rewrites=rewrites, context=start, floor_bytes=floor["total"])
 
 
 def parity(model, batch: int, steps: int, L: int, mode: str = "replayssm-ro", prompt_len: int = 16,
@@ -320,6 +403,7 @@ def run_parity(models, batch, steps, L, device, dtype_name, layers, out_dir, mod
                tp: int = 1) -> list[dict]:
     """:func:`parity` for each model; writes ``parity.csv`` and prints one line per model (rank 0 under ``tp``)."""
     mesh, rank, device, dtype = _setup(tp, device, dtype_name, out_dir)
+    bandwidth = copy_bandwidth() if str(device).startswith("cuda") else float("nan")     # the floor's bytes/s
     rows = []
     for name in models:
         model = build_model(name, dtype, device, layers, mesh=mesh)
@@ -394,7 +478,7 @@ def merge_rounds(runs: list[dict]) -> dict:
 
 
 def run(models, batches, modes, steps, L, device, dtype_name, layers, out_dir, progress=True, tp: int = 1,
-        rounds: int = 1) -> list[dict]:
+        rounds: int = 1, context: int = 0) -> list[dict]:
     """Every (model, batch, mode) point; rows written as they come. Under ``tp`` > 1 (torchrun), every rank runs
     every point on its shard and rank 0 writes (its own timings: the ranks meet at every all-reduce anyway).
     ``rounds`` > 1: each (model, batch) runs its modes that many times in alternating order (:func:`round_orders`)
@@ -402,6 +486,7 @@ def run(models, batches, modes, steps, L, device, dtype_name, layers, out_dir, p
     import torch
 
     mesh, rank, device, dtype = _setup(tp, device, dtype_name, out_dir)
+    bandwidth = copy_bandwidth() if str(device).startswith("cuda") else float("nan")     # the floor's bytes/s
     rows = []
     total = len(models) * len(batches) * len(modes) * rounds
     bar = _Progress(total, progress and rank == 0)
@@ -414,7 +499,7 @@ def run(models, batches, modes, steps, L, device, dtype_name, layers, out_dir, p
                 for mode in order:
                     bar.next(f"{name} bs={bs} {mode}")
                     try:
-                        runs[mode].append(bench_one(model, bs, mode, steps, L))
+                        runs[mode].append(bench_one(model, bs, mode, steps, L, context=context))
                         if env_flag("REPLAY_COMPILE_BENCH_COMPILE_TIMES", False):   # where compile time went
                             print(f"compile times, {name} bs={bs} {mode}:\n{torch._dynamo.utils.compile_times()}",
                                   file=sys.stderr)
@@ -425,8 +510,10 @@ def run(models, batches, modes, steps, L, device, dtype_name, layers, out_dir, p
                         print(f"  {name} bs={bs} {mode}: out of memory, skipped", file=sys.stderr)
             for mode in modes:
                 if runs[mode]:
-                    rows.append(dict(model=name, layers=n_layers, dtype=dtype_name, L=L, tp=tp,
-                                     **merge_rounds(runs[mode])))
+                    row = merge_rounds(runs[mode])
+                    row["floor_ms"] = row["floor_bytes"] / bandwidth * 1e3
+                    row["pct_floor"] = 100 * row["floor_ms"] / row["step_ms"]
+                    rows.append(dict(model=name, layers=n_layers, dtype=dtype_name, L=L, tp=tp, **row))
             if rank == 0:
                 _write(rows, out_dir, quiet=True)          # a run cut short still leaves its rows
         del model
@@ -487,11 +574,14 @@ def _write(rows, out_dir, quiet=False):
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    lines = ["| model (layers, TP) | batch | mode | step ms | non-flush ms | flush ms | tokens/s | first step s | "
-             "peak GiB | decode-loop peak GiB | rewrites | speedup vs torch.compile | first step vs torch.compile |",
-             "|" + " --- |" * 13]
+    lines = ["| model (layers, TP) | batch | context | mode | step ms | floor ms | % of floor | non-flush ms | flush ms | "
+             "tokens/s | first step s | peak GiB | decode-loop peak GiB | rewrites | speedup vs torch.compile | "
+             "first step vs torch.compile |",
+             "|" + " --- |" * 16]
     for r in rows:
-        lines.append(f"| {r['model']} ({r['layers']}, {r.get('tp', 1)}) | {r['batch']} | {r['mode']} | {r['step_ms']:.3f} | "
+        lines.append(f"| {r['model']} ({r['layers']}, {r.get('tp', 1)}) | {r['batch']} | {r.get('context', '')} | "
+                     f"{r['mode']} | {r['step_ms']:.3f} | {r.get('floor_ms', float('nan')):.3f} | "
+                     f"{r.get('pct_floor', float('nan')):.0f} | "
                      f"{r['nonflush_ms']:.3f} | {r['flush_ms']:.3f} | {r['tokens_per_s']:.1f} | "
                      f"{r['first_step_s']:.1f} | {r['peak_mem_gib']:.2f} | {r.get('steady_mem_gib', float('nan')):.2f} | "
                      f"{r['rewrites']} | "

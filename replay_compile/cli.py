@@ -140,6 +140,9 @@ def _bench(args) -> int:
     from . import bench
 
     cuda = args.device.startswith("cuda")
+    context = args.context if args.context is not None else (1024 if cuda else 0)
+    if context < 0:
+        raise SystemExit("replay-compile bench: --context must be >= 0")
     models = (args.models or ("nemotron_h_nano4b,qwen35_4b,mamba2_2p7b" if cuda else "tiny_nemotron_h")).split(",")
     batches = [int(b) for b in (args.batches or ("1,8,32,64,128,256,512" if cuda else "1,2")).split(",")]
     modes = (args.modes or (",".join(bench.MODES) if cuda else "eager,replayssm")).split(",")
@@ -156,7 +159,7 @@ def _bench(args) -> int:
     lead = int(os.environ.get("RANK", "0")) == 0       # under torchrun (--tp) only rank 0 prints
     if lead:
         print(f"bench: {models} batches {batches} modes {modes}, {args.steps} decode steps, L={args.buffer_len}, "
-              f"{args.dtype} on {args.device}, torch {torch.__version__}" +
+              f"{args.dtype} on {args.device}, torch {torch.__version__}, context {context}" +
               (f", first {args.layers} layers only" if args.layers else "") + (f", TP={args.tp}" if args.tp > 1 else ""))
     if args.check:
         rows = bench.run_parity(models, args.check_batch, args.check, args.buffer_len, args.device, args.dtype,
@@ -175,7 +178,8 @@ def _bench(args) -> int:
         worker_rounds = 1 if args.cold_compile else args.rounds
         forward = ["--steps", str(args.steps), "--rounds", str(worker_rounds), "--buffer-len", str(args.buffer_len),
                    "--dtype", args.dtype,
-                   "--device", args.device] + (["--layers", str(args.layers)] if args.layers else []) + \
+                   "--device", args.device, "--context", str(context)] + \
+                  (["--layers", str(args.layers)] if args.layers else []) + \
                   (["--threads", str(args.threads)] if args.threads else [])
         rows, failures = run_parallel(args.gpus, models, batches, modes, forward, args.out,
                                       time_limit=args.time_limit, cold=args.cold_compile, rounds=args.rounds)
@@ -184,7 +188,7 @@ def _bench(args) -> int:
         print(f"wrote {os.path.join(args.out, 'bench.csv')} and bench.md ({len(rows)} rows from {args.gpus} workers)")
         return 0 if rows and not failures else 1
     rows = bench.run(models, batches, modes, args.steps, args.buffer_len, args.device, args.dtype, args.layers,
-                     args.out, tp=args.tp, rounds=args.rounds)
+                     args.out, tp=args.tp, rounds=args.rounds, context=context)
     if lead:
         print(f"wrote {os.path.join(args.out, 'bench.csv')} and bench.md ({len(rows)} rows)")
     return 0 if rows else 1
@@ -274,7 +278,11 @@ def main(argv: list[str] | None = None) -> int:
                         "(steadier ratios where the step is host-bound; compile time from the first round, or with "
                         "--cold-compile the mean of every round's cold compile, each round in processes of its own)")
     b.add_argument("--buffer-len", type=int, default=16)
-    b.add_argument("--layers", type=int, default=None, help="keep only the first N layers (say why in reports)")
+    b.add_argument("--layers", type=int, default=None,
+                   help="keep only the first N layers (default: full depth; say why in reports)")
+    b.add_argument("--context", type=int, default=None, metavar="N",
+                   help="decode after N cache positions (a short prefill, the rest filled with random keys and "
+                        "values: what an N-token prompt costs a decode step; default 1024 on CUDA, 0 on CPU)")
     b.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     b.add_argument("--device", default="cuda" if _cuda_available() else "cpu")
     b.add_argument("--threads", type=int, default=None)

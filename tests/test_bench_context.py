@@ -1,0 +1,61 @@
+"""``replay-compile bench --context N``: the cache filled as an N-token prompt would leave it, and the step's
+bytes floor."""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from replay_compile import bench  # noqa: E402
+from replay_compile.integrations.hf_modules import attention_layers, cache_kwarg  # noqa: E402
+from replay_compile.testing.hf_models import MAMBA2_FAMILY, make_inputs  # noqa: E402
+from replay_compile.testing.tp_parity import _conv_states, _recurrent_states  # noqa: E402
+
+
+def _prefilled(batch=2, prompt=5, length=40):
+    from transformers import StaticCache
+    model = MAMBA2_FAMILY["nemotron_h"](dtype=torch.float32)
+    cache = StaticCache(config=model.config, max_cache_len=length)
+    ids = make_inputs(model, batch=batch, prompt_len=prompt, seed=0)
+    with torch.no_grad():
+        model(ids, use_cache=True, cache_position=torch.arange(prompt), **{cache_kwarg(model): cache})
+    return model, cache
+
+
+def test_fill_context_fills_the_positions_and_moves_the_write_position():
+    model, cache = _prefilled()
+    layers = attention_layers(cache)
+    assert layers
+    before = [layer.keys[:, :, :5].clone() for layer in layers]
+    bench.fill_context(cache, 5, 30)
+    for layer, kept in zip(layers, before):
+        assert torch.equal(layer.keys[:, :, :5], kept)                       # the prompt's keys stay
+        assert (layer.keys[:, :, 5:30] != 0).all() and (layer.values[:, :, 5:30] != 0).all()
+        assert (layer.keys[:, :, 30:] == 0).all()
+        count = getattr(layer, "cumulative_length", None)
+        if isinstance(count, torch.Tensor):
+            assert int(count) == 30
+    # and a decode step runs from there, writing its keys at position 30
+    tok = torch.zeros(2, 1, dtype=torch.long)
+    with torch.no_grad():
+        model(tok, use_cache=True, cache_position=torch.tensor([30]), **{cache_kwarg(model): cache})
+    assert all((layer.keys[:, :, 30] != 0).any() for layer in layers)
+
+
+def test_step_floor_counts_weights_states_and_the_filled_cache():
+    model, cache = _prefilled()
+    floor = bench.step_floor_bytes(model, cache, batch=2, filled=12)
+    kv = sum(2 * t.shape[1] * 12 * t.shape[3] * t.element_size() for layer in attention_layers(cache)
+             for t in (layer.keys, layer.values))
+    assert floor["kv"] == kv
+    assert floor["ssm"] == sum(t.numel() * t.element_size() for t in _recurrent_states(cache))
+    assert floor["conv"] == 2 * sum(t.numel() * t.element_size() for t in _conv_states(cache))
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert 0 < floor["weights"] <= params
+    assert floor["total"] == floor["weights"] + floor["ssm"] + floor["conv"] + floor["kv"]
+
+
+def test_bench_one_decodes_after_the_context():
+    model, _ = _prefilled()
+    row = bench.bench_one(model, 2, "eager", 4, 16, prompt_len=5, context=25)
+    assert row["context"] == 25 and row["floor_bytes"] > 0
