@@ -284,15 +284,60 @@ def step_floor_bytes(model, cache, batch: int, filled: int) -> dict:
     return dict(weights=weights, ssm=ssm, conv=conv, kv=kv, total=weights + ssm + conv + kv)
 
 
+# device-kernel name fragments -> what a decode step spends the time on (first match wins; Inductor names its
+# fused kernels after the ops they hold, `triton_poi_fused_clone_expand_...` for repeat_kv's copy)
+PROFILE_CATEGORIES = (
+    ("attention", ("decode_attention", "flash", "fmha", "attention", "sdpa")),
+    ("KV expand copy", ("expand", "clone", "repeat")),
+    ("SSM step", ("mamba", "delta", "replay", "readcopy", "selective", "spec_", "cursor", "zero_count", "fused_recurrent",
+                  "chunk_gated", "fold", "flush", "nvfp4")),
+    ("GEMM", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul", "splitk", "_mm_")),
+    ("copy / memset", ("copy", "memcpy", "memset", "catarray", "fill")),
+    ("conv", ("conv",)),
+    ("norms, gates, other fused", ("triton_",)),
+)
+
+
+def kernel_category(name: str) -> str:
+    low = name.lower().replace("_to_copy", "")           # Inductor's name for a dtype cast, not a copy
+    for cat, parts in PROFILE_CATEGORIES:
+        if any(p in low for p in parts):
+            return cat
+    return "other"
+
+
+PROFILE_STEPS = 8
+
+
+def profile_steps(step: Callable, steps: int = PROFILE_STEPS) -> dict:
+    """Device milliseconds per step by :data:`PROFILE_CATEGORIES` over ``steps`` calls of ``step`` (torch.profiler,
+    CUDA activity; the step must already be warm)."""
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    out: dict = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            t = getattr(e, "device_time_total", None)
+            t = e.cuda_time_total if t is None else t
+            cat = kernel_category(e.name)
+            out[cat] = out.get(cat, 0.0) + t / 1e3 / steps
+    return out
+
+
 WARM_STEPS = 3          # steps left out of the statistics: compile, CUDA-graph warm-up, CUDA-graph recording
 
 
 def bench_one(model, batch: int, mode: str, steps: int, L: int, prompt_len: int = 16, seed: int = 0,
-              cache_len: int | None = None, context: int = 0) -> dict:
+              cache_len: int | None = None, context: int = 0, profile: bool = False) -> dict:
     """Decode ``steps`` tokens after an eager prefill; per-step times. The first compiled step is the compile.
     ``context``: decode from position ``context``, the positions after the prompt filled by :func:`fill_context`.
     ``cache_len``: the static cache's positions (default: just enough); a longer one holds unfilled positions,
-    which transformers' SDPA reads and the decode-attention rewrite skips."""
+    which transformers' SDPA reads and the decode-attention rewrite skips. ``profile`` (CUDA): also the device time
+    per step by category (:func:`profile_steps`), as ``profile`` in the result."""
     import torch
     from transformers import StaticCache
 
@@ -305,7 +350,7 @@ def bench_one(model, batch: int, mode: str, steps: int, L: int, prompt_len: int 
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, model.config.vocab_size, (batch, prompt_len), generator=gen).to(device)
     start = max(context, prompt_len)
-    need = start + steps + 2
+    need = start + steps + 2 + (PROFILE_STEPS if profile else 0)
     if cache_len is not None and cache_len < need:
         raise SystemExit(f"replay-compile bench: a cache of {cache_len} positions is too short for a {prompt_len}-token "
                          f"prompt and {steps} steps ({need})")
@@ -335,6 +380,16 @@ def bench_one(model, batch: int, mode: str, steps: int, L: int, prompt_len: int 
                 torch.cuda.reset_peak_memory_stats()
         if timer.cuda:
             steady = torch.cuda.max_memory_allocated() / 2**30
+        breakdown = {}
+        if profile and timer.cuda:
+            at = [start + steps + 1]
+
+            def one():
+                nonlocal tok
+                out = forward(tok, use_cache=True, cache_position=torch.tensor([at[0]], device=device), **{ck: cache})
+                tok = out.logits[:, -1:].argmax(-1)
+                at[0] += 1
+            breakdown = profile_steps(one, PROFILE_STEPS)
         rs.flush(cache)
     # step 0 compiles (or warms up eager); under mode="reduce-overhead" CUDA-graph trees run step 1 as a warm-up and
     # record the graph in step 2: none of them is a decode step a server would see (with them in, the mean of a
@@ -352,7 +407,7 @@ def bench_one(model, batch: int, mode: str, steps: int, L: int, prompt_len: int 
                 tokens_per_s=batch / mean, first_step_s=first,
                 peak_mem_gib=max(compile_peak / 2**30, steady) if timer.cuda else float("nan"),
                 steady_mem_gib=steady,
-                rewrites=rewrites, context=start, floor_bytes=floor["total"])
+                rewrites=rewrites, context=start, floor_bytes=floor["total"], profile=breakdown)
 
 
 def parity(model, batch: int, steps: int, L: int, mode: str = "replayssm-ro", prompt_len: int = 16,
@@ -478,7 +533,7 @@ def merge_rounds(runs: list[dict]) -> dict:
 
 
 def run(models, batches, modes, steps, L, device, dtype_name, layers, out_dir, progress=True, tp: int = 1,
-        rounds: int = 1, context: int = 0) -> list[dict]:
+        rounds: int = 1, context: int = 0, profile: bool = False) -> list[dict]:
     """Every (model, batch, mode) point; rows written as they come. Under ``tp`` > 1 (torchrun), every rank runs
     every point on its shard and rank 0 writes (its own timings: the ranks meet at every all-reduce anyway).
     ``rounds`` > 1: each (model, batch) runs its modes that many times in alternating order (:func:`round_orders`)
@@ -499,7 +554,7 @@ def run(models, batches, modes, steps, L, device, dtype_name, layers, out_dir, p
                 for mode in order:
                     bar.next(f"{name} bs={bs} {mode}")
                     try:
-                        runs[mode].append(bench_one(model, bs, mode, steps, L, context=context))
+                        runs[mode].append(bench_one(model, bs, mode, steps, L, context=context, profile=profile))
                         if env_flag("REPLAY_COMPILE_BENCH_COMPILE_TIMES", False):   # where compile time went
                             print(f"compile times, {name} bs={bs} {mode}:\n{torch._dynamo.utils.compile_times()}",
                                   file=sys.stderr)
@@ -566,12 +621,35 @@ def run_banner() -> str:
             f"PDL: {os.environ.get('REPLAY_COMPILE_PDL', '1')}")
 
 
+def _write_profile(rows, out_dir, quiet: bool) -> None:
+    """``profile.csv`` and a table: device ms per step by category, per (model, batch, mode)."""
+    prof = [r for r in rows if r.get("profile")]
+    if not prof:
+        return
+    cats = [c for c, _ in PROFILE_CATEGORIES] + ["other"]
+    cats = [c for c in cats if any(c in r["profile"] for r in prof)]
+    with open(os.path.join(out_dir, "profile.csv"), "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["model", "batch", "context", "mode", "step_ms", "device_ms"] + cats)
+        for r in prof:
+            w.writerow([r["model"], r["batch"], r.get("context"), r["mode"], r["step_ms"],
+                        sum(r["profile"].values())] + [r["profile"].get(c, 0.0) for c in cats])
+    if quiet:
+        return
+    print("device ms per step by category (torch.profiler):")
+    print(f"{'model':22} {'bs':>4} {'mode':14} {'device':>8} " + " ".join(f"{c[:14]:>14}" for c in cats))
+    for r in prof:
+        print(f"{r['model'][:22]:22} {r['batch']:4d} {r['mode'][:14]:14} {sum(r['profile'].values()):8.3f} "
+              + " ".join(f"{r['profile'].get(c, 0.0):14.3f}" for c in cats))
+
+
 def _write(rows, out_dir, quiet=False):
     if not rows:
         return
     _speedups(rows)
+    _write_profile(rows, out_dir, quiet)
     with open(os.path.join(out_dir, "bench.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w = csv.DictWriter(f, fieldnames=[k for k in rows[0] if k != "profile"], extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
     lines = ["| model (layers, TP) | batch | context | mode | step ms | floor ms | % of floor | non-flush ms | flush ms | "

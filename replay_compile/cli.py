@@ -170,9 +170,9 @@ def _bench(args) -> int:
     if args.rounds < 1:
         raise SystemExit("replay-compile bench: --rounds must be >= 1")
     if args.gpus > 1 or args.time_limit or args.cold_compile:
-        if args.tp > 1 or args.check:
+        if args.tp > 1 or args.check or args.profile:
             raise SystemExit("replay-compile bench: --gpus / --time-limit / --cold-compile spread independent points "
-                             "over worker processes; they do not combine with --tp or --check")
+                             "over worker processes; they do not combine with --tp, --check or --profile")
         from .bench_parallel import run_parallel
         # cold: each round is a process of its own (a second round in one process would compile warm)
         worker_rounds = 1 if args.cold_compile else args.rounds
@@ -188,7 +188,7 @@ def _bench(args) -> int:
         print(f"wrote {os.path.join(args.out, 'bench.csv')} and bench.md ({len(rows)} rows from {args.gpus} workers)")
         return 0 if rows and not failures else 1
     rows = bench.run(models, batches, modes, args.steps, args.buffer_len, args.device, args.dtype, args.layers,
-                     args.out, tp=args.tp, rounds=args.rounds, context=context)
+                     args.out, tp=args.tp, rounds=args.rounds, context=context, profile=args.profile)
     if lead:
         print(f"wrote {os.path.join(args.out, 'bench.csv')} and bench.md ({len(rows)} rows)")
     return 0 if rows else 1
@@ -287,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--device", default="cuda" if _cuda_available() else "cpu")
     b.add_argument("--threads", type=int, default=None)
     b.add_argument("--out", default="bench-results")
+    b.add_argument("--profile", action="store_true",
+                   help="also profile 8 steps per point (CUDA): device time per step by category (attention, KV "
+                        "expand copy, SSM step, GEMM, ...), printed and written to profile.csv")
     b.add_argument("--check", type=int, default=0, metavar="TOKENS",
                    help="instead of timing: greedy-decode TOKENS tokens eager and compiled (the last of --modes, "
                         "default replayssm-ro on CUDA) in lockstep and compare tokens and logits; exit 1 if an fp32 "

@@ -59,3 +59,27 @@ def test_bench_one_decodes_after_the_context():
     model, _ = _prefilled()
     row = bench.bench_one(model, 2, "eager", 4, 16, prompt_len=5, context=25)
     assert row["context"] == 25 and row["floor_bytes"] > 0
+
+
+@pytest.mark.parametrize("name, category", [
+    ("_decode_attention_split", "attention"),
+    ("pytorch_flash::flash_fwd_kernel", "attention"),
+    ("triton_poi_fused_clone_expand_5", "KV expand copy"),
+    ("_mamba2_replay_whole_kernel", "SSM step"),
+    ("_delta_replay_step_kernel", "SSM step"),
+    ("nvjet_tst_128x64_64x4_1x2_h_bz_coopB_TNT", "GEMM"),
+    ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_3", "norms, gates, other fused"),
+    ("void at::native::elementwise_kernel<128, 4, direct_copy_kernel_cuda>", "copy / memset"),
+    ("triton_per_fused_silu_mul_9", "norms, gates, other fused"),
+])
+def test_profile_categories(name, category):
+    assert bench.kernel_category(name) == category
+
+
+def test_profile_table_and_csv(tmp_path, capsys):
+    rows = [dict(model="m", batch=2, context=8, mode="replayssm-ro", step_ms=1.0,
+                 profile={"attention": 0.25, "GEMM": 0.5})]
+    bench._write_profile(rows, str(tmp_path), quiet=False)
+    text = (tmp_path / "profile.csv").read_text().splitlines()
+    assert text[0] == "model,batch,context,mode,step_ms,device_ms,attention,GEMM" and text[1].endswith(",0.25,0.5")
+    assert "0.750" in capsys.readouterr().out

@@ -30,7 +30,7 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, ws_m, ws_l, ws_acc,
+def _decode_attention_split(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, ws_m, ws_l, ws_acc,
                   KV, S, G, DK, DV, tiles_per_split, scale_log2,
                   sq_b, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sm_b, so_b, so_h,
                   G_PAD: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -94,7 +94,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, ws_m, ws_l, ws_acc,
 
 
 @triton.jit
-def _combine_kernel(out_ptr, ws_m, ws_l, ws_acc, KV, G, DV, so_b, so_h,
+def _decode_attention_combine(out_ptr, ws_m, ws_l, ws_acc, KV, G, DV, so_b, so_h,
                     G_PAD: tl.constexpr, DV_PAD: tl.constexpr, N_SPLIT: tl.constexpr):
     pair = tl.program_id(0)
     row = pair // KV
@@ -163,14 +163,14 @@ def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     # float32 inputs: IEEE dots (TF32 would round the scores to 10 bits). Under the interpreter every dot is an
     # IEEE float32 one: its bfloat16 dot returns garbage (triton 3.9)
     ieee = q.dtype == torch.float32 or interpreting()
-    launch(_split_kernel)[(b * KV, n_split)](
+    launch(_decode_attention_split)[(b * KV, n_split)](
            q, k, v, mask_t, out, ws_m, ws_l, ws_acc, KV, S, G, dk, dv, per, scale * _LOG2E,
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
            mask_t.stride(0) if mask_t.shape[0] > 1 else 0, out.stride(0), out.stride(1),
            G_PAD=G_PAD, DK_PAD=DK_PAD, DV_PAD=DV_PAD, BLOCK_S=block, FLOAT_MASK=float_mask, N_SPLIT=n_split,
            IEEE=ieee, num_warps=4)
     if n_split > 1:
-        launch(_combine_kernel)[(b * KV,)](out, ws_m, ws_l, ws_acc, KV, G, dv, out.stride(0), out.stride(1),
+        launch(_decode_attention_combine)[(b * KV,)](out, ws_m, ws_l, ws_acc, KV, G, dv, out.stride(0), out.stride(1),
                G_PAD=G_PAD, DV_PAD=DV_PAD, N_SPLIT=n_split, num_warps=4)
     return out
 
