@@ -6,7 +6,7 @@ nothing of it), then decode steps through ``forward`` compiled as the mode says:
 * ``eager``                  the model as written
 * ``inductor``, ``inductor-ro``     plain ``torch.compile`` (default / ``mode="reduce-overhead"``)
 * ``replayssm``, ``replayssm-ro``   ``backend="replayssm"`` (default / ``mode="reduce-overhead"``); a suffix
-  ``:<fmt>`` (``replayssm-ro:fp8_e4m3``) adds ``read_copy=<fmt>`` (issue 7)
+  ``:<fmt>`` (``replayssm-ro:fp8_e4m3``) adds ``read_copy=<fmt>``
 
 Each decode step is timed with CUDA events on GPUs (wall clock on CPU). Steps are labelled flush / non-flush by
 their position (the cursor is 0 after the prefill, so step ``t`` flushes when ``t % L == L - 1``). Reported:
