@@ -11,7 +11,7 @@ directories, so each mode's first step is a cold compile (in one process the mod
 whichever compiles first pays for both: compile-time ratios then depend on the run order). With ``--rounds R`` each
 (model, batch) runs its modes R times that way, in alternating order, and reports the mean of the R cold first steps
 (and of the step times): one cold compile of plain torch.compile ranged 12.5-20.3 s on the H200's host across
-sessions 14-16, so a compile-time ratio from one sample each says little.
+separate runs, so a compile-time ratio from one sample each says little.
 """
 
 from __future__ import annotations

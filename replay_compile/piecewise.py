@@ -1,4 +1,4 @@
-"""Piecewise lowering (issue 8): compile the pure regions of a rewritten graph, run its stateful ops in PyTorch.
+"""Piecewise lowering: compile the pure regions of a rewritten graph, run its stateful ops in PyTorch.
 
 Torch-TensorRT's ``torch.compile`` backend refuses graphs that mutate their inputs and then runs the whole graph
 eagerly, and TensorRT plugins cannot mutate their inputs; a decode step mutates the cache (attention KV writes, conv

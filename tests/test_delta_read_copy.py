@@ -1,4 +1,4 @@
-"""Delta-rule (GDN / KDA) read copy (issue 7): non-flush steps read a low-precision copy; every flush re-runs the
+"""Delta-rule (GDN / KDA) read copy: non-flush steps read a low-precision copy; every flush re-runs the
 exact recurrence from the fp32 checkpoint over the raw values, so the checkpoint after a flush is the exact state
 whatever the copy holds (even a copy of zeros), while outputs carry the copy's rounding. Against the fp64 oracle,
 random schedules (padding, desynchronised cursors), GDN and KDA; then unmodified transformers GDN / KDA models."""

@@ -20,8 +20,8 @@ from replay_compile.testing.strategies import (  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 KEYS = ("q", "k", "v", "g", "beta")
-# the one-launch kernel and the split launches (defaults: 32-wide slices), the split launches' session-3
-# configuration (16-wide slices on 1 warp, the window launch on 4 warps), 64-wide slices, the fused kernel on
+# the one-launch kernel and the split launches (defaults: 32-wide slices), the split launches on 16-wide slices
+# on 1 warp with the window launch on 4 warps, 64-wide slices, the fused kernel on
 # 16-wide slices, the split launches with the record-by-record window launch (KDA's default) and 3 flush stages,
 # with the tile-form window launch (GDN's default) and the plain flush loop, and both window forms without the L2
 # eviction hint on launch 1's scratch

@@ -82,7 +82,7 @@ CASES = [
 ]
 # The read-copy step ops stay opaque: their kernels take the fp8 / nvfp4 storage through dtype views
 # (mamba2_readcopy_triton._copy_args), and a mutation through a view of another dtype is not re-inplaced: traced,
-# the step copied the whole read copy out and back every step (measured on the H200, session 11).
+# the step copied the whole read copy out and back every step (measured on the H200).
 INLINED = [c for c in CASES if c[2] is None]
 OPAQUE = [c for c in CASES if c[2] is not None]
 
@@ -204,9 +204,10 @@ def test_opaque_op_when_inlining_is_off_and_for_read_copies(case, monkeypatch):
 def test_inlined_step_makes_no_copy_of_the_checkpoint(geom, strided_decay, monkeypatch):
     """A large checkpoint (bandwidth variants, inlined on request): the compiled step's peak memory stays far below
     one more checkpoint, and torch analysed every kernel's mutations (a failed analysis clones what it cannot
-    re-inplace). Session 11 saw ~1.9 GiB more at Nemotron-Nano dims bs256 with every variant inlined: HF's log-decay
-    reaches the op as a strided view of a state-sized broadcast, and the launches' strides made Inductor allocate a
-    state-sized buffer for it per launch (``strided_decay`` builds the decay that way inside the compiled step)."""
+    re-inplace). HF's log-decay reaches the op as a strided view of a state-sized broadcast; passed to the launches
+    as it is, its strides made Inductor allocate a state-sized buffer for it per launch: ~1.9 GiB more at
+    Nemotron-Nano dims bs256 with every variant inlined (H200). ``strided_decay`` builds the decay that way inside
+    the compiled step."""
     monkeypatch.setenv("REPLAY_COMPILE_INLINE_KERNELS", "all")
     torch._dynamo.reset()
     persist, seq, step0 = _case(geom, None)

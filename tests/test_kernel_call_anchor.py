@@ -1,4 +1,4 @@
-"""The second Mamba-2 anchor (issue 3): a decode step that launches mamba_ssm's state-update Triton kernel.
+"""The second Mamba-2 anchor: a decode step that launches mamba_ssm's state-update Triton kernel.
 
 mamba_ssm is not a test dependency and a Triton kernel cannot be compiled without a GPU, so on CPU a stand-in
 kernel with mamba_ssm's kernel name and parameter list (its body is ours: the ``TIE_HDIM`` decode step) is launched
@@ -147,7 +147,7 @@ def triton_visible_to_dynamo(monkeypatch):
 
     These stand-in tests launch the kernel on CPU tensors, which needs Triton's interpreter from import time
     (conftest sets ``TRITON_INTERPRET=1`` only where there is no GPU); on a GPU machine the real-kernel test below
-    covers the anchor instead (all three failed there on CPU tensors, session 8)."""
+    covers the anchor instead (all three fail there on CPU tensors)."""
     if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU stand-in of the kernel; on a GPU test_real_mamba_ssm_kernel_on_gpu runs the real kernel")
     import torch.utils._triton as ut

@@ -1,4 +1,4 @@
-"""Mamba-2 ReplaySSM step with a low-precision read copy (issue 7): the Triton kernel against its reference, the
+"""Mamba-2 ReplaySSM step with a low-precision read copy: the Triton kernel against its reference, the
 reference against ``replay_step_reference``.
 
 * The kernel's decode helpers reproduce ``FORMATS[fmt].decode`` bit for bit, and its flush encoders
@@ -211,8 +211,9 @@ def _clone_all(state, copy, rings):
 # pre with the record-by-record flush and byte-wise nvfp4 decode, pre with the hardware fp32 -> e4m3 rounding
 # (compiled only: the same as pre under the interpreter) and a 4-warp nvfp4 encode launch, the copy pass on 32-row
 # tiles with the byte decode, the window from the window launch (win_cb=0), nvfp4's flush by the read-copy body
-# with the word encode, the session-12 defaults, the amax reduced per slice with one encode program per SM and
-# 1-warp folds, and the fused kernel
+# with the word encode, pre with nvfp4 words decoded one code at a time, nvfp4's flush by the read-copy body with
+# the byte encode and the window from the window launch, the amax reduced per slice with one encode program per SM
+# and 1-warp folds, and the fused kernel
 STEP_VARIANTS = ["pre", "pre:flush_programs=1,", "pre:flush_list=0,", "pre:FLUSH_P=32,flush_warps=4,flush_dot=1,",
                  "pre:flush_list=0,FLUSH_P=32,flush_warps=2,flush_dot=1,", "pre:nvfp4_words=0,flush_dot=0,",
                  "pre:hw_e4m3=1,enc_warps=4,APPLY_P=32,", "pre:APPLY_P=32,nvfp4_words=0,", "pre:win_cb=0,",

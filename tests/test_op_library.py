@@ -132,7 +132,7 @@ def test_launch_wraps_only_while_tracing(monkeypatch):
 
 def test_interpreted_launches_pass_every_parameter(monkeypatch):
     """Under the interpreter a launch that leaves a kernel parameter to its default fails, naming it: inside a
-    compiled graph ``wrap_triton`` applies no defaults (session 13: the inlined step broke on the GPU only)."""
+    compiled graph ``wrap_triton`` applies no defaults (the inlined step then breaks on the GPU only)."""
     from replay_compile.kernels.launch import launch
 
     class Kernel:

@@ -1,4 +1,4 @@
-"""Piecewise lowering (issue 8): the rewritten graph split at mutating nodes, pure pieces compiled by Inductor on
+"""Piecewise lowering: the rewritten graph split at mutating nodes, pure pieces compiled by Inductor on
 CPU, stateful ops eager; same outputs as the whole-graph path on hybrid models. The Torch-TensorRT per-piece
 compiler runs where torch_tensorrt imports and is skipped with the reason elsewhere; its missing-library error is
 tested here."""

@@ -1,4 +1,4 @@
-"""Read copies of the checkpoint (issue 7), reference level: ordinary verifies read their outputs' checkpoint term
+"""Read copies of the checkpoint, reference level: ordinary verifies read their outputs' checkpoint term
 from the copy, flushes fold the fp32 checkpoint (never the copy) and rewrite the copy; and the drift experiment
 (benchmarks/drift.py) on a short run: the exact control drifts not at all, a bf16 read copy drifts far less than a
 bf16-stored state."""

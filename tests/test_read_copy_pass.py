@@ -1,4 +1,4 @@
-"""The read copy wired in (issue 7): ``options={"read_copy": fmt}`` on unmodified transformers Mamba-2 models.
+"""The read copy wired in: ``options={"read_copy": fmt}`` on unmodified transformers Mamba-2 models.
 
 Non-flush steps read a low-precision copy of the checkpoint, so outputs carry the copy's rounding; the recurrence
 never sees it, so after a flush the cache holds the *exact* state, whatever the format. Checked here step by step

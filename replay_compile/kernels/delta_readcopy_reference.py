@@ -1,4 +1,4 @@
-"""Reference of the delta-rule (GDN / KDA) replay step with a low-precision *read copy* of the checkpoint (issue 7).
+"""Reference of the delta-rule (GDN / KDA) replay step with a low-precision *read copy* of the checkpoint.
 
 As for Mamba-2 (:mod:`.mamba2_readcopy_reference`), non-flush steps take the checkpoint term from a copy in a storage
 format of :mod:`replay_compile.quant.formats` and never read the fp32 checkpoint; flushes rewrite the copy from the new

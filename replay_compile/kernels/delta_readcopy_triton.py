@@ -1,4 +1,4 @@
-"""Triton kernels of the delta-rule (GDN / KDA) replay step with a low-precision read copy (issue 7).
+"""Triton kernels of the delta-rule (GDN / KDA) replay step with a low-precision read copy.
 
 Same signature and in-place contract as
 :func:`~replay_compile.kernels.delta_readcopy_reference.delta_replay_step_readcopy_reference`. Launches, all routed on
@@ -262,23 +262,23 @@ def _flush_encode_rows_list_kernel(
 
 @memo_unless_tuned(TUNING)
 def launch_config(K: int, V: int, L: int) -> dict:
-    """``BLOCK_V`` 32 and 1 warp (H200, session 8), ``BLOCK_R`` rows per encode program."""
+    """``BLOCK_V`` 32 and 1 warp (H200), ``BLOCK_R`` rows per encode program."""
     return dict(BLOCK_K=max(16, next_pow2(K)), BLOCK_L=max(16, next_pow2(L)),
-                # 32 columns on 1 warp (H200 session 8, Qwen3.5-4B bs256 fp8: the apply launch 177 -> 140 µs on
+                # 32 columns on 1 warp (H200, Qwen3.5-4B bs256 fp8: the apply launch 177 -> 140 µs on
                 # non-flush steps, 1179 -> 1059 on the flush; 32 on 2 warps lost: 239 / 1485)
                 BLOCK_V=TUNING.get("BLOCK_V") or (32 if V > 16 else 16), num_warps=TUNING.get("num_warps") or 1,
-                # the window launch on 1 warp (the exact step's H200 choice, session 8; was 4 for a [16, 128] window)
+                # the window launch on 1 warp (the exact step's H200 choice: 1 warp beat 4 on its [16, 128] tiles)
                 window_warps=TUNING.get("window_warps") or 1,
                 BLOCK_R=TUNING.get("BLOCK_R") or 16, BLOCK_VF=max(16, next_pow2(V)),
-                # listed flush rows for the encode launches (session 8, H200 bs256: the encode launch 40.5 -> 3.7 us
-                # on non-flush steps, 170 -> 200 us on the flush step). 0: full grid every step
+                # listed flush rows for the encode launches (H200 bs256: the encode launch 40.5 -> 3.7 us on
+                # non-flush steps, 170 -> 200 us on the flush step). 0: full grid every step
                 flush_list=bool(TUNING.get("flush_list", 1)), flush_programs=TUNING.get("flush_programs"),
-                # the flush's record loop pipelined 4 deep (H200 session 9, bs256 fp8: the flush apply 1061 -> 696 µs
+                # the flush's record loop pipelined 4 deep (H200, bs256 fp8: the flush apply 1061 -> 696 µs
                 # for GDN, 1185 -> 752 for KDA; 2 stages: 703 / 758). 0: a plain loop
                 flush_stages=TUNING.get("flush_stages", 4),
                 # fp8 encode by the hardware conversion (compiled sm_89+ only; mamba2_readcopy_triton._e4m3_byte).
-                # H200 session 10, bs256 fp8: the flush's encode launch 200.5 -> 180.7 µs (GDN), 200.4 -> 181.2 (KDA)
-                # (loading the copy slice before the cursor branch was tried and removed: H200 session 10, GDN apply
+                # H200, bs256 fp8: the flush's encode launch 200.5 -> 180.7 µs (GDN), 200.4 -> 181.2 (KDA)
+                # (loading the copy slice before the cursor branch was tried and removed, same conditions: GDN apply
                 # 136.9 -> 136.0 µs, KDA 143.2 -> 146.9, KDA flush apply 751 -> 814)
                 hw_e4m3=bool(TUNING.get("hw_e4m3", 1)))
 

@@ -51,7 +51,7 @@ def delta_spec_verify_reference(state, d_ring, k_ring, g_ring, w, origin, is_flu
         state: [S, HV, K, V]; d_ring [S, HV, buf, V]; k_ring [S, Hk, buf, K]; g_ring [S, HV, buf(, K)];
             w, origin [S] int32; is_flush [S] bool (not changed here).
         q, k: [b, T, Hk, K]; v: [b, T, HV, V]; g: [b, T, HV] or [b, T, HV, K]; beta: [b, T, HV].
-        read_state: optional [S, HV, K, V] low-precision *read copy* of the checkpoint (issue 7, held decoded):
+        read_state: optional [S, HV, K, V] low-precision *read copy* of the checkpoint (held decoded):
             ordinary rows compute their outputs (and the corrected values they store, used for outputs only)
             from it. The delta rule's corrected values depend on the state, so to keep the copy's rounding out of
             the recurrence the raw inputs are kept too (``v_ring`` [S, HV, buf, V], ``beta_ring`` [S, HV, buf]) and

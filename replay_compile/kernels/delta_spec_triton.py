@@ -266,9 +266,9 @@ def delta_spec_verify_triton(state, d_ring, k_ring, g_ring, w, origin, is_flush,
     if b == 0 or T == 0:
         return o
     block_k = max(16, next_pow2(K))
-    # from batch 64 up, 32 columns on 1 warp and the window launch on 1 warp (H200 session 8, Qwen3.5-4B bs256:
+    # from batch 64 up, 32 columns on 1 warp and the window launch on 1 warp (H200, Qwen3.5-4B bs256:
     # 492 -> 450 µs, 1.74x -> 1.91x over per-draft snapshots; 32 columns on 2 warps lost: 596 µs); smaller batches
-    # keep session 5's 16 columns and 4 window warps
+    # keep 16 columns and 4 window warps
     big = b >= 64
     block_v = TUNING.get("BLOCK_V") or (32 if big and V > 16 else 16)
     block_w, block_t = max(16, buf), next_pow2(T)

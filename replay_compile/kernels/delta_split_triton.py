@@ -7,27 +7,26 @@ the device from the cursor (one captured CUDA graph serves every step):
 2. :func:`_delta_apply_kernel`, grid ``(cdiv(V, BLOCK_V), b, HV)``: streams ``K x BLOCK_V`` checkpoint slices (32
    wide, 2 warps), writes ``o``, appends the records of non-flush rows and folds flush rows.
 
-Measured on the H200 (session 8, ``benchmarks/NOTES.md``; bs256 fp32, L-avg vs fla): the window launch on 1 warp
-instead of 4 (its ``[16, 128]`` tiles; GDN window 24 -> 16 µs, KDA 91 -> 54) and 32-wide slices instead of 16 (the
-checkpoint stream 182 -> ~150 µs) took GDN from 1.61x to 1.94x and KDA from 0.92x to 1.20x. Tried and dropped: a
-launch of its own walking listed flush rows with one ``tl.dot`` (flush 986 µs vs 570, and the early return it needs
-in launch 2 delayed the slice load: +13 µs per non-flush step), the window's ring loads issued before the cursor, the
-``d`` window loaded before ``w``, the flush's L outer products unrolled (all within noise or worse). Session 9
-defaults: KDA's launch 1 record by record (``window_rows``, :func:`_delta_window_rows_kernel`: 46 -> 22 µs; GDN keeps
-the tile form, 16 vs 17 µs) and the flush's record loop software-pipelined 4 deep (``flush_stages``,
-``tl.range(num_stages=4)``: the flush apply 570 -> 445 µs for both; 0 is a plain loop). Session 14: the flush's
-``KEᵀ D`` as one ``tl.dot`` lost (IEEE: spills, 8 ms per flush step; tf32x3: flush 468 -> 534 µs and non-flush +10%,
-the dot's layout reaching the slice). Session 15: launch 1 with 2 or 4 value heads per program (one wave at bs256
-instead of two) lost too (KDA non-flush 171.2 -> 173.8-175.1 µs, GDN 162.6 -> 164.3-164.4), removed; so did a
-deeper flush record pipeline (``flush_stages=8|16``: flush 468 -> 483 µs GDN, 485 -> 501 KDA). Session 21: the
-window computed inside launch 2 instead (each slice program repeating it in 4-16-record chunks while or before its
-slice loads; launch 1 only snapshotting the cursor and scaling a flush's keys): KDA bs256 non-flush 165 -> 229-321
-µs, GDN 159 -> 203-248, removed; the flush fold on the tensor cores (Gluon ``mma_v2``, the slice in the accumulator
-layout) moved a flush-only pass by 0.7-5% (``benchmarks/diag_delta_gluon.py``): the fold is bound by its loads'
-latency, not its FMAs. Session 22: launch 1's scratch stored ``evict_last`` (KDA bs256 L-avg -3.7 to -3.9 µs, GDN -3
-µs) and the flush's record loop 5 stages deep instead of 4 (flush step -8 to -23 µs at bs 256-512), both defaults;
-the rows in 2-8 chunks whose window launches overlap the previous chunk's pass on CUDA streams lost at every point
-(KDA bs256 +7 to +49 µs: the step is bound by its total bytes, not by the window's latency).
+Measured on the H200 (``benchmarks/NOTES.md``; bs256 fp32, L-avg vs fla): the window launch on 1 warp instead of 4
+(its ``[16, 128]`` tiles; GDN window 24 -> 16 µs, KDA 91 -> 54) and 32-wide slices instead of 16 (the checkpoint
+stream 182 -> ~150 µs) took GDN from 1.61x to 1.94x and KDA from 0.92x to 1.20x. The other defaults: KDA's launch 1
+record by record (``window_rows``, :func:`_delta_window_rows_kernel`: 46 -> 22 µs; GDN keeps the tile form, 16 vs 17
+µs); the flush's record loop software-pipelined (``flush_stages``, ``tl.range(num_stages=...)``; 0 is a plain loop):
+4 deep took the flush apply 570 -> 445 µs for both, 5 deep instead of 4 the flush step -8 to -23 µs at bs 256-512;
+launch 1's scratch stored ``evict_last`` (KDA bs256 L-avg -3.7 to -3.9 µs, GDN -3 µs). Tried and dropped: a launch
+of its own walking listed flush rows with one ``tl.dot`` (flush 986 µs vs 570, and the early return it needs in
+launch 2 delayed the slice load: +13 µs per non-flush step), the window's ring loads issued before the cursor, the
+``d`` window loaded before ``w``, the flush's L outer products unrolled (all within noise or worse); the flush's
+``KEᵀ D`` as one ``tl.dot`` (IEEE: spills, 8 ms per flush step; tf32x3: flush 468 -> 534 µs and non-flush +10%, the
+dot's layout reaching the slice); launch 1 with 2 or 4 value heads per program (one wave at bs256 instead of two: KDA
+non-flush 171.2 -> 173.8-175.1 µs, GDN 162.6 -> 164.3-164.4); a deeper flush record pipeline than 4
+(``flush_stages=8|16``: flush 468 -> 483 µs GDN, 485 -> 501 KDA); the window computed inside launch 2 instead (each
+slice program repeating it in 4-16-record chunks while or before its slice loads; launch 1 only snapshotting the
+cursor and scaling a flush's keys: KDA bs256 non-flush 165 -> 229-321 µs, GDN 159 -> 203-248); the rows in 2-8
+chunks whose window launches overlap the previous chunk's pass on CUDA streams, which lost at every point (KDA bs256
++7 to +49 µs: the step is bound by its total bytes, not by the window's latency). The flush fold on the tensor cores
+(Gluon ``mma_v2``, the slice in the accumulator layout) moved a flush-only pass by 0.7-5%
+(``benchmarks/diag_delta_gluon.py``): the fold is bound by its loads' latency, not its FMAs.
 """
 
 from __future__ import annotations

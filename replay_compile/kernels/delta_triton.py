@@ -158,7 +158,7 @@ TUNING: dict = {}
 # The split step's last compiled checkpoint-pass kernel (tests check its launch options; benchmarks its registers).
 LAST_LAUNCH: dict = {}
 
-# Rows x value heads above which the split variant runs (H200 session 8, HV = 32: fused wins at bs1 (GDN 3.9 vs 5.8
+# Rows x value heads above which the split variant runs (H200, HV = 32: fused wins at bs1 (GDN 3.9 vs 5.8
 # µs, KDA 5.3 vs 9.2), split at bs8 (GDN 12.0 vs 14.5, KDA 15.5 vs 24.8); per-row growth puts the crossover near
 # bs2-4).
 FUSED_MAX_ROW_HEADS = 64
@@ -189,29 +189,29 @@ def launch_config(b: int, HV: int, K: int, V: int, L: int, kda: bool = False) ->
         # 16-wide slices on 1-4 warps, 6.5-8.8 µs at bs1)
         warps = TUNING.get("num_warps") or max(1, min(8, max(block_k * block_v, block_l * block_k) // (32 * 32)))
     elif variant == "split":
-        # H200 session 8: 32-wide slices on 2 warps (16 on 1 warp: GDN bs256 non-flush 206 -> 168 µs), the window
+        # H200: 32-wide slices on 2 warps (16 on 1 warp: GDN bs256 non-flush 206 -> 168 µs), the window
         # launch on 1 warp (4: GDN window 24 -> 16 µs, KDA 91 -> 54)
         block_v = TUNING.get("BLOCK_V") or (32 if V > 16 else 16)
         warps = TUNING.get("num_warps") or (2 if block_v >= 32 else 1)
         extra = dict(window_warps=TUNING.get("window_warps") or 1,
-                     # H200 session 9, bs256 fp32: KDA's launch 1 record by record (window 46 -> 22 µs, L-avg 1.24 ->
-                     # 1.38x of fla; GDN's window 16 -> 17 µs, so GDN keeps the tile form), and the flush's record
-                     # loop pipelined (4 deep: flush apply 570 -> 445 µs, both; 2 stages: 563). 5 deep since session
-                     # 22 (launch 1's scaled keys now come from L2): flush step -8 to -23 µs at bs 256-512 for KDA
+                     # H200, bs256 fp32: KDA's launch 1 record by record (window 46 -> 22 µs, L-avg 1.24 -> 1.38x
+                     # of fla; GDN's window 16 -> 17 µs, so GDN keeps the tile form), and the flush's record loop
+                     # pipelined (4 deep: flush apply 570 -> 445 µs, both; 2 stages: 563). 5 deep with launch 1's
+                     # scaled keys read from L2 (scratch_evict below): flush step -8 to -23 µs at bs 256-512 for KDA
                      # and GDN, equal at bs128, two rounds in one call (KDA bs256 L-avg 178.7 -> 178.2 µs)
                      window_rows=bool(TUNING.get("window_rows", kda)), flush_stages=TUNING.get("flush_stages", 5),
                      # from 8192 rows x value heads the checkpoint pass is capped at 128 registers per thread
-                     # (``maxnreg=0``: uncapped, 161 with triton 3.6). H200 session 18, fp32, same calls, KDA / GDN:
+                     # (``maxnreg=0``: uncapped, 161 with triton 3.6). H200, fp32, same calls, KDA / GDN:
                      # flush step at bs256 485.6 -> 457.8 / 468.9 -> 433.8 µs, L-avg 1.40 -> 1.42x / 2.00 -> 2.02x,
                      # bs512 1.52 -> 1.56x / 1.99 -> 2.04x; at bs 8-128 equal or up to 2.2% slower (non-flush steps
                      # +0.3-1 µs); 96 registers lost 30% and more (spills)
                      maxnreg=TUNING.get("maxnreg", 128 if b * HV >= CAPPED_MIN_ROW_HEADS else 0),
-                     # pdl=1: launch 2 as launch 1's programmatic dependent (launch.pdl_on). Off: H200 session 12,
+                     # pdl=1: launch 2 as launch 1's programmatic dependent (launch.pdl_on). Off: H200,
                      # fp32, non-flush bs256 GDN-4B 169.7 -> 173.2 µs, KDA 175.5 -> 183.3 (presumably its waiting
                      # slices hold SM slots launch 1's last programs need); Mamba-2's pre step gains 1% with it
                      pdl=bool(TUNING.get("pdl", 0)),
                      # launch 1's scratch stored evict_last (L2), read by launch 2 after the checkpoint it streamed.
-                     # H200 session 22, fp32, two calls, vs fla in the same call: KDA bs256 L-avg 186.0 -> 182.3 /
+                     # H200, fp32, two calls, vs fla in the same call: KDA bs256 L-avg 186.0 -> 182.3 /
                      # 185.3 -> 181.4 µs (1.44 -> 1.47x), GDN-4B 178.9 -> 175.9 / 179.5 -> 176.9 (2.04 -> 2.07x); the
                      # checkpoint stream, ring records or flush stores evict_first on top: within 1 µs either way
                      scratch_evict=int(TUNING.get("scratch_evict", 1)))

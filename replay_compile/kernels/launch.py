@@ -54,8 +54,8 @@ class _AllArguments:
     """``kernel[grid](*args, **kwargs)`` that first checks every parameter of ``kernel`` is given. A kernel that
     runs inside a compiled graph is launched through ``wrap_triton``, which does not apply a parameter's default
     (its mutation analysis fails with "Incorrect number of arguments" and Inductor's launcher then misses
-    arguments: session 13's GPU inline tests); checked wherever the interpreter runs the launch code, so CPU tests
-    catch it."""
+    arguments: the GPU inline tests); checked wherever the interpreter runs the launch code, so CPU tests catch
+    it."""
 
     def __init__(self, kernel):
         self.kernel = kernel

@@ -15,10 +15,9 @@ Launches, all routed on the device from the cursor (one captured CUDA graph serv
    streams the ``BLOCK_P x N`` checkpoint tile of non-flush rows (fp32: 64 rows on 2 warps where 64 divides P,
    else 16 on 1 warp; 2-byte checkpoints: 32 rows on 1 warp), ``y = decay (S_0 C) + Σ_j cb_j x_j``, appends ``x``.
    A read-only stream of an fp32 checkpoint on the H200 reaches 97-100% of copy bandwidth; this pass alone runs
-   there (benchmarks/NOTES.md, session 7). A bf16
-   checkpoint's stream reaches 88-93% at bs128 (NOTES, session 17). (A persistent form of this pass, a fixed grid
-   looping over the tiles with loads pipelined through shared memory, lost at every point measured: NOTES
-   "Session 15".)
+   there (benchmarks/NOTES.md). A bf16 checkpoint's stream reaches 88-93% at bs128. (A persistent form of this
+   pass, a fixed grid looping over the tiles with loads pipelined through shared memory, lost at every point
+   measured.)
 3. :func:`_mamba2_flush_list_kernel`: a fixed grid (32 warps per SM) walks the listed rows' tiles with the tiled
    fold (:func:`~replay_compile.kernels.mamba2_triton._fold_tile`); a non-flush step pays ~2 µs for it.
 4. The cursor advance (``fold_advance=1``: inside launch 3).
@@ -100,7 +99,7 @@ def _mamba2_prepass_window_kernel(
 
     ``SCRATCH_EVICT`` (``"evict_last"`` with ``scratch_evict=1``, the fp32 step's default): the ``cb`` and decay
     stores are kept in L2 while the checkpoint pass streams its tiles through it (non-flush 0-1.9 µs faster at
-    bs 128-512, H200 session 23); ``""`` for the read copy's window, where it is unmeasured.
+    bs 128-512, H200); ``""`` for the read copy's window, where it is unmeasured.
     """
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -188,7 +187,7 @@ def window_heads(H: int, G: int, Gc: int, P: int, block_l: int) -> tuple[int, in
     """``(heads per program, head-axis length)`` of the window launch. The heads of a program divide both a B and a
     C group (so they share ``B_j·C``); at most 16 of them and at most 16K window elements (``axis x BLOCK_L x P``).
     By default (``win_pad=1``, TUNING) the largest such divisor, on an axis padded to the next power of two (Nano's
-    12 heads per group: one program of 12 on 16 lanes, not three of 4; H200 session 13, Nano non-flush bs128 143.0
+    12 heads per group: one program of 12 on 16 lanes, not three of 4; H200, Nano non-flush bs128 143.0
     -> 141.4 µs fp32, 84.1 -> 82.0 bf16); ``win_pad=0``: the largest power of two (no padded lanes). ``win_heads``
     forces a power-of-two count."""
     common = math.gcd(H // G, H // Gc)
@@ -268,14 +267,14 @@ def _mamba2_prepass_apply_kernel(
     PDL: tl.constexpr, ROWS_OUTER: tl.constexpr,
 ):
     """``pre`` variant, launch 2, grid ``(cdiv(P, BLOCK_P), batch, H)``: a ``BLOCK_P x N`` checkpoint tile, loaded
-    after the cursor (``EARLY_TILE``: before it; 18-20% slower at Super bf16, H200 session 17). Non-flush rows:
+    after the cursor (``EARLY_TILE``: before it; 18-20% slower at Super bf16, H200). Non-flush rows:
     ``y = decay (S_0 C) + win``; with ``ROUTE=0`` flush rows fold the window into the tile (one ``tl.dot``), write
     it, ``y = S_new C`` (``ROUTE=1``, the default: they return, the listed flush launch folds them).
 
     ``WIN_X``, where ``win`` comes from: 0, launch 1's ``win [b, H, P]``; otherwise ``Σ_j cb_j x_j`` over this
     program's slice of the x ring with launch 1's per-record weights ``cb``, the slice read as 1: the whole
     window after ``gdc_wait``, 2: the whole window before the cursor, 3 (``held_x``, the default): only the held
-    records ``j < w``, issued with the tile (non-flush 2-6% faster than 2 at bs 128-512, H200 session 17).
+    records ``j < w``, issued with the tile (non-flush 2-6% faster than 2 at bs 128-512, H200).
 
     ``PDL`` (launched as the window launch's programmatic dependent): everything up to the cursor is read while
     launch 1 may still run (launch 1 writes none of it, and it started after every earlier writer had finished);
@@ -283,10 +282,10 @@ def _mamba2_prepass_apply_kernel(
     every store but a padding row's zero output.
 
     ``ROWS_OUTER``: grid ``(n_pb, H, b)``, consecutive programs walk a row's heads in memory order (the default for
-    16-row tiles: Nano non-flush -1 to -9 µs at bs 128-512, H200 session 17; Super's whole-head tiles lost 0-3 µs).
+    16-row tiles: Nano non-flush -1 to -9 µs at bs 128-512, H200; Super's whole-head tiles lost 0-3 µs).
     (Nano's five tiles of a head streamed by one program in a pipelined loop lost: bf16 bs128 non-flush 75.6 ->
     80-91 µs; and so did this pass computing its head's window weights itself, with no launch 1: Super bf16 bs256
-    155.5 -> 229 µs, the window's loads and reductions in every program's critical path; H200 session 23.)"""
+    155.5 -> 229 µs, the window's loads and reductions in every program's critical path; H200.)"""
     pid_p = tl.program_id(0)
     if ROWS_OUTER:                                  # grid (n_pb, H, b): programs in a row's memory order
         row = tl.program_id(2).to(tl.int64)
@@ -404,10 +403,10 @@ def _mamba2_flush_list_kernel(
     """``pre`` variant, flush launch: a fixed grid (a few programs per SM) walks the ``count x H x n_pb`` flush
     tiles of the rows the window launch listed in ``work = [count, rows...]``, each folded by :func:`_fold_tile`.
     On the 15 of 16 steps where no row flushes, every program reads ``count = 0`` and exits: a ``(n_pb, b, H)`` grid
-    of programs that each read a cursor and return cost 21-45 µs per step at bs256 (H200, session 7). (No
+    of programs that each read a cursor and return cost 21-45 µs per step at bs256 (H200). (No
     defaulted parameters here or in any kernel launched inside a compiled graph: ``wrap_triton`` needs every
     argument passed.) (As the checkpoint pass's programmatic dependent, waiting for it before reading anything, the
-    flush step was 2-16% slower and a non-flush step 0-1.4 µs faster: H200 session 17, NOTES.)"""
+    flush step was 2-16% slower and a non-flush step 0-1.4 µs faster: H200, benchmarks/NOTES.md.)"""
     _walk_listed_folds(state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, cursor_ptr, x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr,
                        slot_ptr, y_ptr, work_ptr, y_ptr, H, P, N, L, heads_per_g, heads_per_gc, n_pb,
                        s_sb, s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl,
@@ -426,10 +425,10 @@ def replay_step_pre(cfg: dict, args: tuple, common: dict, has_slot: bool, slot_a
     advanced = False
     # the listed flush's row list: [count, rows...], zeroed every step. (One flag per row written by the window
     # launch instead, no memset: non-flush steps 0-1.9 µs faster at bs 128 / 256, the flush step 26-34% slower with
-    # the flags ranked per fold item and up to 29% with them ranked once per program; H200 session 16, NOTES.)
+    # the flags ranked per fold item and up to 29% with them ranked once per program; H200, benchmarks/NOTES.md.)
     # ``zero_pdl=1`` (default): only the count is zeroed, by a launch of ours whose programmatic dependent is the
     # window launch, instead of a torch.zeros of the list before it (L-avg 0.1-1.3 µs lower at all 8 points of
-    # bs 128 / 256 x Super / Nano x fp32 / bf16, H200 session 17)
+    # bs 128 / 256 x Super / Nano x fp32 / bf16, H200)
     zero_pdl = False
     if not listed:
         work = None
@@ -458,7 +457,7 @@ def replay_step_pre(cfg: dict, args: tuple, common: dict, has_slot: bool, slot_a
                   N_TILES=cdiv(N, cfg["FLUSH_N"]))
         n_fp = cdiv(P, cfg["FLUSH_P"])
         if listed:
-            # 32 warps per SM (H200 session 7: 4 programs of 2 warps per SM made Nano's flush 1.6x slower)
+            # 32 warps per SM (H200: 4 programs of 2 warps per SM made Nano's flush 1.6x slower)
             programs = fixed_grid(b * H * n_fp, cfg["flush_warps"], x.device, cfg["flush_programs_per_sm"])
             advanced = cfg["fold_advance"]
             launch(_mamba2_flush_list_kernel)[(programs,)](

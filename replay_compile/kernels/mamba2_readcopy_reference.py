@@ -1,4 +1,4 @@
-"""Reference of the Mamba-2 ReplaySSM step with a low-precision *read copy* of the checkpoint (issue 7), plain PyTorch.
+"""Reference of the Mamba-2 ReplaySSM step with a low-precision *read copy* of the checkpoint, plain PyTorch.
 
 The checkpoint ``state`` (fp32) is written only by the recurrence (the flush); at every flush the flushing slots'
 read copy is rewritten from the new checkpoint in a storage format of :mod:`replay_compile.quant.formats`

@@ -1,4 +1,4 @@
-"""Triton kernel of the Mamba-2 ReplaySSM step with a low-precision read copy (issue 7).
+"""Triton kernel of the Mamba-2 ReplaySSM step with a low-precision read copy.
 
 Same signature and in-place contract as
 :func:`~replay_compile.kernels.mamba2_readcopy_reference.replay_step_readcopy_reference`: non-flush rows compute the
@@ -47,8 +47,8 @@ aligned to them. Everything is computed in fp32.
     tensor_scale`` in fp32, the formats' order (the first product is exact). The ``pre`` variant's non-flush pass
     (where N % 8 == 0) instead reads int32 words of 8 codes whose codes become fp16 bits equal to ``e2m1 / 2^14``,
     two per ``lop3`` (:func:`_nvfp4_pairs_dot`, the default; one at a time: :func:`_nvfp4_words_dot`; per-block
-    sums on tensor cores: :func:`_nvfp4_mma_dot`): 357 -> 203 (session 9) -> 94 µs (session 13) per copy pass at
-    Super bs256 on the H200.
+    sums on tensor cores: :func:`_nvfp4_mma_dot`): per copy pass at Super bs256 on the H200, 357 µs byte by byte,
+    203 as int32 words decoded one code at a time, 94 with the pairs.
 
 * Flush programs fold the fp32 state tile (``tl.dot``, IEEE fp32), write it, read ``y`` out of the folded tile, and
   encode the copy of the value *as stored*:
@@ -65,7 +65,7 @@ aligned to them. Everything is computed in fp32.
     default (``nvfp4_fold``): the flush needs no whole rows for a per-slot scale, so the listed rows are folded by
     the fp32 step's fold on its own tiles (:func:`_nvfp4_fold_list_kernel`, one amax atomic per folded row, the
     cursor advance folded in) and encoded by the listed encode writing int32 words
-    (:func:`_nvfp4_encode_words_body`): the flush step 1817 -> 1162 µs at Super bs256 (H200, session 13).
+    (:func:`_nvfp4_encode_words_body`): the flush step 1817 -> 1162 µs at Super bs256 (H200).
 
   All encoders round in software (integer ops on the fp32 bits), the same code compiled and interpreted, and
   reproduce ``FORMATS[fmt].encode`` bit for bit: fp32 -> bf16 and fp32 -> e4m3 by round-to-nearest-even on the bit
@@ -81,11 +81,11 @@ Python globals other than ``tl.constexpr`` and jit functions inside ``@triton.ji
 No ``tl.join`` / ``tl.interleave`` / ``tl.split`` / ``tl.reshape`` either: the nvfp4 paths use 3-D tiles instead.
 
 Status: registered as the CUDA implementation of ``replay_compile::mamba2_step_rc`` (the pass inserts it with
-``read_copy``); compiled and run on the H200 in session 6 (37 tests; ``pre`` variant: bf16 2.0x, fp8 2.2-2.4x, NVFP4
-1.1x over ``selective_state_update`` at batch 256, benchmarks/NOTES.md; session 9: bf16 2.99x, fp8 2.95x, NVFP4
-2.11x). Not done: a batch threshold for the ``fused`` variant at small batches (``pre`` is 0.61x at batch 1),
-N-tiling. Portability
-notes (all held on the H200):
+``read_copy``); compiled and run on the H200 (37 tests). ``pre`` variant over ``selective_state_update`` at batch
+256 (benchmarks/NOTES.md): bf16 2.99x, fp8 2.95x, NVFP4 2.11x with the listed flush launch and the NVFP4 word decode;
+bf16 2.0x, fp8 2.2-2.4x, NVFP4 1.1x with flush rows through the fused kernel and NVFP4 read byte by byte. Not done: a
+batch threshold for the ``fused`` variant at small batches (``pre`` is 0.61x at batch 1), N-tiling. Portability notes
+(all held on the H200):
 
 * ``float8e4nv`` (bitcast from uint8, then ``.to(fp32)``) needs sm_89+ (Ada / Hopper); on sm_80 Triton refuses the
   type. Software decode would lift that if it matters.
@@ -890,25 +890,25 @@ def launch_config(P: int, N: int, L: int, fmt: str = "") -> dict:
         raise ValueError(f"replay_compile.mamba2 read copy: unknown kernel variant {variant!r} (pre, fused)")
     return dict(BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_L=block_l, num_warps=warps,
                 fold_dot=bool(TUNING.get("fold_dot", 0)), variant=variant,
-                # the non-flush copy pass's tile, 1 warp: 32 rows for fp8 (H200 session 10, Super bs256: non-flush
-                # 131.1 -> 119.9 µs, 64 registers); the nvfp4 pair decode (session 13, Super bs256, apply launch):
+                # the non-flush copy pass's tile, 1 warp: 32 rows for fp8 (H200, Super bs256: non-flush
+                # 131.1 -> 119.9 µs, 64 registers); the nvfp4 pair decode (H200, Super bs256, apply launch):
                 # 152.5 µs on 16 rows, 100.6 on 32, 93.6 on 64 (128 registers)
                 APPLY_P=TUNING.get("APPLY_P") or (32 if fmt == "fp8_e4m3" else _nvfp4_apply_rows(P) if nvfp4 else 16),
                 apply_warps=TUNING.get("apply_warps") or 1,
-                # listed flush rows (session 8, H200 Super bs256: non-flush fp8 213 -> 135 us, bf16 264 -> 187,
+                # listed flush rows (H200 Super bs256: non-flush fp8 213 -> 135 us, bf16 264 -> 187,
                 # NVFP4 516 -> 362; the flush step 10-25% slower; L-avg 1.2-1.3x better). 0: full grid
                 flush_list=bool(TUNING.get("flush_list", 1)),
                 flush_programs=TUNING.get("flush_programs"),         # default: 32 warps per SM
                 # the pre variant's flush launch (its own launch: a tile shape, warps and a tl.dot there cost the
-                # non-flush steps nothing), folding with one IEEE tl.dot. H200 session 9, Super bs256 flush step:
+                # non-flush steps nothing), folding with one IEEE tl.dot. H200, Super bs256 flush step:
                 # bf16 1477 -> 1077 µs with 16 x N tiles on 1 warp, fp8 1951 -> 1840 with 32 x N on 4 warps (its
                 # software e4m3 rounding wants threads: 16 on 1 warp took 3348), nvfp4 2425 -> 2158 (16, 1 warp).
                 # 2 warps with the dot took 5-20 ms for every format: avoid
                 FLUSH_P=TUNING.get("FLUSH_P") or (32 if fmt == "fp8_e4m3" else 16),
                 flush_warps=TUNING.get("flush_warps") or (4 if fmt == "fp8_e4m3" else 1),
                 flush_dot=bool(TUNING.get("flush_dot", TUNING.get("fold_dot", 1))),
-                # nvfp4 non-flush reads as int32 words (N % 8 == 0; session 9, Super bs256: the non-flush step 357
-                # -> 203 µs), decoded two codes per lop3 into fp16 and multiplied in fp32 (nvfp4_pairs, session 13:
+                # nvfp4 non-flush reads as int32 words (N % 8 == 0; H200, Super bs256: the non-flush step 357
+                # -> 203 µs), decoded two codes per lop3 into fp16 and multiplied in fp32 (nvfp4_pairs:
                 # the copy pass 163 -> 101 µs on 32-row tiles; 0: one code at a time, _nvfp4_words_dot) or with
                 # per-block sums on tensor cores (nvfp4_mma, next_pow2(N) >= 128: 141-157 µs, slower on the H200:
                 # its operands go through shared memory)
@@ -916,25 +916,25 @@ def launch_config(P: int, N: int, L: int, fmt: str = "") -> dict:
                 nvfp4_pairs=bool(TUNING.get("nvfp4_pairs", 1)),
                 nvfp4_mma=bool(TUNING.get("nvfp4_mma", 0)),
                 # the window launch's cb_only form: the copy pass reads its slice of the x window and appends x
-                # (session 13, Super bs256: the window launch 29 -> 7 µs; non-flush bf16 168.8 -> 157.8 µs, fp8
+                # (H200, Super bs256: the window launch 29 -> 7 µs; non-flush bf16 168.8 -> 157.8 µs, fp8
                 # 108.2 -> 101.5)
                 win_cb=bool(TUNING.get("win_cb", 1)),
                 # nvfp4 (per-slot scale): the flush by the fp32 step's listed fold on its own tiles, gathering the
                 # slot amax with one atomic per folded row (amax_mode 2; 1: one per slice after a cross-warp
-                # reduction) and the cursor advance (session 13, Super bs256: the fold 969 -> 711 µs; amax_mode 1:
+                # reduction) and the cursor advance (H200, Super bs256: the fold 969 -> 711 µs; amax_mode 1:
                 # 912); 0: the read-copy flush body on 16 x N tiles
                 nvfp4_fold=bool(TUNING.get("nvfp4_fold", 1)), amax_mode=TUNING.get("amax_mode", 2),
                 fold_warps=TUNING.get("fold_warps"),                 # default: the fp32 step's flush warps
                 # the listed nvfp4 encode reading tiles in order and writing int32 words of 8 codes (N % 8 == 0;
-                # session 13: 784 -> 420 µs at Super bs256 on 1 warp, 443 on 2, 533 on 4), else the byte encode
+                # H200: 784 -> 420 µs at Super bs256 on 1 warp, 443 on 2, 533 on 4), else the byte encode
                 enc_words=enc_words,
                 enc_per_sm=TUNING.get("enc_per_sm"),                 # default: 32 warps per SM
                 # fp8 flush encode by the hardware conversion (compiled sm_89+ only: the interpreter keeps the software
-                # rounding). H200 session 10, Super bs256: the fp8 flush step 1837 -> 1724 µs (L-avg 3.02 -> 3.12x)
+                # rounding). H200, Super bs256: the fp8 flush step 1837 -> 1724 µs (L-avg 3.02 -> 3.12x)
                 hw_e4m3=bool(TUNING.get("hw_e4m3", 1)),
-                # warps of the nvfp4 encode launch: 1 for the word encode, 2 for the byte one (session 10, Super
+                # warps of the nvfp4 encode launch: 1 for the word encode, 2 for the byte one (H200, Super
                 # bs256: the nvfp4 flush step 2147 -> 1814 µs, 4 warps 1829). (Issuing the non-flush copy pass's
-                # loads before the cursor's was tried and removed: session 10, fp8 131.1 -> 129.8 µs, nvfp4_row
+                # loads before the cursor's was tried and removed, same conditions: fp8 131.1 -> 129.8 µs, nvfp4_row
                 # 200.9 -> 208.2)
                 enc_warps=TUNING.get("enc_warps") or (1 if enc_words else 2))
 

@@ -1,7 +1,7 @@
 """Reference math of speculative decoding with ReplaySSM for Mamba-2: output-only verify, commit by cursor moves.
 
-This is the plain-PyTorch reference (issue 6, first piece): the semantics the verify/commit ops and their kernels
-will be tested against. Notation as in :mod:`.mamba2_reference`; per slot:
+This is the plain-PyTorch reference: the semantics the verify/commit ops and their kernels are tested against.
+Notation as in :mod:`.mamba2_reference`; per slot:
 
 * a checkpoint ``S_0`` and a *true ring* of ``buf = next_pow2(B + T)`` records ``(x, dt, la, B)``, read from
   ``origin``: committed history is at ring positions ``(origin + j) & (buf - 1)`` for ``j < w``;
@@ -106,7 +106,7 @@ def spec_verify_reference(state, x_ring, dt_ring, la_ring, B_ring, w, origin, is
         w, origin: [S] int32; is_flush: [S] bool (cursors; not changed here: :func:`spec_commit_reference` does).
         x: [b, T, H, P]; dt, la: [b, T, H]; B: [b, T, G, N]; C: [b, T, Gc, N].
         slot_idx: [b] slot per row, negative for padding (zero output, nothing touched); ``None``: row i = slot i.
-        read_state: optional [S, H, P, N] low-precision *read copy* of the checkpoint (issue 7, held decoded here):
+        read_state: optional [S, H, P, N] low-precision *read copy* of the checkpoint (held decoded here):
             ordinary rows take the checkpoint term of their outputs from it; flush rows fold the fp32 ``state``
             (the recurrence never sees the copy's rounding), read their outputs from the folded state and rewrite
             their copy as ``read_format(folded)`` (a quantize-dequantize function).

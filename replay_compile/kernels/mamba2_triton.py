@@ -322,7 +322,7 @@ def _fold_tile(state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, x_ptr, dt_ptr, la_pt
     xc = tl.trans(xw * coef[:, None])                    # [BLOCK_P, BLOCK_L]
     acc_y = tl.zeros([BLOCK_P], dtype=tl.float32)
     amax = tl.zeros([BLOCK_P], dtype=tl.float32)     # AMAX: per row over the N tiles (an elementwise running max
-    # reduced once was slower, H200 session 13: the fold 900 -> 954 µs at Super bs256, its registers)
+    # reduced once was slower, H200: the fold 900 -> 954 µs at Super bs256, its registers)
     for nt in range(N_TILES):                          # constexpr trip count (see module notes)
         offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
@@ -450,7 +450,7 @@ TUNING: dict = {}
 # The last compiled step kernel launched (benchmarks print its registers / spills / shared memory).
 LAST_LAUNCH: dict = {}
 
-# Rows x heads up to which the latency variant runs (H200 session-6 sweep: at bs8 whole beat pre on both
+# Rows x heads up to which the latency variant runs (H200 sweep: at bs8 whole beat pre on both
 # geometries, 1.34x / 1.30x vs 1.27x / 1.16x; at bs32 pre wins, 1.70x vs 1.46x).
 WHOLE_MAX_ROW_HEADS = 1024
 
@@ -503,12 +503,12 @@ def launch_config(b: int, H: int, P: int, N: int, L: int, state_bytes: int = 4) 
       decay to scratch, appends the records and lists flush rows (``window_full=1``: it also reads the x window and
       writes ``win`` instead); launch 2 streams ``16 x N`` checkpoint tiles (1 warp) for non-flush rows, ``y = decay
       (S_0 C) + Σ_j cb_j x_j`` (``held_x=1``, default: only the held x records, loaded after the cursor with the
-      tile: non-flush 2-6% faster at bs 128-512, H200 session 17; ``held_x=0``: the whole x window, before the
+      tile: non-flush 2-6% faster at bs 128-512, H200; ``held_x=0``: the whole x window, before the
       cursor, ``apply_early_x=0``: after launch 1); launch 3 walks the listed flush rows on 32 warps per SM (the
       ``tiled`` body, 64 x 64 tiles and 4 warps where 64 divides P, else 32 x 32 and 2 warps; ``flush_list=0``: a
       full grid whose non-flush programs return) and advances the cursors
       (``fold_advance=0``: a fourth launch does). Super fp32 bs256 2.11x, bs128 2.10x (both knobs on: 1-3% faster at
-      bs128, 15 fewer registers; session 8).
+      bs128, 15 fewer registers; H200).
       ``route=0`` folds flush rows inside launch 2 instead (``early_tile=1`` loads the tile before the cursor).
       ``pdl=1`` (default; Hopper and later, :func:`~.launch.pdl_on`): launch 2 is launch 1's programmatic
       dependent, so its tiles stream while launch 1 runs; ``zero_pdl=1`` (default): the list's count is zeroed by a
@@ -518,8 +518,8 @@ def launch_config(b: int, H: int, P: int, N: int, L: int, state_bytes: int = 4) 
       Launch 2's tiles are 64 x N on 2 warps where 64 divides P (Super), else 16 x N on 1 warp; for 2-byte
       checkpoints (``state_bytes``) 32 x N on 1 warp. ``scratch_evict=1`` (default): launch 1 stores ``cb`` and
       the decay ``evict_last``, kept in L2 through the tile stream for the pass.
-    * ``tiled`` (the session-2 body, kept for comparisons): one launch streams ``BLOCK_P x BLOCK_N`` tiles for both
-      kinds of row, then the cursor advance.
+    * ``tiled`` (the previous bandwidth body, kept for comparisons): one launch streams ``BLOCK_P x BLOCK_N`` tiles
+      for both kinds of row, then the cursor advance.
     ``tl.dot`` needs every dim >= 16; the window sits on a power-of-two axis >= 16.
     """
     block_l = max(16, next_pow2(L))
@@ -535,10 +535,10 @@ def launch_config(b: int, H: int, P: int, N: int, L: int, state_bytes: int = 4) 
                    num_warps=TUNING.get("num_warps") or (2 if block_l <= 16 else 4),
                    state_evict="evict_first" if TUNING.get("evict_first", 0) else "")
     elif variant == "pre":
-        # the checkpoint pass's tile: 64 x N on 2 warps where 64 divides P (H200 session 13, Super bs256: fp32
+        # the checkpoint pass's tile: 64 x N on 2 warps where 64 divides P (H200, Super bs256: fp32
         # L-avg 319.0 -> 311.6 µs, mostly fewer programs that return at the flush; bf16 194.0 -> 187.8), else
         # 16 x N on 1 warp (Nano's P = 80: 64-row tiles leave 48 rows masked, 3-6% slower). 2-byte checkpoints:
-        # 32 x N on 1 warp at both (H200 session 23, bf16 bs 128 / 256 / 512: Super non-flush 82.2 -> 80.4 /
+        # 32 x N on 1 warp at both (H200, bf16 bs 128 / 256 / 512: Super non-flush 82.2 -> 80.4 /
         # 155.5 -> 152.3 / 305.1 -> 295.6 µs, its flush 3-5% slower, L-avg 1-1.5% lower; Nano non-flush equal,
         # flush 3-4% faster, L-avg 1% lower; fp32 checkpoints lost 2-10% with it)
         p64 = P % 64 == 0
@@ -556,13 +556,13 @@ def launch_config(b: int, H: int, P: int, N: int, L: int, state_bytes: int = 4) 
                    zero_pdl=bool(TUNING.get("zero_pdl", 1)), rows_outer=bool(TUNING.get("rows_outer", not p64)),
                    held_x=bool(TUNING.get("held_x", 1)),
                    # the window's scratch kept in L2 for the pass (scratch_evict, default: non-flush 0-1.9 µs
-                   # faster at bs 128-512, never slower beyond noise; H200 session 23). (The pass's tile loads
+                   # faster at bs 128-512, never slower beyond noise; H200). (The pass's tile loads
                    # through L2 only, ld.global.cg, moved nothing beyond 0.5 µs: removed. No evict_first on the tile
                    # stream: in a one-layer benchmark it keeps the last step's ring records in L2, which a model's
-                   # other layers would evict; NOTES, session 22)
+                   # other layers would evict; benchmarks/NOTES.md)
                    scratch_evict=bool(TUNING.get("scratch_evict", 1)))
         # (Capping the pass's registers for more programs per SM lost: ncu showed 6 programs, 12 warps per SM at
-        # 158 / 140 registers, but 128 spilled and made Super's non-flush steps 14-33% slower; H200 session 18)
+        # 158 / 140 registers, but 128 spilled and made Super's non-flush steps 14-33% slower; H200)
     else:
         raise ValueError(f"replay_compile.mamba2: unknown kernel variant {variant!r} (whole, pre, tiled)")
     return dict(cfg, variant=variant, BLOCK_L=block_l)

@@ -1,4 +1,4 @@
-"""Delta-rule (GDN / KDA) ops with a low-precision read copy of the checkpoint (issue 7).
+"""Delta-rule (GDN / KDA) ops with a low-precision read copy of the checkpoint.
 
 ``replay_compile::delta_step_rc``         the replay step; non-flush rows read the copy, flushes re-run the exact
                                           recurrence over the raw window (``v_ring``, ``beta_ring``) and rewrite it

@@ -1,4 +1,4 @@
-"""``torch.library`` custom op for speculative verification with the delta-rule replay state (GDN, KDA; issue 6).
+"""``torch.library`` custom op for speculative verification with the delta-rule replay state (GDN, KDA).
 
 ``replay_compile::delta_spec_verify``  outputs of ``T`` tokens per row from checkpoint + committed history; writes
                                        the ``T`` records ``(d, k, g)`` after the history (and, on flush rows, the

@@ -24,13 +24,13 @@ the decode step waits for it) is paid once at compile time.
 
 Where: every kernel variant by default. ``REPLAY_COMPILE_INLINE_KERNELS=latency`` inlines only where the op
 launches its latency kernels (``inline=`` a predicate on the arguments: Mamba-2's ``whole``, the delta rule's
-``fused``; small batches), ``0`` none. Until session 12 the bandwidth variants stayed opaque: inside whole models
-they raised the decode loop's peak memory by ~2 GiB at batch 256 and made the Mamba-2 model's bs32 step 2.5x slower.
-The cause was a read-only input, not the checkpoint: HF's log-decay reaches the op as a strided view of a
-state-sized broadcast, and since the launches pass strides as integers, Inductor gave every launch its own
-state-sized buffer for it. Read-only tensor inputs are now made contiguous before the traced launches (H200, session
-12, default mode: Nemotron-Nano dims bs256 2.97 ms and a 6.04 GiB decode-loop peak inlined vs 3.10 ms / 6.86 GiB
-opaque; the Mamba-2 model bs32 2.31 ms vs 5.11 opaque, plain torch.compile 2.12).
+``fused``; small batches), ``0`` none. Read-only tensor inputs are made contiguous before the traced launches:
+without that, the inlined bandwidth variants raised the decode loop's peak memory inside whole models by ~2 GiB at
+batch 256 and made the Mamba-2 model's bs32 step 2.5x slower. The cause was a read-only input, not the checkpoint:
+HF's log-decay reaches the op as a strided view of a state-sized broadcast, and since the launches pass strides as
+integers, Inductor gave every launch its own state-sized buffer for it. With contiguous inputs (H200, default mode):
+Nemotron-Nano dims bs256 2.97 ms and a 6.04 GiB decode-loop peak inlined vs 3.10 ms / 6.86 GiB opaque; the Mamba-2
+model bs32 2.31 ms vs 5.11 opaque, plain torch.compile 2.12.
 """
 
 from __future__ import annotations
@@ -109,8 +109,8 @@ def compact_inputs(args, mutated):
 
     Why, for the traced launches: they pass strides as plain integers, so Inductor must hand each kernel its inputs
     with exactly the traced strides. A read-only input that is a strided view of a state-sized tensor (HF's Mamba-2
-    log-decay, taken from an ``[b, H, P, N]`` broadcast) thus became a state-sized buffer per launch (H200, session
-    12: +1.9 GiB at bs256, and the Mamba-2 model at bs32 2.5x slower). Contiguous, it is written compactly, once."""
+    log-decay, taken from an ``[b, H, P, N]`` broadcast) thus became a state-sized buffer per launch (H200: +1.9 GiB
+    at bs256, and the Mamba-2 model at bs32 2.5x slower). Contiguous, it is written compactly, once."""
     if isinstance(args, dict):
         return {k: (v.contiguous() if isinstance(v, torch.Tensor) and k not in mutated else v) for k, v in args.items()}
     return tuple(a.contiguous() if isinstance(a, torch.Tensor) and i not in mutated else a for i, a in enumerate(args))

@@ -3,7 +3,7 @@
 The same step as ``replay_compile::mamba2_step``, except that non-flush rows take their checkpoint term from a read
 copy (bf16, fp8 e4m3 with row scales, or NVFP4; :mod:`replay_compile.quant.formats`) and never read the fp32
 checkpoint; flush rows fold the fp32 checkpoint exactly and rewrite their slots of the copy. The copy's rounding
-reaches the outputs of the current window only, never the recurrence (issue 7). Semantics and shapes:
+reaches the outputs of the current window only, never the recurrence. Semantics and shapes:
 :func:`~replay_compile.kernels.mamba2_readcopy_reference.replay_step_readcopy_reference`.
 
 A copy is up to three storage tensors (the format's ``storage_spec`` order: bf16 ``values``; fp8 ``values, scale``;

@@ -1,4 +1,4 @@
-"""``torch.library`` custom ops for speculative decoding with the Mamba-2 replay state (issue 6, first piece).
+"""``torch.library`` custom ops for speculative decoding with the Mamba-2 replay state.
 
 ``replay_compile::mamba2_spec_verify``  outputs of ``T`` tokens per row from checkpoint + committed history; writes
                                         the ``T`` records after the history (and, on flush rows, the folded

@@ -8,7 +8,7 @@ scalar values, and every layer of one geometry launches the same kernels with th
 analysis of each kernel repeat one. The lowering's analysis (TensorBox arguments) repeats the trace's (fake tensors)
 too: torch treats both kinds alike. On CI's CPU (``benchmarks/diag_inline_cpu.py``, tiny models, AOTAutograd only):
 the delta ``split`` step of a 2-layer Qwen3.5 8 analyses -> 2 (0.87 -> 0.19 s), NemotronH ``pre`` 12 -> 3 (1.14 ->
-0.28 s). What it is for (H200, session 14, cold compiles, Qwen3.5-4B dims, 8 layers): the first step took 19.5 /
+0.28 s). What it is for (H200, cold compiles, Qwen3.5-4B dims, 8 layers): the first step took 19.5 /
 18.3 s with our pass vs 18.1 / 14.4 s for plain torch.compile in two runs, AOTAutograd's metadata pass 1.78 vs
 0.81 s; full-depth models have 3-4x the layers.
 

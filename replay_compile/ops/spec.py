@@ -1,4 +1,4 @@
-"""The family-agnostic half of speculative decoding with the replay state (issue 6).
+"""The family-agnostic half of speculative decoding with the replay state.
 
 ``replay_compile::spec_commit``  accept ``n`` tokens per row of the last verify (Mamba-2 or delta rule): cursor
                                  moves only; rejected drafts are simply not counted (rollback without a copy).

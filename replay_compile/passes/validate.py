@@ -149,7 +149,7 @@ class _RandomState:
 
     def make(self) -> torch.Tensor:
         # drawn on the state's own device: a bs512 Mamba-2 2.7B layer is 1.3 GB of fp32, seconds per layer with
-        # the CPU generator (H200 session 7: compile 32.5 s vs 14.3 s plain at bs512, 8 Mamba-2 layers)
+        # the CPU generator (H200: compile 32.5 s vs 14.3 s plain at bs512, 8 Mamba-2 layers)
         try:
             g = torch.Generator(device=self.device).manual_seed(self.seed)
             out = torch.randn(self.shape, generator=g, dtype=torch.float32, device=self.device)

@@ -1,4 +1,4 @@
-"""Low-precision storage formats for SSM state *read copies* (issue 7).
+"""Low-precision storage formats for SSM state *read copies*.
 
 See :mod:`replay_compile.quant.formats` for the layouts, the recipes and the error bounds.
 """

@@ -1,6 +1,6 @@
 r"""Read-copy storage formats for the SSM checkpoint: bf16, fp8 e4m3 with per-row scales, NVFP4.
 
-Issue 7 splits the state into an fp32 checkpoint, updated only by the recurrence (flush), and a low-precision *read
+The state is split into an fp32 checkpoint, updated only by the recurrence (flush), and a low-precision *read
 copy* that the flush writes and the non-flush steps read. The copy is never read back into the recurrence, so its
 rounding error touches only the outputs of the current window. This module is the reference (plain PyTorch, any
 device) for the three copy formats: encode, decode, storage allocation and the slot-wise write a flush performs.

@@ -1,4 +1,4 @@
-"""Stochastic rounding of quantized checkpoints (issue 7): unbiased rounding applied only at a flush.
+"""Stochastic rounding of quantized checkpoints: unbiased rounding applied only at a flush.
 
 A checkpoint stored in fp16 or fp8 is rewritten once per ``L`` tokens (the flush) from an fp32 fold. Rounding to
 nearest there loses every increment smaller than half an ulp, so slowly changing states stall; rounding each value

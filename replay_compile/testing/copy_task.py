@@ -1,7 +1,7 @@
 """A copy task that makes prompt-lookup speculative decoding measurable without trained checkpoints.
 
 Random-weight models never repeat their prompt, so prompt lookup accepts nothing on them (1.00 tokens per verify
-round, H200 session 5). A model briefly trained on ``phrase x reps`` sequences learns to continue a repeated phrase
+round, H200). A model briefly trained on ``phrase x reps`` sequences learns to continue a repeated phrase
 (through its attention layers: an induction head), and then behaves on a repetitive prompt set the way prompt
 lookup is meant for (code edits, quoting summaries): the benchmark measures real acceptance. Training is plain
 next-token cross-entropy with AdamW on the model's own ``labels`` loss; the tiny NemotronH model of the tests copies
