@@ -58,7 +58,7 @@ def main(argv=None):
     ap.add_argument("--geoms", default="nano4b,qwen35_4b")
     ap.add_argument("--bandwidth", type=float, default=0.0,
                     help="bytes/s of the floor (default: a device-to-device copy's, measured first)")
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench-results"))
+    ap.add_argument("--out", default="bench-results")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     from bench_mamba2_kernel import warm_clocks

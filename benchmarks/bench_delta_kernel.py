@@ -1,6 +1,6 @@
 """Delta-rule replay step (GDN, KDA) vs fla's fused recurrent kernels, on one GPU, in one run.
 
-    python benchmarks/bench_delta_kernel.py --out results/                 # full sweep
+    python benchmarks/bench_delta_kernel.py --out bench-results/delta       # full sweep
     python benchmarks/bench_delta_kernel.py --geoms qwen35_4b --batches 256
     python benchmarks/bench_delta_kernel.py --batches 1,256 --configs 'fused;split:BLOCK_V=8,num_warps=1'
 
@@ -8,7 +8,8 @@ Per (geometry, batch, state dtype): the baseline step (fla ``fused_recurrent_gat
 ``fused_recurrent_kda`` for KDA, T = 1, reading ``initial_state`` and writing the final state), our non-flush step,
 our flush step and the L-step average, each replayed from a CUDA graph (cold L2 as in bench_mamba2_kernel.py).
 Bytes are the fewest a step must move; "% bw" against the copy bandwidth measured at the start. fla comes from an
-installed ``fla-core`` (a small pure-Python/Triton wheel: carry it to the GPU machine, ``pip install --no-deps``).
+installed ``fla-core`` (a small pure-Python/Triton wheel, ``pip install --no-deps``; offline GPU machines:
+benchmarks/README.md).
 fla always writes an fp32 final state, so its bf16-state row moves more bytes than ours: compare fp32 rows.
 """
 
@@ -115,7 +116,7 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,8,32,64,128,256,512")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--L", type=int, default=16)
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench-results"))
+    ap.add_argument("--out", default="bench-results")
     ap.add_argument("--configs", default="",
                     help="';'-separated launch configs (e.g. 'fused;split:BLOCK_V=8,num_warps=1') compared at "
                          "--batches, fp32 state, instead of the sweep")

@@ -1,6 +1,6 @@
 """Mamba-1 replay step vs mamba_ssm's ``selective_state_update`` in its Mamba-1 form, on one GPU, in one run.
 
-    python benchmarks/bench_mamba1_kernel.py --out results/                      # full sweep
+    python benchmarks/bench_mamba1_kernel.py --out bench-results/mamba1          # full sweep
     python benchmarks/bench_mamba1_kernel.py --geoms falcon_mamba_7b --batches 256 --L 4,6,8
 
 Per (geometry, batch, state dtype, L): the baseline step (``selective_state_update(state [b, D, N], x [b, D],
@@ -76,7 +76,7 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,8,32,64,128,256,512")
     ap.add_argument("--dtypes", default="float32")
     ap.add_argument("--L", default="4,8,16", help="comma list of buffer lengths")
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench-results"))
+    ap.add_argument("--out", default="bench-results")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     ssu = load_baseline()

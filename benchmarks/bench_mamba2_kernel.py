@@ -1,17 +1,17 @@
 """Mamba-2 replay step kernel vs mamba_ssm's ``selective_state_update``, on one GPU, in one run.
 
-    python benchmarks/bench_mamba2_kernel.py --out results/            # full sweep
+    python benchmarks/bench_mamba2_kernel.py --out bench-results/mamba2   # full sweep
     python benchmarks/bench_mamba2_kernel.py --batches 256 --geoms super # one point
     python benchmarks/bench_mamba2_kernel.py --batches 1,256 --configs 'tiled;tiled:BLOCK_P=32,num_warps=4'
 
 Per (geometry, batch, state dtype): the baseline step, our non-flush step (the mean over the L-1 non-flush ring
 positions), our flush step and the average over L consecutive steps (one flush), each replayed from a CUDA graph of
 at least 8 steps (median of repeats; the state of a large batch is far larger than L2, small batches rotate over
-several state buffers so L2 stays cold). Until session 12 a large batch's graph held one step, so its per-step
-figures included the graph's launch latency, and each non-flush step a cursor fill (``step_times``). Bytes are the
+several state buffers so L2 stays cold; a graph of one step would add the graph's own launch latency to every figure:
+``step_times``). Bytes are the
 fewest the step must move; "% bw" is bytes / time against the device-to-device copy bandwidth measured at the start of the run.
 The baseline is mamba_ssm's Triton ``selective_state_update``: installed, or its source under ``.baselines/``
-(carried to the GPU machine; mamba_ssm's compiled extensions are not needed for this function).
+(copy it along to a GPU machine without network; mamba_ssm's compiled extensions are not needed for this function).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def load_baseline():
     try:
         from mamba_ssm.ops.triton.selective_state_update import selective_state_update
         return selective_state_update
-    except Exception:  # noqa: BLE001 - not installed (or its CUDA extensions missing): use the carried source
+    except Exception:  # noqa: BLE001 - not installed (or its CUDA extensions missing): use the source under .baselines/
         root = os.path.join(os.path.dirname(__file__), "..", ".baselines", "mamba_ssm")
         if not os.path.isdir(root):
             return None
@@ -70,8 +70,8 @@ def time_graph(fn, reps=30, warmup=3, inner=1) -> float:
     return statistics.median(times)
 
 
-# Steps per captured graph, at least: a replay's own launch latency (a few µs) is no step's time. Until session 12
-# a large batch (one state buffer) had one step per graph, and its figures included that latency.
+# Steps per captured graph, at least: a replay's own launch latency (a few µs) is no step's time. With one step per
+# graph a large batch (one state buffer) would include that latency in every figure.
 MIN_GRAPH_STEPS = 8
 
 
@@ -84,7 +84,7 @@ def step_times(step, cursors, L: int, desync: bool = False) -> dict:
     """Per-step µs of ``step(k)``, one replay step on buffer set ``k`` whose cursor is ``cursors[k]``:
 
     * ``nonflush_us``: the mean over a cycle of the ``L - 1`` non-flush ring positions, every cursor reset to 0 once
-      per cycle (until session 12: the cursor filled to ``L // 2`` before every step, the fill in the figure);
+      per cycle (no cursor fill kernel inside the figure);
     * ``flush_us``: the cursor filled to ``L - 1`` before each step (that ~2 µs fill is in the figure);
     * ``lavg_us``: ``L`` consecutive steps per buffer, the cursor running free (one flush each);
     * ``desync_us`` (only with ``desync``): the same with every row's cursor at its own ring position
@@ -192,7 +192,7 @@ def bench_point(ssu, H, P, N, G, bs, state_dtype, L, act=torch.bfloat16, desync=
 
 def reported(label: str, fn, *args, **kwargs):
     """``fn(*args, **kwargs)``, or ``None`` after one line naming ``label`` and the error: a configuration that fails
-    (does not compile, or fails its check) is reported and the sweep goes on (a device call's other configurations
+    (does not compile, or fails its check) is reported and the sweep goes on (the run's other configurations
     are not lost to it). Shared by the kernel sweeps and diagnostics here."""
     try:
         return fn(*args, **kwargs)
@@ -297,7 +297,7 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,8,32,64,128,256,512")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--L", type=int, default=16)
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench-results"))
+    ap.add_argument("--out", default="bench-results")
     ap.add_argument("--configs", default="",
                     help="';'-separated launch configs (e.g. 'tiled;tiled:BLOCK_P=32,num_warps=4') compared at "
                          "--batches, fp32 state, instead of the sweep")

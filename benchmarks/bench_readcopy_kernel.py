@@ -1,13 +1,14 @@
-"""Mamba-2 replay step with a low-precision read copy (issue 7) vs mamba_ssm's ``selective_state_update``, one GPU.
+"""Mamba-2 replay step with a low-precision read copy vs mamba_ssm's ``selective_state_update``, one GPU.
 
-    python benchmarks/bench_readcopy_kernel.py --out results/ [--batches 1,32,256] [--formats bf16,fp8_e4m3,nvfp4]
+    python benchmarks/bench_readcopy_kernel.py --out bench-results/readcopy [--batches 1,32,256]
+        [--formats bf16,fp8_e4m3,nvfp4]
         [--configs 'BLOCK_P=16,num_warps=1;fold_dot=1']   (launch configurations compared; default: the chosen one)
 
 Per (batch, format), Nemotron-Super geometry (H=128, P=64, N=128, G=8), fp32 checkpoint, L=16: the non-flush step,
 the flush step and the L-step average of ``replay_step_readcopy_triton`` (non-flush steps read only the copy),
 beside our fp32 replay step (``replay_step_triton``) and the baseline (fp32 state read and written every step), all
 timed in one run from CUDA graphs with the state sets rotated (cold L2), as in bench_mamba2_kernel.py. Before timing,
-one non-flush step of the read-copy kernel is checked against the reference on the same copy. Targets (issue 7): L-step
+one non-flush step of the read-copy kernel is checked against the reference on the same copy. Design targets: L-step
 average with an fp8 copy >= 3x the baseline, NVFP4 >= 4x, at batch 256.
 """
 
@@ -61,7 +62,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,32,128,256,512")
     ap.add_argument("--formats", default="bf16,fp8_e4m3,nvfp4")
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench-results"))
+    ap.add_argument("--out", default="bench-results")
     ap.add_argument("--configs", default="", help="';'-separated mamba2_readcopy_triton.tuned strings")
     args = ap.parse_args(argv)
     from replay_compile.kernels.mamba2_readcopy_triton import tuned

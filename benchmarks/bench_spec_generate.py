@@ -1,7 +1,8 @@
 """End-to-end speculative generation (``replay_compile.speculative.generate_speculative``) against decoding without
 drafts, compiled on both sides.
 
-    python benchmarks/bench_spec_generate.py --out results/ [--models nemotron_h_nano4b,qwen35_4b] [--layers N]
+    python benchmarks/bench_spec_generate.py --out bench-results/spec_generate [--models nemotron_h_nano4b,qwen35_4b]
+        [--layers N]
 
 Real-size layer dimensions (``replay_compile.bench``'s models, random weights, full depth or the first ``--layers``
 blocks), a repetitive prompt set (a random ``--phrase``-token phrase repeated ``--repeats`` times per row), greedy
@@ -154,7 +155,7 @@ def main(argv=None):
                          "target's vocabulary); empty: no draft-model row")
     ap.add_argument("--oracle-iters", type=int, default=6,
                     help="runs re-drafting their own output until every oracle draft is accepted")
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench-results"))
+    ap.add_argument("--out", default="bench-results")
     args = ap.parse_args(argv)
     args.variants = args.variants.split(",")
     compiler = (lambda fn: torch.compile(fn, backend="replayssm"))      # the rounds capture their own CUDA graph

@@ -1,6 +1,6 @@
 """Speculative verify + commit step (T tokens per row) with the replay state vs the per-draft snapshot baseline.
 
-    python benchmarks/bench_spec_step.py --out results/                    # full sweep
+    python benchmarks/bench_spec_step.py --out bench-results/spec_step      # full sweep
     python benchmarks/bench_spec_step.py --geoms super --batches 256 --T 4
 
 Per (geometry, batch): one *round* is a verify of ``T`` tokens per row (the last accepted token and ``T - 1``
@@ -164,7 +164,7 @@ def main(argv=None):
     ap.add_argument("--configs", default="",
                     help="';'-separated launch configs of the verify kernel (e.g. 'BLOCK_V=64,num_warps=8'; Mamba-2 "
                          "takes BLOCK_P), each timed at --batches instead of the default")
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench-results"))
+    ap.add_argument("--out", default="bench-results")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     import replay_compile  # noqa: F401 - registers the ops

@@ -1,9 +1,9 @@
-"""The KDA flush fold on the tensor cores, written in Gluon (issue 4, KDA bs256; built in session 20, run in 21).
+"""The KDA flush fold on the tensor cores, written in Gluon (KDA, batch 256).
 
     python benchmarks/diag_delta_gluon.py [--batch 256] [--heads 32]          # on the GPU machine (triton 3.6)
     python benchmarks/diag_delta_gluon.py --compile-only                      # anywhere: sm_90 resources
 
-Session 20 (``benchmarks/NOTES.md``) found the flush pass's record fold issue-bound on CUDA-core fp32 (two thirds of
+``docs/design/delta_kernel.md``: the flush pass's record fold was found issue-bound on CUDA-core fp32 (two thirds of
 its instructions; its FMAs alone ~64 µs at bs256), and ``tl.dot`` no faster: the accumulator's layout is not the
 slice's, so every program converts the slice through shared memory, and the dots stalled at 4-5 programs per SM.
 Gluon (``triton.experimental.gluon``) lets the slice be loaded and stored in the MMA accumulator's own layout and
@@ -13,7 +13,8 @@ values ``d_j`` are bf16 records, exact in tf32, so ``KEᵀ D`` comes out at abou
 
 :func:`_gl_flush_kernel` does what ``diag_delta_stream.py``'s ``_flush_like_kernel`` does (every row flushing, the
 scratch and rings laid out as there); this script checks it against that kernel on the same inputs and times both.
-A diagnostic for NOTES.md: no baseline, no speed claim. Gluon kernels do not run under the interpreter.
+A diagnostic (H200 results: ``benchmarks/results/delta_kernel_designs_h200/gluon_*.txt``): no baseline, no speed
+claim. Gluon kernels do not run under the interpreter.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ def _gl_rows_flush_kernel(s_ptr, vec_ptr, win_ptr, wrow_ptr, v_ptr, beta_ptr, k_
     thread that folds it, straight from the rings (``kr`` bf16 and ``gr`` fp32 ``[rh, L, K]``, ``gw = G_w [rh, K]``):
     no scaled-key scratch for launch 1 to write and this pass to read back, 2 exps per thread and record instead of
     the row layout's 16 (each of its rows sits on 8 lanes). The readout's sums over K cross lanes instead.
-    ``FOLD=False``: the read, readout and write alone. H200 session 21 (bs256): correct (1.2e-7), but 691-1787 µs
+    ``FOLD=False``: the read, readout and write alone. On the H200 (bs256): correct (1.2e-7), but 691-1787 µs
     against the record loop's 432, and 612 µs without the fold: a warp's loads then touch 32 rows 16 bytes each and
     the readout shuffles every column across 32 lanes."""
     ROWS: gl.constexpr = gl.BlockedLayout([1, BV], [32, 1], [NW, 1], [1, 0])

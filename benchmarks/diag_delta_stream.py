@@ -1,4 +1,4 @@
-"""What a read-only stream of a delta-rule checkpoint reaches, by tile shape (issue 4, KDA bs256 non-flush).
+"""What a read-only stream of a delta-rule checkpoint reaches, by tile shape (KDA, batch 256).
 
     python benchmarks/diag_delta_stream.py [--batch 256] [--heads 32] [--forms slice,apply,flushparts]
 
@@ -21,7 +21,8 @@ The delta apply pass streams ``[b, HV, K, V]`` checkpoints (V contiguous) and re
 * ``flushparts``: where a flush pass's time goes: the in-place read-modify-write alone (``rmw``), the pass without
   the fold, the fold over 3 / 7 / 15 records, and the fold with an L2-resident scaled-key scratch.
 
-A diagnostic for NOTES.md: no baseline, no speed claim.
+A diagnostic for ``docs/design/delta_kernel.md`` (H200 results in
+``benchmarks/results/delta_kernel_designs_h200/``): no baseline, no speed claim.
 """
 
 from __future__ import annotations

@@ -69,8 +69,8 @@ def delta_calls(bs: int, kda: bool):
 
 
 def delta_custom_op():
-    """The delta step's Triton entry defined as a ``torch.library.custom_op`` (how our ops were defined up to
-    session 9), to compare the two registrations on the same work."""
+    """The delta step's Triton entry defined as a ``torch.library.custom_op`` (how our ops were defined before
+    ``ops/library.py``), to compare the two registrations on the same work."""
     from replay_compile.kernels.delta_triton import delta_replay_step_triton
 
     def step(state: Tensor, d_ring: Tensor, k_ring: Tensor, g_ring: Tensor, cursor: Tensor, q: Tensor, k: Tensor,

@@ -3,7 +3,7 @@ tensor, the largest difference and the first step it appears; the generated code
 
     python benchmarks/diag_inline.py --out DIR [--cases 1,3]
 
-Cases are ``tests/test_inline_kernels_gpu.py``'s ``CASES`` (by index). A diagnostic for GPU sessions, not a test.
+Cases are ``tests/test_inline_kernels_gpu.py``'s ``CASES`` (by index). A diagnostic for a GPU machine, not a test.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ does (input mutations kept in the graph) and Inductor's re-inplacing pass on the
 traced kernel launch the arguments still to be cloned (a copy per step) with their later users. Nothing runs:
 Triton only lowers each kernel to TTIR for torch's mutation analysis, against a stand-in CUDA target (sm_90).
 
-A diagnostic for sessions without device time (written in session 11: it found the cursor passed as a stand-in
+A diagnostic for machines without a GPU (it found the cursor passed as a stand-in
 slot pointer copied on every step). It patches private torch / Triton internals; versions other than the ones it
 was written against (torch 2.13, triton 3.6-3.9) may need adjustments.
 """

@@ -42,7 +42,7 @@ def fla_delta_steps(geom: str, bs: int, dtype: torch.dtype, L: int, cursor: int,
     Hk, HV, K, V, kda = DELTA_GEOMS[geom]
     fn = load_baseline(kda)
     if fn is None:
-        raise SystemExit("--baseline needs fla (benchmarks/fetch_device_wheels.sh)")
+        raise SystemExit("--baseline needs fla (pip install fla-core flash-linear-attention; benchmarks/README.md)")
     state = torch.randn(bs, HV, K, V, device="cuda")
     _, (q, k, v, g, beta) = random_delta_step(bs, Hk, HV, K, V, kda, L, 1, torch.bfloat16, "cuda")
     for _ in range(steps):

@@ -6,7 +6,7 @@
 
 Triton's own frontend and the ``ptxas`` bundled with it (no driver needed) build the cubin; ``cuobjdump
 -res-usage`` reads it. Pointers default to fp32 and integer arguments to i32. The installed Triton decides the
-numbers: session 18 read 255 registers and an 80-byte stack here (triton 3.9) for a kernel that ncu showed at 161
+numbers: triton 3.9 read 255 registers and an 80-byte stack here for a kernel that ncu showed at 161
 registers on the H200 (triton 3.6). Use it to compare variants of one kernel, not as the device's figure.
 """
 

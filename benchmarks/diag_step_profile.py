@@ -4,9 +4,10 @@
 
 Per mode: the step's wall time (host launch + device, synchronised as in ``replay-compile bench``), the number of
 device kernels per step and the top kernels by device time. ``--py-rows N``: the steps under cProfile too (the host's
-Python side, default mode); ``--census``: every Triton launch per step by kernel name and launcher (how session 15
-found our graph's extra prologue kernels per GDN layer). Modes take Inductor patches as in ``replay-compile bench``
-(``replayssm@combo_kernels=1``). Written for the batch-1 question of issue 5; a diagnostic, not a benchmark.
+Python side, default mode); ``--census``: every Triton launch per step by kernel name and launcher (how the default
+mode's batch-1 loss was traced to our graph's extra prologue kernels per GDN layer). Modes take Inductor patches as
+in ``replay-compile bench`` (``replayssm@combo_kernels=1``). Written for the batch-1 question; a diagnostic, not a
+benchmark.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def profile_mode(model, mode: str, batch: int, L: int, warm: int = 20, steps: in
     torch._dynamo.reset()
     ids = torch.randint(3, model.config.vocab_size, (batch, 16), device=dev)
     # prompt + warm-up + timed + census + cProfiled (py_rows) + profiled steps: a cache one step short overflows on
-    # the device (session 15: an index assert in the KV write, which also stopped the run)
+    # the device (an index assert in the KV write, which also stops the run)
     cache = StaticCache(config=model.config, max_cache_len=16 + warm + 4 * steps + 4)
     ck = cache_kwarg(model)
     fwd = _forward_for(model, mode, L)

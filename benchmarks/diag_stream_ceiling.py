@@ -2,7 +2,7 @@
 
     python benchmarks/diag_stream_ceiling.py [--geom super] [--batch 256]
 
-Issue 3 asks the non-flush step for >= 90% of the bandwidth floor; the floor is counted against the device-to-device
+The non-flush step's design target is >= 90% of the bandwidth floor; the floor is counted against the device-to-device
 *copy* bandwidth. A non-flush step only reads the checkpoint, so this measures, on one ``[b, H, P, N]`` fp32 state:
 
 * ``copy_``: read + write bandwidth (the floor's reference);
@@ -12,7 +12,7 @@ Issue 3 asks the non-flush step for >= 90% of the bandwidth floor; the floor is 
   tiles, ``tl.range`` with ``num_stages`` so the next tile's load is issued before this one's reduction);
 * the ``pre`` step's four launches, each timed by the profiler on non-flush and flush steps.
 
-A diagnostic for NOTES.md, not a benchmark: no baseline, no speed claim.
+A diagnostic for ``docs/design/mamba2_kernel.md``, not a benchmark: no baseline, no speed claim.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def launch_breakdown(bs, H, P, N, G, L=16, state_dtype=torch.float32):
 
 
 def readcopy_breakdown(bs, H, P, N, G, fmt, L=16):
-    """Device time per kernel of one Mamba-2 read-copy step (``fmt``), non-flush and flush (issue 7)."""
+    """Device time per kernel of one Mamba-2 read-copy step (``fmt``), non-flush and flush."""
     from replay_compile.kernels.mamba2_readcopy_reference import init_read_copy
     from replay_compile.kernels.mamba2_readcopy_triton import replay_step_readcopy_triton
 
@@ -159,7 +159,7 @@ def readcopy_breakdown(bs, H, P, N, G, fmt, L=16):
 
 def delta_breakdown(Hk, HV, K, V, kda, bs, L=16, read_copy=None):
     """Device time per kernel of one delta-rule step (exact split kernels, or the read-copy step with ``read_copy``),
-    non-flush and flush: where GDN / KDA (issue 4) and the delta read copy (issue 7) lose to the state bytes."""
+    non-flush and flush: where GDN / KDA and the delta read copy lose to the state bytes."""
     from replay_compile.kernels.delta_readcopy_triton import delta_replay_step_readcopy_triton
     from replay_compile.kernels.delta_triton import delta_replay_step_triton
     from replay_compile.ops.mamba2_readcopy import as_copy
@@ -204,7 +204,7 @@ def main():
     ap.add_argument("--delta-read-copy", default="fp8_e4m3", help="also break down this read copy ('' for none)")
     ap.add_argument("--delta-rc-configs", default="rc", help="';'-separated delta_readcopy_triton TUNING strings "
                     "(parse_tuning; the name before ':' is ignored) of the read-copy step, one breakdown each")
-    ap.add_argument("--read-copy", default="", help="Mamba-2 read-copy breakdowns of this format instead (issue 7)")
+    ap.add_argument("--read-copy", default="", help="Mamba-2 read-copy breakdowns of this format instead")
     ap.add_argument("--rc-configs", default="", help="';'-separated mamba2_readcopy_triton.tuned strings, one "
                     "read-copy breakdown each ('' = the defaults)")
     args = ap.parse_args()

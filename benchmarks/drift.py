@@ -1,6 +1,6 @@
-"""Drift of low-precision SSM states over a long generation (issue 7), on CPU or GPU.
+"""Drift of low-precision SSM states over a long generation, on CPU or GPU.
 
-    python benchmarks/drift.py --out results/drift [--tokens 4096] [--formats fp8_e4m3,nvfp4] [--device cuda]
+    python benchmarks/drift.py --out bench-results/drift [--tokens 4096] [--formats fp8_e4m3,nvfp4] [--device cuda]
         [--checkpoints fp16,fp8_e4m3]
 
 A small hybrid (the test suite's tiny NemotronH, Mamba-2, or ``--model qwen3_5``, Gated DeltaNet; fp32, decays
@@ -184,7 +184,7 @@ def main(argv=None):
     ap.add_argument("--checkpoints", default="",
                     help="quantized-checkpoint variants to add, e.g. fp16,fp8_e4m3 (rounded at each flush, "
                          "nearest and stochastic)")
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench-results"))
+    ap.add_argument("--out", default="bench-results")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     per_pos, summary = run(args.tokens, [f for f in args.formats.split(",") if f], args.buffer_len, args.device,
