@@ -15,7 +15,7 @@ Launches, all routed on the device from the cursor (one captured CUDA graph serv
    streams the ``BLOCK_P x N`` checkpoint tile of non-flush rows (fp32: 64 rows on 2 warps where 64 divides P,
    else 16 on 1 warp; 2-byte checkpoints: 32 rows on 1 warp), ``y = decay (S_0 C) + Σ_j cb_j x_j``, appends ``x``.
    A read-only stream of an fp32 checkpoint on the H200 reaches 97-100% of copy bandwidth; this pass alone runs
-   there (benchmarks/NOTES.md). A bf16 checkpoint's stream reaches 88-93% at bs128. (A persistent form of this
+   there (docs/design/mamba2_kernel.md). A bf16 checkpoint's stream reaches 88-93% at bs128. (A persistent form of this
    pass, a fixed grid looping over the tiles with loads pipelined through shared memory, lost at every point
    measured.)
 3. :func:`_mamba2_flush_list_kernel`: a fixed grid (32 warps per SM) walks the listed rows' tiles with the tiled
@@ -406,7 +406,7 @@ def _mamba2_flush_list_kernel(
     of programs that each read a cursor and return cost 21-45 µs per step at bs256 (H200). (No
     defaulted parameters here or in any kernel launched inside a compiled graph: ``wrap_triton`` needs every
     argument passed.) (As the checkpoint pass's programmatic dependent, waiting for it before reading anything, the
-    flush step was 2-16% slower and a non-flush step 0-1.4 µs faster: H200, benchmarks/NOTES.md.)"""
+    flush step was 2-16% slower and a non-flush step 0-1.4 µs faster: H200, docs/design/mamba2_kernel.md.)"""
     _walk_listed_folds(state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, cursor_ptr, x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr,
                        slot_ptr, y_ptr, work_ptr, y_ptr, H, P, N, L, heads_per_g, heads_per_gc, n_pb,
                        s_sb, s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl,
@@ -425,7 +425,7 @@ def replay_step_pre(cfg: dict, args: tuple, common: dict, has_slot: bool, slot_a
     advanced = False
     # the listed flush's row list: [count, rows...], zeroed every step. (One flag per row written by the window
     # launch instead, no memset: non-flush steps 0-1.9 µs faster at bs 128 / 256, the flush step 26-34% slower with
-    # the flags ranked per fold item and up to 29% with them ranked once per program; H200, benchmarks/NOTES.md.)
+    # the flags ranked per fold item and up to 29% with them ranked once per program; H200, docs/design/mamba2_kernel.md.)
     # ``zero_pdl=1`` (default): only the count is zeroed, by a launch of ours whose programmatic dependent is the
     # window launch, instead of a torch.zeros of the list before it (L-avg 0.1-1.3 µs lower at all 8 points of
     # bs 128 / 256 x Super / Nano x fp32 / bf16, H200)

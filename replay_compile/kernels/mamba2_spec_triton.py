@@ -21,7 +21,7 @@ flush row's fold coefficients) is computed once per (row, head) by launch 1 into
 weights per head, all ``T`` tokens as one tile); launch 2 streams
 the checkpoint tile by tile, and its per-token work is what a plain decode step does (``S C_t`` and a short weighted
 sum of the window's ``x``). A first single-launch kernel that redid the window work in every tile program ran at
-12% of the copy bandwidth on the H200 (benchmarks/NOTES.md). The ``T`` new records go to ring slots
+12% of the copy bandwidth on the H200 (docs/design/speculative_rounds.md). The ``T`` new records go to ring slots
 ``(origin + w + t) & (buf - 1)``; cursors are left to the commit.
 
 A row whose history and window do not fit the ring (``w + T > buf``, which the commit's flush rule prevents) gets

@@ -31,7 +31,7 @@ Cursor advance in the ``whole`` variant, without a second launch (one launch mat
 kernel runs. Every program reads ``w`` and counts its arrival in one relaxed ``atomic_add(1 << 16)``; the program
 that arrives last (so every other one has read ``w``) stores the advanced cursor with the count cleared. Between
 launches the word is always the plain cursor, so every other op and the Python side see ``0 <= w < L``. (Counting
-the arrival at the end with a release atomic instead was slower: benchmarks/NOTES.md, v2b.) The ``tiled`` and ``pre``
+the arrival at the end with a release atomic instead was slower: docs/design/mamba2_kernel.md, v2b.) The ``tiled`` and ``pre``
 variants read the cursor with a plain load and a last tiny launch advances it: at large batch the atomic cost more
 than the launch.
 
@@ -361,7 +361,7 @@ def _mamba2_replay_tiled_kernel(
 ):
     """Bandwidth variant: branch on ``w`` first, then stream the checkpoint over N in ``BLOCK_P x BLOCK_N``
     tiles (only one tile live at a time: low register use, many programs per SM). Reads the cursor with a plain
-    load; a second tiny launch advances it (the fused arrival atomic cost ~5% at bs256: benchmarks/NOTES.md)."""
+    load; a second tiny launch advances it (the fused arrival atomic cost ~5% at bs256: docs/design/mamba2_kernel.md)."""
     pid_p = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
@@ -495,7 +495,7 @@ def fixed_grid(items: int, warps: int, device: torch.device, per_sm: int | None 
 
 @memo_unless_tuned(TUNING)
 def launch_config(b: int, H: int, P: int, N: int, L: int, state_bytes: int = 4) -> dict:
-    """Kernel variant and launch configuration for a step of ``b`` rows (H200 sweeps: benchmarks/NOTES.md).
+    """Kernel variant and launch configuration for a step of ``b`` rows (H200 sweeps: docs/design/mamba2_kernel.md).
 
     * ``whole`` (latency, ``b * H <= WHOLE_MAX_ROW_HEADS``): ``BLOCK_P`` = 16 rows of P (or 32), all of N in one
       tile, 1 warp per 2048 tile elements; every load issued before ``w`` is known; one launch (bs1 Super 1.23x).
@@ -559,7 +559,7 @@ def launch_config(b: int, H: int, P: int, N: int, L: int, state_bytes: int = 4) 
                    # faster at bs 128-512, never slower beyond noise; H200). (The pass's tile loads
                    # through L2 only, ld.global.cg, moved nothing beyond 0.5 µs: removed. No evict_first on the tile
                    # stream: in a one-layer benchmark it keeps the last step's ring records in L2, which a model's
-                   # other layers would evict; benchmarks/NOTES.md)
+                   # other layers would evict; docs/design/mamba2_kernel.md)
                    scratch_evict=bool(TUNING.get("scratch_evict", 1)))
         # (Capping the pass's registers for more programs per SM lost: ncu showed 6 programs, 12 warps per SM at
         # 158 / 140 registers, but 128 spilled and made Super's non-flush steps 14-33% slower; H200)
