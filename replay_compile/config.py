@@ -56,7 +56,7 @@ ENV_VARS: dict[str, tuple[str, Any, str]] = {
     "REPLAY_COMPILE_DECODE_ATTENTION": ("decode_attention", lambda s: s.strip().lower(),
                                         "auto (CUDA graphs) / on (every device; CPU runs the reference) / off: "
                                         "rewrite one-token SDPA over a cache into the grouped-head decode "
-                                        "attention op; default auto"),
+                                        "attention op; default off"),
     "REPLAY_COMPILE_READ_COPY_FAMILIES": ("read_copy_families", lambda s: tuple(x for x in s.split(",") if x),
                                           "comma list of families given the read copy; default mamba2"),
 }
@@ -110,10 +110,11 @@ class ReplayConfig:
             ``("mamba2",)``). Delta-rule layers (``"gdn"``, ``"kda"``) also keep raw values so that flushes re-run
             the exact recurrence; their read-copy step is correct on every device but measured slower than exact
             reads on the H200 (Qwen3.5-4B dims, bs256, fp8: 5.87 vs 4.81 ms per whole step), so it is opt-in.
-        decode_attention: ``"auto"`` (default): one-token ``scaled_dot_product_attention`` over a key/value cache
-            on CUDA becomes ``replay_compile::decode_attention`` (grouped heads read once, only the positions the
-            mask keeps; :mod:`replay_compile.passes.decode_attention`); ``"on"``: on every device (the CPU op is
-            the reference, slower than SDPA: for tests); ``"off"``: attention is left to the lowering.
+        decode_attention: ``"auto"``: one-token ``scaled_dot_product_attention`` over a key/value cache on CUDA
+            becomes ``replay_compile::decode_attention`` (grouped heads read once, only the positions the mask
+            keeps; :mod:`replay_compile.passes.decode_attention`); ``"on"``: on every device (the CPU op is the
+            reference, slower than SDPA: for tests); ``"off"`` (default): attention is left to the lowering. Opt-in
+            until its Triton kernel has been measured on a GPU inside whole models.
     """
 
     buffer_len: int = 16
@@ -124,7 +125,7 @@ class ReplayConfig:
     lower: str = "inductor"
     read_copy: Optional[str] = None
     read_copy_families: tuple[str, ...] = ("mamba2",)
-    decode_attention: str = "auto"
+    decode_attention: str = "off"
     version: int = CONFIG_VERSION
 
     def __post_init__(self):

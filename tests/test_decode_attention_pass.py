@@ -83,9 +83,10 @@ def test_auto_leaves_cpu_graphs_to_sdpa():
     model = MAMBA2_FAMILY["nemotron_h"](dtype=torch.float32)
     rb.clear_reports()
     with torch.no_grad():
-        fwd = torch.compile(model.forward, backend="replayssm", options={"lower": "eager"})
+        fwd = torch.compile(model.forward, backend="replayssm", options={"lower": "eager", "decode_attention": "auto"})
         _decode(model, fwd, StaticCache(config=model.config, max_cache_len=M))
     assert not any(r.attention for r in rb.reports())
+    assert rb.ReplayConfig().decode_attention == "off"              # opt-in
 
 
 # -- graphs written by hand: what is and is not decode attention ------------------------------------------------
