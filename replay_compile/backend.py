@@ -38,6 +38,44 @@ def clear_reports() -> None:
     _REPORTS.clear()
 
 
+def layer_verdicts(results: Sequence[PassResult] | None = None) -> dict[str, tuple[str, str]]:
+    """One verdict per layer over the graphs of ``results`` (default: :func:`reports`), each layer once however
+    many graphs held it: ``{layer: (verdict, detail)}``, verdict ``"rewritten"``, ``"left unchanged"`` (with the
+    reason), ``"not a recurrence"`` (resets, window shifts, multi-token scans such as prefill: never rewritten by
+    design) or ``"decode attention"``. A layer rewritten in one graph is rewritten."""
+    verdicts: dict = {}
+    for rep in reports() if results is None else results:
+        for rw in rep.rewrites:
+            verdicts[rw.layer] = ("rewritten", f"{rw.family} [{rw.form}] {rw.detail}".rstrip())
+        for sk in rep.skipped:
+            if sk.layer in verdicts and verdicts[sk.layer][0] == "rewritten":
+                continue
+            if sk.quiet:
+                verdicts.setdefault(sk.layer, ("not a recurrence", sk.reason))
+            else:
+                verdicts[sk.layer] = ("left unchanged", sk.reason)
+        for layer in rep.attention:
+            verdicts.setdefault(layer, ("decode attention", "replay_compile::decode_attention"))
+    return verdicts
+
+
+def summary(results: Sequence[PassResult] | None = None) -> str:
+    """:func:`layer_verdicts` as a table, one row per layer, and a count of the rewritten ones."""
+    import re
+
+    verdicts = layer_verdicts(results)
+    if not verdicts:
+        return "replay_compile: no recurrent-state update or decode attention found in the compiled graphs"
+
+    def key(name):
+        return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+    width = max(len(k) for k in verdicts)
+    rows = [f"{layer:<{width}}  {v:<16}  {d}" for layer, (v, d) in sorted(verdicts.items(), key=lambda kv: key(kv[0]))]
+    n = sum(v == "rewritten" for v, _ in verdicts.values())
+    ssm = sum(v != "decode attention" for v, _ in verdicts.values())
+    return "\n".join(rows + [f"{n} of {ssm} state-writing layers rewritten"])
+
+
 class ReplayRunner:
     """Calls the compiled graph with the ring tensors of the cache states it steps.
 

@@ -164,13 +164,37 @@ class ReplayConfig:
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None) -> tuple["ReplayConfig", dict[str, Any]]:
-        """Split ``torch.compile(options=...)`` into our config and the lowering's own options."""
+        """Split ``torch.compile(options=...)`` into our config and the lowering's own options (Inductor config
+        patches, and ``mode``); a key that is neither raises ``ValueError`` naming the nearest of both."""
         base = cls.from_env()
         options = dict(options or {})
         ours = {k: options.pop(k) for k in list(options) if k in cls.field_names()}
+        _check_lowering_keys(options, cls.field_names())
         for key in ("families", "read_copy_families"):     # "gdn", "mamba2,gdn" or any sequence
             if isinstance(ours.get(key), str):
                 ours[key] = tuple(x for x in ours[key].split(",") if x)
             elif key in ours:
                 ours[key] = tuple(ours[key])
         return dataclasses.replace(base, **ours), options
+
+
+def _check_lowering_keys(options: Mapping[str, Any], ours: set[str]) -> None:
+    """Every option that is not a :class:`ReplayConfig` field must be ``mode`` or an Inductor config key (they patch
+    the Inductor compile): a misspelt field would otherwise surface at the first forward as an ``AttributeError``
+    from Inductor's config."""
+    unknown = [k for k in options if k != "mode"]
+    if not unknown:
+        return
+    import difflib
+
+    from torch._inductor import config as inductor_config
+
+    known = set(inductor_config.get_config_copy())
+    for key in unknown:
+        if key in known:
+            continue
+        near = difflib.get_close_matches(key, sorted(ours), n=1, cutoff=0.6) or \
+            difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        raise ValueError(f"replay_compile: unknown option {key!r}: not a ReplayConfig field ({', '.join(sorted(ours))})"
+                         f" nor an Inductor config key{hint}")

@@ -40,6 +40,19 @@ def test_env(capsys):
     assert main(["env"]) == 0
     out = capsys.readouterr().out
     assert "torch" in out and "replay_compile" in out
+    assert all(" " in line for line in out.splitlines() if line.startswith("transformers")), out   # name, version
+
+
+def test_family_help_lists_every_embedded_model(capsys):
+    from replay_compile import cli
+    from replay_compile.testing import hf_models
+
+    families = {**hf_models.MAMBA2_FAMILY, **hf_models.DELTA_FAMILY, **hf_models.MAMBA1_FAMILY,
+                **hf_models.LIGHTNING_FAMILY}
+    assert set(cli.FAMILIES) == set(families)
+    with pytest.raises(SystemExit):
+        main(["verify", "--help"])
+    assert "kimi_linear" in capsys.readouterr().out
 
 
 def test_explain_lists_rewritten_layers(capsys):
