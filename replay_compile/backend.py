@@ -64,8 +64,10 @@ def summary(results: Sequence[PassResult] | None = None) -> str:
     import re
 
     verdicts = layer_verdicts(results)
+    notes = sorted({r.note for r in (reports() if results is None else results) if r.note})
     if not verdicts:
-        return "replay_compile: no recurrent-state update or decode attention found in the compiled graphs"
+        return "\n".join(notes or ["replay_compile: no recurrent-state update or decode attention found in the "
+                                    "compiled graphs"])
 
     def key(name):
         return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
@@ -73,7 +75,7 @@ def summary(results: Sequence[PassResult] | None = None) -> str:
     rows = [f"{layer:<{width}}  {v:<16}  {d}" for layer, (v, d) in sorted(verdicts.items(), key=lambda kv: key(kv[0]))]
     n = sum(v == "rewritten" for v, _ in verdicts.values())
     ssm = sum(v != "decode attention" for v, _ in verdicts.values())
-    return "\n".join(rows + [f"{n} of {ssm} state-writing layers rewritten"])
+    return "\n".join(rows + [f"{n} of {ssm} state-writing layers rewritten"] + notes)
 
 
 class ReplayRunner:

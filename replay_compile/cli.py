@@ -99,7 +99,7 @@ def explain_model(model, ids, buffer_len: int = 16) -> dict:
     backend.clear_reports()
     original = model.forward
     model.forward = torch.compile(original, backend="replayssm",
-                                  options={"lower": "eager", "buffer_len": buffer_len})
+                                  options={"lower": "eager", "buffer_len": buffer_len, "devices": ("cpu", "cuda")})
     try:
         with torch.no_grad():
             model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)

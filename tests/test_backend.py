@@ -300,3 +300,20 @@ def test_summary_has_one_row_per_layer_over_every_graph():
     assert len(rows) == 2 and "rewritten" in rows[0] and "mamba2" in rows[0], text
     assert rows[1] == "1 of 1 state-writing layers rewritten"
     assert repr(replay_compile.reports()[0]).startswith("PassResult(1 rewritten, 0 left unchanged)")
+
+
+def test_cpu_graphs_are_left_to_the_lowering_by_default(monkeypatch, caplog):
+    """Without CPU in ``devices`` a CPU graph compiles as plain torch.compile would, and the reason is said."""
+    import logging
+
+    monkeypatch.delenv("REPLAY_COMPILE_DEVICES", raising=False)
+    replay_compile.clear_reports()
+    mod, cmod = eager_and_compiled(options={"lower": "eager"})
+    with caplog.at_level(logging.INFO, logger="replay_compile"):
+        step_both(cmod, mod, torch.randn(b, H, P, N), torch.randn(b, H, P, N), 1, check=False)
+    reps = replay_compile.reports()
+    assert reps and not any(r.rewrites for r in reps) and "a graph on cpu: left to the lowering" in reps[0].note
+    assert "add 'cpu' to options['devices']" in caplog.text
+    assert "left to the lowering" in replay_compile.summary()
+    with pytest.raises(ValueError, match="unknown devices"):
+        replay_compile.ReplayConfig(devices=("tpu",))

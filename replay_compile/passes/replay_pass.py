@@ -15,6 +15,7 @@ import inspect
 import logging
 from typing import Sequence
 
+import torch
 import torch.fx as fx
 from torch._dynamo.utils import counters
 
@@ -83,6 +84,7 @@ class PassResult:
     ops_after: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     returns_state: bool = False     # a stepped state is returned for the caller to store (a returned next state)
     attention: list = dataclasses.field(default_factory=list)   # layers whose decode attention was rewritten
+    note: str = ""                  # why the graph as a whole was left to the lowering
 
     def __repr__(self) -> str:
         parts = [f"{len(self.rewrites)} rewritten", f"{len(self.skipped)} left unchanged"]
@@ -90,6 +92,12 @@ class PassResult:
             parts.append(f"{len(self.attention)} decode attention")
         lines = [f"PassResult({', '.join(parts)})"] + [f"  {x}" for x in self.rewrites + self.skipped]
         return "\n".join(lines + [f"  {layer}: decode attention" for layer in self.attention])
+
+
+def graph_device(example_inputs: Sequence) -> str:
+    """``"cuda"`` when any tensor input of the graph is on CUDA, else the first tensor input's device type."""
+    types = [x.device.type for x in example_inputs if isinstance(x, torch.Tensor)]
+    return "cuda" if "cuda" in types else (types[0] if types else "cpu")
 
 
 def count_ops(gm: fx.GraphModule) -> collections.Counter:
@@ -133,6 +141,13 @@ class ReplaySSMPass:
         res.ops_before = res.ops_after = count_ops(gm)
         families = set(self.config.families)
         if not self.config.enabled or not families & {"mamba2", "gdn", "kda", "mamba1"}:
+            return res
+        device = graph_device(example_inputs)
+        if device not in self.config.devices:
+            res.note = (f"a graph on {device}: left to the lowering (devices={self.config.devices}; on CPU the "
+                        f"rewritten step runs the ops' PyTorch reference, slower than plain torch.compile: add "
+                        f"'{device}' to options['devices'] to rewrite it anyway)")
+            log.info("replay_compile: %s", res.note)
             return res
         delta_on = bool(families & {"gdn", "kda"})
         if not (anchor_mod.find(gm.graph) or state_writes.computed_writes(gm.graph)

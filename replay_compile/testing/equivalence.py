@@ -144,7 +144,9 @@ def check_equivalence(model, input_ids: torch.Tensor, *, max_new_tokens: int | N
     t1 = time.perf_counter()
     _backend.clear_reports()
     original = model.forward
-    opts = {"buffer_len": buffer_len, **(options or {})} if backend == "replayssm" else options
+    # CPU graphs are rewritten here too (by default they are left to the lowering): this checks the rewrite
+    opts = {"buffer_len": buffer_len, "devices": ("cpu", "cuda"), **(options or {})} if backend == "replayssm" \
+        else options
     model.forward = torch.compile(original, backend=backend, options=opts)
     if teacher_forced:
         from transformers import LogitsProcessorList
