@@ -22,7 +22,7 @@ from . import state as replay_state
 from ._logging import log, timed_phase
 from .config import ReplayConfig, env_flag
 from .passes import decode_attention
-from .passes.replay_pass import PassResult, ReplaySSMPass, copy_graph_module
+from .passes.replay_pass import PassResult, ReplaySSMPass, copy_graph_module, graph_device
 from .replay_tensor import ReplayTensor, checkpoint_of
 
 
@@ -285,8 +285,15 @@ def replayssm_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | 
     # torch.compile refuses mode= together with options=, so a mode may also travel inside options
     mode = lower_opts.pop("mode", None) or mode
     _install_integrations()
-    with timed_phase("replay_compile.ReplaySSMPass"):
-        result = ReplaySSMPass(cfg)(gm, example_inputs)
+    device = graph_device(example_inputs)
+    if device not in cfg.devices:                     # config.DEFAULT_DEVICES says why
+        result = PassResult(gm=gm, note=f"a graph on {device}: left to the lowering (devices={cfg.devices}; on CPU "
+                                        f"the rewritten step runs the ops' PyTorch reference, slower than plain "
+                                        f"torch.compile: add '{device}' to options['devices'] to rewrite it anyway)")
+        log.info("replay_compile: %s", result.note)
+    else:
+        with timed_phase("replay_compile.ReplaySSMPass"):
+            result = ReplaySSMPass(cfg)(gm, example_inputs)
     if cfg.enabled and cfg.decode_attention != "off":
         with timed_phase("replay_compile.decode_attention"):
             _rewrite_attention(result, gm, cfg)

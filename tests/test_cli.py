@@ -176,7 +176,8 @@ def test_bench_modes_take_inductor_patches(monkeypatch):
         forward = staticmethod(lambda *a, **k: None)
     bench._forward_for(M(), "replayssm-ro@combo_kernels=1", 8)
     assert seen["kw"] == {} and seen["backend"] == "replayssm"
-    assert seen["options"] == {"buffer_len": 8, "mode": "reduce-overhead", "combo_kernels": True}
+    assert seen["options"] == {"buffer_len": 8, "devices": ("cpu", "cuda"), "mode": "reduce-overhead",
+                               "combo_kernels": True}
     bench._forward_for(M(), "inductor-ro@combo_kernels=1", 8)
     assert seen["options"] == {"triton.cudagraphs": True, "combo_kernels": True} and seen["kw"] == {}
     bench._forward_for(M(), "inductor@combo_kernels=1", 8)

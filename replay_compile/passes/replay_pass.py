@@ -142,13 +142,6 @@ class ReplaySSMPass:
         families = set(self.config.families)
         if not self.config.enabled or not families & {"mamba2", "gdn", "kda", "mamba1"}:
             return res
-        device = graph_device(example_inputs)
-        if device not in self.config.devices:
-            res.note = (f"a graph on {device}: left to the lowering (devices={self.config.devices}; on CPU the "
-                        f"rewritten step runs the ops' PyTorch reference, slower than plain torch.compile: add "
-                        f"'{device}' to options['devices'] to rewrite it anyway)")
-            log.info("replay_compile: %s", res.note)
-            return res
         delta_on = bool(families & {"gdn", "kda"})
         if not (anchor_mod.find(gm.graph) or state_writes.computed_writes(gm.graph)
                 or (families & {"mamba2", "mamba1"} and kernel_call.anchors(gm))
