@@ -4,7 +4,8 @@
     model.forward = torch.compile(model.forward, backend="replayssm")
 
 Public API: :class:`ReplayConfig`, :class:`ReplayTensor`, :func:`protect`, :func:`flush`, :func:`reset`,
-:func:`materialize`, :func:`replayssm_backend`.
+:func:`materialize`, :func:`replayssm_backend`; what the pass did: :func:`summary` (one row per layer),
+:func:`layer_verdicts`, :func:`reports` (per compiled graph).
 """
 
 from __future__ import annotations
@@ -12,15 +13,15 @@ from __future__ import annotations
 import sys
 
 from . import ops  # noqa: F401 - registers torch.ops.replay_compile.*
-from .backend import clear_reports, replayssm_backend, reports
+from .backend import clear_reports, layer_verdicts, replayssm_backend, reports, summary
 from .config import ReplayConfig
 from .errors import ReplayCompileError
 from .replay_tensor import ReplayTensor
 from .state import flush, materialize, protect, reset
 
 __version__ = "0.1.0"
-__all__ = ["ReplayConfig", "ReplayCompileError", "ReplayTensor", "clear_reports", "flush", "materialize", "protect",
-           "replayssm_backend", "reports", "reset"]
+__all__ = ["ReplayConfig", "ReplayCompileError", "ReplayTensor", "clear_reports", "flush", "layer_verdicts",
+           "materialize", "protect", "replayssm_backend", "reports", "reset", "summary"]
 
 
 def _register_backend() -> None:

@@ -30,7 +30,7 @@ def _configure_from_env() -> None:
     log.setLevel(getattr(logging, level, logging.INFO))
     if not any(getattr(h, "_replay_compile", False) for h in log.handlers):
         h = logging.StreamHandler()
-        h.setFormatter(logging.Formatter("[replay_compile] %(message)s"))
+        h.setFormatter(logging.Formatter("%(message)s"))       # every message starts with "replay_compile:"
         h._replay_compile = True
         log.addHandler(h)
         log.propagate = False

@@ -22,7 +22,7 @@ from . import state as replay_state
 from ._logging import log, timed_phase
 from .config import ReplayConfig, env_flag
 from .passes import decode_attention
-from .passes.replay_pass import PassResult, ReplaySSMPass, copy_graph_module
+from .passes.replay_pass import PassResult, ReplaySSMPass, copy_graph_module, graph_device
 from .replay_tensor import ReplayTensor, checkpoint_of
 
 
@@ -36,6 +36,46 @@ def reports() -> list[PassResult]:
 
 def clear_reports() -> None:
     _REPORTS.clear()
+
+
+def layer_verdicts(results: Sequence[PassResult] | None = None) -> dict[str, tuple[str, str]]:
+    """One verdict per layer over the graphs of ``results`` (default: :func:`reports`), each layer once however
+    many graphs held it: ``{layer: (verdict, detail)}``, verdict ``"rewritten"``, ``"left unchanged"`` (with the
+    reason), ``"not a recurrence"`` (resets, window shifts, multi-token scans such as prefill: never rewritten by
+    design) or ``"decode attention"``. A layer rewritten in one graph is rewritten."""
+    verdicts: dict = {}
+    for rep in reports() if results is None else results:
+        for rw in rep.rewrites:
+            verdicts[rw.layer] = ("rewritten", f"{rw.family} [{rw.form}] {rw.detail}".rstrip())
+        for sk in rep.skipped:
+            if sk.layer in verdicts and verdicts[sk.layer][0] == "rewritten":
+                continue
+            if sk.quiet:
+                verdicts.setdefault(sk.layer, ("not a recurrence", sk.reason))
+            else:
+                verdicts[sk.layer] = ("left unchanged", sk.reason)
+        for layer in rep.attention:
+            verdicts.setdefault(layer, ("decode attention", "replay_compile::decode_attention"))
+    return verdicts
+
+
+def summary(results: Sequence[PassResult] | None = None) -> str:
+    """:func:`layer_verdicts` as a table, one row per layer, and a count of the rewritten ones."""
+    import re
+
+    verdicts = layer_verdicts(results)
+    notes = sorted({r.note for r in (reports() if results is None else results) if r.note})
+    if not verdicts:
+        return "\n".join(notes or ["replay_compile: no recurrent-state update or decode attention found in the "
+                                    "compiled graphs"])
+
+    def key(name):
+        return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+    width = max(len(k) for k in verdicts)
+    rows = [f"{layer:<{width}}  {v:<16}  {d}" for layer, (v, d) in sorted(verdicts.items(), key=lambda kv: key(kv[0]))]
+    n = sum(v == "rewritten" for v, _ in verdicts.values())
+    ssm = sum(v != "decode attention" for v, _ in verdicts.values())
+    return "\n".join(rows + [f"{n} of {ssm} state-writing layers rewritten"] + notes)
 
 
 class ReplayRunner:
@@ -245,8 +285,15 @@ def replayssm_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | 
     # torch.compile refuses mode= together with options=, so a mode may also travel inside options
     mode = lower_opts.pop("mode", None) or mode
     _install_integrations()
-    with timed_phase("replay_compile.ReplaySSMPass"):
-        result = ReplaySSMPass(cfg)(gm, example_inputs)
+    device = graph_device(example_inputs)
+    if device not in cfg.devices:                     # config.DEFAULT_DEVICES says why
+        result = PassResult(gm=gm, note=f"a graph on {device}: left to the lowering (devices={cfg.devices}; on CPU "
+                                        f"the rewritten step runs the ops' PyTorch reference, slower than plain "
+                                        f"torch.compile: add '{device}' to options['devices'] to rewrite it anyway)")
+        log.info("replay_compile: %s", result.note)
+    else:
+        with timed_phase("replay_compile.ReplaySSMPass"):
+            result = ReplaySSMPass(cfg)(gm, example_inputs)
     if cfg.enabled and cfg.decode_attention != "off":
         with timed_phase("replay_compile.decode_attention"):
             _rewrite_attention(result, gm, cfg)

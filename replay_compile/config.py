@@ -12,7 +12,7 @@ import dataclasses
 import os
 from typing import Any, Mapping, Optional
 
-CONFIG_VERSION = 4        # 2: read_copy; 3: read_copy_families; 4: decode_attention
+CONFIG_VERSION = 5        # 2: read_copy; 3: read_copy_families; 4: decode_attention; 5: devices
 
 _TRUE = ("1", "true", "on", "yes")
 _FALSE = ("0", "false", "off", "no")
@@ -53,6 +53,9 @@ ENV_VARS: dict[str, tuple[str, Any, str]] = {
     "REPLAY_COMPILE_READ_COPY": ("read_copy", lambda s: s or None,
                                  "bf16 / fp8_e4m3 / nvfp4 / nvfp4_row: non-flush steps read a low-precision copy of "
                                  "the checkpoint (the recurrence stays exact); default: none"),
+    "REPLAY_COMPILE_DEVICES": ("devices", lambda s: tuple(x.strip().lower() for x in s.split(",") if x.strip()),
+                               "comma list of device types whose graphs are rewritten; default cuda (on CPU the ops "
+                               "run their PyTorch reference, slower than plain torch.compile)"),
     "REPLAY_COMPILE_DECODE_ATTENTION": ("decode_attention", lambda s: s.strip().lower(),
                                         "auto (CUDA graphs) / on (every device; CPU runs the reference) / off: "
                                         "rewrite one-token SDPA over a cache into the grouped-head decode "
@@ -83,6 +86,11 @@ DEFAULT_FAMILIES = ("mamba2", "gdn", "kda")
 SUPPORTED_LOWERINGS = ("inductor", "eager", "piecewise", "tensorrt")
 SUPPORTED_READ_COPIES = ("bf16", "fp8_e4m3", "nvfp4", "nvfp4_row")
 DECODE_ATTENTION_MODES = ("auto", "on", "off")
+SUPPORTED_DEVICES = ("cuda", "cpu")
+# CPU graphs are left to the lowering by default: there the ops run their PyTorch reference, and the rewritten
+# decode step measured 0.33-0.35x plain torch.compile's speed (2-core CPU, embedded models, steady state), while the
+# GPU kernels are what the rewrite is for. The command-line tools and the tests opt in to show and check the rewrite.
+DEFAULT_DEVICES = ("cuda",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +123,8 @@ class ReplayConfig:
             keeps; :mod:`replay_compile.passes.decode_attention`); ``"on"``: on every device (the CPU op is the
             reference, slower than SDPA: for tests); ``"off"`` (default): attention is left to the lowering. Opt-in
             until its Triton kernel has been measured on a GPU inside whole models.
+        devices: device types whose graphs are rewritten (default ``("cuda",)``: ``DEFAULT_DEVICES`` says why CPU
+            graphs are left to the lowering unless listed).
     """
 
     buffer_len: int = 16
@@ -126,6 +136,7 @@ class ReplayConfig:
     read_copy: Optional[str] = None
     read_copy_families: tuple[str, ...] = ("mamba2",)
     decode_attention: str = "off"
+    devices: tuple[str, ...] = DEFAULT_DEVICES
     version: int = CONFIG_VERSION
 
     def __post_init__(self):
@@ -140,6 +151,9 @@ class ReplayConfig:
         if unknown:
             raise ValueError(f"replay_compile: unknown read_copy_families {sorted(unknown)}; supported: "
                              f"{SUPPORTED_FAMILIES}")
+        unknown = set(self.devices) - set(SUPPORTED_DEVICES)
+        if unknown:
+            raise ValueError(f"replay_compile: unknown devices {sorted(unknown)}; supported: {SUPPORTED_DEVICES}")
         if self.decode_attention not in DECODE_ATTENTION_MODES:
             raise ValueError(f"replay_compile: decode_attention must be one of {DECODE_ATTENTION_MODES}, got "
                              f"{self.decode_attention!r}")
@@ -165,13 +179,37 @@ class ReplayConfig:
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None) -> tuple["ReplayConfig", dict[str, Any]]:
-        """Split ``torch.compile(options=...)`` into our config and the lowering's own options."""
+        """Split ``torch.compile(options=...)`` into our config and the lowering's own options (Inductor config
+        patches, and ``mode``); a key that is neither raises ``ValueError`` naming the nearest of both."""
         base = cls.from_env()
         options = dict(options or {})
         ours = {k: options.pop(k) for k in list(options) if k in cls.field_names()}
-        for key in ("families", "read_copy_families"):     # "gdn", "mamba2,gdn" or any sequence
+        _check_lowering_keys(options, cls.field_names())
+        for key in ("families", "read_copy_families", "devices"):     # "gdn", "mamba2,gdn" or any sequence
             if isinstance(ours.get(key), str):
                 ours[key] = tuple(x for x in ours[key].split(",") if x)
             elif key in ours:
                 ours[key] = tuple(ours[key])
         return dataclasses.replace(base, **ours), options
+
+
+def _check_lowering_keys(options: Mapping[str, Any], ours: set[str]) -> None:
+    """Every option that is not a :class:`ReplayConfig` field must be ``mode`` or an Inductor config key (they patch
+    the Inductor compile): a misspelt field would otherwise surface at the first forward as an ``AttributeError``
+    from Inductor's config."""
+    unknown = [k for k in options if k != "mode"]
+    if not unknown:
+        return
+    import difflib
+
+    from torch._inductor import config as inductor_config
+
+    known = set(inductor_config.get_config_copy())
+    for key in unknown:
+        if key in known:
+            continue
+        near = difflib.get_close_matches(key, sorted(ours), n=1, cutoff=0.6) or \
+            difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        raise ValueError(f"replay_compile: unknown option {key!r}: not a ReplayConfig field ({', '.join(sorted(ours))})"
+                         f" nor an Inductor config key{hint}")

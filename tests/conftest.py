@@ -1,6 +1,8 @@
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# the tests check the rewrite on CPU graphs, which the backend leaves to the lowering by default (config.py)
+os.environ.setdefault("REPLAY_COMPILE_DEVICES", "cpu,cuda")
 # Triton kernels run on CPU tensors through the interpreter where there is no GPU. Must be set before triton
 # decorates any kernel (replay_compile imports its kernels lazily, so setting it here is early enough).
 try:

@@ -210,10 +210,15 @@ def test_combo_kernels_for_graphs_with_rewrites(options, env, expect, monkeypatc
     assert seen.get("combo_kernels") is expect
 
 
-def test_unknown_lowering_options_reach_inductor():
-    mod, cmod = eager_and_compiled(options={"no_such_inductor_option": 1})
-    with pytest.raises(Exception, match="no_such_inductor_option"):
+def test_an_unknown_option_is_refused_naming_the_nearest_field():
+    """A misspelt field must not travel to Inductor as a config patch (an AttributeError from its config there)."""
+    mod, cmod = eager_and_compiled(options={"buffer_lenn": 8})
+    with pytest.raises(Exception, match="unknown option 'buffer_lenn'.*did you mean 'buffer_len'"):
         cmod(torch.randn(b, H, P, N), *make_inputs(0))
+    with pytest.raises(ValueError, match="did you mean 'combo_kernels'"):
+        replay_compile.ReplayConfig.from_options({"combo_kernel": True})
+    assert replay_compile.ReplayConfig.from_options({"combo_kernels": True, "mode": "max-autotune"})[1] == \
+        {"combo_kernels": True, "mode": "max-autotune"}
 
 
 def test_config_from_env(monkeypatch):
@@ -277,3 +282,38 @@ def test_dynamic_true_rewrites_every_layer():
             torch.testing.assert_close(cmod(sc, *ins), mod(se, *ins), rtol=1e-5, atol=1e-5)
     reps = replay_compile.reports()
     assert [len(r.rewrites) for r in reps] == [1] and not reps[0].skipped
+
+
+def test_summary_has_one_row_per_layer_over_every_graph():
+    """Two decode graphs (two batch sizes, static shapes) rewrite the same layer: one row, and readable reports."""
+    from test_pass_properties import Mamba2Step
+    mod = Mamba2Step(4, 3, 5, 2, 0)
+    replay_compile.clear_reports()
+    cmod = torch.compile(mod, backend="replayssm", options={"buffer_len": L, "lower": "eager"}, dynamic=False)
+    with torch.no_grad():
+        for bs in (3, 2):
+            cmod(torch.randn(bs, 4, 3, 5), torch.randn(bs, 4, 3), torch.randn(bs, 4), torch.randn(bs, 2, 5),
+                 torch.randn(bs, 2, 5))
+    assert len(replay_compile.reports()) == 2
+    text = replay_compile.summary()
+    rows = text.splitlines()
+    assert len(rows) == 2 and "rewritten" in rows[0] and "mamba2" in rows[0], text
+    assert rows[1] == "1 of 1 state-writing layers rewritten"
+    assert repr(replay_compile.reports()[0]).startswith("PassResult(1 rewritten, 0 left unchanged)")
+
+
+def test_cpu_graphs_are_left_to_the_lowering_by_default(monkeypatch, caplog):
+    """Without CPU in ``devices`` a CPU graph compiles as plain torch.compile would, and the reason is said."""
+    import logging
+
+    monkeypatch.delenv("REPLAY_COMPILE_DEVICES", raising=False)
+    replay_compile.clear_reports()
+    mod, cmod = eager_and_compiled(options={"lower": "eager"})
+    with caplog.at_level(logging.INFO, logger="replay_compile"):
+        step_both(cmod, mod, torch.randn(b, H, P, N), torch.randn(b, H, P, N), 1, check=False)
+    reps = replay_compile.reports()
+    assert reps and not any(r.rewrites for r in reps) and "a graph on cpu: left to the lowering" in reps[0].note
+    assert "add 'cpu' to options['devices']" in caplog.text
+    assert "left to the lowering" in replay_compile.summary()
+    with pytest.raises(ValueError, match="unknown devices"):
+        replay_compile.ReplayConfig(devices=("tpu",))

@@ -16,6 +16,21 @@ def test_verify_passes_on_a_supported_model(capsys):
     assert "flushes: 4 per layer (L=8)" in out
 
 
+def test_verify_in_bfloat16_holds_the_rewrite_to_plain_torch_compile(capsys, monkeypatch):
+    """bf16: eager's tokens fed to both compiled runs; the rewrite passes within twice plain torch.compile's own
+    departure from eager, and a wrong rewrite does not."""
+    assert main(["verify", "--family", "bamba", "--dtype", "bfloat16", "--lower", "eager", "--tokens", "17",
+                 "--buffer-len", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "teacher-forced" in out and "twice what inductor departs from eager" in out and "PASS" in out, out
+    from replay_compile.kernels import mamba2_reference as ref
+    real = ref._window_coefficients
+    monkeypatch.setattr(ref, "_window_coefficients", lambda la, dt, valid: real(la * 0, dt, valid))
+    assert main(["verify", "--family", "bamba", "--dtype", "bfloat16", "--lower", "eager", "--tokens", "17",
+                 "--buffer-len", "4"]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
 def test_verify_fails_when_nothing_is_rewritten(capsys, monkeypatch):
     monkeypatch.setenv("REPLAY_COMPILE_DISABLE", "1")
     assert main(["verify", "--family", "mamba2", "--lower", "eager", "--tokens", "17", "--buffer-len", "8"]) == 1
@@ -40,6 +55,19 @@ def test_env(capsys):
     assert main(["env"]) == 0
     out = capsys.readouterr().out
     assert "torch" in out and "replay_compile" in out
+    assert all(" " in line for line in out.splitlines() if line.startswith("transformers")), out   # name, version
+
+
+def test_family_help_lists_every_embedded_model(capsys):
+    from replay_compile import cli
+    from replay_compile.testing import hf_models
+
+    families = {**hf_models.MAMBA2_FAMILY, **hf_models.DELTA_FAMILY, **hf_models.MAMBA1_FAMILY,
+                **hf_models.LIGHTNING_FAMILY}
+    assert set(cli.FAMILIES) == set(families)
+    with pytest.raises(SystemExit):
+        main(["verify", "--help"])
+    assert "kimi_linear" in capsys.readouterr().out
 
 
 def test_explain_lists_rewritten_layers(capsys):
@@ -148,7 +176,8 @@ def test_bench_modes_take_inductor_patches(monkeypatch):
         forward = staticmethod(lambda *a, **k: None)
     bench._forward_for(M(), "replayssm-ro@combo_kernels=1", 8)
     assert seen["kw"] == {} and seen["backend"] == "replayssm"
-    assert seen["options"] == {"buffer_len": 8, "mode": "reduce-overhead", "combo_kernels": True}
+    assert seen["options"] == {"buffer_len": 8, "devices": ("cpu", "cuda"), "mode": "reduce-overhead",
+                               "combo_kernels": True}
     bench._forward_for(M(), "inductor-ro@combo_kernels=1", 8)
     assert seen["options"] == {"triton.cudagraphs": True, "combo_kernels": True} and seen["kw"] == {}
     bench._forward_for(M(), "inductor@combo_kernels=1", 8)

@@ -15,6 +15,7 @@ import inspect
 import logging
 from typing import Sequence
 
+import torch
 import torch.fx as fx
 from torch._dynamo.utils import counters
 
@@ -83,6 +84,20 @@ class PassResult:
     ops_after: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     returns_state: bool = False     # a stepped state is returned for the caller to store (a returned next state)
     attention: list = dataclasses.field(default_factory=list)   # layers whose decode attention was rewritten
+    note: str = ""                  # why the graph as a whole was left to the lowering
+
+    def __repr__(self) -> str:
+        parts = [f"{len(self.rewrites)} rewritten", f"{len(self.skipped)} left unchanged"]
+        if self.attention:
+            parts.append(f"{len(self.attention)} decode attention")
+        lines = [f"PassResult({', '.join(parts)})"] + [f"  {x}" for x in self.rewrites + self.skipped]
+        return "\n".join(lines + [f"  {layer}: decode attention" for layer in self.attention])
+
+
+def graph_device(example_inputs: Sequence) -> str:
+    """``"cuda"`` when any tensor input of the graph is on CUDA, else the first tensor input's device type."""
+    types = [x.device.type for x in example_inputs if isinstance(x, torch.Tensor)]
+    return "cuda" if "cuda" in types else (types[0] if types else "cpu")
 
 
 def count_ops(gm: fx.GraphModule) -> collections.Counter:
@@ -134,6 +149,10 @@ class ReplaySSMPass:
                 or state_writes.per_channel_recurrences(gm.graph) or anchor_mod.find_pools(gm.graph, 3)
                 or ("mamba2" in families and state_writes.returned_recurrences(gm.graph))):
             self._report_returned(res, gm)
+            if not res.skipped:
+                log.info("replay_compile: no recurrent-state update in this graph of %d operations (attention-only "
+                         "code, or a piece between graph breaks): lowered as plain torch.compile would",
+                         sum(res.ops_before.values()))
             return res
         gm = copy_graph_module(gm)
         # a state whose next value is returned (MiniMax's cache list stores it in place of the old tensor): read as
