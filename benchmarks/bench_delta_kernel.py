@@ -24,8 +24,17 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_mamba2_kernel import (  # noqa: E402
-    compare_configs, copy_bandwidth, desync_cells, desync_header, graph_calls, held_records, step_times, time_graph,
-    warm_clocks, write_results)
+    compare_configs,
+    copy_bandwidth,
+    desync_cells,
+    desync_header,
+    graph_calls,
+    held_records,
+    step_times,
+    time_graph,
+    warm_clocks,
+    write_results,
+)
 
 # name: (Hk, HV, K, V, kda)
 GEOMS = {"qwen35_4b": (16, 32, 128, 128, False), "qwen35_122b": (16, 64, 128, 128, False),

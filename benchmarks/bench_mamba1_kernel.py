@@ -24,7 +24,15 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_mamba2_kernel import (  # noqa: E402
-    copy_bandwidth, graph_calls, held_records, load_baseline, step_times, time_graph, warm_clocks, write_results)
+    copy_bandwidth,
+    graph_calls,
+    held_records,
+    load_baseline,
+    step_times,
+    time_graph,
+    warm_clocks,
+    write_results,
+)
 
 # name: (D = d_inner, N = d_state)
 GEOMS = {"falcon_mamba_7b": (8192, 16), "jamba_1_5_mini": (8192, 16), "mamba_2_8b": (5120, 16)}

@@ -23,7 +23,15 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_mamba2_kernel import (  # noqa: E402
-    bench_point, copy_bandwidth, load_baseline, random_step, reported, step_times, warm_clocks, write_results)
+    bench_point,
+    copy_bandwidth,
+    load_baseline,
+    random_step,
+    reported,
+    step_times,
+    warm_clocks,
+    write_results,
+)
 
 H, P, N, G, L = 128, 64, 128, 8, 16
 

@@ -122,11 +122,12 @@ def _draft_model(spec: str, vocab: int, dtype, device):
 
 
 def main(argv=None):
+    from spec_baselines import snapshot_layers
+
     from replay_compile import bench
     from replay_compile.bench import build_model
     from replay_compile.speculative import DraftModel, PromptLookup, generate_speculative
     from replay_compile.speculative.generate import generate_rounds
-    from spec_baselines import snapshot_layers
     from replay_compile.testing.copy_task import copy_batch
     from replay_compile.testing.drafts import known_continuation
 

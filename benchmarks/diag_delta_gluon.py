@@ -149,8 +149,8 @@ ROWS_FORMS = ((32, 2, True), (32, 4, True), (64, 4, True), (16, 2, True))
 def _compile_report(fn, const: dict, warps: int, ptrs: dict, label: str):
     """``fn`` compiled for sm_90 without a GPU (``diag_registers.compile_cuda``, specialised as a launch
     specialises it); prints its resources and most frequent SASS opcodes after ``label``."""
-    from triton.experimental.gluon._runtime import GluonASTSource
     from diag_registers import compile_cuda, resources, sass_census
+    from triton.experimental.gluon._runtime import GluonASTSource
 
     kernel = compile_cuda(fn, const, warps, ptrs, aligned=True, source=GluonASTSource)
     n, ops = sass_census(kernel)

@@ -22,8 +22,9 @@ try:
 except Exception as e:  # noqa: BLE001
     print("fla not importable:", type(e).__name__, e)
 
-import replay_compile  # noqa: E402
 from recorded_graphs import print_launches, record_decode_graphs  # noqa: E402
+
+import replay_compile  # noqa: E402
 from replay_compile.testing.hf_models import DELTA_FAMILY, make_inputs  # noqa: E402
 
 

@@ -66,6 +66,7 @@ def main():
     os.environ["REPLAY_COMPILE_VALIDATE"] = "0"            # the kernels cannot run here
 
     from triton.runtime import driver
+
     from replay_compile.testing.standin_driver import StandInDriver
     driver.set_active(StandInDriver())
 

@@ -8,8 +8,6 @@ import os
 import sys
 import types
 
-import torch
-
 sys.path.insert(0, os.path.dirname(__file__))
 
 root = os.path.join(os.path.dirname(__file__), "..", ".baselines", "mamba_ssm")
@@ -25,12 +23,14 @@ try:
 except Exception as e:  # noqa: BLE001
     print("mamba_ssm not importable:", type(e).__name__, e)
 
-import replay_compile  # noqa: E402
 from recorded_graphs import print_launches, record_decode_graphs  # noqa: E402
+
+import replay_compile  # noqa: E402
 from replay_compile.testing.hf_models import MAMBA2_FAMILY, make_inputs  # noqa: E402
 
 model = MAMBA2_FAMILY["nemotron_h"]().cuda()
 import transformers.models.nemotron_h.modeling_nemotron_h as mh  # noqa: E402
+
 cells = [c.cell_contents for c in (mh.mamba2_selective_state_update.__closure__ or ())
          if callable(getattr(c, "cell_contents", None))]
 print("HF wrapper closure:", [(getattr(f, "__module__", "?"), getattr(f, "__name__", "?")) for f in cells])

@@ -20,7 +20,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_delta_kernel import GEOMS as DELTA_GEOMS, load_baseline, random_delta_step  # noqa: E402
+from bench_delta_kernel import GEOMS as DELTA_GEOMS  # noqa: E402
+from bench_delta_kernel import load_baseline, random_delta_step
 from bench_mamba2_kernel import random_step  # noqa: E402
 
 MAMBA2_GEOMS = {"super": (128, 64, 128, 8), "nano": (96, 80, 128, 8)}

@@ -7,11 +7,17 @@ then the kernels whose count or time differs by more than 5%.
 
 Nemotron-Nano-4B dimensions, random weights, bf16, ``backend="replayssm"``, ``mode="reduce-overhead"``, L = 16.
 """
-import time, statistics, sys, collections
+import collections
+import statistics
+import sys
+import time
+
 import torch
 from transformers import StaticCache
-from replay_compile import bench, state as rs
+
 import replay_compile.backend as rb
+from replay_compile import bench
+from replay_compile import state as rs
 
 layers = int(sys.argv[1]) if len(sys.argv) > 1 else 56
 bs = int(sys.argv[2]) if len(sys.argv) > 2 else 256

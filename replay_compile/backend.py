@@ -25,7 +25,6 @@ from .passes import decode_attention
 from .passes.replay_pass import PassResult, ReplaySSMPass, copy_graph_module, graph_device
 from .replay_tensor import ReplayTensor, checkpoint_of
 
-
 _REPORTS: collections.deque = collections.deque(maxlen=256)
 
 

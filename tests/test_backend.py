@@ -7,12 +7,11 @@ import sys
 
 import pytest
 import torch
+from test_pass_spellings import H, HFStyle, N, P, b, make_inputs
 from torch._inductor.utils import run_and_get_code
 
 import replay_compile
 from replay_compile import state as replay_state
-
-from test_pass_spellings import HFStyle, make_inputs, b, H, P, N
 
 L = 4
 

@@ -9,7 +9,8 @@ as a boolean mask or an additive float one.
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from replay_compile.kernels.decode_attention_reference import decode_attention_reference
 

@@ -9,14 +9,15 @@ verify) run on fixed seeds, under the interpreter on CPU.
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import replay_compile  # noqa: F401 - registers the ops
 from replay_compile.kernels.delta_reference import delta_exact_step
 from replay_compile.kernels.mamba2_spec_reference import spec_buf_len, spec_commit_reference, spec_reset_reference
 from replay_compile.state import DeltaRingSpec
-from replay_compile.testing.numerics import (
-    ULP_FLOOR, Fp32Recurrence, check_within_budget, rel_err as err, with_extremes)
+from replay_compile.testing.numerics import ULP_FLOOR, Fp32Recurrence, check_within_budget, with_extremes
+from replay_compile.testing.numerics import rel_err as err
 from replay_compile.testing.strategies import DeltaGeometry, ExactDeltaOracle, delta_geometries, delta_problem
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

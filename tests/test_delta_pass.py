@@ -9,7 +9,8 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import replay_compile
 from replay_compile.testing.strategies import delta_geometries

@@ -10,8 +10,13 @@ from hypothesis import strategies as st
 
 from replay_compile.ops.mamba2_readcopy import allocate_copy
 from replay_compile.state import DeltaRingSpec
-from replay_compile.testing.strategies import (ExactDeltaOracle, buffer_lens, delta_geometries, delta_problem,
-                                               step_schedules)
+from replay_compile.testing.strategies import (
+    ExactDeltaOracle,
+    buffer_lens,
+    delta_geometries,
+    delta_problem,
+    step_schedules,
+)
 
 OPS = torch.ops.replay_compile
 OUT_TOL = {"bf16": 2e-2, "fp8_e4m3": 1.5e-1, "nvfp4": 6e-1, "nvfp4_row": 6e-1}

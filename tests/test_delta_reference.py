@@ -2,13 +2,20 @@
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 import replay_compile  # noqa: F401 - registers the ops
 from replay_compile.kernels.delta_reference import delta_exact_step
 from replay_compile.state import DeltaRingSpec
 from replay_compile.testing.strategies import (
-    DeltaGeometry, ExactDeltaOracle, buffer_lens, delta_geometries, delta_problem, step_schedules)
+    DeltaGeometry,
+    ExactDeltaOracle,
+    buffer_lens,
+    delta_geometries,
+    delta_problem,
+    step_schedules,
+)
 
 step_op = torch.ops.replay_compile.delta_step
 flush_op = torch.ops.replay_compile.delta_flush

@@ -3,7 +3,8 @@ steps track sequential decoding of the accepted tokens; committed state after ev
 leave the checkpoint bit-unchanged; T in 1..8, B in {8, 16, 32}."""
 
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from replay_compile.kernels.delta_reference import delta_exact_step
 from replay_compile.kernels.delta_spec_reference import delta_spec_materialize_reference, delta_spec_verify_reference

@@ -8,16 +8,16 @@ is checked against the exact recurrence in test_delta_spec_reference.py. Interpr
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 triton = pytest.importorskip("triton")
 
-from replay_compile.kernels.delta_spec_reference import delta_spec_verify_reference  # noqa: E402
 from replay_compile.kernels import delta_spec_triton as kt  # noqa: E402
+from replay_compile.kernels.delta_spec_reference import delta_spec_verify_reference  # noqa: E402
 from replay_compile.kernels.delta_spec_triton import delta_spec_verify_triton  # noqa: E402
+from replay_compile.kernels.mamba2_spec_reference import spec_buf_len, spec_commit_reference, spec_reset_reference  # noqa: E402
 from replay_compile.kernels.mamba2_spec_triton import spec_commit_triton  # noqa: E402
-from replay_compile.kernels.mamba2_spec_reference import (  # noqa: E402
-    spec_buf_len, spec_commit_reference, spec_reset_reference)
 from replay_compile.testing.strategies import delta_geometries, delta_problem  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -6,17 +6,23 @@ tests run it compiled on CUDA tensors.
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 triton = pytest.importorskip("triton")
 
-from replay_compile.kernels.delta_reference import delta_replay_step_reference  # noqa: E402
 from replay_compile.kernels import delta_triton as kd  # noqa: E402
+from replay_compile.kernels.delta_reference import delta_replay_step_reference  # noqa: E402
 from replay_compile.kernels.delta_triton import delta_replay_step_triton  # noqa: E402
 from replay_compile.kernels.mamba2_triton import tuned  # noqa: E402
 from replay_compile.state import DeltaRingSpec  # noqa: E402
 from replay_compile.testing.strategies import (  # noqa: E402
-    DeltaGeometry, ExactDeltaOracle, delta_geometries, delta_problem, step_schedules)
+    DeltaGeometry,
+    ExactDeltaOracle,
+    delta_geometries,
+    delta_problem,
+    step_schedules,
+)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 KEYS = ("q", "k", "v", "g", "beta")

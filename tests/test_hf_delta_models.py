@@ -11,7 +11,6 @@ import replay_compile  # noqa: E402
 from replay_compile.testing import check_equivalence  # noqa: E402
 from replay_compile.testing.hf_models import DELTA_FAMILY, available, make_inputs  # noqa: E402
 
-
 EXPECT = {  # family, key heads (4 value heads in every tiny config)
     "qwen3_next": ("gdn", 2), "qwen3_5": ("gdn", 2), "qwen3_5_moe": ("gdn", 2), "kimi_linear": ("kda", 4),
     "olmo_hybrid": ("gdn", 2), "lara_mini": ("gdn", 2), "bailing_hybrid": ("kda", 4), "qwen4_exp": ("gdn", 2),

@@ -31,10 +31,9 @@ from transformers.generation.utils import GenerationMixin  # noqa: E402
 import replay_compile  # noqa: E402
 import replay_compile.kernels.mamba2_reference as mamba2_reference  # noqa: E402
 from replay_compile import state as replay_state  # noqa: E402
-from replay_compile.integrations import hf as hf_integration  # noqa: E402
 from replay_compile.bench import cache_kwarg  # noqa: E402
+from replay_compile.integrations import hf as hf_integration  # noqa: E402
 from replay_compile.testing.hf_models import MAMBA2_FAMILY, available, make_inputs  # noqa: E402
-
 
 pytestmark = pytest.mark.hf
 

@@ -25,8 +25,7 @@ from replay_compile.kernels import delta_triton as kd  # noqa: E402
 from replay_compile.kernels import mamba2_triton as km  # noqa: E402
 from replay_compile.ops import delta, delta_readcopy, mamba2, mamba2_readcopy  # noqa: E402
 from replay_compile.state import DeltaRingSpec, Mamba2RingSpec  # noqa: E402
-from replay_compile.testing.strategies import (DeltaGeometry, Mamba2Geometry, delta_problem,  # noqa: E402
-                                               mamba2_problem)
+from replay_compile.testing.strategies import DeltaGeometry, Mamba2Geometry, delta_problem, mamba2_problem  # noqa: E402
 
 L = 8
 STEPS = 2 * L + 3

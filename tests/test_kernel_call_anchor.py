@@ -19,8 +19,10 @@ triton = pytest.importorskip("triton")
 tl = triton.language
 
 import replay_compile  # noqa: E402
-from replay_compile.config import SUPPORTED_FAMILIES  # noqa: E402 - Mamba-1 is opt-in
-from replay_compile.config import ReplayConfig  # noqa: E402
+from replay_compile.config import (
+    SUPPORTED_FAMILIES,  # noqa: E402 - Mamba-1 is opt-in
+    ReplayConfig,  # noqa: E402
+)
 from replay_compile.passes.replay_pass import ReplaySSMPass  # noqa: E402
 
 b, H, P, N, G, L = 2, 4, 8, 16, 2, 4

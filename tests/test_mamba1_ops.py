@@ -4,7 +4,8 @@ with serving-style schedules (rows in a new order every step, padded rows, slots
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import replay_compile  # noqa: F401 - registers the ops
 from replay_compile.kernels.mamba1_reference import mamba1_exact_step, mamba1_replay_step_reference

@@ -9,12 +9,17 @@ tiled and pre variants, and the speculative verify) on fixed seeds, under the in
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import replay_compile  # noqa: F401 - registers the ops
 from replay_compile.kernels.mamba2_reference import mamba2_plain_step
 from replay_compile.kernels.mamba2_spec_reference import (
-    spec_buf_len, spec_commit_reference, spec_reset_reference, spec_verify_reference)
+    spec_buf_len,
+    spec_commit_reference,
+    spec_reset_reference,
+    spec_verify_reference,
+)
 from replay_compile.state import Mamba2RingSpec
 from replay_compile.testing.numerics import Fp32Recurrence, check_within_budget, with_extremes
 from replay_compile.testing.strategies import ExactMamba2Oracle, Mamba2Geometry, mamba2_geometries, mamba2_problem

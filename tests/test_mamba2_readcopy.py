@@ -25,9 +25,11 @@ import triton.language as tl  # noqa: E402
 
 from replay_compile.kernels import mamba2_readcopy_triton as kt  # noqa: E402
 from replay_compile.kernels.mamba2_readcopy_reference import (  # noqa: E402
-    decode_slots, init_read_copy, replay_step_readcopy_reference)
-from replay_compile.kernels.mamba2_readcopy_triton import (  # noqa: E402
-    decode_read_copy_triton, replay_step_readcopy_triton)
+    decode_slots,
+    init_read_copy,
+    replay_step_readcopy_reference,
+)
+from replay_compile.kernels.mamba2_readcopy_triton import decode_read_copy_triton, replay_step_readcopy_triton  # noqa: E402
 from replay_compile.kernels.mamba2_reference import replay_step_reference  # noqa: E402
 from replay_compile.quant.formats import FORMATS, Encoded, NVFP4Format  # noqa: E402
 from replay_compile.testing.strategies import Mamba2Geometry  # noqa: E402

@@ -2,13 +2,19 @@
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 import replay_compile  # noqa: F401 - registers the ops
 from replay_compile.kernels.mamba2_reference import mamba2_exact_step, mamba2_plain_step
 from replay_compile.state import Mamba2RingSpec
 from replay_compile.testing.strategies import (
-    ExactMamba2Oracle, buffer_lens, mamba2_geometries, mamba2_problem, step_schedules)
+    ExactMamba2Oracle,
+    buffer_lens,
+    mamba2_geometries,
+    mamba2_problem,
+    step_schedules,
+)
 
 step_op = torch.ops.replay_compile.mamba2_step
 flush_op = torch.ops.replay_compile.mamba2_flush

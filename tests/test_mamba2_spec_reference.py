@@ -6,11 +6,17 @@ checkpoint bit-unchanged, across flush boundaries and ring wrap-around, for T in
 """
 
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from replay_compile.kernels.mamba2_reference import mamba2_plain_step
 from replay_compile.kernels.mamba2_spec_reference import (
-    spec_buf_len, spec_commit_reference, spec_materialize_reference, spec_reset_reference, spec_verify_reference)
+    spec_buf_len,
+    spec_commit_reference,
+    spec_materialize_reference,
+    spec_reset_reference,
+    spec_verify_reference,
+)
 from replay_compile.testing.strategies import mamba2_geometries
 
 

@@ -8,12 +8,17 @@ own property test (test_mamba2_spec_reference.py). Interpreter on CPU, compiled 
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 triton = pytest.importorskip("triton")
 
 from replay_compile.kernels.mamba2_spec_reference import (  # noqa: E402
-    spec_buf_len, spec_commit_reference, spec_reset_reference, spec_verify_reference)
+    spec_buf_len,
+    spec_commit_reference,
+    spec_reset_reference,
+    spec_verify_reference,
+)
 from replay_compile.kernels.mamba2_spec_triton import POISONED, spec_commit_triton, spec_verify_triton  # noqa: E402
 from replay_compile.testing.strategies import mamba2_geometries  # noqa: E402
 

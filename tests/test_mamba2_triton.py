@@ -6,7 +6,8 @@ GPU the same tests run the compiled kernels on CUDA tensors.
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 triton = pytest.importorskip("triton")
 
@@ -15,7 +16,12 @@ from replay_compile.kernels.mamba2_reference import replay_step_reference  # noq
 from replay_compile.kernels.mamba2_triton import replay_step_triton  # noqa: E402
 from replay_compile.state import Mamba2RingSpec  # noqa: E402
 from replay_compile.testing.strategies import (  # noqa: E402
-    ExactMamba2Oracle, Mamba2Geometry, mamba2_geometries, mamba2_problem, step_schedules)
+    ExactMamba2Oracle,
+    Mamba2Geometry,
+    mamba2_geometries,
+    mamba2_problem,
+    step_schedules,
+)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # pre with small flush tiles so that the interpreter's shapes take several of them

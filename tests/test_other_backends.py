@@ -11,8 +11,8 @@ import torch
 pytest.importorskip("transformers")
 
 from replay_compile.integrations import hf as hf_integration  # noqa: E402
-from replay_compile.replay_tensor import ReplayTensor  # noqa: E402
 from replay_compile.integrations.hf_modules import output_cache  # noqa: E402
+from replay_compile.replay_tensor import ReplayTensor  # noqa: E402
 from replay_compile.testing.hf_models import DELTA_FAMILY, MAMBA2_FAMILY, make_inputs  # noqa: E402
 from replay_compile.testing.tp_parity import _recurrent_states  # noqa: E402
 

@@ -2,11 +2,12 @@
 
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import replay_compile
-from replay_compile.passes.replay_pass import ReplaySSMPass
 from replay_compile.config import ReplayConfig
+from replay_compile.passes.replay_pass import ReplaySSMPass
 from replay_compile.testing.strategies import mamba2_geometries
 
 

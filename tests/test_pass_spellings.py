@@ -399,6 +399,7 @@ def test_validation_holds_one_layers_random_state_at_a_time(monkeypatch):
     """The compile-time check runs the graph on random states: each is made when its first user runs and freed
     after its last (with its reference), so a model's check does not hold every layer's state at once."""
     import weakref
+
     from replay_compile.passes import validate
 
     made = []
@@ -476,6 +477,7 @@ def test_validation_unwraps_arguments_only_where_a_dtensor_can_appear(monkeypatc
     """Without DTensor inputs or a node that makes one, the check runs each op on its arguments as they are (the
     per-node unwrapping is a tenth of its host time); the TP tests cover the DTensor side."""
     import types
+
     from replay_compile.passes import validate
 
     calls = []

@@ -10,7 +10,8 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from replay_compile.quant import (
     E2M1_VALUES,

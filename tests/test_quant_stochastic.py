@@ -4,8 +4,7 @@ exact values kept, deterministic per key, and the reason it exists: round-to-nea
 import pytest
 import torch
 
-from replay_compile.quant.stochastic import (element_keys, quantize_checkpoint, sr_e4m3_rows, sr_fp16,
-                                             uniform_from_key)
+from replay_compile.quant.stochastic import element_keys, quantize_checkpoint, sr_e4m3_rows, sr_fp16, uniform_from_key
 
 
 def _neighbours_fp16(x):

@@ -10,7 +10,11 @@ import pytest
 import torch
 
 from replay_compile.kernels.mamba2_spec_reference import (
-    spec_buf_len, spec_commit_reference, spec_reset_reference, spec_verify_reference)
+    spec_buf_len,
+    spec_commit_reference,
+    spec_reset_reference,
+    spec_verify_reference,
+)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 

@@ -18,17 +18,17 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.hf]
 
 from replay_compile import ReplayCompileError  # noqa: E402
-from replay_compile.speculative import PromptLookup, generate_speculative  # noqa: E402
-from replay_compile.testing.hf_models import (  # noqa: E402
-    DELTA_FAMILY, MAMBA2_FAMILY, build_for_speculation, make_inputs)
-from replay_compile.integrations.hf_modules import is_gated_deltanet, output_cache  # noqa: E402
+from replay_compile.integrations.hf_modules import output_cache  # noqa: E402
 from replay_compile.passes.validate import rel_err  # noqa: E402
+from replay_compile.speculative import PromptLookup, generate_speculative  # noqa: E402
+from replay_compile.testing.hf_models import DELTA_FAMILY, MAMBA2_FAMILY, build_for_speculation, make_inputs  # noqa: E402
 from replay_compile.testing.tp_parity import _conv_states, _recurrent_states  # noqa: E402
 
 NEW = 40

@@ -37,11 +37,28 @@ from .delta_split_triton import _append_key, _delta_window_kernel, _window_reado
 from .host_math import cdiv, memo_unless_tuned, next_pow2
 from .launch import launch
 from .mamba2_readcopy_reference import as_encoded
-from .mamba2_readcopy_triton import (FORMAT_IDS, _bf16_bits, _copy_args, _e2m1_value, _e4m3_byte,
-                                     _format_name, _load_copy_rows, _nvfp4_encode_body, _nvfp4_flush_encode_kernel,
-                                     _nvfp4_flush_encode_list_kernel, hw_fp8_cast)
-from .mamba2_triton import (_advance_cursor_kernel, _list_item, _list_row, _row_slot, _step_row, _store_checkpoint,
-                            fixed_grid)
+from .mamba2_readcopy_triton import (
+    FORMAT_IDS,
+    _bf16_bits,
+    _copy_args,
+    _e2m1_value,
+    _e4m3_byte,
+    _format_name,
+    _load_copy_rows,
+    _nvfp4_encode_body,
+    _nvfp4_flush_encode_kernel,
+    _nvfp4_flush_encode_list_kernel,
+    hw_fp8_cast,
+)
+from .mamba2_triton import (
+    _advance_cursor_kernel,
+    _list_item,
+    _list_row,
+    _row_slot,
+    _step_row,
+    _store_checkpoint,
+    fixed_grid,
+)
 
 __all__ = ["delta_replay_step_readcopy_triton"]
 

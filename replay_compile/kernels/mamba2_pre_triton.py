@@ -34,8 +34,18 @@ import triton.language as tl
 from . import mamba2_triton as base
 from .host_math import cdiv, next_pow2
 from .launch import launch, pdl_on, pdl_options
-from .mamba2_triton import (_advance_cursor_kernel, _fold_tile, _list_item, _list_row, _mamba2_replay_tiled_kernel,
-                            _row_slot, _step_row, _step_window, _store_checkpoint, fixed_grid)
+from .mamba2_triton import (
+    _advance_cursor_kernel,
+    _fold_tile,
+    _list_item,
+    _list_row,
+    _mamba2_replay_tiled_kernel,
+    _row_slot,
+    _step_row,
+    _step_window,
+    _store_checkpoint,
+    fixed_grid,
+)
 
 __all__ = ["launch_window", "replay_step_pre", "window_heads"]
 

@@ -110,8 +110,17 @@ from .host_math import cdiv, memo_unless_tuned, next_pow2
 from .launch import interpreting, launch
 from .mamba2_pre_triton import _cb_window, _walk_listed_folds, _x_slice, launch_window
 from .mamba2_readcopy_reference import as_encoded
-from .mamba2_triton import (_advance_cursor_kernel, _list_item, _round_checkpoint, _row_slot, _step_row, _step_window,
-                            fixed_grid, fold_tile_shape, parse_tuning)
+from .mamba2_triton import (
+    _advance_cursor_kernel,
+    _list_item,
+    _round_checkpoint,
+    _row_slot,
+    _step_row,
+    _step_window,
+    fixed_grid,
+    fold_tile_shape,
+    parse_tuning,
+)
 
 __all__ = ["FORMAT_IDS", "TUNING", "decode_read_copy_triton", "launch_config", "replay_step_readcopy_triton",
            "tuned"]

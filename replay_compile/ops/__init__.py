@@ -1,6 +1,5 @@
 """Custom ops (``torch.ops.replay_compile.*``). Importing this package registers them."""
 
-from . import (decode_attention, delta, delta_readcopy, delta_spec, mamba1, mamba2, mamba2_readcopy,  # noqa: F401
-               mamba2_spec, spec)
+from . import decode_attention, delta, delta_readcopy, delta_spec, mamba1, mamba2, mamba2_readcopy, mamba2_spec, spec  # noqa: F401
 
 __all__ = ["decode_attention", "delta", "delta_readcopy", "delta_spec", "mamba1", "mamba2", "mamba2_readcopy", "mamba2_spec", "spec"]

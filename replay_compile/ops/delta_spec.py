@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from torch import Tensor
 import torch
+from torch import Tensor
 
 from ..kernels.delta_reference import _compute_dtype
 from ..kernels.delta_spec_reference import delta_spec_verify_reference

@@ -28,9 +28,20 @@ import torch
 import torch.fx as fx
 
 from . import anchors
+from .graph_utils import (
+    ALIASING,
+    METADATA,
+    dtype,
+    example,
+    flatten,
+    is_static_int,
+    op_name,
+    shape,
+    state_inputs,
+    strip,
+    writers,
+)
 from .rewrite import erase_dead
-from .graph_utils import (ALIASING, METADATA, dtype, example, flatten, is_static_int, op_name, shape, state_inputs,
-                          strip, writers)
 
 # in-place arithmetic a state update is spelt with, and what each becomes
 _INPLACE = {"mul_", "add_", "sub_", "div_", "addcmul_"}

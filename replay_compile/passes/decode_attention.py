@@ -28,7 +28,8 @@ import torch
 import torch.fx as fx
 
 from .._logging import log
-from .graph_utils import dtype as dtype_of, example, module_path, op_name, shape
+from .graph_utils import dtype as dtype_of
+from .graph_utils import example, module_path, op_name, shape
 
 _SDPA = ("scaled_dot_product_attention", "_scaled_dot_product_attention")
 _EXPANSION = ("reshape", "view", "expand", "getitem", "unsqueeze", "repeat_interleave")

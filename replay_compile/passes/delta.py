@@ -28,10 +28,34 @@ from ..kernels.delta_reference import delta_exact_step
 from ..state import DeltaRingSpec
 from .anchors import Anchor
 from .broadcast import FULL, same_size
-from .graph_utils import (CAST_LIKE, depends_on, dtype, flatten, is_static_int, is_value_cast, module_path, op_name,
-                          real_users, shape, strip, writers)
-from .mamba2 import (B_, H_, N_, P_, STATE_DTYPES, Mamba2Matcher, NoMatch, Recipe, SiteMatch, _extractor, _promote,
-                     _static_or_minus_one)
+from .graph_utils import (
+    CAST_LIKE,
+    depends_on,
+    dtype,
+    flatten,
+    is_static_int,
+    is_value_cast,
+    module_path,
+    op_name,
+    real_users,
+    shape,
+    strip,
+    writers,
+)
+from .mamba2 import (
+    B_,
+    H_,
+    N_,
+    P_,
+    STATE_DTYPES,
+    Mamba2Matcher,
+    NoMatch,
+    Recipe,
+    SiteMatch,
+    _extractor,
+    _promote,
+    _static_or_minus_one,
+)
 
 K_, V_ = P_, N_                     # the state frame [b, HV, K, V] in the Mamba-2 frame's dim numbers
 _VIEWS = {"view", "reshape", "unsqueeze", "squeeze", "expand", "getitem"}

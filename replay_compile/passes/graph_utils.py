@@ -8,9 +8,8 @@ copies that do not change values' meaning, :func:`flatten` collects the operands
 
 from __future__ import annotations
 
-import re
-
 import operator
+import re
 from typing import Any, Iterable
 
 import torch

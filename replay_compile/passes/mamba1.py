@@ -20,11 +20,11 @@ import dataclasses
 import torch
 import torch.fx as fx
 
+from ..kernels.mamba1_reference import mamba1_exact_step
 from ..state import Mamba1RingSpec
 from .broadcast import FULL, BroadcastAnalysis
 from .graph_utils import CAST_LIKE, dtype, flatten, is_static_int, module_path, op_name, real_users, shape, strip
 from .mamba2 import STATE_DTYPES, NoMatch, Recipe, SiteMatch
-from ..kernels.mamba1_reference import mamba1_exact_step
 
 _B, _D, _N = 0, 1, 2
 # The longest Mamba-1 ring: each held record costs every later step an exp per (channel, state) entry, so longer

@@ -32,8 +32,21 @@ import torch.fx as fx
 from ..state import Mamba2RingSpec
 from .anchors import Anchor
 from .broadcast import FULL, BroadcastAnalysis, same_size
-from .graph_utils import (CAST_LIKE, depends_elementwise, depends_on, dtype, flatten, is_static_int,
-                          is_value_cast, module_path, op_name, real_users, shape, strip, writers)
+from .graph_utils import (
+    CAST_LIKE,
+    depends_elementwise,
+    depends_on,
+    dtype,
+    flatten,
+    is_static_int,
+    is_value_cast,
+    module_path,
+    op_name,
+    real_users,
+    shape,
+    strip,
+    writers,
+)
 
 FAMILY = "mamba2"
 B_, H_, P_, N_ = 0, 1, 2, 3          # dims of the state frame [b, H, P, N]

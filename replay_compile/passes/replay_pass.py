@@ -22,12 +22,13 @@ from torch._dynamo.utils import counters
 from .._logging import log, timed_phase
 from ..config import ReplayConfig
 from ..errors import ReplayCompileError
-from . import (anchors as anchor_mod, broadcast, canonical, delta, delta_kernel_call as fla_call, graph_utils, mamba1,
-               mamba2, mamba2_kernel_call as kernel_call, rewrite, state_writes, triton_launch, validate)
-from .graph_utils import shape
+from . import anchors as anchor_mod
+from . import broadcast, canonical, delta, graph_utils, mamba1, mamba2, rewrite, state_writes, triton_launch, validate
+from . import delta_kernel_call as fla_call
+from . import mamba2_kernel_call as kernel_call
 from .delta import DeltaMatcher
+from .graph_utils import shape
 from .mamba2 import Mamba2Matcher, NoMatch
-
 
 PER_CHANNEL = ("a state [batch, (heads,) channels, states] updated as exp(dt A) S + update with a decay per "
                "(channel, state) (Mamba-1's recurrence), in a form the Mamba-1 rewrite does not read")

@@ -303,8 +303,8 @@ def _launch(n: fx.Node, kwargs: dict) -> None:
     if not tensors or tensors[0].device.type != "cpu":
         n.target(**kwargs)
         return
-    from triton.runtime.interpreter import InterpretedFunction
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    from triton.runtime.interpreter import InterpretedFunction
 
     from .triton_launch import heuristic_values, jit_function
 

@@ -31,7 +31,7 @@ from .base import SpecLayer
 
 
 def _act(name: str):
-    from transformers.activations import ACT2FN            # the models' own activation table
+    from transformers.activations import ACT2FN  # the models' own activation table
     return ACT2FN[name]
 
 

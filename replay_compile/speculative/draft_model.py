@@ -25,8 +25,7 @@ import inspect
 import torch
 
 from ..errors import ReplayCompileError
-from ..integrations.hf_modules import cache_kwarg, looks_like_ssm
-from ..integrations.hf_modules import attention_layers, write_at
+from ..integrations.hf_modules import attention_layers, cache_kwarg, looks_like_ssm, write_at
 from .rounds import copy_scratch
 
 

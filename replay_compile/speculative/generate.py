@@ -28,11 +28,17 @@ import torch
 
 from .._logging import log
 from ..errors import ReplayCompileError
-from .drafts import PromptLookup
-from ..integrations.hf_modules import (cache_kwarg, is_gated_deltanet, is_kimi_delta_attention, is_mamba2_mixer,
-                                       looks_like_ssm, output_cache)
+from ..integrations.hf_modules import (
+    cache_kwarg,
+    is_gated_deltanet,
+    is_kimi_delta_attention,
+    is_mamba2_mixer,
+    looks_like_ssm,
+    output_cache,
+)
 from .base import SpecLayer
 from .delta_layer import SpecDeltaLayer
+from .drafts import PromptLookup
 from .mamba2_layer import SpecMamba2Layer
 from .rounds import Rounds, refuse_what_cannot_roll_back
 from .sampling import Sampling

@@ -34,7 +34,6 @@ from ..integrations.hf_modules import attention_layers, cache_kwarg, write_at
 from .base import SpecLayer
 from .sampling import Sampling, accept
 
-
 # what a cache layer may hold for the speculative rounds to roll it back: attention keys and values (and a static
 # layer's position counter), and the conv / recurrent states of the SSM layers they verify
 # (transformers 5.25's linear-attention layers also count their tokens, `cumulative_length_linear`: the verify

@@ -112,6 +112,7 @@ def _worker(rank: int, world: int, port: int, family: str, device_type: str, ste
                             timeout=datetime.timedelta(seconds=300))
     try:
         import replay_compile  # noqa: F401 - registers the backend in this process
+
         from .. import backend as rb
         from ..tensor_parallel import parallelize_hybrid
         from .hf_models import DELTA_FAMILY, MAMBA2_FAMILY, make_inputs
