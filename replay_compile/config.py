@@ -78,6 +78,28 @@ OTHER_ENV_VARS = {
     "REPLAY_COMPILE_BENCH_COMPILE_TIMES": "1: replay-compile bench prints Dynamo's compile phases per run",
 }
 
+def _choice(name: str, default: str, choices: dict[str, str], environ: Mapping[str, str] | None = None) -> str:
+    """The value of the variable ``name`` mapped through ``choices`` (spellings -> meaning, any case); ``default``
+    when unset or empty; anything else raises ``ValueError`` naming the variable and the accepted values."""
+    raw = (os.environ if environ is None else environ).get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw not in choices:
+        raise ValueError(f"replay_compile: bad value {raw!r} for {name}; expected one of {', '.join(choices)}")
+    return choices[raw]
+
+
+def kernels_choice(environ: Mapping[str, str] | None = None) -> str:
+    """``REPLAY_COMPILE_KERNELS``: ``"triton"`` (default) or ``"reference"`` (the ops' PyTorch reference on CUDA)."""
+    return _choice("REPLAY_COMPILE_KERNELS", "triton", {"triton": "triton", "reference": "reference"}, environ)
+
+
+def inline_kernels_choice(environ: Mapping[str, str] | None = None) -> str:
+    """``REPLAY_COMPILE_INLINE_KERNELS``: ``"all"`` (default), ``"latency"`` or ``"off"`` (ops/library.py)."""
+    spellings = {**{v: "all" for v in _TRUE + ("all",)}, **{v: "off" for v in _FALSE}, "latency": "latency"}
+    return _choice("REPLAY_COMPILE_INLINE_KERNELS", "all", spellings, environ)
+
+
 SUPPORTED_FAMILIES = ("mamba2", "gdn", "kda", "mamba1")
 # Mamba-1 is opt-in: its replay step runs every held record's decay through an exp per (channel, state) entry, and
 # measured on the H200 (Falcon-Mamba-7B dims, L = 4) it is 1.05-1.15x mamba_ssm's exact step at batch 256-512 and

@@ -75,3 +75,17 @@ def test_every_variable_is_documented_and_in_the_readme():
     readme = (ROOT / "README.md").read_text()
     table = set(re.findall(r"^\| `(REPLAY_COMPILE_[A-Z_]+)` \|", readme, flags=re.M))
     assert documented <= table, documented - table
+
+
+@pytest.mark.parametrize("var, good, bad", [
+    ("REPLAY_COMPILE_KERNELS", {"reference": "reference", "Triton": "triton", "": "triton"}, "refrence"),
+    ("REPLAY_COMPILE_INLINE_KERNELS", {"latency": "latency", "0": "off", "1": "all", "": "all"}, "latncy"),
+])
+def test_kernel_choices_are_validated_naming_the_variable(var, good, bad):
+    from replay_compile.config import inline_kernels_choice, kernels_choice
+
+    parse = kernels_choice if var == "REPLAY_COMPILE_KERNELS" else inline_kernels_choice
+    for raw, meaning in good.items():
+        assert parse({var: raw}) == meaning
+    with pytest.raises(ValueError, match=f"bad value '{bad}' for {var}; expected one of"):
+        parse({var: bad})

@@ -12,8 +12,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import decode_attention_reference as ref
-from .library import replay_op
-from .mamba2 import use_triton
+from .library import replay_op, use_triton
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

@@ -23,8 +23,7 @@ from torch import Tensor
 
 from ..kernels import delta_reference as ref
 from .checks import STATE_DTYPES, check_cursor_values, check_float_rings, check_token_args
-from .library import replay_op
-from .mamba2 import use_triton
+from .library import replay_op, use_triton
 
 
 def _fail(msg: str):

@@ -21,8 +21,8 @@ from torch import Tensor
 from ..kernels import delta_readcopy_reference as rcref
 from ..kernels.mamba2_reference import _compute_dtype
 from .checks import check_cursor_values
-from .delta import _fail, check_ring_args, check_step_args, use_triton
-from .library import replay_op
+from .delta import _fail, check_ring_args, check_step_args
+from .library import replay_op, use_triton
 from .mamba2_readcopy import as_copy
 
 _MUTATED = ("state", "d_ring", "k_ring", "g_ring", "v_ring", "beta_ring", "copy0", "copy1", "copy2", "cursor")

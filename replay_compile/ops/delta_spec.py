@@ -19,8 +19,7 @@ from torch import Tensor
 from ..kernels.delta_reference import _compute_dtype
 from ..kernels.delta_spec_reference import delta_spec_verify_reference
 from .delta import check_step_args
-from .library import replay_op
-from .mamba2 import use_triton
+from .library import replay_op, use_triton
 from .spec import check_spec_cursors
 
 

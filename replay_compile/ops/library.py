@@ -44,6 +44,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from ..config import inline_kernels_choice, kernels_choice
 from ..kernels.launch import interpreting, traced_launches
 from . import mutation_cache
 
@@ -58,12 +59,15 @@ def inline_mode() -> str:
     inlined where their ``inline`` predicate holds) or ``"off"`` (with ``REPLAY_COMPILE_INLINE_KERNELS=0``,
     ``REPLAY_COMPILE_KERNELS=reference`` or ``TRITON_INTERPRET=1``: the interpreter's kernels cannot be traced). See
     the module docstring."""
-    env = os.environ
-    val = env.get("REPLAY_COMPILE_INLINE_KERNELS", "1").strip().lower()
-    if val in ("0", "false", "off") or env.get("REPLAY_COMPILE_KERNELS", "triton").lower() == "reference" \
-            or interpreting():
+    how = inline_kernels_choice()
+    if how == "off" or not use_triton() or interpreting():
         return "off"
-    return "latency" if val == "latency" else "all"
+    return how
+
+
+def use_triton() -> bool:
+    """CUDA tensors go to the Triton kernels unless ``REPLAY_COMPILE_KERNELS=reference``."""
+    return kernels_choice() == "triton"
 
 
 @functools.lru_cache(maxsize=None)

@@ -13,7 +13,6 @@ on any device without a dedicated kernel); on CUDA the step runs the Triton kern
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -21,12 +20,7 @@ from torch import Tensor
 
 from ..kernels import mamba2_reference as ref
 from .checks import STATE_DTYPES, check_cursor_values, check_float_rings, check_token_args
-from .library import replay_op
-
-
-def use_triton() -> bool:
-    """CUDA tensors go to the Triton kernels unless ``REPLAY_COMPILE_KERNELS=reference``."""
-    return os.environ.get("REPLAY_COMPILE_KERNELS", "triton").lower() != "reference"
+from .library import replay_op, use_triton
 
 
 def _fail(msg: str):

@@ -22,8 +22,8 @@ from torch import Tensor
 from ..kernels import mamba2_readcopy_reference as rcref
 from ..kernels import mamba2_reference as ref
 from ..quant.formats import FORMATS, Encoded
-from .library import replay_op
-from .mamba2 import _fail, check_step_args, use_triton
+from .library import replay_op, use_triton
+from .mamba2 import _fail, check_step_args
 
 COPY_TENSORS = 3      # the op's fixed number of copy storage tensors
 

@@ -18,8 +18,8 @@ import torch
 from torch import Tensor
 
 from ..kernels import mamba2_spec_reference as ref
-from .library import replay_op
-from .mamba2 import check_ring_args, use_triton
+from .library import replay_op, use_triton
+from .mamba2 import check_ring_args
 from .spec import check_spec_cursors
 
 

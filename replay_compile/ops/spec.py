@@ -17,8 +17,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import mamba2_spec_reference as ref
-from .library import replay_op
-from .mamba2 import use_triton
+from .library import replay_op, use_triton
 
 
 def check_spec_cursors(op: str, state: Tensor, buf: int, w: Tensor, origin: Tensor, is_flush: Tensor) -> None:

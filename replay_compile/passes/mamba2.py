@@ -54,7 +54,20 @@ STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 class NoMatch(Exception):
-    """The anchor is a recurrent-state write, but not one we can rewrite; the message says why."""
+    """The anchor is a recurrent-state write, but not one we can rewrite; the message says why.
+
+    ``code`` names the reason for code that decides by it (the pass prefers another matcher's reason over
+    ``STATE_DEPENDENT`` and ``OTHER_READOUT_DIM``, the signs of a delta rule or of a transposed state); ``level``
+    is the log level of the skip it becomes (``"warning"``: a recurrence left unchanged; ``"info"``: plainly not a
+    recurrent step)."""
+
+    STATE_DEPENDENT = "state_dependent_update"
+    OTHER_READOUT_DIM = "readout_over_another_dim"
+
+    def __init__(self, reason: str, *, code: str = "no_match", level: str = "warning"):
+        super().__init__(reason)
+        self.code = code
+        self.level = level
 
 
 @dataclasses.dataclass
@@ -260,7 +273,7 @@ class Mamba2Matcher:
             if depends_on(f, store):
                 # e.g. a delta rule (Gated DeltaNet's S·k): the replay op would read it from the checkpoint
                 raise NoMatch(f"update factor {f.name} is computed from the state itself (a delta rule?), not "
-                              f"from this token's inputs alone")
+                              f"from this token's inputs alone", code=NoMatch.STATE_DEPENDENT)
 
         # groups of B: block-repeat along H
         G = self._groups(n_side, H)
@@ -498,7 +511,8 @@ class Mamba2Matcher:
         s = sums[0]
         dim, keep = _sum_dim(s)
         if dim not in ((-2, 2) if t else (-1, 3)) or keep:
-            raise NoMatch(f"readout `{s.name}` sums dim {dim} (keepdim={keep}), expected the last dim")
+            raise NoMatch(f"readout `{s.name}` sums dim {dim} (keepdim={keep}), expected the last dim",
+                          code=NoMatch.OTHER_READOUT_DIM)
         cs = shape(c)
         fn, Gc = self._C_from_frame(c, _frame_dims(len(cs), transposed=t), H, N, 4)
         return s, c, fn, Gc, "mul-sum"

@@ -310,7 +310,7 @@ class ReplaySSMPass:
     @staticmethod
     def _match(a, m2: Mamba2Matcher, dm: DeltaMatcher, families: set):
         """Mamba-2 first, then the delta rule; the reason given for a miss is the one of the matcher that got
-        further (a delta rule fails the Mamba-2 matcher at "computed from the state itself")."""
+        further (a delta rule fails the Mamba-2 matcher with ``NoMatch.STATE_DEPENDENT``)."""
         err = None
         if "mamba2" in families:
             try:
@@ -325,7 +325,7 @@ class ReplaySSMPass:
                 else:
                     return m
             except NoMatch as e:
-                if err is None or "state itself" in str(err) or "dim -2" in str(err):
+                if err is None or err.code in (NoMatch.STATE_DEPENDENT, NoMatch.OTHER_READOUT_DIM):
                     err = e
         raise err
 
