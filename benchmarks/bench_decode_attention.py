@@ -20,31 +20,10 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import statistics
 
 import torch
 
 GEOMS = {"nano4b": (32, 8, 128), "qwen35_4b": (16, 4, 256)}
-
-
-def _graph_time(fn, reps: int = 20, rounds: int = 10) -> float:
-    """Median seconds per call over ``rounds`` replays of a CUDA graph of ``reps`` calls."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    times = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3 / reps)
-    return statistics.median(times)
 
 
 def main(argv=None):
@@ -61,7 +40,7 @@ def main(argv=None):
     ap.add_argument("--out", default="bench-results")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    from bench_mamba2_kernel import warm_clocks
+    from bench_mamba2_kernel import time_graph, warm_clocks
 
     from replay_compile.bench import copy_bandwidth
 
@@ -106,7 +85,7 @@ def main(argv=None):
                 try:
                     out = fn()
                     err = float((out.reshape(want.shape).double() - want).abs().max())
-                    t = _graph_time(fn)
+                    t = time_graph(fn, reps=10, inner=20) * 1e-6
                 except Exception as e:                           # a path PyTorch does not offer for this shape
                     print(f"{name:10} {b:4d} {var:10} failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
                     continue
