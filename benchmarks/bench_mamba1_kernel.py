@@ -103,8 +103,9 @@ def main(argv=None):
                     r = bench_point(ssu, D, N, bs, getattr(torch, dname), L)
                     base = r.get("baseline_us", math.nan)
                     pct = lambda b, us: 100 * b / (us * 1e-6) / bw if us == us else math.nan  # noqa: E731
-                    row = dict(geom=f"{gname}/L{L}", dtype=dname, L=L, bs=bs, baseline_us=base, nonflush_us=r["nonflush_us"],
-                               flush_us=r["flush_us"], lavg_us=r["lavg_us"], speedup=base / r["lavg_us"],
+                    row = dict(geom=f"{gname}/L{L}", dtype=dname, L=L, bs=bs, baseline_us=base,
+                               nonflush_us=r["nonflush_us"], flush_us=r["flush_us"], lavg_us=r["lavg_us"],
+                               speedup=base / r["lavg_us"],
                                pct_bw_nonflush=pct(r["bytes_nonflush"], r["nonflush_us"]),
                                pct_bw_baseline=pct(r["bytes_baseline"], base))
                     rows.append(row)

@@ -9,7 +9,8 @@ positions), our flush step and the average over L consecutive steps (one flush),
 at least 8 steps (median of repeats; the state of a large batch is far larger than L2, small batches rotate over
 several state buffers so L2 stays cold; a graph of one step would add the graph's own launch latency to every figure:
 ``step_times``). Bytes are the
-fewest the step must move; "% bw" is bytes / time against the device-to-device copy bandwidth measured at the start of the run.
+fewest the step must move; "% bw" is bytes / time against the device-to-device copy bandwidth measured at the start
+of the run.
 The baseline is mamba_ssm's Triton ``selective_state_update``: installed, or its source under ``.baselines/``
 (copy it along to a GPU machine without network; mamba_ssm's compiled extensions are not needed for this function).
 """
@@ -316,8 +317,8 @@ def main(argv=None):
           f"{'L-avg us':>9} {'speedup':>7} {'floor x':>7} {'chosen':>6} {'xwhole':>6} {'xpre':>6}" + \
           desync_header(args.desync)
     if args.configs:
-        return sweep_configs(ssu, bw, args.L, args.out, args.configs.split(";"), list(map(int, args.batches.split(","))),
-                             args.geoms.split(","), args.dtypes.split(","))
+        return sweep_configs(ssu, bw, args.L, args.out, args.configs.split(";"),
+                             list(map(int, args.batches.split(","))), args.geoms.split(","), args.dtypes.split(","))
     print(hdr)
     for gname in args.geoms.split(","):
         H, P, N, G = GEOMS[gname]

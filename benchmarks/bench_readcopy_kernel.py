@@ -94,7 +94,8 @@ def main(argv=None):
                 if r is None:
                     continue
                 base = plain.get("baseline_us", float("nan"))
-                row = dict(fmt=fmt, geom="super", dtype=fmt if not spec else f"{fmt} {spec}", bs=bs, config=spec, baseline_us=base, fp32_lavg_us=plain["lavg_us"], **r,
+                row = dict(fmt=fmt, geom="super", dtype=fmt if not spec else f"{fmt} {spec}", bs=bs, config=spec,
+                           baseline_us=base, fp32_lavg_us=plain["lavg_us"], **r,
                            speedup=base / r["lavg_us"], vs_fp32=plain["lavg_us"] / r["lavg_us"])
                 rows.append(row)
                 print(f"{fmt:9} {bs:4d} {base:8.1f} {plain['lavg_us']:10.1f} {r['nonflush_us']:9.1f} "

@@ -34,7 +34,8 @@ from spec_baselines import gdn_snapshot_step, mamba2_snapshot_step, snapshot_com
 
 # name: (family, dims)
 GEOMS = {"super": ("mamba2", dict(H=128, P=64, N=128, G=8)), "nano": ("mamba2", dict(H=96, P=80, N=128, G=8)),
-         "qwen35_4b": ("gdn", dict(Hk=16, HV=32, K=128, V=128)), "qwen35_122b": ("gdn", dict(Hk=16, HV=64, K=128, V=128))}
+         "qwen35_4b": ("gdn", dict(Hk=16, HV=32, K=128, V=128)),
+         "qwen35_122b": ("gdn", dict(Hk=16, HV=64, K=128, V=128))}
 ROUNDS = 16
 
 

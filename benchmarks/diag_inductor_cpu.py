@@ -24,4 +24,4 @@ for backend, opts in [("inductor", None), ("replayssm", None), ("replayssm", {"v
             src = open(path).read().splitlines()
             k = int(line)
             print("\n".join(f"{i + 1}: {src[i]}" for i in range(max(0, k - 25), min(len(src), k + 3))))
-        print([l for l in msg.splitlines() if "error" in l][:5])
+        print([ln for ln in msg.splitlines() if "error" in ln][:5])

@@ -25,7 +25,8 @@ model = bench.build_model("nemotron_h_nano4b", torch.bfloat16, "cuda", layers=la
 ck = bench.cache_kwarg(model)
 
 def run(variant, steps=40, prompt=16):
-    torch._dynamo.reset(); rb.clear_reports()
+    torch._dynamo.reset()
+    rb.clear_reports()
     ids = torch.randint(3, 1000, (bs, prompt), generator=torch.Generator().manual_seed(0)).cuda()
     cache = StaticCache(config=model.config, max_cache_len=prompt + 2 * steps + 4)
     fwd = bench._forward_for(model, "replayssm-ro", 16)
@@ -45,17 +46,20 @@ def run(variant, steps=40, prompt=16):
             h0 = time.perf_counter()
             tok = fwd(tok, use_cache=True, cache_position=poss[t], **{ck: cache}).logits[:, -1:].argmax(-1)
             host.append(time.perf_counter() - h0)
-        b.record(); torch.cuda.synchronize()
+        b.record()
+        torch.cuda.synchronize()
         pipe = a.elapsed_time(b) / steps
         # kernels of 4 steps
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for t in range(2 * steps, 2 * steps + 2):
                 tok = fwd(tok, use_cache=True, cache_position=poss[t], **{ck: cache}).logits[:, -1:].argmax(-1)
             torch.cuda.synchronize()
-        kern = collections.Counter(); ktime = collections.Counter()
+        kern = collections.Counter()
+        ktime = collections.Counter()
         for e in prof.key_averages():
             if e.device_type == torch.autograd.DeviceType.CUDA:
-                kern[e.key] += e.count; ktime[e.key] += e.device_time_total
+                kern[e.key] += e.count
+                ktime[e.key] += e.device_time_total
         rs.flush(cache)
     return dict(variant=variant, host_ms=statistics.median(host) * 1e3, host_mean_ms=statistics.mean(host) * 1e3,
                 pipelined_ms=pipe), kern, ktime
@@ -66,7 +70,8 @@ for rep, order in enumerate((("wrapped", "plain"), ("plain", "wrapped"))):
         r, kern, ktime = run(v)
         print(rep, r, "kernels", sum(kern.values()), "kernel_ms/2steps %.3f" % (sum(ktime.values()) / 1e3), flush=True)
         res[v] = (kern, ktime)
-kw, tw = res["wrapped"]; kp, tp = res["plain"]
+kw, tw = res["wrapped"]
+kp, tp = res["plain"]
 for k in sorted(set(kw) | set(kp), key=lambda k: -(tw[k] + tp[k]))[:40]:
     if kw[k] != kp[k] or abs(tw[k] - tp[k]) > 0.05 * max(tw[k], tp[k], 1):
         print(f"{k[:80]:80s} n {kw[k]:4d}/{kp[k]:4d} us {tw[k]:9.1f}/{tp[k]:9.1f}")

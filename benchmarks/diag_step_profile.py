@@ -1,6 +1,7 @@
 """Where a compiled decode step's time goes: torch.profiler over steady steps, plain torch.compile vs replayssm.
 
-    python benchmarks/diag_step_profile.py --model nemotron_h_nano4b --layers 8 --batch 1 [--modes inductor-ro,replayssm-ro]
+    python benchmarks/diag_step_profile.py --model nemotron_h_nano4b --layers 8 --batch 1
+        [--modes inductor-ro,replayssm-ro]
 
 Per mode: the step's wall time (host launch + device, synchronised as in ``replay-compile bench``), the number of
 device kernels per step and the top kernels by device time. ``--py-rows N``: the steps under cProfile too (the host's
@@ -116,7 +117,8 @@ def profile_mode(model, mode: str, batch: int, L: int, warm: int = 20, steps: in
             count[e.name] += 1
     walls.sort()
     print(f"== {mode}: median step {walls[len(walls) // 2] * 1e3:.3f} ms (host+device, synchronised), "
-          f"{sum(count.values()) / steps:.0f} kernels/step, device total {sum(kern.values()) / steps / 1e3:.3f} ms/step")
+          f"{sum(count.values()) / steps:.0f} kernels/step, "
+          f"device total {sum(kern.values()) / steps / 1e3:.3f} ms/step")
     for name, t in kern.most_common(top):
         print(f"   {t / steps:9.1f} us/step  x{count[name] / steps:4.0f}  {name[:110]}")
     try:

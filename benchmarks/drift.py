@@ -4,9 +4,9 @@
         [--checkpoints fp16,fp8_e4m3]
 
 A small hybrid (the test suite's tiny NemotronH, Mamba-2, or ``--model qwen3_5``, Gated DeltaNet; fp32, decays
-slowed so that the state carries information over hundreds of tokens) greedily generates ``--tokens`` tokens in fp32: the reference distribution
-``p_fp32`` at every position. Each variant then decodes the *same* tokens (teacher forcing, so positions line up)
-and we record ``KL(p_variant ‖ p_fp32)`` and top-1 agreement per position:
+slowed so that the state carries information over hundreds of tokens) greedily generates ``--tokens`` tokens in
+fp32: the reference distribution ``p_fp32`` at every position. Each variant then decodes the *same* tokens (teacher
+forcing, so positions line up) and we record ``KL(p_variant ‖ p_fp32)`` and top-1 agreement per position:
 
 * ``quantized/<fmt>`` — the baseline: the recurrent state is stored in ``fmt`` after every step (quantize-dequantize
   in place), so every step's rounding feeds the recurrence;

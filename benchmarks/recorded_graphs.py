@@ -41,7 +41,8 @@ def print_launches(graphs: list, before: int = 12, after: int = 10) -> None:
             if name in seen:
                 continue
             seen.add(name)
-            print("   kernel:", name, "| constants:", kernel_side_table.get_constant_args(n.kwargs["constant_args_idx"]))
+            print("   kernel:", name, "| constants:",
+                  kernel_side_table.get_constant_args(n.kwargs["constant_args_idx"]))
             print("  ", n.format_node()[:1500])
             j = nodes.index(n)
             for m in nodes[max(0, j - before): j + after]:

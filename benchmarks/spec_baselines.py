@@ -46,8 +46,10 @@ def _mamba2_snapshot_kernel(
             x = tl.load(x_ptr + row * s_xb + t * s_xt + h * s_xh + offs_p * s_xp, mask=mask_p, other=0.0).to(tl.float32)
             dt = tl.load(dt_ptr + row * s_db + t * s_dt + h * s_dh)
             la = tl.load(la_ptr + row * s_db + t * s_dt + h * s_dh)
-            Bv = tl.load(B_ptr + row * s_bb + t * s_bt + g * s_bg + offs_n * s_bn, mask=mask_n, other=0.0).to(tl.float32)
-            Cv = tl.load(C_ptr + row * s_bb + t * s_bt + g * s_bg + offs_n * s_bn, mask=mask_n, other=0.0).to(tl.float32)
+            Bv = tl.load(B_ptr + row * s_bb + t * s_bt + g * s_bg + offs_n * s_bn, mask=mask_n,
+                         other=0.0).to(tl.float32)
+            Cv = tl.load(C_ptr + row * s_bb + t * s_bt + g * s_bg + offs_n * s_bn, mask=mask_n,
+                         other=0.0).to(tl.float32)
             S = tl.exp(la) * S + (dt * x)[:, None] * Bv[None, :]
             tl.store(y_ptr + row * s_yb + t * s_yt + h * s_yh + offs_p * s_yp, tl.sum(S * Cv[None, :], axis=1),
                      mask=mask_p)
@@ -79,8 +81,10 @@ def _gdn_snapshot_kernel(
     S = tl.load(pool_ptr + row * s_pb + src * s_ps + h * s_ph + e, mask=tile, other=0.0)
     for t in range(BLOCK_T):
         if t < T:
-            q = tl.load(q_ptr + row * s_qb + t * s_qt + hk * s_qh + offs_k * s_qk, mask=mask_k, other=0.0).to(tl.float32)
-            k = tl.load(k_ptr + row * s_qb + t * s_qt + hk * s_qh + offs_k * s_qk, mask=mask_k, other=0.0).to(tl.float32)
+            q = tl.load(q_ptr + row * s_qb + t * s_qt + hk * s_qh + offs_k * s_qk, mask=mask_k,
+                        other=0.0).to(tl.float32)
+            k = tl.load(k_ptr + row * s_qb + t * s_qt + hk * s_qh + offs_k * s_qk, mask=mask_k,
+                        other=0.0).to(tl.float32)
             v = tl.load(v_ptr + row * s_vb + t * s_vt + h * s_vh + offs_v * s_vv, mask=mask_v, other=0.0).to(tl.float32)
             a = tl.exp(tl.load(g_ptr + row * s_gb + t * s_gt + h * s_gh))
             beta = tl.load(beta_ptr + row * s_gb + t * s_gt + h * s_gh)

@@ -290,8 +290,8 @@ def step_floor_bytes(model, cache, batch: int, filled: int) -> dict:
 PROFILE_CATEGORIES = (
     ("attention", ("decode_attention", "flash", "fmha", "attention", "sdpa")),
     ("KV expand copy", ("expand", "clone", "repeat")),
-    ("SSM step", ("mamba", "delta", "replay", "readcopy", "selective", "spec_", "cursor", "zero_count", "fused_recurrent",
-                  "chunk_gated", "fold", "flush", "nvfp4")),
+    ("SSM step", ("mamba", "delta", "replay", "readcopy", "selective", "spec_", "cursor", "zero_count",
+                  "fused_recurrent", "chunk_gated", "fold", "flush", "nvfp4")),
     ("GEMM", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul", "splitk", "_mm_")),
     ("copy / memset", ("copy", "memcpy", "memset", "catarray", "fill")),
     ("conv", ("conv",)),
@@ -353,8 +353,8 @@ def bench_one(model, batch: int, mode: str, steps: int, L: int, prompt_len: int 
     start = max(context, prompt_len)
     need = start + steps + 2 + (PROFILE_STEPS if profile else 0)
     if cache_len is not None and cache_len < need:
-        raise SystemExit(f"replay-compile bench: a cache of {cache_len} positions is too short for a {prompt_len}-token "
-                         f"prompt and {steps} steps ({need})")
+        raise SystemExit(f"replay-compile bench: a cache of {cache_len} positions is too short for a "
+                         f"{prompt_len}-token prompt and {steps} steps ({need})")
     cache = StaticCache(config=model.config, max_cache_len=cache_len or need)
     timer = _Timer(device)
     if timer.cuda:
@@ -459,7 +459,8 @@ def run_parity(models, batch, steps, L, device, dtype_name, layers, out_dir, mod
                tp: int = 1) -> list[dict]:
     """:func:`parity` for each model; writes ``parity.csv`` and prints one line per model (rank 0 under ``tp``)."""
     mesh, rank, device, dtype = _setup(tp, device, dtype_name, out_dir)
-    bandwidth = copy_bandwidth() if str(device).startswith("cuda") else float("nan")     # the floor's bytes/s
+    if str(device).startswith("cuda"):
+        copy_bandwidth()        # the floor's bytes/s, unused here; the measurement is kept for its effect on the device
     rows = []
     for name in models:
         model = build_model(name, dtype, device, layers, mesh=mesh)
@@ -471,7 +472,8 @@ def run_parity(models, batch, steps, L, device, dtype_name, layers, out_dir, mod
             continue
         print(f"parity {name} ({r['layers']} layers, {dtype_name}) bs={batch} {mode}: {steps} greedy steps, tokens "
               f"agree on {100 * r['tokens_agree']:.1f}% (first mismatch {r['first_mismatch']}), max logit diff "
-              f"{r['max_logit_diff']:.2e} ({r['rel_logit_diff']:.1e} of the largest logit), {r['rewrites']} layers rewritten",
+              f"{r['max_logit_diff']:.2e} ({r['rel_logit_diff']:.1e} of the largest logit), "
+              f"{r['rewrites']} layers rewritten",
               flush=True)
     _tp_teardown(tp)
     if rank:
@@ -653,16 +655,17 @@ def _write(rows, out_dir, quiet=False):
         w = csv.DictWriter(f, fieldnames=[k for k in rows[0] if k != "profile"], extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
-    lines = ["| model (layers, TP) | batch | context | mode | step ms | floor ms | % of floor | non-flush ms | flush ms | "
-             "tokens/s | first step s | peak GiB | decode-loop peak GiB | rewrites | speedup vs torch.compile | "
-             "first step vs torch.compile |",
+    lines = ["| model (layers, TP) | batch | context | mode | step ms | floor ms | % of floor | non-flush ms | "
+             "flush ms | tokens/s | first step s | peak GiB | decode-loop peak GiB | rewrites | "
+             "speedup vs torch.compile | first step vs torch.compile |",
              "|" + " --- |" * 16]
     for r in rows:
         lines.append(f"| {r['model']} ({r['layers']}, {r.get('tp', 1)}) | {r['batch']} | {r.get('context', '')} | "
                      f"{r['mode']} | {r['step_ms']:.3f} | {r.get('floor_ms', float('nan')):.3f} | "
                      f"{r.get('pct_floor', float('nan')):.0f} | "
                      f"{r['nonflush_ms']:.3f} | {r['flush_ms']:.3f} | {r['tokens_per_s']:.1f} | "
-                     f"{r['first_step_s']:.1f} | {r['peak_mem_gib']:.2f} | {r.get('steady_mem_gib', float('nan')):.2f} | "
+                     f"{r['first_step_s']:.1f} | {r['peak_mem_gib']:.2f} | "
+                     f"{r.get('steady_mem_gib', float('nan')):.2f} | "
                      f"{r['rewrites']} | "
                      f"{r['speedup_vs_compile']:.2f} | {r.get('first_step_vs_compile', float('nan')):.2f} |")
     table = "\n".join(lines)

@@ -154,7 +154,8 @@ def _bench(args) -> int:
     if lead:
         print(f"bench: {models} batches {batches} modes {modes}, {args.steps} decode steps, L={args.buffer_len}, "
               f"{args.dtype} on {args.device}, torch {torch.__version__}, context {context}" +
-              (f", first {args.layers} layers only" if args.layers else "") + (f", TP={args.tp}" if args.tp > 1 else ""))
+              (f", first {args.layers} layers only" if args.layers else "") +
+              (f", TP={args.tp}" if args.tp > 1 else ""))
     if args.check:
         rows = bench.run_parity(models, args.check_batch, args.check, args.buffer_len, args.device, args.dtype,
                                 args.layers, args.out, mode=modes[-1] if args.modes else

@@ -71,8 +71,8 @@ class DeltaStep(torch.nn.Module):
 def inputs(geom, gen, kda):
     b = geom.batch
     return (torch.randn(b, geom.Hk, geom.K, generator=gen), torch.randn(b, geom.Hk, geom.K, generator=gen),
-            torch.randn(b, geom.HV, geom.V, generator=gen), torch.randn(b, geom.HV, geom.K if kda else 1, generator=gen),
-            torch.randn(b, geom.HV, generator=gen))
+            torch.randn(b, geom.HV, geom.V, generator=gen),
+            torch.randn(b, geom.HV, geom.K if kda else 1, generator=gen), torch.randn(b, geom.HV, generator=gen))
 
 
 def run_both(mod, geom, L, steps=None, seed=0, tol=2e-5):

@@ -150,6 +150,7 @@ def test_padding_rows_are_untouched_and_opcheck():
     o = step_op(state0, *rings, *args(seq[0]), torch.tensor([-1, -1, -1]))
     assert torch.count_nonzero(o) == 0
     assert all(torch.equal(a, b) for a, b in zip(before, (state0, *rings)))
-    torch.library.opcheck(step_op, (state0.clone(), *(r.clone() for r in rings), *args(seq[0]), torch.tensor([2, -1, 0])))
+    torch.library.opcheck(step_op, (state0.clone(), *(r.clone() for r in rings), *args(seq[0]),
+                                    torch.tensor([2, -1, 0])))
     torch.library.opcheck(flush_op, (state0.clone(), *(r.clone() for r in rings)))
     torch.library.opcheck(materialize_op, (state0.clone(), *rings))

@@ -30,14 +30,16 @@ def test_random_acceptance_tracks_sequential_decoding(geom, Bbud, T, data, dtype
     gshape = (b, HV, buf, K) if geom.kda else (b, HV, buf)
     rings = (torch.full((b, HV, buf, V), nan, dtype=dtype), torch.full((b, Hk, buf, K), nan, dtype=dtype),
              torch.full(gshape, nan, dtype=dtype))
-    w, origin, fl = torch.zeros(b, dtype=torch.int32), torch.zeros(b, dtype=torch.int32), torch.zeros(b, dtype=torch.bool)
+    w, origin, fl = (torch.zeros(b, dtype=torch.int32), torch.zeros(b, dtype=torch.int32),
+                     torch.zeros(b, dtype=torch.bool))
     spec_reset_reference(w, origin, fl, Bbud, T)
     tol = 1e-10 if dtype == torch.float64 else 3e-4
     for step in range(40):
         toks = seq[step * T:(step + 1) * T]
         win = {key: torch.stack([t[key] for t in toks], 1) for key in ("q", "k", "v", "g", "beta")}   # [b, T, ...]
         before, was_flush = state.clone(), fl.clone()
-        o = delta_spec_verify_reference(state, *rings, w, origin, fl, *(win[key] for key in ("q", "k", "v", "g", "beta")))
+        o = delta_spec_verify_reference(state, *rings, w, origin, fl,
+                                        *(win[key] for key in ("q", "k", "v", "g", "beta")))
         n = data.draw(st.lists(st.integers(1, T), min_size=b, max_size=b), label=f"accepted {step}")
         for s in range(b):
             S = true[s].clone()[None]
@@ -73,7 +75,8 @@ def test_ops_wrap_the_reference_and_pass_opcheck():
         true = [state0[s].double().clone() for s in range(2)]
         gshape = (2, 4, buf, 5) if kda else (2, 4, buf)
         rings = (torch.zeros(2, 4, buf, 3), torch.zeros(2, 2, buf, 5), torch.zeros(gshape))
-        w, origin, fl = torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.bool)
+        w, origin, fl = (torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32),
+                         torch.zeros(2, dtype=torch.bool))
         for step in range(8):
             toks = seq[step * T:(step + 1) * T]
             args = tuple(torch.stack([t[key] for t in toks], 1) for key in ("q", "k", "v", "g", "beta"))

@@ -39,7 +39,8 @@ def test_delta_model_decodes_like_eager(name):
         assert sum(torch._dynamo.utils.counters["graph_break"].values()) > 0
         assert torch._dynamo.utils.counters["replay_compile"][family] >= (3 if name == "qwen4_exp" else 1)
     layers = {r.layer for r in rep.rewrites}
-    assert (name in ("qwen4_exp", "glm5_next") or len(layers) == 2) and all(r.family == family and r.spec.Hk == hk for r in rep.rewrites), rep.rewrites
+    assert (name in ("qwen4_exp", "glm5_next") or len(layers) == 2) and \
+        all(r.family == family and r.spec.Hk == hk for r in rep.rewrites), rep.rewrites
     assert not [s for s in rep.skipped if not s.quiet], rep.skipped
     assert torch._dynamo.utils.counters["replay_compile"][family] >= 2
 
@@ -92,7 +93,8 @@ def test_bf16_teacher_forced_logits_match_eager(name):
     step = delta_reference.delta_replay_step_reference
     try:
         delta_reference.delta_replay_step_reference = \
-            lambda s, d, k_, g_, c, q, k, v, g, beta, slot_idx=None: step(s, d, k_, g_, c, q, k, v, 0.9 * g, beta, slot_idx)
+            lambda s, d, k_, g_, c, q, k, v, g, beta, slot_idx=None: \
+            step(s, d, k_, g_, c, q, k, v, 0.9 * g, beta, slot_idx)
         torch._dynamo.reset()
         bad = torch.compile(model.forward, backend="replayssm", options={"buffer_len": 4, "lower": "eager"})
         got_bad, _ = _teacher_forced(model, bad, seq, ids.shape[1])

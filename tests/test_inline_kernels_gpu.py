@@ -2,12 +2,12 @@
 
 Under ``torch.compile`` the CUDA step ops can be traced instead of called: AOTAutograd traces their Triton launches
 and Inductor launches the kernels from its generated code (ops/library.py); every variant by default, only the
-latency variants with ``REPLAY_COMPILE_INLINE_KERNELS=latency``. Checked here, per op and kernel variant, over 2L + 3 steps
-with rows flushing at different steps: the compiled function gives the eager op's outputs and leaves the checkpoint,
-rings and cursor exactly as the eager op does (same kernels, same arguments); the generated code launches our
-kernels, does not call the op and copies nothing; no copy of the checkpoint is made (peak memory); the default
-inlines every exact variant, ``latency`` the latency variants only; with ``REPLAY_COMPILE_INLINE_KERNELS=0``, and for the read-copy ops, the op stays
-opaque and gives the same results.
+latency variants with ``REPLAY_COMPILE_INLINE_KERNELS=latency``. Checked here, per op and kernel variant, over 2L + 3
+steps with rows flushing at different steps: the compiled function gives the eager op's outputs and leaves the
+checkpoint, rings and cursor exactly as the eager op does (same kernels, same arguments); the generated code launches
+our kernels, does not call the op and copies nothing; no copy of the checkpoint is made (peak memory); the default
+inlines every exact variant, ``latency`` the latency variants only; with ``REPLAY_COMPILE_INLINE_KERNELS=0``, and for
+the read-copy ops, the op stays opaque and gives the same results.
 """
 
 import contextlib

@@ -19,9 +19,9 @@ triton = pytest.importorskip("triton")
 tl = triton.language
 
 import replay_compile  # noqa: E402
-from replay_compile.config import (
-    SUPPORTED_FAMILIES,  # noqa: E402 - Mamba-1 is opt-in
-    ReplayConfig,  # noqa: E402
+from replay_compile.config import (  # noqa: E402
+    SUPPORTED_FAMILIES,  # Mamba-1 is opt-in
+    ReplayConfig,
 )
 from replay_compile.passes.replay_pass import ReplaySSMPass  # noqa: E402
 

@@ -53,7 +53,8 @@ def test_random_acceptance_tracks_sequential_decoding(geom, Bbud, T, data, dtype
     true = [state[s].double().clone() for s in range(b)]
     rings = (torch.full((b, H, buf, P), float("nan"), dtype=dtype), torch.full((b, H, buf), float("nan"), dtype=dtype),
              torch.full((b, H, buf), float("nan"), dtype=dtype), torch.full((b, G, buf, N), float("nan"), dtype=dtype))
-    w, origin, is_flush = torch.zeros(b, dtype=torch.int32), torch.zeros(b, dtype=torch.int32), torch.zeros(b, dtype=torch.bool)
+    w, origin, is_flush = (torch.zeros(b, dtype=torch.int32), torch.zeros(b, dtype=torch.int32),
+                           torch.zeros(b, dtype=torch.bool))
     spec_reset_reference(w, origin, is_flush, Bbud, T)
     tol = 1e-10 if dtype == torch.float64 else 3e-4
     flushes = wraps = 0
@@ -61,7 +62,8 @@ def test_random_acceptance_tracks_sequential_decoding(geom, Bbud, T, data, dtype
         tok = draw_tokens(g, b, T, H, P, N, G, Gc, dtype)
         before = state.clone()
         was_flush = is_flush.clone()
-        y = spec_verify_reference(state, *rings, w, origin, is_flush, tok["x"], tok["dt"], tok["la"], tok["B"], tok["C"])
+        y = spec_verify_reference(state, *rings, w, origin, is_flush, tok["x"], tok["dt"], tok["la"], tok["B"],
+                                  tok["C"])
         n = torch.tensor(data.draw(st.lists(st.integers(1, T), min_size=b, max_size=b), label=f"accepted {step}"))
         for s in range(b):
             want, states = oracle_outputs(true[s], tok, s, T)
@@ -89,7 +91,8 @@ def test_ring_wraps_and_flushes_on_a_long_run():
     true = state[0].clone()
     rings = (torch.zeros(1, H, buf, P, dtype=torch.float64), torch.zeros(1, H, buf, dtype=torch.float64),
              torch.zeros(1, H, buf, dtype=torch.float64), torch.zeros(1, 1, buf, N, dtype=torch.float64))
-    w, origin, fl = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.bool)
+    w, origin, fl = (torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+                     torch.zeros(1, dtype=torch.bool))
     spec_reset_reference(w, origin, fl, Bbud, T)
     origins = []
     for step in range(60):
@@ -113,7 +116,8 @@ def test_ops_wrap_the_reference_and_pass_opcheck():
     g = torch.Generator().manual_seed(1)
     state = torch.randn(b, H, P, N, generator=g)
     rings = (torch.zeros(b, H, buf, P), torch.zeros(b, H, buf), torch.zeros(b, H, buf), torch.zeros(b, G, buf, N))
-    w, origin, fl = torch.zeros(b, dtype=torch.int32), torch.zeros(b, dtype=torch.int32), torch.zeros(b, dtype=torch.bool)
+    w, origin, fl = (torch.zeros(b, dtype=torch.int32), torch.zeros(b, dtype=torch.int32),
+                     torch.zeros(b, dtype=torch.bool))
     true = [state[s].double().clone() for s in range(b)]
     for step in range(8):
         tok = draw_tokens(g, b, T, H, P, N, G, G, torch.float32)

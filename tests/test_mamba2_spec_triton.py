@@ -54,8 +54,8 @@ def test_verify_and_commit_match_the_reference(geom, Bbud, T, act, state_dtype, 
     tol = 1e-5 if act == torch.float32 and state_dtype == torch.float32 else 2e-2
     for step in range(3 * Bbud // T + 3):
         tok = dict(x=torch.randn(b, T, H, P, generator=g).to(act), dt=0.05 + torch.rand(b, T, H, generator=g),
-                   la=torch.log(0.5 + 0.5 * torch.rand(b, T, H, generator=g)), B=torch.randn(b, T, G, N, generator=g).to(act),
-                   C=torch.randn(b, T, Gc, N, generator=g).to(act))
+                   la=torch.log(0.5 + 0.5 * torch.rand(b, T, H, generator=g)),
+                   B=torch.randn(b, T, G, N, generator=g).to(act), C=torch.randn(b, T, Gc, N, generator=g).to(act))
         slots = data.draw(st.permutations(list(range(b))), label=f"slots {step}")
         pad = data.draw(st.lists(st.booleans(), min_size=b, max_size=b), label=f"pad {step}")
         slots = [-1 if p and step % 3 == 2 else s for s, p in zip(slots, pad)]

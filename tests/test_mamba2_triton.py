@@ -174,7 +174,8 @@ def test_launch_config_picks_whole_for_small_batches_and_pre_above():
         kt.launch_config(1, 1, 1, 1, 1)
 
 
-@pytest.mark.parametrize("P, state_bytes, tile", [(64, 4, (64, 2)), (80, 4, (16, 1)), (64, 2, (32, 1)), (80, 2, (32, 1))])
+@pytest.mark.parametrize("P, state_bytes, tile",
+                         [(64, 4, (64, 2)), (80, 4, (16, 1)), (64, 2, (32, 1)), (80, 2, (32, 1))])
 def test_pre_pass_tile_follows_the_checkpoint_width(P, state_bytes, tile):
     """The checkpoint pass's tile and warps (H200 sweeps): whole 64-row heads on 2 warps where 64 divides P and
     16 rows on 1 warp elsewhere for fp32 checkpoints; 32 rows on 1 warp for 2-byte ones at both."""

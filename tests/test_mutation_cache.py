@@ -128,7 +128,8 @@ out = {}
 for flag in (True, False):
     n0 = len(generated)
     a, b = wrapped(t._toy_kernel, t._args(flag=flag), {}), wrapped(t._toy_kernel, t._args(flag=flag), {})
-    out[str(flag)] = [writes(a), writes(b), len(generated) - n0, writes(wrapped.__wrapped__(t._toy_kernel, t._args(flag=flag), {}))]
+    out[str(flag)] = [writes(a), writes(b), len(generated) - n0,
+                      writes(wrapped.__wrapped__(t._toy_kernel, t._args(flag=flag), {}))]
 fake, box = t._fake_and_box_args()
 real_analysis = wrapped.__wrapped__
 out["kinds"] = [writes(real_analysis(t._toy_kernel, fake, {})), writes(real_analysis(t._toy_kernel, box, {}))]

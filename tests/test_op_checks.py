@@ -34,8 +34,8 @@ def delta(b=3, cursor=(0, 3, 1), kda=False):
         r.copy_(torch.randn(r.shape, generator=g))
     rings[-1].copy_(torch.tensor(cursor, dtype=torch.int32))
     gate = -torch.rand((b, HV, K) if kda else (b, HV), generator=g)
-    inputs = [torch.randn(b, Hk, K, generator=g), torch.randn(b, Hk, K, generator=g), torch.randn(b, HV, V, generator=g),
-              gate, torch.rand(b, HV, generator=g)]
+    inputs = [torch.randn(b, Hk, K, generator=g), torch.randn(b, Hk, K, generator=g),
+              torch.randn(b, HV, V, generator=g), gate, torch.rand(b, HV, generator=g)]
     return dict(state=state, rings=rings, inputs=inputs, step=OPS.delta_step, flush=OPS.delta_flush,
                 materialize=OPS.delta_materialize)
 

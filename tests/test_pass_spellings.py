@@ -163,7 +163,8 @@ class _Parts(torch.nn.Module):
 
     def parts(self, dt, B, C):
         d = F.softplus(dt)
-        return d, torch.exp(d * self.A)[:, :, None, None], B.repeat_interleave(H // G, 1), C.repeat_interleave(H // G, 1)
+        return (d, torch.exp(d * self.A)[:, :, None, None], B.repeat_interleave(H // G, 1),
+                C.repeat_interleave(H // G, 1))
 
 
 class EinsumOuterUpdate(_Parts):

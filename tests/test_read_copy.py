@@ -90,7 +90,8 @@ def test_delta_rule_recurrence_never_sees_the_copy(kda):
     gshape = (b, HV, buf, K) if kda else (b, HV, buf)
     rings = [torch.zeros(b, HV, buf, V, dtype=torch.float64), torch.zeros(b, Hk, buf, K, dtype=torch.float64),
              torch.zeros(gshape, dtype=torch.float64)]
-    raw = dict(v_ring=torch.zeros(b, HV, buf, V, dtype=torch.float64), beta_ring=torch.zeros(b, HV, buf, dtype=torch.float64))
+    raw = dict(v_ring=torch.zeros(b, HV, buf, V, dtype=torch.float64),
+               beta_ring=torch.zeros(b, HV, buf, dtype=torch.float64))
     copy = torch.zeros_like(state)
     curs = [torch.zeros(b, dtype=torch.int32), torch.zeros(b, dtype=torch.int32), torch.zeros(b, dtype=torch.bool)]
     spec_reset_reference(*curs, Bbud, T)

@@ -22,7 +22,8 @@ hf_integration.install()
 _EVERY_VERSION = ("nemotron_h", "mamba2", "qwen3_5", "kimi_linear")
 FAMILIES = [pytest.param(f, marks=[pytest.mark.hf] if f in _EVERY_VERSION else [])
             for f in ("nemotron_h", "bamba", "mamba2", "zamba2", "granitemoehybrid", "qwen3_next", "qwen3_5",
-                      "qwen3_5_moe", "kimi_linear", "olmo_hybrid", "bailing_hybrid", "lara_mini", "qwen4_exp", "glm5_next")]
+                      "qwen3_5_moe", "kimi_linear", "olmo_hybrid", "bailing_hybrid", "lara_mini", "qwen4_exp",
+                      "glm5_next")]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -6,10 +6,10 @@ every round), a seeded mix (random acceptance counts), and prompt lookup on a re
 with 4-token verifies makes the rings flush every round or two, across ring wrap. The output must equal greedy
 ``generate`` token for token, and the cache left behind must hold the same recurrent and conv states.
 
-The GDN builds get slower gates first (:func:`~replay_compile.testing.hf_models.build_for_speculation`): with the stock init (``A`` up to 16, ``dt_bias`` 1) the
-median per-step decay is ~0, so the state hardly matters (zeroing it changes the next logits by 1-11%); after it the
-decays are ~0.4-0.9 and zeroing the state changes them by 48-114%. Kimi-Linear's stock gates already keep memory
-(median decay ~0.9, 110%).
+The GDN builds get slower gates first (:func:`~replay_compile.testing.hf_models.build_for_speculation`): with the
+stock init (``A`` up to 16, ``dt_bias`` 1) the median per-step decay is ~0, so the state hardly matters (zeroing it
+changes the next logits by 1-11%); after it the decays are ~0.4-0.9 and zeroing the state changes them by 48-114%.
+Kimi-Linear's stock gates already keep memory (median decay ~0.9, 110%).
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ def _decode_attention_combine(out_ptr, ws_m, ws_l, ws_acc, KV, G, DV, so_b, so_h
     g = tl.arange(0, G_PAD)
     dv = tl.arange(0, DV_PAD)
     m = tl.full((G_PAD,), float("-inf"), tl.float32)
-    l = tl.zeros((G_PAD,), tl.float32)
+    l_i = tl.zeros((G_PAD,), tl.float32)
     acc = tl.zeros((G_PAD, DV_PAD), tl.float32)
     for i in range(N_SPLIT):
         base = (pair * N_SPLIT + i) * G_PAD
@@ -113,10 +113,10 @@ def _decode_attention_combine(out_ptr, ws_m, ws_l, ws_acc, KV, G, DV, so_b, so_h
         ref = tl.where(m_new > float("-inf"), m_new, 0.0)     # splits with nothing to attend to weigh 0
         w_old = tl.exp2(m - ref)
         w_s = tl.exp2(m_s - ref)
-        l = l * w_old + l_s * w_s
+        l_i = l_i * w_old + l_s * w_s
         acc = acc * w_old[:, None] + a_s * w_s[:, None]
         m = m_new
-    res = acc / tl.where(l > 0, l, 1.0)[:, None]
+    res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     heads = kvh * G + g
     tl.store(out_ptr + row * so_b + heads[:, None] * so_h + dv[None, :], res.to(out_ptr.dtype.element_ty),
              mask=(g[:, None] < G) & (dv[None, :] < DV))

@@ -4,8 +4,8 @@ Same signature and in-place contract as
 :func:`~replay_compile.kernels.delta_readcopy_reference.delta_replay_step_readcopy_reference`. Launches, all routed on
 the device from the cursor (one captured CUDA graph serves every step):
 
-1. :func:`~.delta_split_triton._delta_window_kernel` (shared with the exact step), grid ``(b, HV)``: the window's scalars
-   and decayed vectors once per (row, value head), and ``w`` per row.
+1. :func:`~.delta_split_triton._delta_window_kernel` (shared with the exact step), grid ``(b, HV)``: the window's
+   scalars and decayed vectors once per (row, value head), and ``w`` per row.
 2. :func:`_delta_rc_apply_kernel`, grid ``(cdiv(V, BLOCK_V), b, HV)``, a ``K x BLOCK_V`` slice per program:
 
    * non-flush rows decode their slice of the *copy* (bf16; fp8 e4m3 with a scale per K-row; NVFP4 codes, e4m3

@@ -18,9 +18,10 @@ independent across value columns, so a program reads its ``K x BLOCK_V`` slice o
 
 where ``d_j`` are the history's records and the window's values solved so far. Ordinary rows use ``S_l = S_0`` and
 ``lo = 0``; flush rows first fold their history into the checkpoint (record by record, the recurrence itself;
-written once, fp16 rounded stochastically as the reference does) and use ``lo = w``. The ``T`` new records go to ring slots
-``(origin + w + t) & (buf - 1)``, which never hold committed history (``w + T <= buf``). A single-launch kernel that
-redid the window work in every value-tile program ran at 10% of the copy bandwidth on the H200 (docs/design/speculative_rounds.md).
+written once, fp16 rounded stochastically as the reference does) and use ``lo = w``. The ``T`` new records go to ring
+slots ``(origin + w + t) & (buf - 1)``, which never hold committed history (``w + T <= buf``). A single-launch kernel
+that redid the window work in every value-tile program ran at 10% of the copy bandwidth on the H200
+(docs/design/speculative_rounds.md).
 
 A row whose history and window do not fit the ring (which the commit's flush rule prevents) gets NaN outputs and
 touches nothing: the kernel cannot raise, so the error is made impossible to miss. No autotuning (the kernel

@@ -7,8 +7,8 @@ the device from the cursor (one captured CUDA graph serves every step):
 2. :func:`_delta_apply_kernel`, grid ``(cdiv(V, BLOCK_V), b, HV)``: streams ``K x BLOCK_V`` checkpoint slices (32
    wide, 2 warps), writes ``o``, appends the records of non-flush rows and folds flush rows.
 
-Measured on the H200 (``docs/design/delta_kernel.md``; bs256 fp32, L-avg vs fla): the window launch on 1 warp instead of 4
-(its ``[16, 128]`` tiles; GDN window 24 -> 16 µs, KDA 91 -> 54) and 32-wide slices instead of 16 (the checkpoint
+Measured on the H200 (``docs/design/delta_kernel.md``; bs256 fp32, L-avg vs fla): the window launch on 1 warp instead
+of 4 (its ``[16, 128]`` tiles; GDN window 24 -> 16 µs, KDA 91 -> 54) and 32-wide slices instead of 16 (the checkpoint
 stream 182 -> ~150 µs) took GDN from 1.61x to 1.94x and KDA from 0.92x to 1.20x. The other defaults: KDA's launch 1
 record by record (``window_rows``, :func:`_delta_window_rows_kernel`: 46 -> 22 µs; GDN keeps the tile form, 16 vs 17
 µs); the flush's record loop software-pipelined (``flush_stages``, ``tl.range(num_stages=...)``; 0 is a plain loop):
@@ -283,8 +283,8 @@ def _delta_apply_kernel(
 
     Non-flush rows append ``d`` (and ``k``, ``g`` once per key / value head); flush rows write
     ``exp(E_tot) ⊙_K S_0 + KEᵀ D + k dᵀ`` once, as L outer products with launch 1's scaled keys (no ``tl.dot`` in
-    this kernel: its operand layouts slowed the non-flush path by 20% on the H200, docs/design/delta_kernel.md). Only what a
-    branch needs is loaded in it. One program per row advances the cursor: launch 1 has already read it and this
+    this kernel: its operand layouts slowed the non-flush path by 20% on the H200, docs/design/delta_kernel.md). Only
+    what a branch needs is loaded in it. One program per row advances the cursor: launch 1 has already read it and this
     launch reads ``w`` from launch 1's copy, so nobody reads it after the write.
 
     ``PDL`` (launched as launch 1's programmatic dependent): the checkpoint slice, ``v`` and ``β`` are read while

@@ -435,7 +435,8 @@ def replay_step_pre(cfg: dict, args: tuple, common: dict, has_slot: bool, slot_a
     advanced = False
     # the listed flush's row list: [count, rows...], zeroed every step. (One flag per row written by the window
     # launch instead, no memset: non-flush steps 0-1.9 µs faster at bs 128 / 256, the flush step 26-34% slower with
-    # the flags ranked per fold item and up to 29% with them ranked once per program; H200, docs/design/mamba2_kernel.md.)
+    # the flags ranked per fold item and up to 29% with them ranked once per program; H200,
+    # docs/design/mamba2_kernel.md.)
     # ``zero_pdl=1`` (default): only the count is zeroed, by a launch of ours whose programmatic dependent is the
     # window launch, instead of a torch.zeros of the list before it (L-avg 0.1-1.3 µs lower at all 8 points of
     # bs 128 / 256 x Super / Nano x fp32 / bf16, H200)

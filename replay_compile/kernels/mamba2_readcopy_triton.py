@@ -82,10 +82,10 @@ No ``tl.join`` / ``tl.interleave`` / ``tl.split`` / ``tl.reshape`` either: the n
 
 Status: registered as the CUDA implementation of ``replay_compile::mamba2_step_rc`` (the pass inserts it with
 ``read_copy``); compiled and run on the H200 (37 tests). ``pre`` variant over ``selective_state_update`` at batch
-256 (docs/design/read_copies.md): bf16 2.99x, fp8 2.95x, NVFP4 2.11x with the listed flush launch and the NVFP4 word decode;
-bf16 2.0x, fp8 2.2-2.4x, NVFP4 1.1x with flush rows through the fused kernel and NVFP4 read byte by byte. Not done: a
-batch threshold for the ``fused`` variant at small batches (``pre`` is 0.61x at batch 1), N-tiling. Portability notes
-(all held on the H200):
+256 (docs/design/read_copies.md): bf16 2.99x, fp8 2.95x, NVFP4 2.11x with the listed flush launch and the NVFP4 word
+decode; bf16 2.0x, fp8 2.2-2.4x, NVFP4 1.1x with flush rows through the fused kernel and NVFP4 read byte by byte. Not
+done: a batch threshold for the ``fused`` variant at small batches (``pre`` is 0.61x at batch 1), N-tiling.
+Portability notes (all held on the H200):
 
 * ``float8e4nv`` (bitcast from uint8, then ``.to(fp32)``) needs sm_89+ (Ada / Hopper); on sm_80 Triton refuses the
   type. Software decode would lift that if it matters.

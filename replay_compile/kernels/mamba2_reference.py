@@ -33,8 +33,9 @@ Ring layout (``S`` slots in the pool, ``L`` the buffer length)::
 
 A step with ``w == L-1`` is a flush: it folds the ``L-1`` records and the current token into the checkpoint,
 writes it once and sets ``w = 0``. Flushes round an fp16 checkpoint stochastically (:func:`stochastic_round_fp16`)
-so that rounding errors do not accumulate with a bias over many flushes; bf16 and fp32 round to nearest. Any other step writes only its record. Rows whose ``slot_idx`` is negative are
-padding: nothing of theirs is read or written and their output is zero.
+so that rounding errors do not accumulate with a bias over many flushes; bf16 and fp32 round to nearest. Any other
+step writes only its record. Rows whose ``slot_idx`` is negative are padding: nothing of theirs is read or written and
+their output is zero.
 """
 
 from __future__ import annotations

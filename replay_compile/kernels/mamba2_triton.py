@@ -27,13 +27,13 @@ Variants of the same contract, picked by :func:`launch_config` from the batch (`
 * ``tiled`` (the previous bandwidth variant, kept for comparison and as ``pre``'s flush body). Branches on ``w``
   first and streams the checkpoint over N in ``BLOCK_P x BLOCK_N`` tiles with one tile live.
 
-Cursor advance in the ``whole`` variant, without a second launch (one launch matters at small batch): the cursor word carries an arrival count in its high 16 bits while the
-kernel runs. Every program reads ``w`` and counts its arrival in one relaxed ``atomic_add(1 << 16)``; the program
-that arrives last (so every other one has read ``w``) stores the advanced cursor with the count cleared. Between
-launches the word is always the plain cursor, so every other op and the Python side see ``0 <= w < L``. (Counting
-the arrival at the end with a release atomic instead was slower: docs/design/mamba2_kernel.md, v2b.) The ``tiled`` and ``pre``
-variants read the cursor with a plain load and a last tiny launch advances it: at large batch the atomic cost more
-than the launch.
+Cursor advance in the ``whole`` variant, without a second launch (one launch matters at small batch): the cursor
+word carries an arrival count in its high 16 bits while the kernel runs. Every program reads ``w`` and counts its
+arrival in one relaxed ``atomic_add(1 << 16)``; the program that arrives last (so every other one has read ``w``)
+stores the advanced cursor with the count cleared. Between launches the word is always the plain cursor, so every
+other op and the Python side see ``0 <= w < L``. (Counting the arrival at the end with a release atomic instead was
+slower: docs/design/mamba2_kernel.md, v2b.) The ``tiled`` and ``pre`` variants read the cursor with a plain load and
+a last tiny launch advances it: at large batch the atomic cost more than the launch.
 
 fp16 checkpoints are rounded stochastically at the flush (unbiased: each value goes to one of its two fp16
 neighbours with probability proportional to proximity), from a counter-based hash of (slot, head, element, the
@@ -361,7 +361,8 @@ def _mamba2_replay_tiled_kernel(
 ):
     """Bandwidth variant: branch on ``w`` first, then stream the checkpoint over N in ``BLOCK_P x BLOCK_N``
     tiles (only one tile live at a time: low register use, many programs per SM). Reads the cursor with a plain
-    load; a second tiny launch advances it (the fused arrival atomic cost ~5% at bs256: docs/design/mamba2_kernel.md)."""
+    load; a second tiny launch advances it (the fused arrival atomic cost ~5% at bs256:
+    docs/design/mamba2_kernel.md)."""
     pid_p = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)

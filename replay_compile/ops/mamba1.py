@@ -119,7 +119,8 @@ def _(state, u_ring, dt_ring, B_ring, A_keep, cursor, slot_idx=None):
 @replay_op("replay_compile::mamba1_materialize", mutates_args=())
 def mamba1_materialize(state: Tensor, u_ring: Tensor, dt_ring: Tensor, B_ring: Tensor, A_keep: Tensor,
                        cursor: Tensor, count: Optional[Tensor] = None, slot_idx: Optional[Tensor] = None) -> Tensor:
-    """The true state after ``count`` records per row, out of place (see :func:`mamba1_replay_materialize_reference`)."""
+    """The true state after ``count`` records per row, out of place (see
+    :func:`mamba1_replay_materialize_reference`)."""
     check_ring_args(state, u_ring, dt_ring, B_ring, A_keep, cursor)
     check_cursor_values(cursor, u_ring.shape[1], slot_idx, state.shape[0], _fail, count)
     return ref.mamba1_replay_materialize_reference(state, u_ring, dt_ring, B_ring, A_keep, cursor, count, slot_idx)

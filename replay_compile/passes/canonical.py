@@ -6,9 +6,9 @@ rewritten here into that form, each rewrite keeping every value the graph comput
 checks step by step against the eager module, for each spelling):
 
 * **In-place updates** of a graph-input state, ``S.mul_(a).add_(u)``, ``S.mul_(a); S.addcmul_(t1, t2, value=c)``
-  (which Dynamo records as ``S.copy_(fma(t1 * t2, c, S))``), ``S.add_(u, alpha=c)``: each becomes its out-of-place op on the running value (cast back to the state's dtype,
-  as an in-place op stores it), one ``S.copy_(value)`` follows the last of them, and later reads of ``S`` (or of
-  the in-place results, which are ``S``) read the value.
+  (which Dynamo records as ``S.copy_(fma(t1 * t2, c, S))``), ``S.add_(u, alpha=c)``: each becomes its out-of-place
+  op on the running value (cast back to the state's dtype, as an in-place op stores it), one ``S.copy_(value)``
+  follows the last of them, and later reads of ``S`` (or of the in-place results, which are ``S``) read the value.
 * **Reads after the write**: ``S.copy_(v)`` followed by ``y = f(S)`` (mamba_ssm's reference step) reads ``v``
   (cast to the state's dtype where the copy casts).
 * **Outer products**: an ``einsum`` that sums over no index (``"bhp,bhn->bhpn"``, ``"bh,bhp,bhn->bhpn"``) becomes a

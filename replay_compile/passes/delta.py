@@ -250,7 +250,8 @@ class DeltaMatcher(Mamba2Matcher):
         return DeltaMatch(
             layer=layer, form=f"{'kda' if kda else 'gdn'}{'/grouped' if min(Hk, Hq) < HV else ''}"
                  f"{'/slot pool' if a.slot is not None else ''}",
-            copy_node=cp, state=store, new=new, readout=readout, old=state, slot=a.slot, HV=HV, Hk=Hk, Hq=Hq, K=K, V=V, kda=kda,
+            copy_node=cp, state=store, new=new, readout=readout, old=state, slot=a.slot, HV=HV, Hk=Hk, Hq=Hq, K=K, V=V,
+            kda=kda,
             q=Recipe([qfac], lambda x, _f=q_fn: _f(x).to(rec)),
             k=Recipe([kfac], lambda x, _f=k_fn: _f(x).to(k_dtype)),
             v=Recipe([v_node], lambda x, _c=v_cut: _c(x).to(rec)),

@@ -217,7 +217,8 @@ def match_mamba1(node: fx.Node, args: dict, layer: str) -> Mamba1KernelCallMatch
     x_dt = dtype(x)
     return Mamba1KernelCallMatch(
         layer=layer, form="mamba_ssm kernel", copy_node=node, state=state, new=node, readout=node,
-        old=args["state_ptr"], D=D, N=N, u=Recipe([x] + dt_src, lambda xv, *r: (xv[:, 0].float() * dt_fn(*r)).contiguous()),
+        old=args["state_ptr"], D=D, N=N,
+        u=Recipe([x] + dt_src, lambda xv, *r: (xv[:, 0].float() * dt_fn(*r)).contiguous()),
         dt=Recipe(dt_src, lambda *r: dt_fn(*r).contiguous()), A=Recipe([A], lambda v: v[0].float().contiguous()),
         B=Recipe([B], lambda v: v[:, 0].float().contiguous()), C=Recipe([C], lambda v: v[:, 0].float().contiguous()),
         out_shape=tuple(shape(args["out_ptr"])), out_dtype=x_dt,

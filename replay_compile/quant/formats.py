@@ -22,9 +22,10 @@ Formats (``FORMATS`` registry; every encoding is an :class:`Encoded`, a dict of 
 
 ``"fp8_e4m3"`` -- :class:`FP8E4M3RowFormat`
     ``scale [..., R] float32 = amax(|row|) / 448`` (448 = largest e4m3fn value; a zero row gets scale 1, so it
-    stores zeros, never NaN; so does a row with amax below ``448 * 2^-149``), ``values [..., R, C] float8_e4m3fn = clamp(x / scale, -448, 448).to(e4m3fn)`` (round
-    to nearest even; the clamp only catches fp32 rounding of the scale and makes the result independent of the
-    backend's overflow behaviour). ``decode = values.float() * scale[..., None]``. This is FlashInfer's quantized
+    stores zeros, never NaN; so does a row with amax below ``448 * 2^-149``),
+    ``values [..., R, C] float8_e4m3fn = clamp(x / scale, -448, 448).to(e4m3fn)`` (round to nearest even; the clamp
+    only catches fp32 rounding of the scale and makes the result independent of the backend's overflow behaviour).
+    ``decode = values.float() * scale[..., None]``. This is FlashInfer's quantized
     checkpoint layout (one scale per ``(slot, head, dim)`` row, amax over dstate). Error per element
     <= ``2^-4 |x| + 2^-10 * scale`` (half an ulp of a 3-mantissa-bit value; the second term covers e4m3 subnormals,
     values below ``2^-6 * scale``). ``1 + 4/C`` bytes per value.

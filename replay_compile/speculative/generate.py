@@ -334,7 +334,8 @@ def generate_rounds(model, input_ids: torch.Tensor, max_new_tokens: int, *, num_
     t3 = time.perf_counter()
     counts = rounds.accepted()
     timing = dict(prefill=t1 - t0, warmup=t2 - t1 if warm is not None else t3 - t1,
-                  replay=t3 - t2 if warm is not None else 0.0, replay_rounds=len(counts) - warm if warm is not None else 0,
+                  replay=t3 - t2 if warm is not None else 0.0,
+                  replay_rounds=len(counts) - warm if warm is not None else 0,
                   replay_tokens=sum(map(sum, counts[warm:])) if warm is not None else 0)
     return SpeculativeOutput(sequences=rounds.sequences(pad), cache=cache, rounds=len(counts), accepted=counts,
                              attention_mask=rounds.attention_mask(), timing=timing)

@@ -109,8 +109,8 @@ class Rounds:
         # the attention layers' own length (a hybrid cache may report max_cache_len -1: transformers 5.17's Zamba2)
         self.M = self.attn[0].keys.shape[2] if self.attn else need
         if self.attn and self.M < need:
-            raise ValueError(f"replay_compile.speculative: the StaticCache holds {self.M} positions; speculative rounds "
-                             f"of T={self.T} after a {prompt}-token prompt for {max_new} new tokens need {need}")
+            raise ValueError(f"replay_compile.speculative: the StaticCache holds {self.M} positions; speculative "
+                             f"rounds of T={self.T} after a {prompt}-token prompt for {max_new} new tokens need {need}")
         W = prompt + max_new + self.T                  # token columns; the last one takes writes of rejected tokens
         self.tokens = torch.full((b, W), -1, dtype=torch.long, device=dev)
         self.tokens[:, :prompt] = input_ids

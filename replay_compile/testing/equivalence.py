@@ -169,7 +169,8 @@ def check_equivalence(model, input_ids: torch.Tensor, *, max_new_tokens: int | N
     scale = max((float(a.abs().max()) for a in ref.logits[:upto]), default=0.0)
     ref_t, out_t = _cache_tensors(ref.past_key_values), _cache_tensors(out.past_key_values)
     pairs = [(a, b) for a, b in zip(out_t, ref_t) if a.shape == b.shape]
-    state_diff = max((rel_err(a, b) for a, b in pairs if a.numel()), default=float("inf")) if first is None else float("inf")
+    state_diff = (max((rel_err(a, b) for a, b in pairs if a.numel()), default=float("inf")) if first is None
+                  else float("inf"))
     reps = _backend.reports()
     stepped = list({id(rs): rs for rs in map(replay_state.lookup, out_t) if rs is not None}.values())
     return EquivalenceReport(

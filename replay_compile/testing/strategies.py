@@ -41,7 +41,8 @@ def mamba2_geometries(draw, max_batch: int = 4, max_heads: int = 6, max_p: int =
     H = draw(st.integers(1, max_heads))
     divisors = [d for d in range(1, H + 1) if H % d == 0]
     return Mamba2Geometry(
-        batch=draw(st.integers(1, max_batch)), H=H, P=draw(st.integers(min_p, max_p)), N=draw(st.integers(min_n, max_n)),
+        batch=draw(st.integers(1, max_batch)), H=H, P=draw(st.integers(min_p, max_p)),
+        N=draw(st.integers(min_n, max_n)),
         G=draw(st.sampled_from(divisors)), Gc=draw(st.sampled_from(divisors)))
 
 
@@ -119,7 +120,8 @@ def delta_geometries(draw, max_batch: int = 4, max_heads: int = 6, max_k: int = 
                      min_k: int = 1, min_v: int = 1, kda=None):
     HV = draw(st.integers(1, max_heads))
     return DeltaGeometry(
-        batch=draw(st.integers(1, max_batch)), HV=HV, Hk=draw(st.sampled_from([d for d in range(1, HV + 1) if HV % d == 0])),
+        batch=draw(st.integers(1, max_batch)), HV=HV,
+        Hk=draw(st.sampled_from([d for d in range(1, HV + 1) if HV % d == 0])),
         K=draw(st.integers(min_k, max_k)), V=draw(st.integers(min_v, max_v)),
         kda=draw(st.booleans()) if kda is None else kda)
 

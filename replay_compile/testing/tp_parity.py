@@ -220,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
                   f", logits {c['rel_logit_diff']:.1e} rel, states {c['max_state_rel_err']:.1e} rel "
                   f"({c['states_compared']} layers)", flush=True)
         per_rank = r[f"tp{args.world}"]["rewrites_per_rank"]
-        ok &= r["tp1"]["rewrites"] > 0 and all(len(rw) > 0 for rw in per_rank)   # parity without rewrites proves nothing
+        # parity without rewrites proves nothing
+        ok &= r["tp1"]["rewrites"] > 0 and all(len(rw) > 0 for rw in per_rank)
         print(f"{fam} rewrites per rank: {per_rank}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
