@@ -459,8 +459,6 @@ def run_parity(models, batch, steps, L, device, dtype_name, layers, out_dir, mod
                tp: int = 1) -> list[dict]:
     """:func:`parity` for each model; writes ``parity.csv`` and prints one line per model (rank 0 under ``tp``)."""
     mesh, rank, device, dtype = _setup(tp, device, dtype_name, out_dir)
-    if str(device).startswith("cuda"):
-        copy_bandwidth()        # the floor's bytes/s, unused here; the measurement is kept for its effect on the device
     rows = []
     for name in models:
         model = build_model(name, dtype, device, layers, mesh=mesh)
