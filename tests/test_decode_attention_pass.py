@@ -101,8 +101,15 @@ def _graph(fn, *shapes, dtype=torch.float32):
     def capture(gm, ex):
         graphs.append(gm)
         return gm.forward
-    args = [torch.randn(*s, dtype=dtype) if s != "mask" else torch.arange(S)[None, None, None, :] < 6
-            for s in shapes]
+    def make(s):
+        if s == "mask":
+            return torch.arange(S)[None, None, None, :] < 6
+        if s == "window_mask":                          # rows filled to 3 and 5, a causal window of 3 at the end
+            pos, tok = torch.arange(S), torch.arange(3)[:, None]
+            fill = torch.tensor([3, 5])[:, None, None, None]
+            return (pos < fill) | ((pos >= S - 3) & (pos - (S - 3) <= tok))
+        return torch.randn(*s, dtype=dtype)
+    args = [make(s) for s in shapes]
     torch.compile(fn, backend=capture, fullgraph=True)(*args)
     return graphs[0], args
 
@@ -149,14 +156,14 @@ def test_grouped_head_spellings_are_rewritten(spelling):
 
 
 @pytest.mark.parametrize("case, reason", [
-    ("prefill", "3 query tokens"),
+    ("prefill", "17 query tokens"),
     ("causal", "is_causal"),
     ("dropout", "dropout_p"),
     ("per_head_mask", "shared by the heads"),
 ])
 def test_other_attention_is_left_unchanged_with_the_reason(case, reason):
     fns = {
-        "prefill": (lambda q, k, v, m: _sdpa(q, _repeat_kv(k, 2), _repeat_kv(v, 2), m), (B, H, 3, D)),
+        "prefill": (lambda q, k, v, m: _sdpa(q, _repeat_kv(k, 2), _repeat_kv(v, 2), m), (B, H, 17, D)),
         "causal": (lambda q, k, v, m: _sdpa(q, _repeat_kv(k, 2), _repeat_kv(v, 2), is_causal=True), Q),
         "dropout": (lambda q, k, v, m: _sdpa(q, _repeat_kv(k, 2), _repeat_kv(v, 2), m, dropout_p=0.1), Q),
         "per_head_mask": (lambda q, k, v, m: _sdpa(q, _repeat_kv(k, 2), _repeat_kv(v, 2),
@@ -166,6 +173,27 @@ def test_other_attention_is_left_unchanged_with_the_reason(case, reason):
     gm, _ = _graph(fn, q, K, K, MASK)
     done, left = da.rewrite(gm, cuda_only=False)
     assert not done and len(left) == 1 and reason in left[0][1], left
+
+
+@pytest.mark.parametrize("mask", ["window_mask", "mask"])
+def test_a_verify_window_is_rewritten(mask):
+    """Three tokens (a token and two drafts) over the cache, each under its own mask row (causal in the window), or
+    under one mask shared by the window's tokens."""
+    done, left = _rewrite(lambda q, k, v, m: _sdpa(q, _repeat_kv(k, 2), _repeat_kv(v, 2), m), (B, H, 3, D), K, K,
+                          mask)
+    assert len(done) == 1 and not left, left
+    assert done[0].tokens == 3 and done[0].mask_rows == (3 if mask == "window_mask" else 1)
+
+
+def test_more_query_rows_than_the_tile_holds_are_left_unchanged():
+    gm, _ = _graph(lambda q, k, v, m: _sdpa(q, _repeat_kv(k, 2), _repeat_kv(v, 2), m), (B, 2 * 40, 1, D),
+                   (B, 40, S, D), (B, 40, S, D), MASK)
+    done, _ = da.rewrite(gm, cuda_only=False)
+    assert len(done) == 1
+    gm, _ = _graph(lambda q, k, v, m: _sdpa(q, _repeat_kv(k, 8), _repeat_kv(v, 8), m), (B, 16, 16, D),
+                   (B, 2, S, D), (B, 2, S, D), MASK)
+    done, left = da.rewrite(gm, cuda_only=False)
+    assert not done and "more query rows than the kernel's tile holds" in left[0][1], left
 
 
 def test_the_op_check_leaves_a_configuration_it_fails_unchanged(monkeypatch):

@@ -69,6 +69,22 @@ def test_compiled_rounds_match_generate_in_one_graph(reference):
         assert a.shape == b.shape and rel_err(a, b) < 1e-4, (family, rel_err(a, b))
 
 
+def test_verify_windows_through_the_decode_attention_op(reference, monkeypatch):
+    """The round's attention over the static cache (the token and its drafts, causal in the scratch window) becomes
+    ``replay_compile::decode_attention``; the tokens stay ``generate``'s."""
+    family, model, ids, ref = reference
+    if family not in ("nemotron_h", "qwen3_5"):
+        pytest.skip("one family per state kind")
+    monkeypatch.setenv("REPLAY_COMPILE_DECODE_ATTENTION", "on")
+    torch._dynamo.reset()
+    counters.clear()
+    out = generate_speculative(model, ids, NEW, num_draft=3, draft=known_continuation(ref.sequences, 5),
+                               buffer_len=8, compile=True)
+    assert torch.equal(out.sequences, ref.sequences), (family, out.accepted)
+    layers = len(attention_layers(out.cache))
+    assert layers and counters["replay_compile"]["decode_attention"] == layers, family
+
+
 @pytest.mark.parametrize("every", [0, 2])
 def test_eager_rounds_match_generate(reference, every):
     """The same rounds run eagerly (the code a compiled round traces): every draft right, or every other one wrong."""

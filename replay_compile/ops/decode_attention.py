@@ -1,5 +1,6 @@
-"""``replay_compile::decode_attention``: one query token per row attending over a key/value cache, grouped-query
-heads read once (shapes and semantics in :mod:`replay_compile.kernels.decode_attention_reference`).
+"""``replay_compile::decode_attention``: the new tokens of each row (one for a decode step, a window of ``T`` for a
+speculative verify) attending over a key/value cache, grouped-query heads read once (shapes and semantics in
+:mod:`replay_compile.kernels.decode_attention_reference`).
 
 The CPU implementation is the reference; on CUDA the split-K Triton kernel of
 :mod:`replay_compile.kernels.decode_attention_triton` (``REPLAY_COMPILE_KERNELS=reference`` bypasses it; float64
@@ -23,9 +24,9 @@ def _fail(msg: str):
 
 def check_args(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> None:
     """Raise a ValueError naming the argument, its shape or dtype, and what is expected."""
-    if q.dim() != 3:
-        _fail(f"q must be [b, H, dk], got shape {tuple(q.shape)}")
-    b, H, dk = q.shape
+    if q.dim() != 4:
+        _fail(f"q must be [b, H, T, dk], got shape {tuple(q.shape)}")
+    b, H, T, dk = q.shape
     if k.dim() != 4 or k.shape[0] != b or k.shape[3] != dk:
         _fail(f"k must be [b={b}, KV, S, dk={dk}], got {tuple(k.shape)}")
     KV, S = k.shape[1], k.shape[2]
@@ -33,8 +34,8 @@ def check_args(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> None:
         _fail(f"the {H} query heads must be a multiple of the {KV} key/value heads")
     if v.dim() != 4 or tuple(v.shape[:3]) != (b, KV, S):
         _fail(f"v must be [b={b}, KV={KV}, S={S}, dv], got {tuple(v.shape)}")
-    if mask.dim() != 2 or mask.shape[0] not in (1, b) or mask.shape[1] != S:
-        _fail(f"mask must be [b={b} or 1, S={S}], got {tuple(mask.shape)}")
+    if mask.dim() != 3 or mask.shape[0] not in (1, b) or mask.shape[1] not in (1, T) or mask.shape[2] != S:
+        _fail(f"mask must be [b={b} or 1, T={T} or 1, S={S}], got {tuple(mask.shape)}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype not in FLOAT_DTYPES:
             _fail(f"{name} dtype {t.dtype} unsupported; use one of {FLOAT_DTYPES}")
@@ -71,4 +72,4 @@ def _(q, k, v, mask, scale):
 
 @decode_attention.register_fake
 def _(q, k, v, mask, scale):
-    return q.new_empty((q.shape[0], q.shape[1], v.shape[-1]))
+    return q.new_empty((*q.shape[:3], v.shape[-1]))

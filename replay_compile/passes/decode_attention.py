@@ -1,13 +1,15 @@
-"""Decode attention: ``scaled_dot_product_attention`` of one query token over a cache, rewritten into
-``replay_compile::decode_attention`` so that each key/value head is read once, over its filled positions only.
+"""Decode attention: ``scaled_dot_product_attention`` of a few new tokens over a cache (one for a decode step, the
+last token and its drafts for a speculative verify), rewritten into ``replay_compile::decode_attention`` so that each
+key/value head is read once, over its filled positions only.
 
-What is found (by dataflow, in Dynamo's graph): a ``scaled_dot_product_attention`` call whose query is ``[b, H, 1,
-dk]`` and whose keys and values are a cache's ``[b, KV, S, d]`` tensors, either as they are (``H == KV``, or
-``enable_gqa=True``) or expanded to ``H`` heads the way transformers' ``repeat_kv`` does (``x[:, :, None]
-.expand(b, KV, G, S, d).reshape(b, KV * G, S, d)``, or ``repeat_interleave(x, G, dim=1)``): query head ``h`` reads
-key/value head ``h // G``. The mask is None or ``[b or 1, 1, 1, S]`` (shared by the heads), boolean or additive;
-no dropout, not ``is_causal``. Every call that is not this is left as it is, with its reason logged at debug
-(prefill graphs and other attention are not decode attention, so nothing is said at info).
+What is found (by dataflow, in Dynamo's graph): a ``scaled_dot_product_attention`` call whose query is ``[b, H, T,
+dk]`` with ``T <= MAX_TOKENS`` and whose keys and values are a cache's ``[b, KV, S, d]`` tensors, either as they
+are (``H == KV``, or ``enable_gqa=True``) or expanded to ``H`` heads the way transformers' ``repeat_kv`` does
+(``x[:, :, None].expand(b, KV, G, S, d).reshape(b, KV * G, S, d)``, or ``repeat_interleave(x, G, dim=1)``): query
+head ``h`` reads key/value head ``h // G``. The mask is None or ``[b or 1, 1, T or 1, S]`` (shared by the heads),
+boolean or additive; no dropout, not ``is_causal`` (a window's causal order is in its mask). Every call that is not
+this is left as it is, with its reason logged at debug (prefill graphs and other attention are not decode
+attention, so nothing is said at info).
 
 Why: under ``torch.compile``, transformers expands the grouped key/value heads with ``repeat_kv`` (a copy of the
 whole static cache into ``H`` heads) and SDPA then reads the copy over every static position: on the H200 at batch
@@ -32,6 +34,12 @@ from .graph_utils import dtype as dtype_of
 from .graph_utils import example, module_path, op_name, shape
 
 _SDPA = ("scaled_dot_product_attention", "_scaled_dot_product_attention")
+MAX_TOKENS = 16         # a decode step or a speculative window; longer queries are prefills, left to SDPA
+
+
+def max_query_rows(dv: int) -> int:
+    """Query rows (``G * T``) one program of the kernel holds: its float32 accumulator is ``rows x dv``."""
+    return 64 if dv <= 128 else 32
 _EXPANSION = ("reshape", "view", "expand", "getitem", "unsqueeze", "repeat_interleave")
 
 
@@ -45,9 +53,10 @@ class AttentionMatch:
     q: fx.Node
     k: fx.Node              # the cache's keys [b, KV, S, dk]
     v: fx.Node              # the cache's values [b, KV, S, dv]
-    mask: fx.Node | None    # [b or 1, 1, 1, S] or None
+    mask: fx.Node | None    # [b or 1, 1, T or 1, S] or None
     scale: float
     heads: int
+    tokens: int
     kv_heads: int
     positions: int
     dk: int
@@ -55,9 +64,11 @@ class AttentionMatch:
     dtype: torch.dtype
     mask_dtype: torch.dtype | None
     layer: str
+    mask_rows: int = 1
 
     def config(self) -> tuple:
-        return (self.heads, self.kv_heads, self.dk, self.dv, self.dtype, self.mask_dtype, self.scale)
+        return (self.heads, self.tokens, self.mask_rows, self.kv_heads, self.dk, self.dv, self.dtype, self.mask_dtype,
+                self.scale)
 
 
 def sdpa_calls(graph: fx.Graph) -> list[fx.Node]:
@@ -139,10 +150,10 @@ def match(n: fx.Node) -> AttentionMatch:
         raise NotDecodeAttention("a scale computed in the graph")
     sq = shape(q)
     if sq is None or len(sq) != 4 or not all(isinstance(x, int) for x in sq):
-        raise NotDecodeAttention(f"query of shape {sq}, not a static [b, H, 1, dk]")
+        raise NotDecodeAttention(f"query of shape {sq}, not a static [b, H, T, dk]")
     b, H, T, dk = sq
-    if T != 1:
-        raise NotDecodeAttention(f"{T} query tokens, not one (a prefill or a verify)")
+    if T > MAX_TOKENS:
+        raise NotDecodeAttention(f"{T} query tokens, more than a decode step or a verify window ({MAX_TOKENS})")
     kb, G = kv_source(k, H, gqa)
     vb, Gv = kv_source(v, H, gqa)
     sk, sv = shape(kb), shape(vb)
@@ -151,12 +162,16 @@ def match(n: fx.Node) -> AttentionMatch:
     if not all(isinstance(x, int) for x in sk + sv):
         raise NotDecodeAttention("a dynamic cache shape")
     S = sk[2]
-    mdt = None
+    if H // sk[1] * T > max_query_rows(sv[3]):
+        raise NotDecodeAttention(f"{H // sk[1]} query heads per key/value head x {T} tokens: more query rows than "
+                                 f"the kernel's tile holds ({max_query_rows(sv[3])})")
+    mdt, mrows = None, 1
     if mask is not None:
         sm = shape(mask)
         mdt = dtype_of(mask)
-        if sm is None or len(sm) != 4 or sm[0] not in (1, b) or sm[1:3] != (1, 1) or sm[3] != S:
-            raise NotDecodeAttention(f"a mask of shape {sm}, not [b or 1, 1, 1, {S}] shared by the heads")
+        if sm is None or len(sm) != 4 or sm[0] not in (1, b) or sm[1] != 1 or sm[2] not in (1, T) or sm[3] != S:
+            raise NotDecodeAttention(f"a mask of shape {sm}, not [b or 1, 1, {T} or 1, {S}] shared by the heads")
+        mrows = sm[2]
         if mdt != torch.bool and not (mdt is not None and mdt.is_floating_point):
             raise NotDecodeAttention(f"a mask of dtype {mdt}")
     dt = dtype_of(q)
@@ -165,22 +180,23 @@ def match(n: fx.Node) -> AttentionMatch:
     kex, vex = example(kb), example(vb)
     if kex.stride(-1) != 1 or vex.stride(-1) != 1:
         raise NotDecodeAttention("a cache without unit stride in its head dimension")
-    return AttentionMatch(n, q, kb, vb, mask, float(scale) if scale is not None else dk ** -0.5, H, sk[1], S, dk,
-                          sv[3], dt, mdt, module_path(n))
+    if example(q).stride(-1) != 1:
+        raise NotDecodeAttention("a query without unit stride in its head dimension")
+    return AttentionMatch(n, q, kb, vb, mask, float(scale) if scale is not None else dk ** -0.5, H, T, sk[1], S, dk,
+                          sv[3], dt, mdt, module_path(n), mrows)
 
 
 def _insert(graph: fx.Graph, m: AttentionMatch) -> None:
     n = m.sdpa
     with graph.inserting_before(n):
-        q3 = graph.call_function(operator.getitem, (m.q, (slice(None), slice(None), 0)))
         if m.mask is None:
-            mask = graph.call_function(torch.ones, ((1, m.positions),), {"dtype": torch.bool,
-                                                                          "device": example(m.q).device})
+            mask = graph.call_function(torch.ones, ((1, 1, m.positions),), {"dtype": torch.bool,
+                                                                             "device": example(m.q).device})
         else:
-            mask = graph.call_function(operator.getitem, (m.mask, (slice(None), 0, 0)))
-        out = graph.call_function(torch.ops.replay_compile.decode_attention.default, (q3, m.k, m.v, mask, m.scale))
-        out4 = graph.call_method("unsqueeze", (out, 2))
-    n.replace_all_uses_with(out4)
+            mask = graph.call_function(operator.getitem, (m.mask, (slice(None), 0)))
+            mask = graph.call_method("contiguous", (mask,))        # the op reads positions with unit stride
+        out = graph.call_function(torch.ops.replay_compile.decode_attention.default, (m.q, m.k, m.v, mask, m.scale))
+    n.replace_all_uses_with(out)
     old = [a for a in n.args[1:4] if isinstance(a, fx.Node)]
     graph.erase_node(n)
     for a in old:                              # the expansion feeding nothing now: reshape <- expand <- index
@@ -208,20 +224,23 @@ def _check(m: AttentionMatch) -> str | None:
     from ..ops.decode_attention import decode_attention
 
     g = torch.Generator().manual_seed(0)
-    b, S, G = 2, 7, m.heads // m.kv_heads
-    q = torch.randn(b, m.heads, m.dk, generator=g).to(m.dtype)
+    b, T, S, G = 2, m.tokens, 7 + m.tokens, m.heads // m.kv_heads
+    q = torch.randn(b, m.heads, T, m.dk, generator=g).to(m.dtype)
     k = torch.randn(b, m.kv_heads, S, m.dk, generator=g).to(m.dtype)
     v = torch.randn(b, m.kv_heads, S, m.dv, generator=g).to(m.dtype)
-    keep = torch.arange(S)[None, :] < torch.tensor([[S], [S - 3]])
+    # rows filled to different lengths, the window's tokens in causal order at the end
+    pos = torch.arange(S)
+    fill = torch.tensor([S - T, S - T - 3])[:, None, None]
+    tok = torch.arange(m.mask_rows)[None, :, None]
+    keep = (pos < fill) | ((pos >= S - T) & (pos - (S - T) <= tok + (T - m.mask_rows)))
     mask = keep if m.mask_dtype in (None, torch.bool) else \
-        torch.where(keep, torch.randn(b, S, generator=g, dtype=torch.float64), float("-inf")).to(m.mask_dtype)
+        torch.where(keep, torch.randn(keep.shape, generator=g, dtype=torch.float64), float("-inf")).to(m.mask_dtype)
 
     def expand(x):
         return x[:, :, None].expand(b, m.kv_heads, G, S, x.shape[-1]).reshape(b, m.heads, S, x.shape[-1])
     want = torch.nn.functional.scaled_dot_product_attention(
-        q[:, :, None].double(), expand(k).double(), expand(v).double(),
-        attn_mask=mask[:, None, None].double() if mask.dtype != torch.bool else mask[:, None, None],
-        scale=m.scale)[:, :, 0]
+        q.double(), expand(k).double(), expand(v).double(),
+        attn_mask=mask[:, None].double() if mask.dtype != torch.bool else mask[:, None], scale=m.scale)
     got = decode_attention(q, k, v, mask, m.scale).double()
     tol = 1e-5 if m.dtype == torch.float32 else 2e-2
     err = float((got - want).abs().max())
@@ -250,8 +269,8 @@ def rewrite(gm: fx.GraphModule, cuda_only: bool = True) -> tuple[list[AttentionM
             continue
         _insert(gm.graph, m)
         done.append(m)
-        log.info("replay_compile: %s: decode attention (%d query heads over %d key/value heads, %d positions) -> "
-                 "replay_compile::decode_attention", layer, m.heads, m.kv_heads, m.positions)
+        log.info("replay_compile: %s: decode attention (%d token(s), %d query heads over %d key/value heads, %d "
+                 "positions) -> replay_compile::decode_attention", layer, m.tokens, m.heads, m.kv_heads, m.positions)
     if done:
         gm.graph.lint()
         gm.recompile()
