@@ -47,8 +47,7 @@ def config_grid(b, KV, S, rows, dk_pad, device):
     from replay_compile.kernels.decode_attention_triton import LaunchConfig, launch_config
 
     shipped = launch_config(b, KV, S, rows, dk_pad, device)
-    splits = sorted({shipped.n_split, 1, 2, 4, 8, 16})
-    for block, warps, stages, n_split in itertools.product((16, 32, 64, 128), (2, 4, 8), (1, 2, 3, 4), splits):
+    for block, warps, stages, n_split in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4), (shipped.n_split,)):
         tiles = -(-S // block)
         if n_split > tiles or (block == 128 and dk_pad > 128):
             continue
