@@ -8,7 +8,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 
 from spec_baselines import gdn_snapshot_step, mamba2_snapshot_step, snapshot_commit  # noqa: E402
 

@@ -228,7 +228,7 @@ def _real_ssu():
         return selective_state_update
     except Exception:  # noqa: BLE001 - not installed: its source under .baselines/ (carried to the GPU machine)
         import types
-        root = os.path.join(os.path.dirname(__file__), "..", ".baselines", "mamba_ssm")
+        root = os.path.join(os.path.dirname(__file__), "..", "..", ".baselines", "mamba_ssm")
         if not os.path.isdir(root):
             return None
         pkg = types.ModuleType("mamba_ssm")

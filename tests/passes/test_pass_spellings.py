@@ -644,7 +644,7 @@ class SlotPool(_Parts):
 @pytest.mark.parametrize("scatter", ["setitem", "index_copy_"])
 def test_a_slot_pool_update_is_rewritten(scatter):
     """The slots made inside the graph (here a reversed arange): the op steps the pool's rows by slot
-    (tests/test_slot_pool.py runs a whole serving loop)."""
+    (tests/passes/test_slot_pool.py runs a whole serving loop)."""
     rep = only_report(run_both(SlotPool(scatter)))
     assert [r.form for r in rep.rewrites] == ["einsum/grouped/slot pool"], rep.rewrites
 

@@ -12,7 +12,7 @@ from replay_compile.config import ENV_VARS, OTHER_ENV_VARS, ReplayConfig, env_fl
 from replay_compile.kernels import launch as kl
 from replay_compile.ops import mutation_cache
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("value, expect", [("1", True), ("true", True), ("On", True), (" YES ", True),

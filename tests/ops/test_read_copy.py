@@ -16,7 +16,7 @@ from replay_compile.kernels.mamba2_spec_reference import (
     spec_verify_reference,
 )
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 
 
 def _problem(b=2, H=2, P=3, N=4, G=1, T=2, seed=0):

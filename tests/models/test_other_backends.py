@@ -1,7 +1,7 @@
 """Importing replay_compile (which installs its transformers hooks) must not change what other backends do: a
 ``generate`` compiled with AOTAutograd (``aot_eager``, the path Inductor takes) on a hybrid model gives eager's
 tokens, because states no replay step touched stay plain tensors. (A state a replay step did touch is refused by
-other backends, loudly: ``tests/test_cache_contract.py``.)"""
+other backends, loudly: ``tests/models/test_cache_contract.py``.)"""
 
 from __future__ import annotations
 
