@@ -18,7 +18,7 @@ from replay_compile.kernels.delta_triton import delta_replay_step_triton
 from replay_compile.kernels.mamba2_triton import replay_step_triton
 from replay_compile.state import DeltaRingSpec, Mamba2RingSpec
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+gpu = pytest.mark.gpu
 
 
 def test_pdl_switches(monkeypatch):

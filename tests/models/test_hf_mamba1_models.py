@@ -56,7 +56,7 @@ def test_mamba1_ring_is_capped_at_four_records():
     assert rep.tokens_match and rep.rewrites and all(r.spec.L == 4 for r in rep.rewrites), rep.rewrites
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton replay kernel through Inductor needs a GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(MAMBA1_FAMILY))
 def test_mamba1_model_decodes_like_eager_on_gpu(name):
     model = MAMBA1_FAMILY[name]().cuda()

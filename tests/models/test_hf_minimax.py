@@ -57,7 +57,7 @@ def test_minimax_cache_keeps_one_protected_tensor_per_layer():
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="Inductor and the Triton kernels need a GPU")
+@pytest.mark.gpu
 def test_minimax_decodes_like_eager_on_gpu():
     model = LIGHTNING_FAMILY["minimax"](initializer_range=0.5).cuda()
     rep = check_equivalence(model, make_inputs(model).cuda(), buffer_len=4)

@@ -17,7 +17,7 @@ import re
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu
 
 from torch._inductor.utils import run_and_get_code  # noqa: E402
 

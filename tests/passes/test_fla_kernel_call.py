@@ -394,7 +394,7 @@ def _point_at_fla(monkeypatch, family: str) -> bool:
     return hooked
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="fla's kernels need a GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "kimi_linear", "glm5_next"])
 def test_real_fla_kernels_on_gpu(monkeypatch, family):
     """fla's own kernels, eager and compiled: the rewrite must take their launches and decode exactly."""
@@ -417,7 +417,7 @@ def test_real_fla_kernels_on_gpu(monkeypatch, family):
     assert rep.states_compared > 0 and rep.max_state_diff < 5e-3, rep
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="fla's kernels need a GPU")
+@pytest.mark.gpu
 def test_real_fla_state_v_first_on_gpu(monkeypatch):
     """fla's own GDN kernel with ``state_v_first`` (a [b, HV, V, K] cache): rewritten, exact through flushes."""
     fla_gdn = pytest.importorskip("fla.ops.gated_delta_rule")

@@ -238,7 +238,7 @@ def _real_ssu():
         return selective_state_update
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the real mamba_ssm kernel needs a GPU")
+@pytest.mark.gpu
 def test_real_mamba_ssm_kernel_on_gpu():
     real = _real_ssu()
     if real is None:
@@ -341,7 +341,7 @@ def test_mamba1_kernel_launch_is_rewritten_and_tracks_the_exact_recurrence(trito
     torch.testing.assert_close(replay_compile.materialize(state).double(), oracle, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the real mamba_ssm kernel needs a GPU")
+@pytest.mark.gpu
 def test_real_mamba_ssm_mamba1_kernel_on_gpu():
     """mamba_ssm's own kernel called with 3-D Mamba-1 arguments (it unsqueezes the head dim itself), as transformers'
     Mamba / Falcon-Mamba / Jamba call it: rewritten, and the replay step tracks the exact recurrence through flushes."""

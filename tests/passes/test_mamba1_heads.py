@@ -45,7 +45,7 @@ def _inputs(t):
             torch.randn(b, H, N, generator=g))
 
 
-@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_heads_are_rewritten_and_track_the_exact_recurrence(device):
     """On CPU the rewritten graph as is; on a GPU through Inductor and the Triton kernel (each head's op mutating
     slices of the state and of the shared rings)."""

@@ -28,7 +28,7 @@ def _inputs(t):
     return [torch.randn(b, H, 1, d, generator=g) for d in (K, K, V)]
 
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.mark.parametrize("device", DEVICES)

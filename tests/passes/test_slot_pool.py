@@ -200,7 +200,7 @@ def test_mamba1_pool_serving_loop(read, write):
     assert [(r.family, r.form) for r in rws] == [("mamba1", "mamba1/slot pool")]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("make", [lambda: Mamba2Pool(), lambda: Mamba2Pool("index_select", "index_copy"),
                                   lambda: DeltaPool(False), lambda: DeltaPool(True, "index_select", "index_copy"),
                                   lambda: Mamba1Pool()],

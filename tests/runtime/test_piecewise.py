@@ -92,8 +92,9 @@ def test_tensorrt_lowering_without_tensorrt_says_what_to_install():
         lower_piecewise(gm, [torch.randn(2, 4), torch.randn(3, 4), torch.tensor([0, 2])], "tensorrt")
 
 
-@pytest.mark.skipif(not _tensorrt_available() or not torch.cuda.is_available(),
-                    reason="needs torch_tensorrt with TensorRT's libraries (NVIDIA's package index) and a GPU")
+@pytest.mark.gpu
+@pytest.mark.skipif(not _tensorrt_available(),
+                    reason="needs torch_tensorrt with TensorRT's libraries (NVIDIA's package index)")
 def test_tensorrt_pieces_match_eager():
     gm = fx.symbolic_trace(_toy)
     x, idx = torch.randn(2, 4, device="cuda"), torch.tensor([0, 2], device="cuda")

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-if not torch.cuda.is_available():
-    pytest.skip("needs CUDA", allow_module_level=True)
+pytestmark = pytest.mark.gpu
 
 from replay_compile import ReplayCompileError  # noqa: E402
 from replay_compile.integrations.hf_modules import output_cache  # noqa: E402

@@ -132,7 +132,7 @@ def test_non_flush_rows_never_read_the_checkpoint():
     assert bool(torch.isnan(nan).all())
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the op's CUDA kernel needs a GPU")
+@pytest.mark.gpu
 def test_cuda_op_runs_the_kernel(monkeypatch):
     """``replay_compile::delta_step_rc`` on CUDA tensors dispatches to the Triton kernel (counted), matching the
     reference on CPU over a flush."""

@@ -8,7 +8,7 @@ steps. On CPU machines the interpreter tests in test_delta_triton.py cover the s
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu
 
 from replay_compile.kernels import delta_triton as kd  # noqa: E402
 from replay_compile.kernels.delta_triton import delta_replay_step_triton  # noqa: E402

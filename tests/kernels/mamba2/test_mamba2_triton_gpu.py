@@ -8,7 +8,7 @@ machines the interpreter tests in test_mamba2_triton.py cover the same code on s
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu
 
 from replay_compile.kernels import mamba2_triton as kt  # noqa: E402
 from replay_compile.kernels.mamba2_triton import replay_step_triton  # noqa: E402
