@@ -9,6 +9,7 @@ from replay_compile.cli import main  # noqa: E402
 pytestmark = pytest.mark.hf
 
 
+@pytest.mark.slow
 def test_verify_passes_on_a_supported_model(capsys):
     assert main(["verify", "--family", "mamba2", "--lower", "eager", "--tokens", "33", "--buffer-len", "8"]) == 0
     out = capsys.readouterr().out
@@ -16,6 +17,7 @@ def test_verify_passes_on_a_supported_model(capsys):
     assert "flushes: 4 per layer (L=8)" in out
 
 
+@pytest.mark.slow
 def test_verify_in_bfloat16_holds_the_rewrite_to_plain_torch_compile(capsys, monkeypatch):
     """bf16: eager's tokens fed to both compiled runs; the rewrite passes within twice plain torch.compile's own
     departure from eager, and a wrong rewrite does not."""
@@ -37,6 +39,7 @@ def test_verify_fails_when_nothing_is_rewritten(capsys, monkeypatch):
     assert "FAIL" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_verify_fails_on_a_wrong_rewrite(capsys, monkeypatch):
     """A kernel bug (here: a flush that forgets the decay) must turn the report red, not pass silently."""
     from replay_compile.kernels import mamba2_reference as ref
@@ -70,6 +73,7 @@ def test_family_help_lists_every_embedded_model(capsys):
     assert "kimi_linear" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_explain_lists_rewritten_layers(capsys):
     assert main(["explain", "--family", "qwen3_5", "--buffer-len", "4"]) == 0
     out = capsys.readouterr().out
@@ -77,6 +81,7 @@ def test_explain_lists_rewritten_layers(capsys):
     assert "2 of 2 state-writing layers rewritten" in out
 
 
+@pytest.mark.slow
 def test_explain_says_why_a_layer_is_left_unchanged(capsys, monkeypatch):
     monkeypatch.setenv("REPLAY_COMPILE_FAMILIES", "mamba2")
     assert main(["explain", "--family", "kimi_linear", "--buffer-len", "4"]) == 0
@@ -84,6 +89,7 @@ def test_explain_says_why_a_layer_is_left_unchanged(capsys, monkeypatch):
     assert "left unchanged" in out and "0 of 2 state-writing layers rewritten" in out, out
 
 
+@pytest.mark.slow
 def test_bench_smoke_on_cpu(tmp_path, capsys):
     """The benchmark command end to end on a tiny model (CPU, wall-clock timing): rows, CSV, table, rewrites."""
     import csv
@@ -125,6 +131,7 @@ def test_bench_rounds_alternate_the_modes_and_average(tmp_path, monkeypatch):
     assert float(rows[0]["tokens_per_s"]) == 2 / 3e-3
 
 
+@pytest.mark.slow
 def test_bench_parity_check_on_cpu(tmp_path, capsys):
     """``bench --check``: eager and compiled greedy decoding in lockstep over > 2L+1 steps (flushes included) agree
     on every token, the layers were rewritten, and the CSV records it."""
@@ -204,6 +211,7 @@ def test_bench_points_are_dealt_to_workers_by_cost():
     assert shard_points(["a"], [1], 3) == [[("a", [1])], [], []]
 
 
+@pytest.mark.slow
 def test_bench_on_two_workers_merges_their_rows(tmp_path, capsys):
     """``bench --gpus 2``: two worker processes (on CPU here; CUDA_VISIBLE_DEVICES pins them on a GPU host), one
     merged CSV and table with every point, in model / batch / mode order, speedups computed across them."""

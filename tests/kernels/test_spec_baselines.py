@@ -66,6 +66,7 @@ def test_gdn_snapshots_are_the_states_after_each_token(T):
         assert torch.equal(ker[r, int(src[r])].cpu(), pool[r, int(src[r])])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["nemotron_h", "qwen3_5"])
 def test_snapshot_layers_in_speculative_rounds_match_generate(family):
     """The whole-model baseline (the snapshot kernels where the replay verify sits): greedy tokens and the states

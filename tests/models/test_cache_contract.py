@@ -77,6 +77,7 @@ class AtStep(LogitsProcessor):
         return scores
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["nemotron_h", "qwen3_5", "minimax"])
 def test_an_eager_fallback_in_the_middle_of_a_decode_is_exact(family):
     """``set_stance("force_eager")`` for steps 5-9 (as when Dynamo hits its recompile limit): those steps run
@@ -106,6 +107,7 @@ def test_running_out_of_recompiles_is_exact():
     assert_same(got, generate(ref, ids))
 
 
+@pytest.mark.slow
 def test_two_threads_decoding_their_own_models_are_exact():
     families = ["nemotron_h", "granitemoehybrid"]
     refs = {f: generate(build(f), make_inputs(build(f))) for f in families}
@@ -129,6 +131,7 @@ def test_two_threads_decoding_their_own_models_are_exact():
     assert not errors, errors
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["nemotron_h", "qwen3_5"])
 def test_a_write_to_one_row_leaves_the_other_rows_exact(family):
     """A server reusing slot 0: ``state[0].zero_()`` on every recurrent state at step 7 (a flush is 1 step away,
@@ -164,6 +167,7 @@ def manual_decode(model, ids, cache, steps, at=None):
     return out
 
 
+@pytest.mark.slow
 def test_stepping_under_inference_mode_then_flushing_outside_is_exact():
     """A hand-written decode under ``torch.inference_mode()`` that ends with records held, then ``flush`` from
     outside it (inference tensors can be written only inside inference mode: the flush must still complete, never
@@ -186,6 +190,7 @@ def test_stepping_under_inference_mode_then_flushing_outside_is_exact():
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4 * float(w.abs().max()))
 
 
+@pytest.mark.slow
 def test_flush_reaches_a_state_stepped_by_a_second_instance_of_the_model_class():
     first, second = compiled(build("nemotron_h")), compiled(build("nemotron_h"))
     ids = make_inputs(first)
@@ -196,6 +201,7 @@ def test_flush_reaches_a_state_stepped_by_a_second_instance_of_the_model_class()
     assert not any(rs.dirty for rs in replay_state.states_of(cache))
 
 
+@pytest.mark.slow
 def test_materialize_after_a_write_returns_the_written_contents():
     model = compiled(build("nemotron_h"))
     cache = DynamicCache(config=model.config)
@@ -207,6 +213,7 @@ def test_materialize_after_a_write_returns_the_written_contents():
     torch.testing.assert_close(replay_compile.materialize(t), new, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["data", "numpy"])
 def test_writes_through_data_and_numpy_on_a_protected_cache_are_exact(how):
     ref, model = build("nemotron_h"), compiled(build("nemotron_h"))
@@ -229,6 +236,7 @@ def test_writes_through_data_and_numpy_on_a_protected_cache_are_exact(how):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4 * float(w.abs().max()))
 
 
+@pytest.mark.slow
 def test_an_interrupted_step_is_not_taken_for_an_outside_write():
     """A KeyboardInterrupt raised after the compiled step ran (as one arriving in a later layer would): the states
     are those after the step, and decoding on from them is exact (the step's own writes are not mistaken for an

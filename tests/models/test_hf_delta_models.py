@@ -21,6 +21,7 @@ _NEWER = ("olmo_hybrid", "lara_mini", "bailing_hybrid", "qwen4_exp", "glm5_next"
 FAMILIES = [pytest.param(f, marks=[] if f in _NEWER else [pytest.mark.hf]) for f in sorted(DELTA_FAMILY)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", FAMILIES)
 def test_delta_model_decodes_like_eager(name):
     if not available(name):
@@ -45,6 +46,7 @@ def test_delta_model_decodes_like_eager(name):
     assert torch._dynamo.utils.counters["replay_compile"][family] >= 2
 
 
+@pytest.mark.slow
 @pytest.mark.hf
 def test_family_not_enabled_is_left_unchanged_and_says_so():
     model = DELTA_FAMILY["qwen3_5"]()
@@ -72,6 +74,7 @@ def _teacher_forced(model, forward, seq, prompt_len):
     return torch.stack(out, 1), cache
 
 
+@pytest.mark.slow
 @pytest.mark.hf
 @pytest.mark.parametrize("name", ["qwen3_5", "kimi_linear"])
 def test_bf16_teacher_forced_logits_match_eager(name):
@@ -104,6 +107,7 @@ def test_bf16_teacher_forced_logits_match_eager(name):
     assert errs_bad.max() > 0.05 or errs_bad.mean() > 0.025, errs_bad.tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.hf
 def test_second_generate_continues_from_a_fresh_cache():
     """Two compiled generate calls: each matches eager, and the second starts from its own fresh cache (rings bound

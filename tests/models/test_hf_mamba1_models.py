@@ -24,6 +24,7 @@ OPT_IN = {"families": SUPPORTED_FAMILIES}                   # Mamba-1 is opt-in
 _OLD_CPU_INDUCTOR = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
     _OLD_CPU_INDUCTOR and n in ("jamba", "zamba"), reason="torch 2.11 Inductor CPU codegen", strict=False,
     raises=torch._inductor.exc.InductorError)) for n in sorted(MAMBA1_FAMILY)])
@@ -40,6 +41,7 @@ def test_mamba1_model_decodes_like_eager(name):
     assert not rep.skipped, rep.skipped
 
 
+@pytest.mark.slow
 def test_mamba1_is_opt_in_left_unchanged_by_default_and_says_so_quietly():
     """By default a Mamba-1 layer is left unchanged with the reason at info level (not a warning, and not an error
     under ``strict=True``): the family is opt-in."""
@@ -50,6 +52,7 @@ def test_mamba1_is_opt_in_left_unchanged_by_default_and_says_so_quietly():
     assert quiet and all(s.quiet and "'mamba1' is not enabled: it is opt-in" in s.reason for s in quiet), quiet
 
 
+@pytest.mark.slow
 def test_mamba1_ring_is_capped_at_four_records():
     model = MAMBA1_FAMILY["falcon_mamba"]()
     rep = check_equivalence(model, make_inputs(model), buffer_len=16, options=OPT_IN)

@@ -15,6 +15,7 @@ from replay_compile.testing.hf_models import LIGHTNING_FAMILY, make_inputs  # no
 pytestmark = pytest.mark.hf
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("initializer_range", [None, 0.5])
 def test_minimax_decodes_like_eager(initializer_range):
     model = LIGHTNING_FAMILY["minimax"](initializer_range=initializer_range)

@@ -253,6 +253,7 @@ def test_bf16_tolerance_catches_a_10_percent_decay_error(bf16_reference, monkeyp
 # StaticLayer (nemotron_h: also a DummyLayer for its MLP block). The three families below cover every layer kind.
 # On CPU, generate does not auto-compile with a static cache (it only does on cuda/xpu/... devices).
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["mamba2", "nemotron_h", "falcon_h1"])
 def test_static_cache_generate_matches_eager(family):
     ref, model = build(family), build(family)
@@ -307,6 +308,7 @@ def test_static_cache_with_transformers_auto_compile():
 
 # -- 4. caches reused by transformers --------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_continue_generate_from_returned_cache():
     """``generate(out1.sequences, cache=out1.cache)``. HF infers padding from pad tokens (id 0) in the prompt, and
     these models do generate 0, so the all-ones mask is passed explicitly. With an attention layer HF then feeds
@@ -334,6 +336,7 @@ def test_continue_generate_from_returned_cache():
     assert torch.equal(got.sequences, generate(ref, ids, max_new_tokens=40).sequences)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["bamba", "zamba2"])
 def test_beam_search_matches_eager(family):
     """num_beams=2: transformers calls ``cache.reorder_cache`` every step, which rebinds the state tensors to
@@ -476,6 +479,7 @@ def test_manual_decode_loop_needs_flush():
     assert_states_close(caches[1], caches[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("grad_mode", ["no_grad", "inference_mode"])
 def test_reset_of_a_cache_holding_records(grad_mode):
     """``cache.reset()`` on a cache whose rings hold records must drop them: a later flush must not fold the old

@@ -17,6 +17,7 @@ from replay_compile.testing.hf_models import DELTA_FAMILY, MAMBA2_FAMILY, make_i
 from replay_compile.testing.tp_parity import _recurrent_states  # noqa: E402
 
 
+@pytest.mark.slow
 @pytest.mark.hf
 @pytest.mark.parametrize("family", ["nemotron_h", "qwen3_5"])
 def test_generate_compiled_by_another_backend_is_untouched(family):

@@ -103,6 +103,7 @@ def test_op_contract_and_errors():
 transformers = pytest.importorskip("transformers")
 
 
+@pytest.mark.slow
 @pytest.mark.hf
 @pytest.mark.parametrize("family, fmt", [("qwen3_5", "bf16"), ("qwen3_5", "nvfp4"), ("kimi_linear", "fp8_e4m3")])
 def test_hf_delta_models_with_a_read_copy(family, fmt):

@@ -64,6 +64,7 @@ def test_every_family_decodes_exactly_with_its_attention_rewritten(family):
         assert len(rewritten) == expected, (family, rewritten)
 
 
+@pytest.mark.slow
 def test_through_inductor():
     from transformers import StaticCache
 

@@ -358,6 +358,7 @@ def _families():
     return [pytest.param(f, marks=[pytest.mark.hf] if old else []) for f, old in _FAMILIES.items()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", _families())
 def test_models_decoding_through_fla_launches_match_eager(triton_visible_to_dynamo, monkeypatch, family):
     pytest.importorskip("transformers")

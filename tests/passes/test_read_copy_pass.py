@@ -48,6 +48,7 @@ def _fresh():
     yield
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3", "nvfp4", "nvfp4_row"])
 def test_read_copy_decode_tracks_eager_and_flushes_the_exact_state(fmt):
     family = "nemotron_h"
@@ -90,6 +91,7 @@ def test_read_copy_decode_tracks_eager_and_flushes_the_exact_state(fmt):
     assert _rel(c2, e2) <= LOGIT_TOL[fmt]
 
 
+@pytest.mark.slow
 def test_reset_and_new_prefill_re_encode_the_copy():
     """A cache reset + prefill writes the cache outside the compiled step: the copy must follow the new contents."""
     ref = MAMBA2_FAMILY["mamba2"](dtype=torch.float32, seed=0)
@@ -109,6 +111,7 @@ def test_reset_and_new_prefill_re_encode_the_copy():
             tok = e.argmax(-1, keepdim=True)
 
 
+@pytest.mark.slow
 def test_bf16_read_copy_through_inductor():
     ref = MAMBA2_FAMILY["mamba2"](dtype=torch.float32, seed=0)
     rc = MAMBA2_FAMILY["mamba2"](dtype=torch.float32, seed=0)

@@ -33,6 +33,7 @@ def step_both(cmod, mod, sc, se, steps, check=True):
                 torch.testing.assert_close(yc, ye, rtol=1e-5, atol=1e-5, msg=f"step {t}")
 
 
+@pytest.mark.slow
 def test_inductor_runs_the_op_in_place_on_the_cache_with_no_state_copy():
     mod, cmod = eager_and_compiled()
     state = torch.randn(b, H, P, N)
@@ -244,6 +245,7 @@ def test_unsupported_state_dtype_is_left_unchanged_with_a_reason():
     assert "state dtype torch.float8_e4m3fn is not supported" in reps[-1].skipped[0].reason
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("REPLAY_COMPILE_SKIP_ENTRYPOINT") == "1", reason="not installed")
 def test_backend_name_works_without_importing_us():
     """The torch_dynamo_backends entry point: torch finds backend="replayssm" on its own."""

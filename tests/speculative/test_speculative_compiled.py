@@ -47,6 +47,7 @@ def reference(request):
     return request.param, model, ids, ref
 
 
+@pytest.mark.slow
 def test_compiled_rounds_match_generate_in_one_graph(reference):
     family, model, ids, ref = reference
     torch._dynamo.reset()

@@ -44,6 +44,7 @@ def test_draft_model_follows_every_acceptance_pattern(family):
         assert torch.equal(drafts[live], shadow.reference(tokens[live], 3)), (family, i)
 
 
+@pytest.mark.slow
 def test_draft_model_round_compiles_into_one_graph():
     model, ids, ref = _reference("nemotron_h")
     torch._dynamo.reset()

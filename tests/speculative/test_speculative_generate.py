@@ -137,6 +137,7 @@ def test_an_ssm_layer_missed_by_the_module_checks_is_caught_by_its_cache_state(m
         generate_speculative(model, ids, 4)
 
 
+@pytest.mark.slow
 def test_a_model_trained_to_copy_makes_prompt_lookup_accept():
     """The copy task of the benchmarks (``testing.copy_task``): the tiny NemotronH, trained briefly on repeated
     phrases, continues a repeated phrase; prompt lookup on such a prompt then accepts most drafts, and the output is

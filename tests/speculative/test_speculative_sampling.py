@@ -71,6 +71,7 @@ def test_bad_sampling_arguments(bad):
         Sampling(**bad)
 
 
+@pytest.mark.slow
 def test_sampled_tokens_are_distributed_as_plain_sampling():
     """2,000 rows of one prompt, 4 new tokens, compiled rounds with the greedy continuation as drafts (accepted
     where the sampled path agrees with it): each position's histogram must be within twice the distance between two

@@ -35,6 +35,7 @@ def _bytes(t):
     return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kda, fmt, listed", [
     (False, "bf16", False), (False, "fp8_e4m3", False), (False, "nvfp4", False), (True, "fp8_e4m3", False),
     (True, "nvfp4", False),                                    # KDA x bf16: the GDN case's decode + KDA gates

@@ -35,6 +35,7 @@ def held_records(ring, w, origin, buf, slot):
     return ring[slot][:, pos]
 
 
+@pytest.mark.slow
 @settings(max_examples=7, deadline=None)        # CI time: ~3 s per example under the interpreter
 @given(geom=delta_geometries(max_batch=3, max_heads=4, max_k=20, max_v=20), Bbud=st.sampled_from([8, 16]),
        T=st.integers(1, 8), state_dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),

@@ -107,6 +107,7 @@ _CONTRACT = [(g, L, a) for g, L in [(DeltaGeometry(2, 4, 2, 8, 6, False), 4), (D
              for a in (torch.float32, torch.bfloat16)] + [(DeltaGeometry(2, 2, 1, 16, 16, True), 20, torch.bfloat16)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("geom, L, act", _CONTRACT)
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kind", VARIANTS[:2])
@@ -176,6 +177,7 @@ def test_padded_rows_are_untouched_and_zero(kind):
     assert all(torch.equal(a, b) for a, b in zip(before, (state, *rg)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kda", [False, True])
 @pytest.mark.parametrize("kind", VARIANTS[1:])
 def test_kernel_configs_track_the_exact_recurrence_with_poisoned_rings(kda, kind):

@@ -36,6 +36,7 @@ def held_records(ring, w, origin, buf, slot):
     return ring[slot][:, pos] if ring.dim() >= 3 else ring[slot][pos]
 
 
+@pytest.mark.slow
 @settings(max_examples=6, deadline=None)       # CI time: ~6 s per example under the interpreter
 @given(geom=mamba2_geometries(max_batch=3, max_heads=4, max_p=20, max_n=20), Bbud=st.sampled_from([8, 16]),
        T=st.integers(1, 5), act=st.sampled_from([torch.float32, torch.bfloat16]),
@@ -76,6 +77,7 @@ def test_verify_and_commit_match_the_reference(geom, Bbud, T, act, state_dtype, 
                 assert rel(a.float(), r.float()) < tol if a.numel() else True, f"step {step}: ring {k} slot {s}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("heads", [2, 4])
 def test_window_programs_over_several_heads_match_one_head_per_program(heads):
     """``TUNING["window_heads"]``: B·C computed once for heads that share their groups; same outputs and records."""

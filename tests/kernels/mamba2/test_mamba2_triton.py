@@ -71,6 +71,7 @@ def _track_exact(geom, L, data):
             assert rel(state[flushed], oracle.state[flushed]) < 1e-4, f"step {t}: checkpoint after flush"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("geom, L", [(Mamba2Geometry(2, 4, 5, 6, 2, 4), 4), (Mamba2Geometry(3, 6, 20, 17, 3, 1), 3),
                                      (Mamba2Geometry(1, 2, 3, 40, 1, 2), 1), (Mamba2Geometry(2, 2, 8, 8, 2, 2), 20)])
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
