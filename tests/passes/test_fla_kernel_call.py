@@ -370,7 +370,7 @@ def test_models_decoding_through_fla_launches_match_eager(triton_visible_to_dyna
     if not _point_at_standins(monkeypatch, family):
         pytest.skip(f"this transformers' {family} has no fla kernel hook")
     model = DELTA_FAMILY[family]()
-    rep = check_equivalence(model, make_inputs(model), buffer_len=2 if family == "glm5_next" else 4)
+    rep = check_equivalence(model, make_inputs(model), buffer_len=2)      # 5 steps: two flushes per layer
     assert rep.tokens_match, rep
     assert rep.max_logit_diff <= 1e-3 * rep.logit_scale, rep
     assert rep.states_compared > 0 and rep.max_state_diff < 1e-3, rep

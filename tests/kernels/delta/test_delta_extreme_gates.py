@@ -90,6 +90,7 @@ GEOMS = (DeltaGeometry(batch=2, HV=4, Hk=2, K=16, V=16, kda=False), DeltaGeometr
                                                                                     kda=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extreme", EXTREMES[:2])         # -1e30: the reference ops
 @pytest.mark.parametrize("geom", GEOMS, ids=["gdn", "kda"])
 @pytest.mark.parametrize("kind", ["fused", "split", "split:window_rows=0", "split:window_rows=1"])

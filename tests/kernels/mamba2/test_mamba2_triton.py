@@ -83,6 +83,7 @@ def test_kernel_matches_reference_bitwise_contract(geom, L, act, state_dtype, ki
         _match_reference(geom, L, act, state_dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("geom, L", [(Mamba2Geometry(2, 4, 5, 6, 2, 4), 4), (Mamba2Geometry(2, 2, 8, 8, 2, 2), 20)])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("kind", ["pre:route=0", "pre:route=0,early_tile=1", "pre:flush_list=0,win_heads=1",
