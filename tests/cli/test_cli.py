@@ -6,10 +6,12 @@ pytest.importorskip("transformers")
 
 from replay_compile.cli import main  # noqa: E402
 
-pytestmark = pytest.mark.hf
+# marked hf (run again under every transformers version CI installs): one run of each command on a model and the
+# family list, which depends on the version; the rest checks the CLI's own logic, the same under every version
 
 
 @pytest.mark.slow
+@pytest.mark.hf
 def test_verify_passes_on_a_supported_model(capsys):
     assert main(["verify", "--family", "mamba2", "--lower", "eager", "--tokens", "33", "--buffer-len", "8"]) == 0
     out = capsys.readouterr().out
@@ -62,6 +64,7 @@ def test_env(capsys):
     assert all(" " in line for line in out.splitlines() if line.startswith("transformers")), out   # name, version
 
 
+@pytest.mark.hf
 def test_family_help_lists_every_embedded_model(capsys):
     from replay_compile import cli
     from replay_compile.testing import hf_models
@@ -75,6 +78,7 @@ def test_family_help_lists_every_embedded_model(capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.hf
 def test_explain_lists_rewritten_layers(capsys):
     assert main(["explain", "--family", "qwen3_5", "--buffer-len", "4"]) == 0
     out = capsys.readouterr().out
@@ -91,6 +95,7 @@ def test_explain_says_why_a_layer_is_left_unchanged(capsys, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.hf
 def test_bench_smoke_on_cpu(tmp_path, capsys):
     """The benchmark command end to end on a tiny model (CPU, wall-clock timing): rows, CSV, table, rewrites."""
     import csv
