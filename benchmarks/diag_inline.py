@@ -3,7 +3,7 @@ tensor, the largest difference and the first step it appears; the generated code
 
     python benchmarks/diag_inline.py --out DIR [--cases 1,3]
 
-Cases are ``tests/test_inline_kernels_gpu.py``'s ``CASES`` (by index). A diagnostic for a GPU machine, not a test.
+Cases are ``tests/ops/test_inline_kernels_gpu.py``'s ``CASES`` (by index). A diagnostic for a GPU machine, not a test.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "ops"))
 import test_inline_kernels_gpu as t  # noqa: E402
 
 

@@ -9,7 +9,7 @@ replay's one read and a write every few verifies. State memory: ``T + 1`` states
 
 Both kernels are fp32 recurrences written for the benchmark (the libraries' single-token kernels would need a state
 copy per draft, which is slower still); their outputs are checked against our verify op at the start of every
-benchmark point, and against the exact recurrences in tests/test_spec_baselines.py.
+benchmark point, and against the exact recurrences in tests/kernels/test_spec_baselines.py.
 """
 
 from __future__ import annotations

@@ -26,6 +26,11 @@ settings.register_profile("dev", max_examples=200, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     """Each test compiles from scratch and sees its own counters."""

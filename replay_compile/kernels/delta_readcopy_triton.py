@@ -23,8 +23,8 @@ the device from the cursor (one captured CUDA graph serves every step):
 
 The encoders are those of :mod:`.mamba2_readcopy_triton` (software rounding, byte-identical to
 ``FORMATS[fmt].encode``). Interpreter constraints as in :mod:`.delta_triton` (vector masks in loops, constexpr trip
-counts). The CUDA implementation of ``replay_compile::delta_step_rc`` (tests: ``tests/test_delta_readcopy_triton.py``,
-interpreted in CI, compiled on the H200).
+counts). The CUDA implementation of ``replay_compile::delta_step_rc`` (tests:
+``tests/kernels/delta/test_delta_readcopy_triton.py``, interpreted in CI, compiled on the H200).
 """
 
 from __future__ import annotations

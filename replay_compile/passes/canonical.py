@@ -2,8 +2,8 @@
 
 The matchers read ``S.copy_(decay * S + update)`` with the readout taken from the new value and the update's outer
 product as a broadcast product. Users (and reference implementations) write the same step in other ways; each is
-rewritten here into that form, each rewrite keeping every value the graph computes (what tests/test_pass_spellings.py
-checks step by step against the eager module, for each spelling):
+rewritten here into that form, each rewrite keeping every value the graph computes (what
+tests/passes/test_pass_spellings.py checks step by step against the eager module, for each spelling):
 
 * **In-place updates** of a graph-input state, ``S.mul_(a).add_(u)``, ``S.mul_(a); S.addcmul_(t1, t2, value=c)``
   (which Dynamo records as ``S.copy_(fma(t1 * t2, c, S))``), ``S.add_(u, alpha=c)``: each becomes its out-of-place
