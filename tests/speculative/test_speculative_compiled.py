@@ -70,6 +70,7 @@ def test_compiled_rounds_match_generate_in_one_graph(reference):
         assert a.shape == b.shape and rel_err(a, b) < 1e-4, (family, rel_err(a, b))
 
 
+@pytest.mark.slow
 def test_verify_windows_through_the_decode_attention_op(reference, monkeypatch):
     """The round's attention over the static cache (the token and its drafts, causal in the scratch window) becomes
     ``replay_compile::decode_attention``; the tokens stay ``generate``'s."""
