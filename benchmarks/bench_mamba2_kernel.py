@@ -2,7 +2,7 @@
 
     python benchmarks/bench_mamba2_kernel.py --out bench-results/mamba2   # full sweep
     python benchmarks/bench_mamba2_kernel.py --batches 256 --geoms super # one point
-    python benchmarks/bench_mamba2_kernel.py --batches 1,256 --configs 'tiled;tiled:BLOCK_P=32,num_warps=4'
+    python benchmarks/bench_mamba2_kernel.py --batches 1,256 --configs 'pre;pre:BLOCK_P=32,num_warps=2'
 
 Per (geometry, batch, state dtype): the baseline step, our non-flush step (the mean over the L-1 non-flush ring
 positions), our flush step and the average over L consecutive steps (one flush), each replayed from a CUDA graph of
@@ -300,7 +300,7 @@ def main(argv=None):
     ap.add_argument("--L", type=int, default=16)
     ap.add_argument("--out", default="bench-results")
     ap.add_argument("--configs", default="",
-                    help="';'-separated launch configs (e.g. 'tiled;tiled:BLOCK_P=32,num_warps=4') compared at "
+                    help="';'-separated launch configs (e.g. 'pre;pre:BLOCK_P=32,num_warps=2') compared at "
                          "--batches, fp32 state, instead of the sweep")
     ap.add_argument("--desync", action="store_true",
                     help="also time steps with every row at its own ring position (step_times' desync_us)")

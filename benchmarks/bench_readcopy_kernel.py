@@ -2,7 +2,7 @@
 
     python benchmarks/bench_readcopy_kernel.py --out bench-results/readcopy [--batches 1,32,256]
         [--formats bf16,fp8_e4m3,nvfp4]
-        [--configs 'BLOCK_P=16,num_warps=1;fold_dot=1']   (launch configurations compared; default: the chosen one)
+        [--configs 'APPLY_P=16;APPLY_P=32']   (launch configurations compared; default: the chosen one)
 
 Per (batch, format), Nemotron-Super geometry (H=128, P=64, N=128, G=8), fp32 checkpoint, L=16: the non-flush step,
 the flush step and the L-step average of ``replay_step_readcopy_triton`` (non-flush steps read only the copy),

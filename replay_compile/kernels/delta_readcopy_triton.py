@@ -14,10 +14,11 @@ the device from the cursor (one captured CUDA graph serves every step):
    * flush rows run the *exact* recurrence over the raw window on their fp32 checkpoint slice, record by record (a
      slice of ``S`` holds whole columns, so ``Sᵀk`` and the update stay inside the program), then the current
      token; they write the checkpoint (fp16: stochastic rounding, keyed as the exact kernels) and ``o``.
-3. :func:`_flush_encode_rows_kernel`, grid ``(cdiv(K, BLOCK_R), b, HV)``: flush rows rewrite their copy from the
-   stored checkpoint (whole rows of V, as the fp8 row scale needs): bf16, fp8 and ``nvfp4_row`` (tensor scale per
-   row) directly; ``nvfp4`` (tensor scale per slot) reduces the slot's amax (atomic max), and
-   :func:`~.mamba2_readcopy_triton._nvfp4_flush_encode_kernel` encodes in a 4th launch.
+3. :func:`_flush_encode_rows_list_kernel`, a fixed grid walking the flush rows launch 2 listed (``BLOCK_R`` rows of
+   a head per item): flush rows rewrite their copy from the stored checkpoint (whole rows of V, as the fp8 row scale
+   needs): bf16, fp8 and ``nvfp4_row`` (tensor scale per row) directly; ``nvfp4`` (tensor scale per slot) reduces
+   the slot's amax (atomic max), and :func:`~.mamba2_readcopy_triton._nvfp4_flush_encode_list_kernel` encodes in a
+   4th launch.
 4. :func:`~.mamba2_triton._advance_cursor_kernel`: ``w -> w + 1`` or 0. Launches 2 and 3 read the cursor before
    it moves.
 
@@ -46,7 +47,6 @@ from .mamba2_readcopy_triton import (
     _format_name,
     _load_copy_rows,
     _nvfp4_encode_body,
-    _nvfp4_flush_encode_kernel,
     _nvfp4_flush_encode_list_kernel,
     hw_fp8_cast,
 )
@@ -134,8 +134,7 @@ def _delta_rc_apply_kernel(
     s_qb, s_qh, s_qk, s_kb, s_kh, s_kk, s_vb, s_vh, s_vv, s_gb, s_gh, s_gk, s_bb, s_bh, s_ob, s_oh, s_ov,
     s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp, s_csn, s_ctb, s_cth, s_ctp,
     FMT: tl.constexpr, HAS_SLOT: tl.constexpr, KDA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, work_ptr, LISTED: tl.constexpr,
-    FLUSH_STAGES: tl.constexpr,
+    BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, work_ptr, FLUSH_STAGES: tl.constexpr,
 ):
     pid_v = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
@@ -160,23 +159,17 @@ def _delta_rc_apply_kernel(
     vr_base = vr_ptr + slot * s_vrb + h * s_vrh
     br_base = br_ptr + slot * s_brb + h * s_brh
     if w == L - 1:
-        if LISTED:                                 # the row's first program lists it for the encode launch
-            if (pid_v == 0) & (h == 0):
-                _list_row(work_ptr, row)
+        if (pid_v == 0) & (h == 0):                # the row's first program lists it for the encode launch
+            _list_row(work_ptr, row)
         # the exact recurrence from the fp32 checkpoint over the raw window, then the current token
         st_ptrs = state_ptr + slot * s_sb + h * s_sh + offs_k[:, None] * s_sk + offs_v[None, :] * s_sv
         s = tl.load(st_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
-        # FLUSH_STAGES > 0: the record loop software-pipelined that deep (the record loads are L2 round trips on
-        # the critical path; the exact split flush went 570 -> 445 µs with 4 stages); 0: a plain loop. The flush
-        # holds w = L - 1 <= BLOCK_L - 1 records: BLOCK_L - 1 iterations (a masked one still computes)
-        if FLUSH_STAGES > 0:
-            for j in tl.range(BLOCK_L - 1, num_stages=FLUSH_STAGES):
-                s = _exact_record(s, j, w, kr_base, vr_base, br_base, gr_base, offs_k, offs_v, mask_k, mask_v, L,
-                                  s_krl, s_krk, s_vrl, s_vrv, s_brl, s_grl, s_grk, KDA)
-        else:
-            for j in range(BLOCK_L - 1):
-                s = _exact_record(s, j, w, kr_base, vr_base, br_base, gr_base, offs_k, offs_v, mask_k, mask_v, L,
-                                  s_krl, s_krk, s_vrl, s_vrv, s_brl, s_grl, s_grk, KDA)
+        # the record loop software-pipelined FLUSH_STAGES deep (the record loads are L2 round trips on the critical
+        # path; the exact split flush went 570 -> 445 µs with 4 stages). The flush holds w = L - 1 <= BLOCK_L - 1
+        # records: BLOCK_L - 1 iterations (a masked one still computes)
+        for j in tl.range(BLOCK_L - 1, num_stages=FLUSH_STAGES):
+            s = _exact_record(s, j, w, kr_base, vr_base, br_base, gr_base, offs_k, offs_v, mask_k, mask_v, L,
+                              s_krl, s_krk, s_vrl, s_vrv, s_brl, s_grl, s_grk, KDA)
         if KDA:
             g_cur = tl.load(g_ptr + row * s_gb + h * s_gh + offs_k * s_gk, mask=mask_k, other=0.0).to(tl.float32)
         else:
@@ -237,35 +230,15 @@ def _encode_rows_body(
 
 
 @triton.jit
-def _flush_encode_rows_kernel(
-    state_ptr, cursor_ptr, slot_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr, K, V, L,
-    s_sb, s_sh, s_sk, s_sv, s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp, s_csn, s_ctb, s_cth, s_ctp,
-    FMT: tl.constexpr, HAS_SLOT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
-    HW_E4M3: tl.constexpr, ROW_SCALE: tl.constexpr,
-):
-    """Flush rows (cursor still ``L-1``), grid ``(cdiv(K, BLOCK_R), b, HV)``: :func:`_encode_rows_body`."""
-    pid_r = tl.program_id(0)
-    row = tl.program_id(1).to(tl.int64)
-    h = tl.program_id(2).to(tl.int64)
-    slot = _row_slot(slot_ptr, row, HAS_SLOT)
-    if slot < 0:
-        return
-    if tl.load(cursor_ptr + slot) != L - 1:
-        return
-    _encode_rows_body(pid_r, row, h, slot, state_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr, K, V,
-                      s_sb, s_sh, s_sk, s_sv, s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp, s_csn, s_ctb, s_cth,
-                      s_ctp, FMT, BLOCK_R, BLOCK_V, HW_E4M3, ROW_SCALE)
-
-
-@triton.jit
 def _flush_encode_rows_list_kernel(
     state_ptr, slot_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr, work_ptr, HV, n_rb, K, V,
     s_sb, s_sh, s_sk, s_sv, s_cvb, s_cvh, s_cvp, s_cvn, s_csb, s_csh, s_csp, s_csn, s_ctb, s_cth, s_ctp,
     FMT: tl.constexpr, HAS_SLOT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
     HW_E4M3: tl.constexpr, ROW_SCALE: tl.constexpr,
 ):
-    """:func:`_flush_encode_rows_kernel` over the rows the apply launch listed, on a fixed grid (a non-flush step
-    then costs a few programs reading ``count = 0``, not a ``(K / BLOCK_R, b, HV)`` grid reading cursors)."""
+    """:func:`_encode_rows_body` over the rows the apply launch listed, on a fixed grid (a non-flush step then costs
+    a few programs reading ``count = 0``, not a ``(K / BLOCK_R, b, HV)`` grid reading cursors: H200 bs256, the encode
+    launch 40.5 -> 3.7 µs on non-flush steps, 170 -> 200 µs on the flush step)."""
     n_items = tl.load(work_ptr) * (HV * n_rb)
     t = tl.program_id(0)
     while t < n_items:
@@ -287,17 +260,12 @@ def launch_config(K: int, V: int, L: int) -> dict:
                 # the window launch on 1 warp (the exact step's H200 choice: 1 warp beat 4 on its [16, 128] tiles)
                 window_warps=TUNING.get("window_warps") or 1,
                 BLOCK_R=TUNING.get("BLOCK_R") or 16, BLOCK_VF=max(16, next_pow2(V)),
-                # listed flush rows for the encode launches (H200 bs256: the encode launch 40.5 -> 3.7 us on
-                # non-flush steps, 170 -> 200 us on the flush step). 0: full grid every step
-                flush_list=bool(TUNING.get("flush_list", 1)), flush_programs=TUNING.get("flush_programs"),
+                flush_programs=TUNING.get("flush_programs"),         # the encode launches' grid; default 32 per SM
                 # the flush's record loop pipelined 4 deep (H200, bs256 fp8: the flush apply 1061 -> 696 µs
-                # for GDN, 1185 -> 752 for KDA; 2 stages: 703 / 758). 0: a plain loop
-                flush_stages=TUNING.get("flush_stages", 4),
-                # fp8 encode by the hardware conversion (compiled sm_89+ only; mamba2_readcopy_triton._e4m3_byte).
-                # H200, bs256 fp8: the flush's encode launch 200.5 -> 180.7 µs (GDN), 200.4 -> 181.2 (KDA)
+                # for GDN, 1185 -> 752 for KDA; 2 stages: 703 / 758)
                 # (loading the copy slice before the cursor branch was tried and removed, same conditions: GDN apply
                 # 136.9 -> 136.0 µs, KDA 143.2 -> 146.9, KDA flush apply 751 -> 814)
-                hw_e4m3=bool(TUNING.get("hw_e4m3", 1)))
+                flush_stages=4)
 
 
 def delta_replay_step_readcopy_triton(state, copy, fmt, d_ring, k_ring, g_ring, v_ring, beta_ring, cursor,
@@ -331,36 +299,26 @@ def delta_replay_step_readcopy_triton(state, copy, fmt, d_ring, k_ring, g_ring, 
         num_warps=cfg["window_warps"], **common)
     (cv, cs, ct), cstrides = _copy_args(enc, name, cursor)
     n_vb = cdiv(V, cfg["BLOCK_V"])
-    listed = cfg["flush_list"]                      # flush rows listed by the apply launch for the encode launches
-    work = torch.zeros((b + 1,), dtype=torch.int32, device=v.device) if listed else None
+    work = torch.zeros((b + 1,), dtype=torch.int32, device=v.device)    # flush rows listed for the encode launches
     launch(_delta_rc_apply_kernel)[(n_vb, b, HV)](
         state, d_ring, k_ring, g_ring, v_ring, beta_ring, cursor, q, k, v, g, beta, slot_arg, o, win, vec, wrow,
         cv, cs, ct, HV, K, V, L, v_per_k, v_per_q,
         *state.stride(), *d_ring.stride(), *k_ring.stride(), *g_strides, *v_ring.stride(), *beta_ring.stride(),
         *q.stride(), *k.stride(), *v.stride(), *gi_strides, *beta.stride(), *o.stride(), *cstrides,
         FMT=FORMAT_IDS[name], BLOCK_V=cfg["BLOCK_V"], STOCHASTIC_FP16=state.dtype == torch.float16,
-        num_warps=cfg["num_warps"], work_ptr=work if listed else cursor, LISTED=listed,
-        FLUSH_STAGES=cfg["flush_stages"], **common)
+        num_warps=cfg["num_warps"], work_ptr=work, FLUSH_STAGES=cfg["flush_stages"], **common)
     amax = torch.zeros(b, dtype=torch.int32, device=v.device) if name == "nvfp4" else cursor
     n_rb = cdiv(K, cfg["BLOCK_R"])
-    grid_r = (n_rb, b, HV)
+    # fp8 encode by the hardware conversion where compiled for sm_89+ (mamba2_readcopy_triton._e4m3_byte). H200,
+    # bs256 fp8: the flush's encode launch 200.5 -> 180.7 µs (GDN), 200.4 -> 181.2 (KDA)
     enc_kw = dict(FMT=FORMAT_IDS[name], HAS_SLOT=has_slot, BLOCK_R=cfg["BLOCK_R"], BLOCK_V=cfg["BLOCK_VF"],
-                  HW_E4M3=cfg["hw_e4m3"] and hw_fp8_cast(v.device), ROW_SCALE=name == "nvfp4_row")
-    if listed:
-        programs = cfg["flush_programs"] or fixed_grid(b * HV * n_rb, 1, v.device, 32)
-        launch(_flush_encode_rows_list_kernel)[(programs,)](
-            state, slot_arg, amax, cv, cs, ct, work, HV, n_rb, K, V, *state.stride(), *cstrides, **enc_kw)
-    else:
-        launch(_flush_encode_rows_kernel)[grid_r](
-            state, cursor, slot_arg, amax, cv, cs, ct, K, V, L, *state.stride(), *cstrides, **enc_kw)
+                  HW_E4M3=hw_fp8_cast(v.device), ROW_SCALE=name == "nvfp4_row")
+    programs = cfg["flush_programs"] or fixed_grid(b * HV * n_rb, 1, v.device, 32)
+    launch(_flush_encode_rows_list_kernel)[(programs,)](
+        state, slot_arg, amax, cv, cs, ct, work, HV, n_rb, K, V, *state.stride(), *cstrides, **enc_kw)
     if name == "nvfp4":
-        nv_kw = dict(HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_R"], NB=cfg["BLOCK_VF"] // 16)
-        if listed:
-            launch(_nvfp4_flush_encode_list_kernel)[(programs,)](
-                state, cursor, slot_arg, amax, cv, cs, ct, work, HV, n_rb, K, V, L, *state.stride(), *cstrides,
-                ENC_WORDS=False, **nv_kw)
-        else:
-            launch(_nvfp4_flush_encode_kernel)[grid_r](
-                state, cursor, slot_arg, amax, cv, cs, ct, K, V, L, *state.stride(), *cstrides, **nv_kw)
+        launch(_nvfp4_flush_encode_list_kernel)[(programs,)](
+            state, cursor, slot_arg, amax, cv, cs, ct, work, HV, n_rb, K, V, L, *state.stride(), *cstrides,
+            HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_R"], NB=cfg["BLOCK_VF"] // 16, ENC_WORDS=False)
     launch(_advance_cursor_kernel)[(cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
     return o

@@ -9,18 +9,19 @@ the device from the cursor (one captured CUDA graph serves every step):
 
 Measured on the H200 (``docs/design/delta_kernel.md``; bs256 fp32, L-avg vs fla): the window launch on 1 warp instead
 of 4 (its ``[16, 128]`` tiles; GDN window 24 -> 16 µs, KDA 91 -> 54) and 32-wide slices instead of 16 (the checkpoint
-stream 182 -> ~150 µs) took GDN from 1.61x to 1.94x and KDA from 0.92x to 1.20x. The other defaults: KDA's launch 1
-record by record (``window_rows``, :func:`_delta_window_rows_kernel`: 46 -> 22 µs; GDN keeps the tile form, 16 vs 17
-µs); the flush's record loop software-pipelined (``flush_stages``, ``tl.range(num_stages=...)``; 0 is a plain loop):
-4 deep took the flush apply 570 -> 445 µs for both, 5 deep instead of 4 the flush step -8 to -23 µs at bs 256-512;
-launch 1's scratch stored ``evict_last`` (KDA bs256 L-avg -3.7 to -3.9 µs, GDN -3 µs). Tried and dropped: a launch
+stream 182 -> ~150 µs) took GDN from 1.61x to 1.94x and KDA from 0.92x to 1.20x. The rest of the configuration: KDA's
+launch 1 record by record (:func:`_delta_window_rows_kernel`: 46 -> 22 µs; GDN keeps the tile form, 16 vs 17 µs); the
+flush's record loop software-pipelined (``flush_stages``, ``tl.range(num_stages=...)``): 4 deep took the flush apply
+570 -> 445 µs for both, 5 deep instead of 4 the flush step -8 to -23 µs at bs 256-512; launch 1's scratch stored
+``evict_last`` (KDA bs256 L-avg -3.7 to -3.9 µs, GDN -3 µs). Tried and dropped: a launch
 of its own walking listed flush rows with one ``tl.dot`` (flush 986 µs vs 570, and the early return it needs in
 launch 2 delayed the slice load: +13 µs per non-flush step), the window's ring loads issued before the cursor, the
 ``d`` window loaded before ``w``, the flush's L outer products unrolled (all within noise or worse); the flush's
 ``KEᵀ D`` as one ``tl.dot`` (IEEE: spills, 8 ms per flush step; tf32x3: flush 468 -> 534 µs and non-flush +10%, the
 dot's layout reaching the slice); launch 1 with 2 or 4 value heads per program (one wave at bs256 instead of two: KDA
 non-flush 171.2 -> 173.8-175.1 µs, GDN 162.6 -> 164.3-164.4); a deeper flush record pipeline than 4
-(``flush_stages=8|16``: flush 468 -> 483 µs GDN, 485 -> 501 KDA); the window computed inside launch 2 instead (each
+(8 or 16: flush 468 -> 483 µs GDN, 485 -> 501 KDA); launch 2 as launch 1's programmatic dependent (GDN non-flush
+169.7 -> 173.2 µs, KDA 175.5 -> 183.3 at bs256); the window computed inside launch 2 instead (each
 slice program repeating it in 4-16-record chunks while or before its slice loads; launch 1 only snapshotting the
 cursor and scaling a flush's keys: KDA bs256 non-flush 165 -> 229-321 µs, GDN 159 -> 203-248); the rows in 2-8
 chunks whose window launches overlap the previous chunk's pass on CUDA streams, which lost at every point (KDA bs256
@@ -36,7 +37,7 @@ import triton
 import triton.language as tl
 
 from .host_math import cdiv
-from .launch import launch, pdl_on, pdl_options, reg_options
+from .launch import launch, reg_options
 from .mamba2_triton import _row_slot, _step_row, _store_checkpoint
 
 
@@ -85,7 +86,7 @@ def _delta_window_kernel(
     s_krb, s_krh, s_krl, s_krk, s_grb, s_grh, s_grl, s_grk,
     s_qb, s_qh, s_qk, s_kb, s_kh, s_kk, s_gb, s_gh, s_gk,
     HAS_SLOT: tl.constexpr, KDA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
-    PDL: tl.constexpr, SCRATCH_EVICT: tl.constexpr,
+    SCRATCH_EVICT: tl.constexpr,
 ):
     """Launch 1, grid ``(batch, HV)``: everything of the step that does not touch the checkpoint, once per (row,
     value head) instead of once per V-block. Writes ``w`` [b] (from head 0), the window scalars
@@ -93,11 +94,9 @@ def _delta_window_kernel(
     ``vec[row, h] = (exp(E_tot) ⊙ k_t, exp(E_tot) ⊙ q_t, exp(E_tot))`` and, for flushing rows only, the scaled keys
     ``ke[row, h] = KE [BLOCK_L, BLOCK_K]`` (zero past the window). The ring holds each record's log-gate ``g_j``
     (:func:`_gate_window`); a non-flush row's ``g_t`` is appended here (one program per row and value head; nothing
-    else reads or writes that slot in this step). Reads the cursor. ``PDL``: launch 2
-    is this launch's programmatic dependent and may start at once (:func:`_delta_apply_kernel` waits for this grid
-    before it reads anything written here)."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+    else reads or writes that slot in this step). Reads the cursor. GDN's exact step and both families' read-copy
+    step (KDA's exact step runs :func:`_delta_window_rows_kernel`). ``SCRATCH_EVICT``: the stores' L2 eviction hint,
+    ``"evict_last"`` for the exact step, ``""`` for the read copy (unmeasured there)."""
     row = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     HV = tl.num_programs(1)
@@ -150,17 +149,14 @@ def _delta_window_rows_kernel(
     K, L, v_per_k, v_per_q,
     s_krb, s_krh, s_krl, s_krk, s_grb, s_grh, s_grl, s_grk,
     s_qb, s_qh, s_qk, s_kb, s_kh, s_kk, s_gb, s_gh, s_gk,
-    HAS_SLOT: tl.constexpr, KDA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
-    PDL: tl.constexpr, SCRATCH_EVICT: tl.constexpr,
+    HAS_SLOT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr, SCRATCH_EVICT: tl.constexpr,
 ):
-    """Launch 1 record by record (``window_rows=1``; the outputs of :func:`_delta_window_kernel`, except that a
-    flushing row's ``KE`` slots past ``w`` stay unwritten: launch 2 reads them masked): the window's key (and KDA
-    gate) rows are separate ``[K]`` vectors, walked from the newest record back: ``E_j = Σ_{j<i<=w} g_i`` is then
-    one running sum (a vector add per record, never a difference), so the 2-D reductions become L vector steps,
-    about a third of the operations for KDA, and only the ``w`` held records compute. Unrolled: every row load can
-    be in flight at once. Appends ``g_t`` and ``PDL`` as :func:`_delta_window_kernel`."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+    """KDA's launch 1, record by record (the outputs of :func:`_delta_window_kernel`, except that a flushing row's
+    ``KE`` slots past ``w`` stay unwritten: launch 2 reads them masked): the window's key and gate rows are separate
+    ``[K]`` vectors, walked from the newest record back: ``E_j = Σ_{j<i<=w} g_i`` is then one running sum (a vector
+    add per record, never a difference), so the 2-D reductions become L vector steps, about a third of the
+    operations, and only the ``w`` held records compute. Unrolled: every row load can be in flight at once. Appends
+    ``g_t`` as :func:`_delta_window_kernel`. (GDN, whose gates are scalars, keeps the tile form: 16 vs 17 µs.)"""
     row = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     HV = tl.num_programs(1)
@@ -179,11 +175,7 @@ def _delta_window_rows_kernel(
         tl.store(wrow_ptr + row, w)
     kr_base = kr_ptr + slot * s_krb + hk * s_krh
     gr_base = gr_ptr + slot * s_grb + h * s_grh
-    if KDA:
-        g_cur = tl.load(g_ptr + row * s_gb + h * s_gh + offs_k * s_gk, mask=mask_k, other=0.0).to(tl.float32)
-    else:
-        gw = tl.load(gr_base + offs_l * s_grl, mask=offs_l < w, other=0.0).to(tl.float32)          # [BLOCK_L]
-        g_cur = tl.load(g_ptr + row * s_gb + h * s_gh).to(tl.float32)
+    g_cur = tl.load(g_ptr + row * s_gb + h * s_gh + offs_k * s_gk, mask=mask_k, other=0.0).to(tl.float32)
     after = g_cur                                  # Σ_{j<i<=w} g_i for the record j about to be visited
     u = tl.zeros([BLOCK_L], dtype=tl.float32)
     uq = tl.zeros([BLOCK_L], dtype=tl.float32)
@@ -193,10 +185,7 @@ def _delta_window_rows_kernel(
         j = BLOCK_L - 1 - i                        # newest first
         live = (offs_k * 0 + j) < w                # vector masks (the interpreter rejects scalar loop-index ones)
         k_j = tl.load(kr_base + j * s_krl + offs_k * s_krk, mask=live & mask_k, other=0.0).to(tl.float32)
-        if KDA:
-            g_j = tl.load(gr_base + j * s_grl + offs_k * s_grk, mask=live & mask_k, other=0.0).to(tl.float32)
-        else:
-            g_j = tl.sum(tl.where(offs_l == j, gw, 0.0), axis=0)
+        g_j = tl.load(gr_base + j * s_grl + offs_k * s_grk, mask=live & mask_k, other=0.0).to(tl.float32)
         # the loads above issue unconditionally (masked: no traffic past w), the arithmetic only for held records:
         # a non-flush step holds w = 0 .. L - 2 of them, so most of the BLOCK_L exps and reductions were for nothing.
         # Records past w keep u_j = uq_j = 0 and leave their KE slot unwritten (the flush reads it masked to j < w)
@@ -206,11 +195,11 @@ def _delta_window_rows_kernel(
             uq = tl.where(offs_l == j, tl.sum(ke_j * q, axis=0), uq)
             tl.store(ke_base + j * BLOCK_K + offs_k, ke_j, mask=flushing, eviction_policy=SCRATCH_EVICT)
         after = after + g_j                        # zero past w (masked loads)
-    dec = tl.exp(tl.minimum(after, 0.0))           # Σ_{i<=w} g_i; KDA [BLOCK_K], GDN scalar
+    dec = tl.exp(tl.minimum(after, 0.0))           # Σ_{i<=w} g_i [BLOCK_K]
     _store_window(win_ptr, vec_ptr, row * HV + h, u, uq, k, q, dec, flushing, offs_l, offs_k, BLOCK_L, BLOCK_K,
                   SCRATCH_EVICT)
     if w < L - 1:
-        _append_gate(gr_base, w, g_cur, offs_k, mask_k, s_grl, s_grk, KDA)
+        _append_gate(gr_base, w, g_cur, offs_k, mask_k, s_grl, s_grk, True)
 
 
 @triton.jit
@@ -274,7 +263,7 @@ def _delta_apply_kernel(
     s_sb, s_sh, s_sk, s_sv, s_drb, s_drh, s_drl, s_drv, s_krb, s_krh, s_krl, s_krk, s_grb, s_grh, s_grl, s_grk,
     s_kb, s_kh, s_kk, s_vb, s_vh, s_vv, s_gb, s_gh, s_gk, s_bb, s_bh, s_ob, s_oh, s_ov,
     HAS_SLOT: tl.constexpr, KDA: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, FLUSH_STAGES: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, FLUSH_STAGES: tl.constexpr,
 ):
     """Launch 2, grid ``(cdiv(V, BLOCK_V), batch, HV)``: reads its ``K x BLOCK_V`` checkpoint slice (issued first)
     and the window's corrected values, takes the rest from launch 1::
@@ -285,12 +274,7 @@ def _delta_apply_kernel(
     ``exp(E_tot) ⊙_K S_0 + KEᵀ D + k dᵀ`` once, as L outer products with launch 1's scaled keys (no ``tl.dot`` in
     this kernel: its operand layouts slowed the non-flush path by 20% on the H200, docs/design/delta_kernel.md). Only
     what a branch needs is loaded in it. One program per row advances the cursor: launch 1 has already read it and this
-    launch reads ``w`` from launch 1's copy, so nobody reads it after the write.
-
-    ``PDL`` (launched as launch 1's programmatic dependent): the checkpoint slice, ``v`` and ``β`` are read while
-    launch 1 may still run (it writes none of them and started after every earlier writer had finished);
-    ``gdc_wait`` comes before ``w`` and everything else of launch 1, and before every store but a padding row's
-    zero output (launch 1 reads the cursor and the rings this launch writes)."""
+    launch reads ``w`` from launch 1's copy, so nobody reads it after the write."""
     pid_v = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
@@ -309,8 +293,6 @@ def _delta_apply_kernel(
     v = tl.load(v_ptr + row * s_vb + h * s_vh + offs_v * s_vv, mask=mask_v, other=0.0).to(tl.float32)
     beta = tl.load(beta_ptr + row * s_bb + h * s_bh).to(tl.float32)
     dr_base = dr_ptr + slot * s_drb + h * s_drh
-    if PDL:
-        tl.extra.cuda.gdc_wait()                   # launch 1 complete: its outputs are visible from here on
     w = tl.load(wrow_ptr + row)
     d, o = _window_readout(s0, v, beta, w, win_ptr, vec_ptr, row * HV + h, dr_base, offs_l, offs_k, offs_v, mask_v,
                            s_drl, s_drv, BLOCK_L, BLOCK_K)
@@ -324,17 +306,12 @@ def _delta_apply_kernel(
         dec = tl.load(vec_ptr + (row * HV + h) * (3 * BLOCK_K) + 2 * BLOCK_K + offs_k)     # launch 1's exp(E_tot)
         s_new = dec[:, None] * s0 + k_cur[:, None] * d[None, :]
         ke_base = ke_ptr + (row * HV + h) * (BLOCK_L * BLOCK_K)
-        # KEᵀ D as L outer products (no tl.dot here, see above). FLUSH_STAGES > 0: the record loop software-pipelined
-        # with that many stages (the flush is latency-bound: an L2 round trip per record at ~12 resident warps per
-        # SM); 0: a plain loop (the compiler's default pipelining). A flush holds w = L - 1 <= BLOCK_L - 1 records,
-        # so BLOCK_L - 1 iterations cover them: a masked last iteration would still issue its FMAs (1/16 of the fold
-        # at L = 16; the bound stays constexpr for the interpreter)
-        if FLUSH_STAGES > 0:
-            for j in tl.range(BLOCK_L - 1, num_stages=FLUSH_STAGES):
-                s_new = _fold_record(s_new, ke_base, dr_base, j, w, offs_k, offs_v, mask_v, s_drl, s_drv, BLOCK_K)
-        else:
-            for j in range(BLOCK_L - 1):
-                s_new = _fold_record(s_new, ke_base, dr_base, j, w, offs_k, offs_v, mask_v, s_drl, s_drv, BLOCK_K)
+        # KEᵀ D as L outer products (no tl.dot here, see above), the record loop software-pipelined FLUSH_STAGES
+        # deep (the flush is latency-bound: an L2 round trip per record at ~12 resident warps per SM). A flush holds
+        # w = L - 1 <= BLOCK_L - 1 records, so BLOCK_L - 1 iterations cover them: a masked last iteration would
+        # still issue its FMAs (1/16 of the fold at L = 16; the bound stays constexpr for the interpreter)
+        for j in tl.range(BLOCK_L - 1, num_stages=FLUSH_STAGES):
+            s_new = _fold_record(s_new, ke_base, dr_base, j, w, offs_k, offs_v, mask_v, s_drl, s_drv, BLOCK_K)
         key_gate = tl.load(g_ptr + row * s_gb + h * s_gh).to(tl.float32)    # g (GDN) or g[..., 0] (KDA)
         _store_checkpoint(st_ptrs, s_new, tile_mask, key_gate, slot * HV + h,
                           offs_k[:, None] * V + offs_v[None, :], STOCHASTIC_FP16)
@@ -358,12 +335,11 @@ def launch_split(cfg: dict, state, d_ring, k_ring, g_ring, cursor, q, k, v, g, b
     g_strides = tuple(g_ring.stride()) + ((0,) if not kda else ())
     gi_strides = tuple(g.stride()) + ((0,) if not kda else ())
     v_per_k, v_per_q = HV // k_ring.shape[1], HV // q.shape[1]
-    common = dict(HAS_SLOT=has_slot, BLOCK_K=bk, BLOCK_L=bl, PDL=pdl_on(v.device, cfg["pdl"]))
+    common = dict(HAS_SLOT=has_slot, BLOCK_K=bk, BLOCK_L=bl)
     # launch 1 writes its scratch (win, vec and a flush's scaled keys: 14 / 77 MB at bs256, HV = 32) evict_last, so
-    # that launch 2 finds it in L2 instead of in DRAM behind the checkpoint it has streamed since (cfg
-    # "scratch_evict", on by default; see delta_triton.launch_config). Every line stored so is read back by launch 2
-    # with plain loads (the default, evict_normal, policy), so none keeps its evict_last priority past the step
-    scratch_evict = "evict_last" if cfg["scratch_evict"] else ""
+    # that launch 2 finds it in L2 instead of in DRAM behind the checkpoint it has streamed since (see
+    # delta_triton.launch_config). Every line stored so is read back by launch 2 with plain loads (the default,
+    # evict_normal, policy), so none keeps its evict_last priority past the step
     stochastic = state.dtype == torch.float16
     win = torch.empty((b, HV, 3 * bl), dtype=torch.float32, device=v.device)
     vec = torch.empty((b, HV, 3 * bk), dtype=torch.float32, device=v.device)
@@ -371,12 +347,12 @@ def launch_split(cfg: dict, state, d_ring, k_ring, g_ring, cursor, q, k, v, g, b
     wrow = torch.empty((b,), dtype=cursor.dtype, device=v.device)
     win_args = (cursor, k_ring, g_ring, q, k, g, slot_arg, win, vec, ke, wrow, K, L, v_per_k, v_per_q,
                 *k_ring.stride(), *g_strides, *q.stride(), *k.stride(), *gi_strides)
-    if cfg["window_rows"]:
-        launch(_delta_window_rows_kernel)[(b, HV)](*win_args, KDA=kda, num_warps=cfg["window_warps"],
-                                                   SCRATCH_EVICT=scratch_evict, **common)
+    if kda:                                        # record by record (see delta_triton.launch_config)
+        launch(_delta_window_rows_kernel)[(b, HV)](*win_args, num_warps=cfg["window_warps"],
+                                                   SCRATCH_EVICT="evict_last", **common)
     else:
-        launch(_delta_window_kernel)[(b, HV)](*win_args, KDA=kda, num_warps=cfg["window_warps"],
-                                              SCRATCH_EVICT=scratch_evict, **common)
+        launch(_delta_window_kernel)[(b, HV)](*win_args, KDA=False, num_warps=cfg["window_warps"],
+                                              SCRATCH_EVICT="evict_last", **common)
     n_vb = cdiv(V, cfg["BLOCK_V"])
     return launch(_delta_apply_kernel)[(n_vb, b, HV)](
         state, d_ring, k_ring, g_ring, cursor, k, v, g, beta, slot_arg, o, win, vec, ke, wrow,
@@ -384,4 +360,4 @@ def launch_split(cfg: dict, state, d_ring, k_ring, g_ring, cursor, q, k, v, g, b
         *state.stride(), *d_ring.stride(), *k_ring.stride(), *g_strides,
         *k.stride(), *v.stride(), *gi_strides, *beta.stride(), *o.stride(),
         KDA=kda, BLOCK_V=cfg["BLOCK_V"], STOCHASTIC_FP16=stochastic, FLUSH_STAGES=cfg["flush_stages"],
-        num_warps=cfg["num_warps"], **common, **pdl_options(common["PDL"]), **reg_options(cfg["maxnreg"]))
+        num_warps=cfg["num_warps"], **common, **reg_options(cfg["maxnreg"]))

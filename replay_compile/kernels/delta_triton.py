@@ -150,9 +150,7 @@ def _delta_replay_step_kernel(
 
 
 # Launch configuration override for benchmarks and tests (``mamba2_triton.parse_tuning`` strings):
-# {"variant": "fused"|"split", "BLOCK_V", "num_warps"; split only: "window_warps", "window_rows",
-# "flush_stages", "maxnreg", "pdl", "scratch_evict"}.
-# Empty in use.
+# {"variant": "fused"|"split", "BLOCK_V", "num_warps"; split only: "window_warps"}. Empty in use.
 TUNING: dict = {}
 
 # The split step's last compiled checkpoint-pass kernel (tests check its launch options; benchmarks its registers).
@@ -175,7 +173,8 @@ def launch_config(b: int, HV: int, K: int, V: int, L: int, kda: bool = False) ->
       value head); launch 2 streams the checkpoint in ``K x BLOCK_V`` slices (as fla's fused recurrent kernel
       does) with little else live, so many programs fit per SM.
     K is held whole (padded to a power of two >= 16); the window sits on a power-of-two axis >= 16. ``kda``: the
-    step has per-key-channel gates (launch 1 of the split variant then runs record by record).
+    step has per-key-channel gates (launch 1 of the split variant then runs record by record,
+    :func:`~.delta_split_triton.launch_split`).
     """
     block_k = max(16, next_pow2(K))
     block_l = max(16, next_pow2(L))
@@ -193,28 +192,23 @@ def launch_config(b: int, HV: int, K: int, V: int, L: int, kda: bool = False) ->
         # launch on 1 warp (4: GDN window 24 -> 16 µs, KDA 91 -> 54)
         block_v = TUNING.get("BLOCK_V") or (32 if V > 16 else 16)
         warps = TUNING.get("num_warps") or (2 if block_v >= 32 else 1)
-        extra = dict(window_warps=TUNING.get("window_warps") or 1,
-                     # H200, bs256 fp32: KDA's launch 1 record by record (window 46 -> 22 µs, L-avg 1.24 -> 1.38x
-                     # of fla; GDN's window 16 -> 17 µs, so GDN keeps the tile form), and the flush's record loop
-                     # pipelined (4 deep: flush apply 570 -> 445 µs, both; 2 stages: 563). 5 deep with launch 1's
-                     # scaled keys read from L2 (scratch_evict below): flush step -8 to -23 µs at bs 256-512 for KDA
-                     # and GDN, equal at bs128, two rounds in one call (KDA bs256 L-avg 178.7 -> 178.2 µs)
-                     window_rows=bool(TUNING.get("window_rows", kda)), flush_stages=TUNING.get("flush_stages", 5),
+        # H200, bs256 fp32: KDA's launch 1 record by record (window 46 -> 22 µs, L-avg 1.24 -> 1.38x of fla; GDN's
+        # window 16 -> 17 µs, so GDN keeps the tile form: launch_split picks by family), and the flush's record
+        # loop pipelined (4 deep: flush apply 570 -> 445 µs, both; 2 stages: 563). 5 deep with launch 1's scaled keys
+        # read from L2: flush step -8 to -23 µs at bs 256-512 for KDA and GDN, equal at bs128, two rounds in one
+        # call (KDA bs256 L-avg 178.7 -> 178.2 µs). Launch 1's scratch stored evict_last (L2), read by launch 2
+        # after the checkpoint it streamed (H200, fp32, two calls, vs fla in the same call: KDA bs256 L-avg 186.0
+        # -> 182.3 / 185.3 -> 181.4 µs (1.44 -> 1.47x), GDN-4B 178.9 -> 175.9 / 179.5 -> 176.9 (2.04 -> 2.07x); the
+        # checkpoint stream, ring records or flush stores evict_first on top: within 1 µs either way). (Launch 2
+        # as launch 1's programmatic dependent lost: H200, fp32, non-flush bs256 GDN-4B 169.7 -> 173.2 µs, KDA
+        # 175.5 -> 183.3, presumably its waiting slices hold SM slots launch 1's last programs need.)
+        extra = dict(window_warps=TUNING.get("window_warps") or 1, flush_stages=5,
                      # from 8192 rows x value heads the checkpoint pass is capped at 128 registers per thread
-                     # (``maxnreg=0``: uncapped, 161 with triton 3.6). H200, fp32, same calls, KDA / GDN:
-                     # flush step at bs256 485.6 -> 457.8 / 468.9 -> 433.8 µs, L-avg 1.40 -> 1.42x / 2.00 -> 2.02x,
-                     # bs512 1.52 -> 1.56x / 1.99 -> 2.04x; at bs 8-128 equal or up to 2.2% slower (non-flush steps
-                     # +0.3-1 µs); 96 registers lost 30% and more (spills)
-                     maxnreg=TUNING.get("maxnreg", 128 if b * HV >= CAPPED_MIN_ROW_HEADS else 0),
-                     # pdl=1: launch 2 as launch 1's programmatic dependent (launch.pdl_on). Off: H200,
-                     # fp32, non-flush bs256 GDN-4B 169.7 -> 173.2 µs, KDA 175.5 -> 183.3 (presumably its waiting
-                     # slices hold SM slots launch 1's last programs need); Mamba-2's pre step gains 1% with it
-                     pdl=bool(TUNING.get("pdl", 0)),
-                     # launch 1's scratch stored evict_last (L2), read by launch 2 after the checkpoint it streamed.
-                     # H200, fp32, two calls, vs fla in the same call: KDA bs256 L-avg 186.0 -> 182.3 /
-                     # 185.3 -> 181.4 µs (1.44 -> 1.47x), GDN-4B 178.9 -> 175.9 / 179.5 -> 176.9 (2.04 -> 2.07x); the
-                     # checkpoint stream, ring records or flush stores evict_first on top: within 1 µs either way
-                     scratch_evict=int(TUNING.get("scratch_evict", 1)))
+                     # (uncapped: 161 with triton 3.6). H200, fp32, same calls, KDA / GDN: flush step at bs256
+                     # 485.6 -> 457.8 / 468.9 -> 433.8 µs, L-avg 1.40 -> 1.42x / 2.00 -> 2.02x, bs512 1.52 -> 1.56x /
+                     # 1.99 -> 2.04x; at bs 8-128 equal or up to 2.2% slower (non-flush steps +0.3-1 µs); 96
+                     # registers lost 30% and more (spills)
+                     maxnreg=128 if b * HV >= CAPPED_MIN_ROW_HEADS else 0)
     else:
         raise ValueError(f"replay_compile.delta: unknown kernel variant {variant!r} (fused, split)")
     return dict(variant=variant, BLOCK_K=block_k, BLOCK_V=block_v, BLOCK_L=block_l, num_warps=warps, **extra)

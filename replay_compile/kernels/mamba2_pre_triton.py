@@ -7,20 +7,20 @@ configuration (:func:`~replay_compile.kernels.mamba2_triton.launch_config`, ``TU
 Launches, all routed on the device from the cursor (one captured CUDA graph serves every step):
 
 0. :func:`_zero_count_kernel` zeroes the flush list's count; launch 1 is its programmatic dependent (Hopper).
-1. :func:`_mamba2_prepass_window_kernel` (``CB_ONLY``), grid ``(b, H / HPP)``: per row and group of ``HPP`` heads, the
-   window's per-record weights ``cb_j = coef_j (B_j·C)`` and the decay into fp32 scratch; appends the ``dt``, ``log
-   a``, ``B`` records; lists flushing rows in ``work = [count, rows...]``. (``window_full=1``: it also reads the x
-   window and writes ``win`` instead; the read-copy step's ``win_cb=0`` form.)
-2. :func:`_mamba2_prepass_apply_kernel`, grid ``(cdiv(P, BLOCK_P), b, H)`` (``(.., H, b)`` for 16-row tiles):
-   streams the ``BLOCK_P x N`` checkpoint tile of non-flush rows (fp32: 64 rows on 2 warps where 64 divides P,
-   else 16 on 1 warp; 2-byte checkpoints: 32 rows on 1 warp), ``y = decay (S_0 C) + Σ_j cb_j x_j``, appends ``x``.
+1. :func:`_mamba2_prepass_window_kernel`, grid ``(b, H / HPP)``: per row and group of ``HPP`` heads, the window's
+   per-record weights ``cb_j = coef_j (B_j·C)`` and the decay into fp32 scratch; appends the ``dt``, ``log a``,
+   ``B`` records; lists flushing rows in ``work = [count, rows...]``.
+2. :func:`_mamba2_prepass_apply_kernel`, grid ``(cdiv(P, BLOCK_P), b, H)`` (``(.., H, b)`` where 64 does not divide
+   P): streams the ``BLOCK_P x N`` checkpoint tile of non-flush rows (fp32: 64 rows on 2 warps where 64 divides P,
+   else 16 on 1 warp; 2-byte checkpoints: 32 rows on 1 warp), ``y = decay (S_0 C) + Σ_j cb_j x_j`` over its slice
+   of the held x records, appends ``x``.
    A read-only stream of an fp32 checkpoint on the H200 reaches 97-100% of copy bandwidth; this pass alone runs
    there (docs/design/mamba2_kernel.md). A bf16 checkpoint's stream reaches 88-93% at bs128. (A persistent form of this
    pass, a fixed grid looping over the tiles with loads pipelined through shared memory, lost at every point
    measured.)
-3. :func:`_mamba2_flush_list_kernel`: a fixed grid (32 warps per SM) walks the listed rows' tiles with the tiled
-   fold (:func:`~replay_compile.kernels.mamba2_triton._fold_tile`); a non-flush step pays ~2 µs for it.
-4. The cursor advance (``fold_advance=1``: inside launch 3).
+3. :func:`_mamba2_flush_list_kernel`: a fixed grid (32 warps per SM) advances the cursors and walks the listed
+   rows' tiles with the tiled fold (:func:`~replay_compile.kernels.mamba2_triton._fold_tile`); a non-flush step pays
+   ~2 µs for it.
 """
 
 from __future__ import annotations
@@ -31,41 +31,28 @@ import torch
 import triton
 import triton.language as tl
 
-from . import mamba2_triton as base
 from .host_math import cdiv, next_pow2
 from .launch import launch, pdl_on, pdl_options
-from .mamba2_triton import (
-    _advance_cursor_kernel,
-    _fold_tile,
-    _list_item,
-    _list_row,
-    _mamba2_replay_tiled_kernel,
-    _row_slot,
-    _step_row,
-    _step_window,
-    _store_checkpoint,
-    fixed_grid,
-)
+from .mamba2_triton import _fold_tile, _list_item, _list_row, _row_slot, _step_row, fixed_grid
 
 __all__ = ["launch_window", "replay_step_pre", "window_heads"]
 
 
 @triton.jit
-def _list_flush_row(work_ptr, row, hb, WORKLIST: tl.constexpr, PDL_WAIT: tl.constexpr):
+def _list_flush_row(work_ptr, row, hb, PDL_WAIT: tl.constexpr):
     """Append a flushing row to ``work = [count, rows...]`` once (from its first window program); ``PDL_WAIT``:
     after the launch that zeroes the count (:func:`_zero_count_kernel`) has finished."""
-    if WORKLIST:
-        if hb == 0:
-            if PDL_WAIT:
-                tl.extra.cuda.gdc_wait()
-            _list_row(work_ptr, row)
+    if hb == 0:
+        if PDL_WAIT:
+            tl.extra.cuda.gdc_wait()
+        _list_row(work_ptr, row)
 
 
 @triton.jit
 def _zero_count_kernel(work_ptr, PDL: tl.constexpr):
     """``work[0] = 0`` (the listed flush's row count; the rows after it are written before they are read), as the
-    programmatic primary of the window launch (``zero_pdl=1``): the window launch starts at once instead of after
-    a ``torch.zeros`` of the whole list."""
+    programmatic primary of the window launch: the window launch starts at once instead of after a ``torch.zeros``
+    of the whole list."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     tl.store(work_ptr, 0)
@@ -73,43 +60,38 @@ def _zero_count_kernel(work_ptr, PDL: tl.constexpr):
 
 @triton.jit
 def _mamba2_prepass_window_kernel(
-    xr_ptr, dtr_ptr, lar_ptr, Br_ptr, cursor_ptr, x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr, win_ptr, dec_ptr,
-    work_ptr, H, P, N, L, heads_per_g, heads_per_gc,
-    s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl, s_brb, s_brg, s_brl, s_brn,
-    s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn, s_cb, s_cg, s_cn,
-    HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    HB: tl.constexpr, WORKLIST: tl.constexpr, EARLY: tl.constexpr, CB_ONLY: tl.constexpr, PDL: tl.constexpr,
-    HPP: tl.constexpr, PDL_WAIT: tl.constexpr, SCRATCH_EVICT: tl.constexpr,
+    dtr_ptr, lar_ptr, Br_ptr, cursor_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr, win_ptr, dec_ptr,
+    work_ptr, H, N, L, heads_per_g, heads_per_gc,
+    s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl, s_brb, s_brg, s_brl, s_brn,
+    s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn, s_cb, s_cg, s_cn,
+    HAS_SLOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+    HB: tl.constexpr, PDL: tl.constexpr, HPP: tl.constexpr, PDL_WAIT: tl.constexpr, SCRATCH_EVICT: tl.constexpr,
 ):
-    """``pre`` variant, launch 1, grid ``(batch, H // HPP)``: the window's contribution for ``HPP`` heads of one
-    group (they share ``B_j·C``, computed once), ``win[h, p] = Σ_j coef_hj (B_j·C) x_hj[p]`` and ``decay_h =
-    exp(Σ la_h)`` into fp32 scratch ``[b, H, P]`` / ``[b, H]``, and the non-flush rows' records appended (the
-    checkpoint pass then reads neither ring nor B).
+    """``pre`` variant, launch 1, grid ``(batch, H // HPP)``: the window's per-record weights for ``HPP`` heads of
+    one group (they share ``B_j·C``, computed once), ``cb[h, j] = coef_hj (B_j·C)`` (zero past ``w``) into
+    ``win_ptr`` (``[b, H, BLOCK_L]``) and ``decay_h = exp(Σ la_h)`` into ``dec_ptr`` (``[b, H]``), both fp32, and
+    the non-flush rows' ``dt``, ``log a`` and ``B`` records appended. The x window and ``x`` are not touched: the
+    checkpoint pass reads each program's own ``BLOCK_P`` slice of the x window (6% of its tile's bytes) and appends
+    ``x``, and reads neither the other rings nor B.
 
-    ``CB_ONLY`` (the fp32 step's default ``window="coef"``): only the per-record weights ``cb[h, j] = coef_hj
-    (B_j·C)`` (zero past ``w``) go to ``win_ptr`` (``[b, H, BLOCK_L]``), and neither the x window nor ``x`` is
-    touched: the checkpoint pass reads each program's own ``BLOCK_P`` slice of the x window (6% of its tile's
-    bytes) and appends ``x``, instead of this launch reading the whole ring.
-
-    ``EARLY``: every ring load is issued before the cursor arrives (whole ``L`` windows, stale slots discarded in
-    registers): one memory round trip per program instead of two, twice the ring bytes on average. Otherwise the
-    cursor comes first and only the held records are read. Flush rows return; with ``WORKLIST`` the row's first
-    program appends the row to ``work = [count, rows...]`` (zeroed by the caller) for the flush launch.
+    Every ring load is issued before the cursor arrives (whole ``L`` windows, stale slots discarded in registers):
+    one memory round trip per program instead of two. Flush rows return; the row's first program appends the row
+    to ``work = [count, rows...]`` for the flush launch.
 
     ``PDL``: the checkpoint pass is launched as this launch's programmatic dependent; every program lets it start
     at once (it streams its tiles, then waits for this grid before reading ``cb`` and ``decay``).
 
-    ``PDL_WAIT`` (``zero_pdl=1``): this launch is itself the programmatic dependent of :func:`_zero_count_kernel`,
-    which zeroes ``work``'s count; a flush row waits for it (``gdc_wait``) before appending itself. Nothing else
-    here reads or writes ``work``, and the zeroing launch started after every earlier writer had finished.
+    ``PDL_WAIT``: this launch is itself the programmatic dependent of :func:`_zero_count_kernel`, which zeroes
+    ``work``'s count; a flush row waits for it (``gdc_wait``) before appending itself. Nothing else here reads or
+    writes ``work``, and the zeroing launch started after every earlier writer had finished.
 
-    ``HPP`` heads per program on an ``HB``-long (power-of-two) head axis: ``HPP == HB`` but where the group size is
-    not a power of two and the window is padded (``win_pad=1``, the default: Nano's 12 heads per group on a 16-long
-    axis, one program per group instead of three of 4 heads); padded lanes are masked everywhere.
+    ``HPP`` heads per program on an ``HB``-long (power-of-two) head axis (:func:`window_heads`: ``HPP == HB`` but
+    where the group size is not a power of two: Nano's 12 heads per group on a 16-long axis, one program per group
+    instead of three of 4 heads); padded lanes are masked everywhere.
 
-    ``SCRATCH_EVICT`` (``"evict_last"`` with ``scratch_evict=1``, the fp32 step's default): the ``cb`` and decay
-    stores are kept in L2 while the checkpoint pass streams its tiles through it (non-flush 0-1.9 µs faster at
-    bs 128-512, H200); ``""`` for the read copy's window, where it is unmeasured.
+    ``SCRATCH_EVICT``: the ``cb`` and decay stores' L2 eviction hint, ``"evict_last"`` for the fp32 step (kept in
+    L2 while the checkpoint pass streams its tiles through it: non-flush 0-1.9 µs faster at bs 128-512, H200),
+    ``""`` for the read copy's window, where it is unmeasured.
     """
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -124,19 +106,10 @@ def _mamba2_prepass_window_kernel(
     lane_h = tl.where(mask_h, offs_h, h0)           # masked, their addresses kept in range
     g = h0 // heads_per_g
     gc = h0 // heads_per_gc
-    offs_p = tl.arange(0, BLOCK_P)
-    mask_p = offs_p < P
     offs_n = tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_l = tl.arange(0, BLOCK_L)
-    if EARLY:                                       # every load before the cursor: stale slots read, then dropped
-        in_l = offs_l < L
-    else:                                           # cursor first: only the held records are read
-        w = tl.load(cursor_ptr + slot)
-        if w == L - 1:
-            _list_flush_row(work_ptr, row, hb, WORKLIST, PDL_WAIT)
-            return
-        in_l = offs_l < w
+    in_l = offs_l < L                               # every load before the cursor: stale slots read, then dropped
     la_w = tl.load(lar_ptr + slot * s_lrb + lane_h[:, None] * s_lrh + offs_l[None, :] * s_lrl,
                    mask=mask_h[:, None] & in_l[None, :], other=0.0).to(tl.float32)   # [HB, BLOCK_L]
     nxt = offs_l + 1                                # one record ahead (mamba2_triton._suffix_after)
@@ -144,25 +117,17 @@ def _mamba2_prepass_window_kernel(
                       mask=mask_h[:, None] & (nxt < L)[None, :], other=0.0).to(tl.float32)
     dt_w = tl.load(dtr_ptr + slot * s_drb + lane_h[:, None] * s_drh + offs_l[None, :] * s_drl,
                    mask=mask_h[:, None] & in_l[None, :], other=0.0).to(tl.float32)
-    if not CB_ONLY:
-        xw = tl.load(xr_ptr + slot * s_xrb + lane_h[:, None, None] * s_xrh + offs_l[None, :, None] * s_xrl
-                     + offs_p[None, None, :] * s_xrp,
-                     mask=mask_h[:, None, None] & in_l[None, :, None] & mask_p[None, None, :], other=0.0)
     br_base = Br_ptr + slot * s_brb + g * s_brg
     bw = tl.load(br_base + offs_l[:, None] * s_brl + offs_n[None, :] * s_brn,
                  mask=in_l[:, None] & mask_n[None, :], other=0.0).to(tl.float32)      # [BLOCK_L, BLOCK_N]
     la_cur = tl.load(la_ptr + row * s_lb + lane_h * s_lh, mask=mask_h, other=0.0)    # [HB]
     dt_cur = tl.load(dt_ptr + row * s_db + lane_h * s_dh, mask=mask_h, other=0.0)
-    if not CB_ONLY:
-        x_cur = tl.load(x_ptr + row * s_xb + lane_h[:, None] * s_xh + offs_p[None, :] * s_xp,
-                        mask=mask_h[:, None] & mask_p[None, :], other=0.0)            # [HB, BLOCK_P]
     b_cur = tl.load(B_ptr + row * s_bb + g * s_bg + offs_n * s_bn, mask=mask_n, other=0.0)
     c = tl.load(C_ptr + row * s_cb + gc * s_cg + offs_n * s_cn, mask=mask_n, other=0.0).to(tl.float32)
-    if EARLY:
-        w = tl.load(cursor_ptr + slot)
-        if w == L - 1:                              # flush rows: the flush launch computes their window
-            _list_flush_row(work_ptr, row, hb, WORKLIST, PDL_WAIT)
-            return
+    w = tl.load(cursor_ptr + slot)
+    if w == L - 1:                                  # flush rows: the flush launch computes their window
+        _list_flush_row(work_ptr, row, hb, PDL_WAIT)
+        return
     hist = offs_l < w
     cur = offs_l == w
     la_w = tl.where(cur[None, :], la_cur.to(tl.float32)[:, None], tl.where(hist[None, :], la_w, 0.0))
@@ -175,17 +140,8 @@ def _mamba2_prepass_window_kernel(
     decay = tl.exp(tl.minimum(tl.sum(la_w, axis=1), 0.0))                           # [HB]
     bw = tl.where(cur[:, None], b_cur.to(tl.float32)[None, :], tl.where(hist[:, None], bw, 0.0))
     bc = tl.sum(bw * c[None, :], axis=1)                                             # [BLOCK_L]
-    if CB_ONLY:
-        tl.store(win_ptr + (row * H + lane_h[:, None]) * BLOCK_L + offs_l[None, :], coef * bc[None, :],
-                 mask=mask_h[:, None], eviction_policy=SCRATCH_EVICT)
-    else:
-        xw = tl.where(hist[None, :, None], xw.to(tl.float32), 0.0)
-        xw = tl.where(cur[None, :, None], x_cur.to(tl.float32)[:, None, :], xw)
-        win = tl.sum((coef * bc[None, :])[:, :, None] * xw, axis=1)                  # [HB, BLOCK_P]
-        tl.store(win_ptr + (row * H + lane_h[:, None]) * P + offs_p[None, :], win,
-                 mask=mask_h[:, None] & mask_p[None, :])
-        tl.store(xr_ptr + slot * s_xrb + lane_h[:, None] * s_xrh + w * s_xrl + offs_p[None, :] * s_xrp,
-                 x_cur.to(xr_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_p[None, :])
+    tl.store(win_ptr + (row * H + lane_h[:, None]) * BLOCK_L + offs_l[None, :], coef * bc[None, :],
+             mask=mask_h[:, None], eviction_policy=SCRATCH_EVICT)
     tl.store(dec_ptr + row * H + lane_h, decay, mask=mask_h, eviction_policy=SCRATCH_EVICT)
     tl.store(dtr_ptr + slot * s_drb + lane_h * s_drh + w * s_drl, dt_cur, mask=mask_h)
     tl.store(lar_ptr + slot * s_lrb + lane_h * s_lrh + w * s_lrl, la_cur, mask=mask_h)
@@ -195,50 +151,36 @@ def _mamba2_prepass_window_kernel(
 
 def window_heads(H: int, G: int, Gc: int, P: int, block_l: int) -> tuple[int, int]:
     """``(heads per program, head-axis length)`` of the window launch. The heads of a program divide both a B and a
-    C group (so they share ``B_j·C``); at most 16 of them and at most 16K window elements (``axis x BLOCK_L x P``).
-    By default (``win_pad=1``, TUNING) the largest such divisor, on an axis padded to the next power of two (Nano's
-    12 heads per group: one program of 12 on 16 lanes, not three of 4; H200, Nano non-flush bs128 143.0
-    -> 141.4 µs fp32, 84.1 -> 82.0 bf16); ``win_pad=0``: the largest power of two (no padded lanes). ``win_heads``
-    forces a power-of-two count."""
+    C group (so they share ``B_j·C``); at most 16 of them and at most 16K window elements (``axis x BLOCK_L x P``):
+    the largest such divisor, on an axis padded to the next power of two (Nano's 12 heads per group: one program of
+    12 on 16 lanes, not three of 4; H200, Nano non-flush bs128 143.0 -> 141.4 µs fp32, 84.1 -> 82.0 bf16)."""
     common = math.gcd(H // G, H // Gc)
     per_elems = block_l * max(16, next_pow2(P))
-    forced = base.TUNING.get("win_heads")
-    if forced:
-        return forced, forced
-    if base.TUNING.get("win_pad", 1):
-        hpp = max(d for d in range(1, min(16, common) + 1)
-                  if common % d == 0 and (d == 1 or next_pow2(d) * per_elems <= 16384))
-        return hpp, next_pow2(hpp)
-    hb = min(16, common & -common)                  # largest power of two dividing both group sizes
-    while hb > 1 and hb * per_elems > 16384:
-        hb //= 2
-    return hb, hb
+    hpp = max(d for d in range(1, min(16, common) + 1)
+              if common % d == 0 and (d == 1 or next_pow2(d) * per_elems <= 16384))
+    return hpp, next_pow2(hpp)
 
 
-def launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, has_slot, block_n, block_l,
-                  work=None, cb_only=False, pdl=False, pdl_wait=False, scratch_evict=False):
-    """Launch 1 of the ``pre`` variants (the fp32 step and the read-copy step): returns fp32 scratch ``win [b, H,
-    P]`` (``cb_only``: the per-record weights ``cb [b, H, block_l]``, the fp32 step's default) and ``dec [b, H]``;
-    flush rows are appended to ``work`` when given. ``pdl``: the next launch is its programmatic dependent (the
-    ``cb_only`` form's checkpoint pass); ``pdl_wait``: it is itself the dependent of :func:`_zero_count_kernel`;
-    ``scratch_evict``: the scratch is stored ``evict_last`` (kept in L2 for the pass through the tile stream)."""
-    b, H, P = x.shape
+def launch_window(dt_ring, la_ring, B_ring, cursor, dt, la, B, C, slot_arg, has_slot, block_n, block_l, work,
+                  pdl=False, pdl_wait=False, scratch_evict=False):
+    """Launch 1 of the ``pre`` variants (the fp32 step and the read-copy step): returns fp32 scratch, the per-record
+    weights ``cb [b, H, block_l]`` and ``dec [b, H]``; flush rows are appended to ``work``. ``pdl``: the next
+    launch is its programmatic dependent (the checkpoint pass); ``pdl_wait``: it is itself the dependent of
+    :func:`_zero_count_kernel`; ``scratch_evict``: the scratch is stored ``evict_last`` (kept in L2 for the pass
+    through the tile stream)."""
+    b, H = dt.shape
     N = B.shape[-1]
     G, Gc = B_ring.shape[1], C.shape[1]
-    win = torch.empty((b, H, block_l if cb_only else P), dtype=torch.float32, device=x.device)
-    dec = torch.empty((b, H), dtype=torch.float32, device=x.device)
-    bpw = 16 if cb_only else max(16, next_pow2(P))        # no P axis without the x window
-    hpp, hb = window_heads(H, G, Gc, bpw, block_l)
-    warps = base.TUNING.get("window_warps") or (1 if cb_only else max(1, min(4, hb * block_l * bpw // 4096)))
+    win = torch.empty((b, H, block_l), dtype=torch.float32, device=dt.device)
+    dec = torch.empty((b, H), dtype=torch.float32, device=dt.device)
+    hpp, hb = window_heads(H, G, Gc, 16, block_l)         # the weights have no P axis: the bound's smallest
     launch(_mamba2_prepass_window_kernel)[(b, H // hpp)](
-        x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, win, dec,
-        work, H, P, N, x_ring.shape[2], H // G, H // Gc,
-        *x_ring.stride(), *dt_ring.stride(), *la_ring.stride(), *B_ring.stride(),
-        *x.stride(), *dt.stride(), *la.stride(), *B.stride(), *C.stride(),
-        HAS_SLOT=has_slot, BLOCK_P=bpw, BLOCK_N=block_n, BLOCK_L=block_l, HB=hb, WORKLIST=work is not None,
-        EARLY=cb_only or bool(base.TUNING.get("win_early", 1)), CB_ONLY=cb_only, PDL=pdl, HPP=hpp,
-        PDL_WAIT=pdl_wait, SCRATCH_EVICT="evict_last" if scratch_evict else "", num_warps=warps,
-        **pdl_options(pdl_wait))
+        dt_ring, la_ring, B_ring, cursor, dt, la, B, C, slot_arg, win, dec,
+        work, H, N, la_ring.shape[2], H // G, H // Gc,
+        *dt_ring.stride(), *la_ring.stride(), *B_ring.stride(),
+        *dt.stride(), *la.stride(), *B.stride(), *C.stride(),
+        HAS_SLOT=has_slot, BLOCK_N=block_n, BLOCK_L=block_l, HB=hb, PDL=pdl, HPP=hpp, PDL_WAIT=pdl_wait,
+        SCRATCH_EVICT="evict_last" if scratch_evict else "", num_warps=1, **pdl_options(pdl_wait))
     return win, dec
 
 
@@ -266,33 +208,25 @@ def _cb_window(cbv, xw, x_cur, w, offs_l, x_append_ptrs, mask_p):
 
 @triton.jit
 def _mamba2_prepass_apply_kernel(
-    state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, cursor_ptr,
-    x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr, y_ptr, win_ptr, dec_ptr,
-    H, P, N, L, heads_per_g, heads_per_gc,
-    s_sb, s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl,
-    s_brb, s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn,
-    s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
+    state_ptr, xr_ptr, cursor_ptr, x_ptr, C_ptr, slot_ptr, y_ptr, win_ptr, dec_ptr,
+    H, P, N, L, heads_per_gc,
+    s_sb, s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_xb, s_xh, s_xp, s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
     HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    STOCHASTIC_FP16: tl.constexpr, ROUTE: tl.constexpr, EARLY_TILE: tl.constexpr, WIN_X: tl.constexpr,
     PDL: tl.constexpr, ROWS_OUTER: tl.constexpr,
 ):
     """``pre`` variant, launch 2, grid ``(cdiv(P, BLOCK_P), batch, H)``: a ``BLOCK_P x N`` checkpoint tile, loaded
-    after the cursor (``EARLY_TILE``: before it; 18-20% slower at Super bf16, H200). Non-flush rows:
-    ``y = decay (S_0 C) + win``; with ``ROUTE=0`` flush rows fold the window into the tile (one ``tl.dot``), write
-    it, ``y = S_new C`` (``ROUTE=1``, the default: they return, the listed flush launch folds them).
-
-    ``WIN_X``, where ``win`` comes from: 0, launch 1's ``win [b, H, P]``; otherwise ``Σ_j cb_j x_j`` over this
-    program's slice of the x ring with launch 1's per-record weights ``cb``, the slice read as 1: the whole
-    window after ``gdc_wait``, 2: the whole window before the cursor, 3 (``held_x``, the default): only the held
-    records ``j < w``, issued with the tile (non-flush 2-6% faster than 2 at bs 128-512, H200).
+    after the cursor (before it: 18-20% slower at Super bf16, H200). Non-flush rows: ``y = decay (S_0 C) + win``
+    with ``win = Σ_j cb_j x_j`` over this program's slice of the x ring and launch 1's per-record weights ``cb``,
+    only the held records ``j < w`` read, issued with the tile (non-flush 2-6% faster than the whole window read
+    before the cursor at bs 128-512, H200). Flush rows return: the listed flush launch folds them.
 
     ``PDL`` (launched as the window launch's programmatic dependent): everything up to the cursor is read while
     launch 1 may still run (launch 1 writes none of it, and it started after every earlier writer had finished);
-    ``gdc_wait`` comes before launch 1's outputs (``cb``, ``decay``, a ``ROUTE=0`` fold's ring records) and before
-    every store but a padding row's zero output.
+    ``gdc_wait`` comes before launch 1's outputs (``cb``, ``decay``) and before every store but a padding row's
+    zero output.
 
-    ``ROWS_OUTER``: grid ``(n_pb, H, b)``, consecutive programs walk a row's heads in memory order (the default for
-    16-row tiles: Nano non-flush -1 to -9 µs at bs 128-512, H200; Super's whole-head tiles lost 0-3 µs).
+    ``ROWS_OUTER``: grid ``(n_pb, H, b)``, consecutive programs walk a row's heads in memory order (where 64 does
+    not divide P: Nano non-flush -1 to -9 µs at bs 128-512, H200; Super's whole-head tiles lost 0-3 µs).
     (Nano's five tiles of a head streamed by one program in a pipelined loop lost: bf16 bs128 non-flush 75.6 ->
     80-91 µs; and so did this pass computing its head's window weights itself, with no launch 1: Super bf16 bs256
     155.5 -> 229 µs, the window's loads and reductions in every program's critical path; H200.)"""
@@ -313,53 +247,23 @@ def _mamba2_prepass_apply_kernel(
     mask_n = offs_n < N
     tile_mask = mask_p[:, None] & mask_n[None, :]
     s_ptrs = state_ptr + slot * s_sb + h * s_sh + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
-    if EARLY_TILE:
-        s0 = tl.load(s_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
     gc = h // heads_per_gc
     c = tl.load(C_ptr + row * s_cb + gc * s_cg + offs_n * s_cn, mask=mask_n, other=0.0).to(tl.float32)
     offs_l = tl.arange(0, BLOCK_L)
     xr_base = xr_ptr + slot * s_xrb + h * s_xrh
     x_ptrs = x_ptr + row * s_xb + h * s_xh + offs_p * s_xp
-    if WIN_X == 2:                                  # the x window's loads before the cursor (stale slots too)
-        xw, x_cur = _x_slice(xr_base, x_ptrs, L, offs_l, offs_p, mask_p, s_xrl, s_xrp)
-    w = tl.load(cursor_ptr + slot)                  # advanced afterwards by _advance_cursor_kernel
-    if ROUTE == 1:                                  # flush rows are another launch's (the tiled body, ROUTE 2)
-        if w == L - 1:
-            return
-    if not EARLY_TILE:
-        s0 = tl.load(s_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
-    if WIN_X == 3:      # only the held records, issued with the tile, before the wait (launch 1 writes no x here)
-        xw, x_cur = _x_slice(xr_base, x_ptrs, w, offs_l, offs_p, mask_p, s_xrl, s_xrp)
+    w = tl.load(cursor_ptr + slot)                  # advanced afterwards by the flush launch
+    if w == L - 1:                                  # flush rows are the flush launch's
+        return
+    s0 = tl.load(s_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
+    # only the held records, issued with the tile, before the wait (launch 1 writes no x here)
+    xw, x_cur = _x_slice(xr_base, x_ptrs, w, offs_l, offs_p, mask_p, s_xrl, s_xrp)
     if PDL:
         tl.extra.cuda.gdc_wait()                    # launch 1 complete: its outputs are visible from here on
-    if WIN_X >= 2:
-        cbv = tl.load(win_ptr + (row * H + h) * BLOCK_L + offs_l)                    # zero past w
-    if (ROUTE == 0) and (w == L - 1):
-        g = h // heads_per_g
-        hist = offs_l < w
-        cur = offs_l == w
-        la_cur, dt_cur, x_cur, coef, decay, xw = _step_window(
-            lar_ptr, dtr_ptr, xr_ptr, la_ptr, dt_ptr, x_ptr, slot, row, h, w, offs_l, offs_p, mask_p,
-            s_lrb, s_lrh, s_lrl, s_drb, s_drh, s_drl, s_xrb, s_xrh, s_xrl, s_xrp, s_lb, s_lh, s_db, s_dh,
-            s_xb, s_xh, s_xp)
-        bw = tl.load(Br_ptr + slot * s_brb + g * s_brg + offs_l[:, None] * s_brl + offs_n[None, :] * s_brn,
-                     mask=hist[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-        b_cur = tl.load(B_ptr + row * s_bb + g * s_bg + offs_n * s_bn, mask=mask_n, other=0.0).to(tl.float32)
-        bw = tl.where(cur[:, None], b_cur[None, :], bw)
-        s_new = decay * s0 + tl.dot(tl.trans(xw * coef[:, None]), bw, input_precision="ieee")
-        _store_checkpoint(s_ptrs, s_new, tile_mask, la_cur, slot * H + h, offs_p[:, None] * N + offs_n[None, :],
-                          STOCHASTIC_FP16)
-        tl.store(y_ptrs, tl.sum(s_new * c[None, :], axis=1), mask=mask_p)
-    else:
-        decay = tl.load(dec_ptr + row * H + h)
-        if WIN_X != 0:                              # win from this slice of the x window and cb = coef (B·C)
-            if WIN_X == 1:
-                cbv = tl.load(win_ptr + (row * H + h) * BLOCK_L + offs_l)            # zero past w
-                xw, x_cur = _x_slice(xr_base, x_ptrs, L, offs_l, offs_p, mask_p, s_xrl, s_xrp)
-            win = _cb_window(cbv, xw, x_cur, w, offs_l, xr_base + w * s_xrl + offs_p * s_xrp, mask_p)
-        else:
-            win = tl.load(win_ptr + (row * H + h) * P + offs_p, mask=mask_p, other=0.0)
-        tl.store(y_ptrs, decay * tl.sum(s0 * c[None, :], axis=1) + win, mask=mask_p)
+    cbv = tl.load(win_ptr + (row * H + h) * BLOCK_L + offs_l)                        # zero past w
+    decay = tl.load(dec_ptr + row * H + h)
+    win = _cb_window(cbv, xw, x_cur, w, offs_l, xr_base + w * s_xrl + offs_p * s_xrp, mask_p)
+    tl.store(y_ptrs, decay * tl.sum(s0 * c[None, :], axis=1) + win, mask=mask_p)
 
 
 @triton.jit
@@ -371,19 +275,20 @@ def _walk_listed_folds(
     s_brb, s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn,
     s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
     HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    N_TILES: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, ADVANCE: tl.constexpr, n_rows, AMAX: tl.constexpr,
+    N_TILES: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, n_rows, AMAX: tl.constexpr,
 ):
-    """The body of the listed flush launches: this program's share of the cursor advance (``ADVANCE``) and of the
+    """The body of the listed flush launches: this program's share of the cursor advance and of the
     ``count x H x n_pb`` fold tiles of the rows in ``work = [count, rows...]`` (:func:`_fold_tile`; ``AMAX``: the
     nvfp4 read copy's slot amax into ``amax_ptr``)."""
-    if ADVANCE:             # the cursor advance, folded in (one launch fewer): every earlier launch has read w, and
-        r = tl.program_id(0)  # the folds below take w = L - 1 from the list, not from the cursor
-        while r < n_rows:
-            s = _row_slot(slot_ptr, r.to(tl.int64), HAS_SLOT)
-            if s >= 0:
-                wr = tl.load(cursor_ptr + s)
-                tl.store(cursor_ptr + s, tl.where(wr == L - 1, 0, wr + 1))
-            r += tl.num_programs(0)
+    # the cursor advance, folded in (one launch fewer; 1-3% faster at bs128, H200): every earlier launch has read w,
+    # and the folds below take w = L - 1 from the list, not from the cursor
+    r = tl.program_id(0)
+    while r < n_rows:
+        s = _row_slot(slot_ptr, r.to(tl.int64), HAS_SLOT)
+        if s >= 0:
+            wr = tl.load(cursor_ptr + s)
+            tl.store(cursor_ptr + s, tl.where(wr == L - 1, 0, wr + 1))
+        r += tl.num_programs(0)
     n_items = tl.load(work_ptr) * (H * n_pb)
     t = tl.program_id(0)
     while t < n_items:
@@ -395,7 +300,7 @@ def _walk_listed_folds(
                        s_sb, s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl,
                        s_brb, s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn,
                        s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
-                       BLOCK_P, BLOCK_N, BLOCK_L, N_TILES, STOCHASTIC_FP16, "", amax_ptr, AMAX)
+                       BLOCK_P, BLOCK_N, BLOCK_L, N_TILES, STOCHASTIC_FP16, amax_ptr, AMAX)
         t += tl.num_programs(0)
 
 
@@ -408,10 +313,11 @@ def _mamba2_flush_list_kernel(
     s_brb, s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn,
     s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
     HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    N_TILES: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, ADVANCE: tl.constexpr, n_rows,
+    N_TILES: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, n_rows,
 ):
-    """``pre`` variant, flush launch: a fixed grid (a few programs per SM) walks the ``count x H x n_pb`` flush
-    tiles of the rows the window launch listed in ``work = [count, rows...]``, each folded by :func:`_fold_tile`.
+    """``pre`` variant, flush launch: a fixed grid (a few programs per SM) advances the cursors and walks the
+    ``count x H x n_pb`` flush tiles of the rows the window launch listed in ``work = [count, rows...]``, each folded
+    by :func:`_fold_tile`.
     On the 15 of 16 steps where no row flushes, every program reads ``count = 0`` and exits: a ``(n_pb, b, H)`` grid
     of programs that each read a cursor and return cost 21-45 µs per step at bs256 (H200). (No
     defaulted parameters here or in any kernel launched inside a compiled graph: ``wrap_triton`` needs every
@@ -422,59 +328,39 @@ def _mamba2_flush_list_kernel(
                        s_sb, s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl,
                        s_brb, s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn,
                        s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
-                       HAS_SLOT, BLOCK_P, BLOCK_N, BLOCK_L, N_TILES, STOCHASTIC_FP16, ADVANCE, n_rows, 0)
+                       HAS_SLOT, BLOCK_P, BLOCK_N, BLOCK_L, N_TILES, STOCHASTIC_FP16, n_rows, False)
 
 
 def replay_step_pre(cfg: dict, args: tuple, common: dict, has_slot: bool, slot_arg, n_pb: int):
     """Launch the ``pre`` step; ``args`` is :func:`~replay_compile.kernels.mamba2_triton.replay_step_triton`'s
-    argument tuple of the tiled kernel (tensors, sizes, strides). Returns the checkpoint pass's compiled kernel."""
-    state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C = args[:11]
+    argument tuple (tensors, sizes, strides). Returns the checkpoint pass's compiled kernel."""
+    state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, _, y = args[:13]
     H, P, N, L = args[13:17]
     b = x.shape[0]
-    listed = cfg["flush_list"]
-    advanced = False
-    # the listed flush's row list: [count, rows...], zeroed every step. (One flag per row written by the window
-    # launch instead, no memset: non-flush steps 0-1.9 µs faster at bs 128 / 256, the flush step 26-34% slower with
-    # the flags ranked per fold item and up to 29% with them ranked once per program; H200,
-    # docs/design/mamba2_kernel.md.)
-    # ``zero_pdl=1`` (default): only the count is zeroed, by a launch of ours whose programmatic dependent is the
-    # window launch, instead of a torch.zeros of the list before it (L-avg 0.1-1.3 µs lower at all 8 points of
-    # bs 128 / 256 x Super / Nano x fp32 / bf16, H200)
-    zero_pdl = False
-    if not listed:
-        work = None
-    elif cfg["zero_pdl"]:
-        work = torch.empty((b + 1,), dtype=torch.int32, device=x.device)
-        zero_pdl = pdl_on(x.device)
-        launch(_zero_count_kernel)[(1,)](work, PDL=zero_pdl, **pdl_options(zero_pdl))
-    else:
-        work = torch.zeros((b + 1,), dtype=torch.int32, device=x.device)
-    # 0: win from launch 1's scratch; 1: from the whole x window read after launch 1; 2: read before the cursor;
-    # 3: only its held records, read after the cursor with the tile (``held_x=1``)
-    win_x = (3 if cfg["held_x"] else 2 if cfg["apply_early_x"] else 1) if cfg["window"] == "coef" and \
-        cfg["route"] == 1 else 0
-    pdl = pdl_on(x.device, cfg["pdl"] and win_x > 0)   # launch 2 as launch 1's programmatic dependent
-    win, dec = launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, has_slot,
-                             cfg["BLOCK_N"], cfg["BLOCK_L"], work, cb_only=win_x > 0, pdl=pdl, pdl_wait=zero_pdl,
-                             scratch_evict=cfg["scratch_evict"])
+    pdl = pdl_on(x.device)
+    # the listed flush's row list: [count, rows...]. (One flag per row written by the window launch instead, no
+    # memset: non-flush steps 0-1.9 µs faster at bs 128 / 256, the flush step 26-34% slower with the flags ranked
+    # per fold item and up to 29% with them ranked once per program; H200, docs/design/mamba2_kernel.md.)
+    # Only the count is zeroed, by a launch of ours whose programmatic dependent is the window launch, instead of a
+    # torch.zeros of the list before it (L-avg 0.1-1.3 µs lower at all 8 points of bs 128 / 256 x Super / Nano x
+    # fp32 / bf16, H200)
+    work = torch.empty((b + 1,), dtype=torch.int32, device=x.device)
+    launch(_zero_count_kernel)[(1,)](work, PDL=pdl, **pdl_options(pdl))
+    # launch 2 is launch 1's programmatic dependent (pdl); the window's scratch is kept in L2 for the pass
+    # (scratch_evict: non-flush 0-1.9 µs faster at bs 128-512, never slower beyond noise; H200)
+    win, dec = launch_window(dt_ring, la_ring, B_ring, cursor, dt, la, B, C, slot_arg, has_slot, cfg["BLOCK_N"],
+                             cfg["BLOCK_L"], work, pdl=pdl, pdl_wait=pdl, scratch_evict=True)
     rows_outer = cfg["rows_outer"] and b < 1 << 16                 # the grid's z axis holds at most 65535 rows
     k = launch(_mamba2_prepass_apply_kernel)[(n_pb, H, b) if rows_outer else (n_pb, b, H)](
-        *args[:13], win, dec, *args[13:19], *args[20:],
+        state, x_ring, cursor, x, C, slot_arg, y, win, dec, H, P, N, L, H // C.shape[1],
+        *state.stride(), *x_ring.stride(), *x.stride(), *C.stride(), *y.stride(),
         HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_P"], BLOCK_N=cfg["BLOCK_N"], BLOCK_L=cfg["BLOCK_L"],
-        STOCHASTIC_FP16=common["STOCHASTIC_FP16"], ROUTE=cfg["route"], EARLY_TILE=cfg["early_tile"],
-        WIN_X=win_x, PDL=pdl, ROWS_OUTER=rows_outer, num_warps=cfg["num_warps"], **pdl_options(pdl))
-    if cfg["route"] == 1:
-        fl = dict(common, BLOCK_P=cfg["FLUSH_P"], BLOCK_N=cfg["FLUSH_N"], num_warps=cfg["flush_warps"],
-                  N_TILES=cdiv(N, cfg["FLUSH_N"]))
-        n_fp = cdiv(P, cfg["FLUSH_P"])
-        if listed:
-            # 32 warps per SM (H200: 4 programs of 2 warps per SM made Nano's flush 1.6x slower)
-            programs = fixed_grid(b * H * n_fp, cfg["flush_warps"], x.device, cfg["flush_programs_per_sm"])
-            advanced = cfg["fold_advance"]
-            launch(_mamba2_flush_list_kernel)[(programs,)](
-                *args[:13], work, *args[13:19], n_fp, *args[20:], **fl, ADVANCE=advanced, n_rows=b)
-        else:
-            launch(_mamba2_replay_tiled_kernel)[(n_fp, b, H)](*args, STATE_EVICT="", ROUTE=2, **fl)
-    if not advanced:
-        launch(_advance_cursor_kernel)[(cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
+        PDL=pdl, ROWS_OUTER=rows_outer, num_warps=cfg["num_warps"], **pdl_options(pdl))
+    fl = dict(common, BLOCK_P=cfg["FLUSH_P"], BLOCK_N=cfg["FLUSH_N"], num_warps=cfg["flush_warps"],
+              N_TILES=cdiv(N, cfg["FLUSH_N"]))
+    n_fp = cdiv(P, cfg["FLUSH_P"])
+    # 32 warps per SM (H200: 4 programs of 2 warps per SM made Nano's flush 1.6x slower)
+    programs = fixed_grid(b * H * n_fp, cfg["flush_warps"], x.device, cfg["flush_programs_per_sm"])
+    launch(_mamba2_flush_list_kernel)[(programs,)](
+        *args[:13], work, *args[13:19], n_fp, *args[20:], **fl, n_rows=b)
     return k

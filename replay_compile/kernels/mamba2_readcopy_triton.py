@@ -28,11 +28,11 @@ At Nemotron-Super geometry (P = 64, N = 128): 32768 / 16384 / 8448 / 4612 bytes:
 
 Design
 ------
-Grid ``(cdiv(P, BLOCK_P), batch, H)`` as the ``tiled`` variant of :mod:`.mamba2_triton`: each program reads its row's
-cursor ``w`` with a plain load, branches on it, and a last tiny launch (``_advance_cursor_kernel``) advances the
-cursors. Unlike ``tiled``, a program holds all of N in one ``BLOCK_P x BLOCK_N`` tile (``BLOCK_N = next_pow2(N)``,
->= 16): the fp8 row scale of the flush needs the amax over the whole row, and nvfp4's blocks of 16 need the tile
-aligned to them. Everything is computed in fp32.
+The ``pre`` variant of :mod:`.mamba2_pre_triton`, each launch routed on the device from the cursor: its window launch
+(per-record weights, the records, the flush rows listed in ``work = [count, rows...]``); a copy pass over the
+non-flush rows, grid ``(cdiv(P, APPLY_P), batch, H)``, a program holding all of N in one ``BLOCK_P x BLOCK_N`` tile
+(``BLOCK_N = next_pow2(N)``, >= 16: nvfp4's blocks of 16 need the tile aligned to them); a flush launch on a fixed
+grid walking the listed rows; the cursor advance. Everything is computed in fp32.
 
 * Non-flush programs load the copy tile and decode in registers exactly as ``FORMATS[fmt].decode`` does (bit for bit;
   tested through :func:`decode_read_copy_triton`, which runs the same decode helpers):
@@ -44,28 +44,24 @@ aligned to them. Everything is computed in fp32.
     the high nibble the odd one, and ``S_0 C`` is summed as ``Σ even * C[0::2] + Σ odd * C[1::2]``. The e2m1
     magnitude ``m`` (3 bits) decodes arithmetically: ``m / 2`` for ``m < 4``, else ``(2 if m < 6 else 4) *
     (1 + (m & 1) / 2)`` (= 0, .5, 1, 1.5, 2, 3, 4, 6); bit 3 is the sign; then ``(e2m1 * block_scale) *
-    tensor_scale`` in fp32, the formats' order (the first product is exact). The ``pre`` variant's non-flush pass
-    (where N % 8 == 0) instead reads int32 words of 8 codes whose codes become fp16 bits equal to ``e2m1 / 2^14``,
-    two per ``lop3`` (:func:`_nvfp4_pairs_dot`, the default; one at a time: :func:`_nvfp4_words_dot`; per-block
-    sums on tensor cores: :func:`_nvfp4_mma_dot`): per copy pass at Super bs256 on the H200, 357 µs byte by byte,
-    203 as int32 words decoded one code at a time, 94 with the pairs.
+    tensor_scale`` in fp32, the formats' order (the first product is exact). Where N % 8 == 0 the copy pass instead
+    reads int32 words of 8 codes whose codes become fp16 bits equal to ``e2m1 / 2^14``, two per ``lop3``
+    (:func:`_nvfp4_pairs_dot`): per copy pass at Super bs256 on the H200, 357 µs byte by byte, 94 with the pairs.
 
 * Flush programs fold the fp32 state tile (``tl.dot``, IEEE fp32), write it, read ``y`` out of the folded tile, and
   encode the copy of the value *as stored*:
 
-  - bf16, fp8 and ``nvfp4_row`` in the same program: every scale is per row and the program holds whole rows
-    (``nvfp4_row`` stores the tile, ``tl.debug_barrier()``, and re-reads it from L2 in the encoder's 3-D layout);
-  - nvfp4: the per-slot tensor scale needs the amax of the whole slot ``[H, P, N]``, spread over ``H * cdiv(P,
-    BLOCK_P)`` programs. Scheme: the flush programs ``atomic_max`` their tile's amax (fp32 bits of a non-negative
-    value, as int32: same order) into a per-row int32 scratch zeroed by the launcher; a second launch
-    (:func:`_nvfp4_flush_encode_kernel`, same grid; programs of non-flush and padded rows return at once) then
-    reads the slot amax, reloads the just-written fp32 tile (``P*N*4`` extra bytes per flushing slot and head,
-    once per ``L`` steps) and writes codes, block scales and (one program per slot) the tensor scale. It runs
-    before the cursor launch, so it still sees ``w == L-1`` for the rows that flushed. The ``pre`` variant's
-    default (``nvfp4_fold``): the flush needs no whole rows for a per-slot scale, so the listed rows are folded by
-    the fp32 step's fold on its own tiles (:func:`_nvfp4_fold_list_kernel`, one amax atomic per folded row, the
-    cursor advance folded in) and encoded by the listed encode writing int32 words
-    (:func:`_nvfp4_encode_words_body`): the flush step 1817 -> 1162 µs at Super bs256 (H200).
+  - bf16, fp8 and ``nvfp4_row`` in the same program (``FLUSH_P`` rows of whole N): every scale is per row and the
+    program holds whole rows, as the fp8 row scale needs (``nvfp4_row`` stores the tile, ``tl.debug_barrier()``, and
+    re-reads it from L2 in the encoder's 3-D layout);
+  - nvfp4: the per-slot tensor scale needs the amax of the whole slot ``[H, P, N]``, and no whole rows: the listed
+    rows are folded by the fp32 step's fold on its own tiles (:func:`_nvfp4_fold_list_kernel`), which
+    ``atomic_max`` each folded row's amax (fp32 bits of a non-negative value, as int32: same order) into a per-row
+    int32 scratch zeroed by the launcher and advance the cursors; a listed encode launch
+    (:func:`_nvfp4_flush_encode_list_kernel`) then reads the slot amax, reloads the just-written fp32 tile
+    (``P*N*4`` extra bytes per flushing slot and head, once per ``L`` steps) and writes codes (int32 words of 8
+    codes where N % 8 == 0, :func:`_nvfp4_encode_words_body`), block scales and (one program per slot) the tensor
+    scale: the flush step 1817 -> 1162 µs at Super bs256 (H200).
 
   All encoders round in software (integer ops on the fp32 bits), the same code compiled and interpreted, and
   reproduce ``FORMATS[fmt].encode`` bit for bit: fp32 -> bf16 and fp32 -> e4m3 by round-to-nearest-even on the bit
@@ -74,17 +70,16 @@ aligned to them. Everything is computed in fp32.
   are multiplied by the block's reciprocal, as the format defines). Software, not
   ``.to(tl.float8e4nv)``: triton 3.6's interpreter rounds fp32 -> fp8 half-up and mishandles mantissa carries and
   subnormals (351 of 4096 random values differ from torch), and the flush is rare enough that a few integer ops
-  cost nothing.
+  cost nothing; compiled for sm_89+ the fp8 flush uses the hardware conversion (:func:`_e4m3_byte`).
 
 Interpreter constraints kept (see :mod:`.mamba2_triton`): no runtime loop bounds (there are no loops here), no
 Python globals other than ``tl.constexpr`` and jit functions inside ``@triton.jit``, no autotuning (in-place writes).
 No ``tl.join`` / ``tl.interleave`` / ``tl.split`` / ``tl.reshape`` either: the nvfp4 paths use 3-D tiles instead.
 
 Status: registered as the CUDA implementation of ``replay_compile::mamba2_step_rc`` (the pass inserts it with
-``read_copy``); compiled and run on the H200 (37 tests). ``pre`` variant over ``selective_state_update`` at batch
-256 (docs/design/read_copies.md): bf16 2.99x, fp8 2.95x, NVFP4 2.11x with the listed flush launch and the NVFP4 word
-decode; bf16 2.0x, fp8 2.2-2.4x, NVFP4 1.1x with flush rows through the fused kernel and NVFP4 read byte by byte. Not
-done: a batch threshold for the ``fused`` variant at small batches (``pre`` is 0.61x at batch 1), N-tiling.
+``read_copy``); compiled and run on the H200. Over ``selective_state_update`` at batch 256
+(docs/design/read_copies.md): bf16 3.22x, fp8 3.45x, NVFP4 4.00x. Not done: a small-batch variant (below batch 8 the
+read copies lose to the exact step), N-tiling.
 Portability notes (all held on the H200):
 
 * ``float8e4nv`` (bitcast from uint8, then ``.to(fp32)``) needs sm_89+ (Ada / Hopper); on sm_80 Triton refuses the
@@ -255,37 +250,6 @@ def _load_nvfp4(cv_ptr, cs_ptr, ct_ptr, slot, h, offs_p, P, N,
 
 
 @triton.jit
-def _nvfp4_words_dot(cw_ptr, cs_ptr, ct_ptr, c_base, s_cn, slot, h, offs_p, P, N,
-                     s_wb, s_wh, s_wp, s_wn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, NB: tl.constexpr):
-    """``Σ_n S[p, n] c[n]`` for the nvfp4 copy of rows ``offs_p`` [BLOCK_P], the codes read as int32 words (8
-    codes each, code ``j`` of a word in bits ``4j..4j+3``: little-endian bytes, low nibble first); needs N % 8 == 0.
-
-    Fewer instructions per value than :func:`_load_nvfp4` (the non-flush NVFP4 step is ALU-bound there, 362 µs at
-    Super bs256 vs 135 for fp8): a code's sign and magnitude bits placed as fp16 bits ``s..ee m`` at bits 15 and
-    9-11 make an fp16 (subnormal for ``ee = 0``) equal to ``e2m1 / 2^14`` exactly, one hardware conversion away
-    from fp32; the block scales (and the ``2^14``) are applied per block of 16 after the sum over the block, the
-    tensor scale once per row. Same value as decoding first, summed in another order (fp32 rounding only)."""
-    p3 = offs_p[:, None, None]
-    blk = tl.arange(0, NB)[None, :, None]
-    wi = blk * 2 + tl.arange(0, 2)[None, None, :]                  # word index [1, NB, 2]: 2 words per block
-    words = tl.load(cw_ptr + slot * s_wb + h * s_wh + p3 * s_wp + wi * s_wn, mask=(p3 < P) & (wi * 8 < N),
-                    other=0)                                           # [BLOCK_P, NB, 2] int32
-    acc = tl.zeros(words.shape, dtype=tl.float32)
-    for j in tl.static_range(8):
-        col = wi * 8 + j
-        cj = tl.load(c_base + col * s_cn, mask=col < N, other=0.0).to(tl.float32)        # [1, NB, 2]
-        nib = words >> (4 * j)
-        bits = ((nib & 7) << 9) | ((nib & 8) << 12)
-        acc += bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * cj
-    offs_b = tl.arange(0, NB)
-    bs = tl.load(cs_ptr + slot * s_qb + h * s_qh + offs_p[:, None] * s_qp + offs_b[None, :] * s_qn,
-                 mask=(offs_p[:, None] < P) & (offs_b[None, :] * 16 < N),
-                 other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)             # [BLOCK_P, NB]
-    sg = tl.load(ct_ptr + slot * s_tb + h * s_th + offs_p * s_tp, mask=offs_p < P, other=1.0)     # per slot or row
-    return tl.sum(tl.sum(acc, axis=2) * bs, axis=1) * (sg * 16384.0)
-
-
-@triton.jit
 def _half_pair(t):
     """fp16 bit patterns ``(low half, high half)`` of the int32 ``t``'s nibbles 3 and 7 (bits 12-15 and 28-31):
     each ``s ee m`` placed at fp16 bits 15 and 9-11 is ``e2m1 / 2^14`` exactly (subnormal for ``ee = 0``). Two codes
@@ -300,10 +264,14 @@ def _half_pair(t):
 @triton.jit
 def _nvfp4_pairs_dot(cw_ptr, cs_ptr, ct_ptr, c_base, s_cn, slot, h, offs_p, P, N,
                      s_wb, s_wh, s_wp, s_wn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, NW: tl.constexpr):
-    """:func:`_nvfp4_words_dot` with the codes decoded two at a time (``nvfp4_pairs``): per word and shift,
-    :func:`_half_pair` gives the fp16 ``e2m1 / 2^14`` of two codes for one ``lop3`` and a shift, each converted
-    and multiplied by its ``C`` column in fp32 (no tensor-core operand layouts). Per-word sums times the word's block
-    scale (word ``i`` is in block ``i // 2``), then ``2^14`` and the tensor scale. fp32 rounding only."""
+    """``Σ_n S[p, n] c[n]`` for the nvfp4 copy of rows ``offs_p`` [BLOCK_P], the codes read as int32 words (8
+    codes each, code ``j`` of a word in bits ``4j..4j+3``: little-endian bytes, low nibble first); needs N % 8 == 0.
+
+    Fewer instructions per value than :func:`_load_nvfp4` (the non-flush NVFP4 step is ALU-bound there, 362 µs at
+    Super bs256 vs 135 for fp8): per word and shift, :func:`_half_pair` gives the fp16 ``e2m1 / 2^14`` of two codes
+    for one ``lop3`` and a shift, each converted and multiplied by its ``C`` column in fp32. Per-word sums times the
+    word's block scale (word ``i`` is in block ``i // 2``), then ``2^14`` and the tensor scale, once per row. Same
+    value as decoding first, summed in another order (fp32 rounding only)."""
     offs_w = tl.arange(0, NW)
     words = tl.load(cw_ptr + slot * s_wb + h * s_wh + offs_p[:, None] * s_wp + offs_w[None, :] * s_wn,
                     mask=(offs_p < P)[:, None] & (offs_w < N // 8)[None, :], other=0)           # [BLOCK_P, NW]
@@ -318,71 +286,6 @@ def _nvfp4_pairs_dot(cw_ptr, cs_ptr, ct_ptr, c_base, s_cn, slot, h, offs_p, P, N
                   other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)            # [BLOCK_P, NW]
     sg = tl.load(ct_ptr + slot * s_tb + h * s_th + offs_p * s_tp, mask=offs_p < P, other=1.0)
     return tl.sum(acc * bsw, axis=1) * (sg * 16384.0)
-
-
-@triton.jit
-def _block_rows(c_base, s_cn, pos, scale, offs_w, offs_j, N, SPLIT: tl.constexpr):
-    """The ``[NW, NBP]`` right-hand operands of nibble position ``pos`` (column ``8 i + pos`` of word ``i``):
-    ``C[8 i + pos] * scale`` in row ``i``, column ``i // 2`` (its block of 16), zero elsewhere, as fp16
-    ``(hi, lo)``; ``lo`` (``SPLIT``: fp32 ``C``) is the rounding residual of ``hi`` (without ``SPLIT``: ``hi``
-    again, unused)."""
-    col = offs_w * 8 + pos
-    cv = tl.load(c_base + col * s_cn, mask=col < N, other=0.0).to(tl.float32) * scale           # [NW]
-    sel = (offs_w[:, None] // 2) == offs_j[None, :]
-    full = tl.where(sel, cv[:, None], 0.0)
-    hi = full.to(tl.float16)
-    if SPLIT:
-        lo = (full - hi.to(tl.float32)).to(tl.float16)
-    else:
-        lo = hi
-    return hi, lo
-
-
-@triton.jit
-def _nvfp4_mma_dot(cw_ptr, cs_ptr, ct_ptr, c_base, s_cn, slot, h, offs_p, P, N,
-                   s_wb, s_wh, s_wp, s_wn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp,
-                   BLOCK_P: tl.constexpr, NW: tl.constexpr, NBP: tl.constexpr, SPLIT: tl.constexpr):
-    """``Σ_n S[p, n] c[n]`` for the nvfp4 copy of rows ``offs_p`` on tensor cores (``nvfp4_mma``; N = 8 NW with NW
-    a power of two >= 16, so each MMA's K is a whole number of words).
-
-    The codes are read as int32 words (8 codes, code ``j`` in bits ``4j..4j+3``). Per word and nibble position
-    ``j``, :func:`_half_pair` turns codes into fp16 ``e2m1 / 2^14`` two at a time: 8 ``[BLOCK_P, NW]`` fp16 operands
-    (position ``j`` of every word). Each multiplies an ``[NW, NBP]`` operand that holds ``C`` of its columns on a
-    block diagonal (word ``i`` belongs to block ``i // 2``), so one fp32-accumulated MMA per position gives the
-    per-block sums ``D [BLOCK_P, NBP]``; the block scales, ``2^14`` and the tensor scale follow in fp32, as in
-    :func:`_nvfp4_words_dot`. Exact products: ``C`` is scaled by a power of two so that its largest magnitude
-    lies in ``[2^14, 2^15)`` (the fp16 normal range holds every value down to ``2^-24`` of the largest) and
-    rounded to fp16; fp32 ``C`` (``SPLIT``) adds its residual as a second fp16 operand (error ``<= 2^-22``
-    relative). Same value as decoding first, summed in another order: fp32 rounding only."""
-    offs_w = tl.arange(0, NW)
-    offs_j = tl.arange(0, NBP)
-    words = tl.load(cw_ptr + slot * s_wb + h * s_wh + offs_p[:, None] * s_wp + offs_w[None, :] * s_wn,
-                    mask=(offs_p < P)[:, None] & (offs_w < N // 8)[None, :], other=0)           # [BLOCK_P, NW]
-    cfull = tl.load(c_base + tl.arange(0, NW * 8) * s_cn, mask=tl.arange(0, NW * 8) < N, other=0.0)
-    cmax = tl.max(tl.abs(cfull.to(tl.float32)), axis=0)
-    # scale = 2^(14 - floor(log2 cmax)) = 2^(141 - e) from cmax's biased exponent e, taken >= 14 so that the
-    # scale stays a normal fp32 (a cmax below 2^-113, or zero, gets 2^127); inf / NaN (e = 255) propagate
-    # as in the reference
-    e = tl.maximum(((cmax.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32), 14)
-    scale = ((268 - e) << 23).to(tl.float32, bitcast=True)
-    unscale = (e << 23).to(tl.float32, bitcast=True)                # 2^14 / scale
-    acc = tl.zeros([BLOCK_P, NBP], dtype=tl.float32)
-    for sh in tl.static_range(4):
-        t = words << (4 * sh)                       # nibbles 3 - sh and 7 - sh at bits 12-15 and 28-31
-        a_lo, a_hi = _half_pair(t)
-        b_hi, b_lo = _block_rows(c_base, s_cn, 3 - sh, scale, offs_w, offs_j, N, SPLIT)
-        acc = tl.dot(a_lo, b_hi, acc)
-        if SPLIT:
-            acc = tl.dot(a_lo, b_lo, acc)
-        b_hi, b_lo = _block_rows(c_base, s_cn, 7 - sh, scale, offs_w, offs_j, N, SPLIT)
-        acc = tl.dot(a_hi, b_hi, acc)
-        if SPLIT:
-            acc = tl.dot(a_hi, b_lo, acc)
-    bs = tl.load(cs_ptr + slot * s_qb + h * s_qh + offs_p[:, None] * s_qp + offs_j[None, :] * s_qn,
-                 mask=(offs_p[:, None] < P) & (offs_j[None, :] * 16 < N),
-                 other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)             # [BLOCK_P, NBP]
-    sg = tl.load(ct_ptr + slot * s_tb + h * s_th + offs_p * s_tp, mask=offs_p < P, other=1.0)
-    return tl.sum(acc * bs, axis=1) * (sg * unscale)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -409,11 +312,12 @@ def _rc_body(
     s_qb, s_qh, s_qp, s_qn,                 # fp8 scale [S, H, P] (s_qn unused) / nvfp4 block_scale [S, H, P, NB]
     s_tb, s_th, s_tp,                       # nvfp4 tensor_scale [S] (0, 0) / nvfp4_row [S, H, P]
     FMT: tl.constexpr, HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, FOLD_DOT: tl.constexpr, ROUTE: tl.constexpr,
-    HW_E4M3: tl.constexpr, ROW_SCALE: tl.constexpr,
+    BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, HW_E4M3: tl.constexpr, ROW_SCALE: tl.constexpr,
 ):
-    """The work of one read-copy program once its row's slot and cursor are known (no early returns: the flush-list
-    kernel calls it inside a loop)."""
+    """The flush of one ``BLOCK_P``-row slice of a listed row (cursor ``w = L - 1``) for bf16, fp8 and
+    ``nvfp4_row``: fold the fp32 checkpoint (one IEEE ``tl.dot``), write it, ``y = S_new C``, rewrite the copy from the
+    stored value. No early returns: the flush-list kernel calls it inside a loop. (Per-slot ``nvfp4`` is folded by
+    :func:`_nvfp4_fold_list_kernel` instead.)"""
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     mask_p = offs_p < P
     y_ptrs = y_ptr + row * s_yb + h * s_yh + offs_p * s_yp
@@ -438,24 +342,10 @@ def _rc_body(
     c = tl.load(c_base + offs_n * s_cn, mask=mask_n, other=0.0).to(tl.float32)
 
     if w == L - 1:
-        # flush: fold the fp32 checkpoint, write it, y = S_new C, rewrite the copy from the stored value
+        # fold the fp32 checkpoint, write it, y = S_new C, rewrite the copy from the stored value
         s_ptrs = state_ptr + slot * s_sb + h * s_sh + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
         s0 = tl.load(s_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
-        if FOLD_DOT:
-            s_new = decay * s0 + tl.dot(tl.trans(xw * coef[:, None]), bw, input_precision="ieee")
-        else:
-            # record by record: tl.dot's shared memory, even in this rare branch, costs every program occupancy
-            s_new = s0
-            for j in range(BLOCK_L):
-                if j < w:
-                    la_j = tl.load(lar_ptr + slot * s_lrb + h * s_lrh + j * s_lrl).to(tl.float32)
-                    dt_j = tl.load(dtr_ptr + slot * s_drb + h * s_drh + j * s_drl).to(tl.float32)
-                    x_j = tl.load(xr_ptr + slot * s_xrb + h * s_xrh + j * s_xrl + offs_p * s_xrp, mask=mask_p,
-                                  other=0.0).to(tl.float32)
-                    b_j = tl.load(br_base + j * s_brl + offs_n * s_brn, mask=mask_n, other=0.0).to(tl.float32)
-                    s_new = tl.exp(la_j) * s_new + (dt_j * x_j)[:, None] * b_j[None, :]
-            s_new = (tl.exp(la_cur.to(tl.float32)) * s_new
-                     + (dt_cur.to(tl.float32) * x_cur.to(tl.float32))[:, None] * b_cur.to(tl.float32)[None, :])
+        s_new = decay * s0 + tl.dot(tl.trans(xw * coef[:, None]), bw, input_precision="ieee")
         s_st = _round_checkpoint(s_new, s_ptrs, la_cur, slot * H + h, offs_p[:, None] * N + offs_n[None, :],
                                  STOCHASTIC_FP16)
         tl.store(s_ptrs, s_st, mask=tile_mask)
@@ -470,77 +360,14 @@ def _rc_body(
             q = tl.minimum(tl.maximum(tl.div_rn(v, scale[:, None]), -448.0), 448.0)
             tl.store(v_ptrs, _e4m3_byte(q, HW_E4M3), mask=tile_mask)
             tl.store(cs_ptr + slot * s_qb + h * s_qh + offs_p * s_qp, scale, mask=mask_p)
-        elif ROW_SCALE:
-            # nvfp4_row: every scale is per row and this program holds whole rows: encode them here, from the
-            # values just stored (read back in the encoder's 3-D layout; the barrier makes every thread's stores
-            # visible to the others)
+        else:
+            # nvfp4_row (ROW_SCALE): every scale is per row and this program holds whole rows: encode them here,
+            # from the values just stored (read back in the encoder's 3-D layout; the barrier makes every thread's
+            # stores visible to the others)
             tl.debug_barrier()
             _nvfp4_encode_body(pid_p, row, h, slot, state_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr,
                                P, N, s_sb, s_sh, s_sp, s_sn, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn,
-                               s_tb, s_th, s_tp, BLOCK_P, BLOCK_N // 16, True)
-        else:
-            # the slot's amax: non-negative fp32 bits order as int32; encoded by _nvfp4_flush_encode_kernel
-            amax = tl.max(tl.max(tl.abs(v), axis=1), axis=0)
-            tl.atomic_max(amax_ptr + row, amax.to(tl.int32, bitcast=True), sem="relaxed")
-    elif ROUTE == 0:
-        # y = exp(Σ la) (S_0 C) + Σ_j coef_j (B_j·C) x_j with S_0 the decoded copy; the fp32 state is not read
-        sc = _copy_dot(cv_ptr, cs_ptr, ct_ptr, c_base, c, s_cn, slot, h, offs_p, mask_p, P, N,
-                       s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, FMT, BLOCK_N, False)
-        bc = tl.sum(bw * c[None, :], axis=1)
-        y = decay * sc + tl.sum((coef * bc)[:, None] * xw, axis=0)
-        tl.store(y_ptrs, y, mask=mask_p)
-        tl.store(xr_ptr + slot * s_xrb + h * s_xrh + w * s_xrl + offs_p * s_xrp,
-                 x_cur.to(xr_ptr.dtype.element_ty), mask=mask_p)
-        if pid_p == 0:
-            tl.store(dtr_ptr + slot * s_drb + h * s_drh + w * s_drl, dt_cur)
-            tl.store(lar_ptr + slot * s_lrb + h * s_lrh + w * s_lrl, la_cur)
-            if h % heads_per_g == 0:                  # one program per group appends B_t
-                tl.store(br_base + w * s_brl + offs_n * s_brn, b_cur.to(Br_ptr.dtype.element_ty), mask=mask_n)
-
-
-@triton.jit
-def _readcopy_step_kernel(
-    state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, cursor_ptr,
-    x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr, y_ptr,
-    cv_ptr, cs_ptr, ct_ptr, amax_ptr,       # copy: values/codes, row scale/block scale, tensor scale; amax scratch
-    H, P, N, L, heads_per_g, heads_per_gc,
-    s_sb, s_sh, s_sp, s_sn,                 # state [S, H, P, N]
-    s_xrb, s_xrh, s_xrl, s_xrp,             # x_ring [S, H, L, P]
-    s_drb, s_drh, s_drl,                    # dt_ring [S, H, L]
-    s_lrb, s_lrh, s_lrl,                    # la_ring [S, H, L]
-    s_brb, s_brg, s_brl, s_brn,             # B_ring [S, G, L, N]
-    s_xb, s_xh, s_xp,                       # x [b, H, P]
-    s_db, s_dh, s_lb, s_lh,                 # dt, la [b, H]
-    s_bb, s_bg, s_bn,                       # B [b, G, N]
-    s_cb, s_cg, s_cn,                       # C [b, Gc, N]
-    s_yb, s_yh, s_yp,                       # y [b, H, P]
-    s_vb, s_vh, s_vp, s_vn,                 # copy values [S, H, P, N] / nvfp4 codes [S, H, P, ceil(N/2)]
-    s_qb, s_qh, s_qp, s_qn,                 # fp8 scale [S, H, P] (s_qn unused) / nvfp4 block_scale [S, H, P, NB]
-    s_tb, s_th, s_tp,                       # nvfp4 tensor_scale [S] (0, 0) / nvfp4_row [S, H, P]
-    FMT: tl.constexpr, HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, FOLD_DOT: tl.constexpr, ROUTE: tl.constexpr,
-    HW_E4M3: tl.constexpr, ROW_SCALE: tl.constexpr,
-):
-    pid_p = tl.program_id(0)
-    row = tl.program_id(1).to(tl.int64)
-    h = tl.program_id(2).to(tl.int64)
-    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
-    mask_p = offs_p < P
-    y_ptrs = y_ptr + row * s_yb + h * s_yh + offs_p * s_yp
-    slot = _step_row(slot_ptr, row, y_ptrs, mask_p, HAS_SLOT, BLOCK_P)
-    if slot < 0:                                   # padding row: zero output (stored above), touch nothing else
-        return
-    w = tl.load(cursor_ptr + slot)                  # advanced afterwards by _advance_cursor_kernel
-    if ROUTE == 2:                                  # flush rows only (the pre variant's third launch)
-        if w != L - 1:
-            return
-    _rc_body(pid_p, row, h, slot, w,
-             state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, cursor_ptr, x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr,
-             slot_ptr, y_ptr, cv_ptr, cs_ptr, ct_ptr, amax_ptr, H, P, N, L, heads_per_g, heads_per_gc, s_sb, s_sh,
-             s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl, s_brb, s_brg, s_brl,
-             s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn, s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
-             s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, FMT, HAS_SLOT, BLOCK_P, BLOCK_N, BLOCK_L,
-             STOCHASTIC_FP16, FOLD_DOT, ROUTE, HW_E4M3, ROW_SCALE)
+                               s_tb, s_th, s_tp, BLOCK_P, BLOCK_N // 16, ROW_SCALE)
 
 
 @triton.jit
@@ -564,12 +391,12 @@ def _readcopy_flush_list_kernel(
     s_qb, s_qh, s_qp, s_qn,                 # fp8 scale [S, H, P] (s_qn unused) / nvfp4 block_scale [S, H, P, NB]
     s_tb, s_th, s_tp,                       # nvfp4 tensor_scale [S] (0, 0) / nvfp4_row [S, H, P]
     FMT: tl.constexpr, HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, FOLD_DOT: tl.constexpr, ROUTE: tl.constexpr,
-    HW_E4M3: tl.constexpr, ROW_SCALE: tl.constexpr,
+    BLOCK_L: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, HW_E4M3: tl.constexpr, ROW_SCALE: tl.constexpr,
 ):
-    """``pre`` read-copy flush launch on a fixed grid: walks the ``count x H x n_pb`` tiles of the rows the window
-    launch listed in ``work = [count, rows...]`` (as :func:`~.mamba2_pre_triton._mamba2_flush_list_kernel`: a non-flush
-    step then costs a few programs that read ``count = 0``, not a full grid that reads cursors)."""
+    """Read-copy flush launch on a fixed grid: walks the ``count x H x n_pb`` tiles of the rows the window launch
+    listed in ``work = [count, rows...]`` (:func:`_rc_body` per tile; as
+    :func:`~.mamba2_pre_triton._mamba2_flush_list_kernel`: a non-flush step then costs a few programs that read
+    ``count = 0``, not a full grid that reads cursors)."""
     n_items = tl.load(work_ptr) * (H * n_pb)
     t = tl.program_id(0)
     while t < n_items:
@@ -580,7 +407,7 @@ def _readcopy_flush_list_kernel(
                  s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl, s_brb,
                  s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn, s_cb, s_cg, s_cn,
                  s_yb, s_yh, s_yp, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, FMT, HAS_SLOT,
-                 BLOCK_P, BLOCK_N, BLOCK_L, STOCHASTIC_FP16, FOLD_DOT, ROUTE, HW_E4M3, ROW_SCALE)
+                 BLOCK_P, BLOCK_N, BLOCK_L, STOCHASTIC_FP16, HW_E4M3, ROW_SCALE)
         t += tl.num_programs(0)
 
 
@@ -593,42 +420,33 @@ def _nvfp4_fold_list_kernel(
     s_brb, s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn,
     s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
     HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    N_TILES: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, AMAX: tl.constexpr, n_rows,
+    N_TILES: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, n_rows,
 ):
-    """nvfp4's flush (``nvfp4_fold``): the fp32 step's listed fold
+    """nvfp4's flush: the fp32 step's listed fold
     (:func:`~replay_compile.kernels.mamba2_pre_triton._mamba2_flush_list_kernel`, a fixed grid walking the
-    ``count x H x n_pb`` tiles of the listed rows) whose folds also gather each row's amax into ``amax_ptr``
-    (``AMAX``, :func:`~replay_compile.kernels.mamba2_triton._fold_tile`), and the cursor advance. A per-slot tensor
-    scale needs no whole rows in a flush program, so the fp32 step's tiles and warps serve; the copy is encoded by
-    the next launch from the stored checkpoint."""
+    ``count x H x n_pb`` tiles of the listed rows) whose folds also gather each row's amax into ``amax_ptr``, one
+    atomic per folded row (``AMAX``, :func:`~replay_compile.kernels.mamba2_triton._fold_tile`), and the cursor
+    advance. A per-slot tensor scale needs no whole rows in a flush program, so the fp32 step's tiles and warps
+    serve; the copy is encoded by the next launch from the stored checkpoint."""
     _walk_listed_folds(state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, cursor_ptr, x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr,
                        slot_ptr, y_ptr, work_ptr, amax_ptr, H, P, N, L, heads_per_g, heads_per_gc, n_pb,
                        s_sb, s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl,
                        s_brb, s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn,
                        s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
-                       HAS_SLOT, BLOCK_P, BLOCK_N, BLOCK_L, N_TILES, STOCHASTIC_FP16, True, n_rows, AMAX)
+                       HAS_SLOT, BLOCK_P, BLOCK_N, BLOCK_L, N_TILES, STOCHASTIC_FP16, n_rows, True)
 
 
 @triton.jit
 def _copy_dot(cv_ptr, cs_ptr, ct_ptr, c_base, c, s_cn, slot, h, offs_p, mask_p, P, N,
               s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp,
-              FMT: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr, BLOCK_P: tl.constexpr = 16,
-              NBP: tl.constexpr = 16, SPLIT: tl.constexpr = False):
-    """``S_copy C`` [BLOCK_P] for rows ``offs_p`` of the copy of (slot, head ``h``): nvfp4 as int32 words on tensor
-    cores (``WORDS == 2``, :func:`_nvfp4_mma_dot`; ``SPLIT``: fp32 ``C``), two codes at a time (``WORDS == 3``,
-    :func:`_nvfp4_pairs_dot`), as int32 words (``WORDS == 1``,
-    :func:`_nvfp4_words_dot`) or byte by byte (:func:`_load_nvfp4`), each reading ``C`` in its own layout from
-    ``c_base``; bf16 / fp8 as decoded rows against ``c`` [BLOCK_N] (the caller's load; unused, and so dropped by
-    the compiler, on the nvfp4 paths)."""
-    if WORDS == 2:
-        sc = _nvfp4_mma_dot(cv_ptr, cs_ptr, ct_ptr, c_base, s_cn, slot, h, offs_p, P, N, s_vb, s_vh, s_vp, s_vn,
-                            s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, BLOCK_P, BLOCK_N // 8, NBP, SPLIT)
-    elif WORDS == 3:
+              FMT: tl.constexpr, BLOCK_N: tl.constexpr, PAIRS: tl.constexpr):
+    """``S_copy C`` [BLOCK_P] for rows ``offs_p`` of the copy of (slot, head ``h``): nvfp4 as int32 words decoded two
+    codes at a time (``PAIRS``, :func:`_nvfp4_pairs_dot`: N % 8 == 0 and codes that can be viewed as words) or byte by
+    byte (:func:`_load_nvfp4`), each reading ``C`` in its own layout from ``c_base``; bf16 / fp8 as decoded rows
+    against ``c`` [BLOCK_N] (the caller's load; unused, and so dropped by the compiler, on the nvfp4 paths)."""
+    if PAIRS:
         sc = _nvfp4_pairs_dot(cv_ptr, cs_ptr, ct_ptr, c_base, s_cn, slot, h, offs_p, P, N, s_vb, s_vh, s_vp, s_vn,
                               s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, BLOCK_N // 8)
-    elif WORDS == 1:
-        sc = _nvfp4_words_dot(cv_ptr, cs_ptr, ct_ptr, c_base, s_cn, slot, h, offs_p, P, N, s_vb, s_vh, s_vp, s_vn,
-                              s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, BLOCK_N // 16)
     elif FMT == 2:
         p3, blk, k = _nvfp4_offsets(offs_p, BLOCK_N // 16)
         col_e = blk * 16 + 2 * k
@@ -653,19 +471,18 @@ def _readcopy_apply_kernel(
     s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp,
     s_xrb, s_xrh, s_xrl, s_xrp, s_xb, s_xh, s_xp,
     FMT: tl.constexpr, HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    WORDS: tl.constexpr, SPLIT: tl.constexpr, NBP: tl.constexpr, WIN_CB: tl.constexpr, BLOCK_L: tl.constexpr,
+    PAIRS: tl.constexpr, BLOCK_L: tl.constexpr,
 ):
-    """``pre`` variant's copy pass, grid ``(cdiv(P, BLOCK_P), batch, H)``: for non-flush rows
-    ``y = decay (S_copy C) + win`` from the decoded copy and the window launch's scratch
+    """The copy pass, grid ``(cdiv(P, BLOCK_P), batch, H)``: for non-flush rows ``y = decay (S_copy C) + win`` from
+    the decoded copy and the window launch's scratch
     (:func:`~replay_compile.kernels.mamba2_pre_triton._mamba2_prepass_window_kernel`); flush rows return at once.
-    ``WORDS`` (nvfp4): ``cv_ptr`` is the codes viewed as int32 (strides in words), decoded by
-    :func:`_nvfp4_words_dot` (1), :func:`_nvfp4_mma_dot` (2; ``SPLIT``: ``C`` is fp32) or :func:`_nvfp4_pairs_dot`
-    (3).
+    ``PAIRS`` (nvfp4): ``cv_ptr`` is the codes viewed as int32 (strides in words), decoded by
+    :func:`_nvfp4_pairs_dot`.
 
-    ``WIN_CB`` (the window launch's ``cb_only`` form, as the fp32 step's pass): ``win_ptr`` holds the per-record
-    weights ``cb [b, H, BLOCK_L]`` (zero past ``w``), and this program reads its own ``BLOCK_P`` slice of the x
-    window, forms ``win = Σ_j cb_j x_j`` and appends ``x`` (the window launch then reads no x window: at Super
-    bs256 it took 29 µs of a ~200 µs nvfp4 step reading all of it). Otherwise ``win [b, H, P]`` comes ready."""
+    As the fp32 step's pass: ``win_ptr`` holds the per-record weights ``cb [b, H, BLOCK_L]`` (zero past ``w``), and
+    this program reads its own ``BLOCK_P`` slice of the x window, forms ``win = Σ_j cb_j x_j`` and appends ``x``
+    (the window launch then reads no x window: at Super bs256 it took 29 µs of a ~200 µs nvfp4 step reading all of
+    it)."""
     pid_p = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
@@ -682,18 +499,14 @@ def _readcopy_apply_kernel(
     if w == L - 1:
         return
     sc = _copy_dot(cv_ptr, cs_ptr, ct_ptr, c_base, c, s_cn, slot, h, offs_p, mask_p, P, N,
-                   s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, FMT, BLOCK_N, WORDS,
-                   BLOCK_P, NBP, SPLIT)
+                   s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp, FMT, BLOCK_N, PAIRS)
     decay = tl.load(dec_ptr + row * H + h)
-    if WIN_CB:
-        offs_l = tl.arange(0, BLOCK_L)
-        cbv = tl.load(win_ptr + (row * H + h) * BLOCK_L + offs_l)                    # zero past w
-        xr_base = xr_ptr + slot * s_xrb + h * s_xrh
-        xw, x_cur = _x_slice(xr_base, x_ptr + row * s_xb + h * s_xh + offs_p * s_xp, w, offs_l, offs_p, mask_p,
-                             s_xrl, s_xrp)
-        win = _cb_window(cbv, xw, x_cur, w, offs_l, xr_base + w * s_xrl + offs_p * s_xrp, mask_p)
-    else:
-        win = tl.load(win_ptr + (row * H + h) * P + offs_p, mask=mask_p, other=0.0)
+    offs_l = tl.arange(0, BLOCK_L)
+    cbv = tl.load(win_ptr + (row * H + h) * BLOCK_L + offs_l)                    # zero past w
+    xr_base = xr_ptr + slot * s_xrb + h * s_xrh
+    xw, x_cur = _x_slice(xr_base, x_ptr + row * s_xb + h * s_xh + offs_p * s_xp, w, offs_l, offs_p, mask_p,
+                         s_xrl, s_xrp)
+    win = _cb_window(cbv, xw, x_cur, w, offs_l, xr_base + w * s_xrl + offs_p * s_xrp, mask_p)
     tl.store(y_ptrs, decay * sc + win, mask=mask_p)
 
 
@@ -787,38 +600,17 @@ def _nvfp4_encode_words_body(
 
 
 @triton.jit
-def _nvfp4_flush_encode_kernel(
-    state_ptr, cursor_ptr, slot_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr,
-    P, N, L,
-    s_sb, s_sh, s_sp, s_sn, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp,
-    HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, NB: tl.constexpr,
-):
-    """Second launch of an nvfp4 step: encode the copy of every slot that flushed (cursor still ``L-1``) from the
-    stored checkpoint and the slot amax gathered by the step kernel, exactly as ``NVFP4Format.encode``."""
-    pid_p = tl.program_id(0)
-    row = tl.program_id(1).to(tl.int64)
-    h = tl.program_id(2).to(tl.int64)
-    slot = _row_slot(slot_ptr, row, HAS_SLOT)
-    if slot < 0:
-        return
-    w = tl.load(cursor_ptr + slot)
-    if w != L - 1:
-        return
-    _nvfp4_encode_body(pid_p, row, h, slot,
-                       state_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr, P, N, s_sb, s_sh,
-                       s_sp, s_sn, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp,
-                       BLOCK_P, NB, False)
-
-
-@triton.jit
 def _nvfp4_flush_encode_list_kernel(
     state_ptr, cursor_ptr, slot_ptr, amax_ptr, cv_ptr, cs_ptr, ct_ptr, work_ptr, H, n_pb,
     P, N, L,
     s_sb, s_sh, s_sp, s_sn, s_vb, s_vh, s_vp, s_vn, s_qb, s_qh, s_qp, s_qn, s_tb, s_th, s_tp,
     HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, NB: tl.constexpr, ENC_WORDS: tl.constexpr,
 ):
-    """:func:`_nvfp4_flush_encode_kernel` over the listed flush rows only, on a fixed grid. ``ENC_WORDS``:
-    ``cv_ptr`` is the codes as int32 words (word strides), :func:`_nvfp4_encode_words_body`."""
+    """Encode an nvfp4 launch's copy (one tensor scale per slot) of every listed flush row, on a fixed grid, from the
+    stored checkpoint and the slot amax the fold gathered, exactly as ``NVFP4Format.encode``. ``ENC_WORDS``:
+    ``cv_ptr`` is the codes as int32 words (word strides), :func:`_nvfp4_encode_words_body` (N % 8 == 0 and codes
+    that can be viewed as words; 784 -> 420 µs at Super bs256, H200); else the byte encode,
+    :func:`_nvfp4_encode_body`."""
     n_items = tl.load(work_ptr) * (H * n_pb)
     t = tl.program_id(0)
     while t < n_items:
@@ -866,12 +658,13 @@ def _decode_kernel(cv_ptr, cs_ptr, ct_ptr, out_ptr, P, N,
 # ----------------------------------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def tuned(spec: str):
-    """Force this module's launch configuration (``"BLOCK_P=16,num_warps=4"``) for the duration of the block."""
+    """Force this module's launch configuration (``"BLOCK_P=16,APPLY_P=32"``, or ``"pre:..."``: the one variant) for
+    the duration of the block."""
     TUNING.clear()
     name, _, rest = spec.rpartition(":") if ":" in spec else ("", "", spec)
+    if name not in ("", "pre"):
+        raise ValueError(f"replay_compile.mamba2 read copy: unknown kernel variant {name!r} (pre)")
     TUNING.update({k: v for k, v in parse_tuning("x:" + rest).items() if k != "variant"})
-    if name:
-        TUNING["variant"] = name
     try:
         yield
     finally:
@@ -886,66 +679,36 @@ def _nvfp4_apply_rows(P: int) -> int:
 @memo_unless_tuned(TUNING)
 def launch_config(P: int, N: int, L: int, fmt: str = "") -> dict:
     """``BLOCK_N = next_pow2(N)`` (>= 16: whole rows per program), ``BLOCK_P`` 32 where ``P % 32 == 0`` and P > 64,
-    else 16 (the ``whole`` variant's choice; not tuned on a GPU), ``BLOCK_L = max(16, next_pow2(L))``. ``fmt``
-    (the format's name) picks the ``pre`` flush launch's tile and warps."""
+    else 16 (the nvfp4 encode's rows and the decode's; not tuned on a GPU), ``BLOCK_L = max(16, next_pow2(L))``.
+    ``fmt`` (the format's name) picks the copy pass's and the flush launch's tiles and warps."""
     block_n = max(16, next_pow2(N))
     block_l = max(16, next_pow2(L))
     nvfp4 = fmt in ("nvfp4", "nvfp4_row")
-    enc_words = bool(TUNING.get("enc_words", 1))
     block_p = TUNING.get("BLOCK_P") or (32 if P % 32 == 0 and P > 64 else 16)
     warps = TUNING.get("num_warps") or max(1, min(8, max(block_p, block_l) * block_n // (32 * 64)))
-    variant = TUNING.get("variant") or "pre"
-    if variant not in ("pre", "fused"):
-        raise ValueError(f"replay_compile.mamba2 read copy: unknown kernel variant {variant!r} (pre, fused)")
     return dict(BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_L=block_l, num_warps=warps,
-                fold_dot=bool(TUNING.get("fold_dot", 0)), variant=variant,
                 # the non-flush copy pass's tile, 1 warp: 32 rows for fp8 (H200, Super bs256: non-flush
                 # 131.1 -> 119.9 µs, 64 registers); the nvfp4 pair decode (H200, Super bs256, apply launch):
                 # 152.5 µs on 16 rows, 100.6 on 32, 93.6 on 64 (128 registers)
                 APPLY_P=TUNING.get("APPLY_P") or (32 if fmt == "fp8_e4m3" else _nvfp4_apply_rows(P) if nvfp4 else 16),
                 apply_warps=TUNING.get("apply_warps") or 1,
-                # listed flush rows (H200 Super bs256: non-flush fp8 213 -> 135 us, bf16 264 -> 187,
-                # NVFP4 516 -> 362; the flush step 10-25% slower; L-avg 1.2-1.3x better). 0: full grid
-                flush_list=bool(TUNING.get("flush_list", 1)),
                 flush_programs=TUNING.get("flush_programs"),         # default: 32 warps per SM
-                # the pre variant's flush launch (its own launch: a tile shape, warps and a tl.dot there cost the
-                # non-flush steps nothing), folding with one IEEE tl.dot. H200, Super bs256 flush step:
-                # bf16 1477 -> 1077 µs with 16 x N tiles on 1 warp, fp8 1951 -> 1840 with 32 x N on 4 warps (its
-                # software e4m3 rounding wants threads: 16 on 1 warp took 3348), nvfp4 2425 -> 2158 (16, 1 warp).
-                # 2 warps with the dot took 5-20 ms for every format: avoid
+                # the flush launch (its own launch: a tile shape, warps and a tl.dot there cost the non-flush steps
+                # nothing), folding with one IEEE tl.dot. H200, Super bs256 flush step: bf16 1477 -> 1077 µs with
+                # 16 x N tiles on 1 warp, fp8 1951 -> 1840 with 32 x N on 4 warps (its software e4m3 rounding wants
+                # threads: 16 on 1 warp took 3348), nvfp4 2425 -> 2158 (16, 1 warp). 2 warps with the dot took
+                # 5-20 ms for every format: avoid
                 FLUSH_P=TUNING.get("FLUSH_P") or (32 if fmt == "fp8_e4m3" else 16),
                 flush_warps=TUNING.get("flush_warps") or (4 if fmt == "fp8_e4m3" else 1),
-                flush_dot=bool(TUNING.get("flush_dot", TUNING.get("fold_dot", 1))),
-                # nvfp4 non-flush reads as int32 words (N % 8 == 0; H200, Super bs256: the non-flush step 357
-                # -> 203 µs), decoded two codes per lop3 into fp16 and multiplied in fp32 (nvfp4_pairs:
-                # the copy pass 163 -> 101 µs on 32-row tiles; 0: one code at a time, _nvfp4_words_dot) or with
-                # per-block sums on tensor cores (nvfp4_mma, next_pow2(N) >= 128: 141-157 µs, slower on the H200:
-                # its operands go through shared memory)
-                nvfp4_words=bool(TUNING.get("nvfp4_words", 1)),
-                nvfp4_pairs=bool(TUNING.get("nvfp4_pairs", 1)),
-                nvfp4_mma=bool(TUNING.get("nvfp4_mma", 0)),
-                # the window launch's cb_only form: the copy pass reads its slice of the x window and appends x
-                # (H200, Super bs256: the window launch 29 -> 7 µs; non-flush bf16 168.8 -> 157.8 µs, fp8
-                # 108.2 -> 101.5)
-                win_cb=bool(TUNING.get("win_cb", 1)),
                 # nvfp4 (per-slot scale): the flush by the fp32 step's listed fold on its own tiles, gathering the
-                # slot amax with one atomic per folded row (amax_mode 2; 1: one per slice after a cross-warp
-                # reduction) and the cursor advance (H200, Super bs256: the fold 969 -> 711 µs; amax_mode 1:
-                # 912); 0: the read-copy flush body on 16 x N tiles
-                nvfp4_fold=bool(TUNING.get("nvfp4_fold", 1)), amax_mode=TUNING.get("amax_mode", 2),
+                # slot amax with one atomic per folded row, and the cursor advance (H200, Super bs256: the fold
+                # 969 -> 711 µs; one atomic per slice after a cross-warp reduction: 912)
                 fold_warps=TUNING.get("fold_warps"),                 # default: the fp32 step's flush warps
-                # the listed nvfp4 encode reading tiles in order and writing int32 words of 8 codes (N % 8 == 0;
-                # H200: 784 -> 420 µs at Super bs256 on 1 warp, 443 on 2, 533 on 4), else the byte encode
-                enc_words=enc_words,
                 enc_per_sm=TUNING.get("enc_per_sm"),                 # default: 32 warps per SM
-                # fp8 flush encode by the hardware conversion (compiled sm_89+ only: the interpreter keeps the software
-                # rounding). H200, Super bs256: the fp8 flush step 1837 -> 1724 µs (L-avg 3.02 -> 3.12x)
-                hw_e4m3=bool(TUNING.get("hw_e4m3", 1)),
-                # warps of the nvfp4 encode launch: 1 for the word encode, 2 for the byte one (H200, Super
-                # bs256: the nvfp4 flush step 2147 -> 1814 µs, 4 warps 1829). (Issuing the non-flush copy pass's
-                # loads before the cursor's was tried and removed, same conditions: fp8 131.1 -> 129.8 µs, nvfp4_row
-                # 200.9 -> 208.2)
-                enc_warps=TUNING.get("enc_warps") or (1 if enc_words else 2))
+                # warps of the nvfp4 encode launch: 1 (H200, Super bs256: the word encode 420 µs on 1 warp, 443 on 2,
+                # 533 on 4). (Issuing the non-flush copy pass's loads before the cursor's was tried and removed, same
+                # conditions: fp8 131.1 -> 129.8 µs, nvfp4_row 200.9 -> 208.2)
+                enc_warps=TUNING.get("enc_warps") or 1)
 
 
 def _format_name(fmt) -> str:
@@ -998,8 +761,9 @@ def replay_step_readcopy_triton(state, copy, fmt, x_ring, dt_ring, la_ring, B_ri
                                 slot_idx=None):
     """Triton implementation of :func:`replay_step_readcopy_reference` (same arguments, same in-place contract).
 
-    Launches: the step kernel; for nvfp4 (one tensor scale per slot) the flush encode kernel (``nvfp4_row``
-    encodes inside the flush); the cursor advance. ``y`` is fp32.
+    Launches: the window launch (shared with the fp32 step, listing the flush rows); the copy pass of the non-flush
+    rows; the flush launch walking the listed rows; for nvfp4 (one tensor scale per slot) the listed encode launch
+    (``nvfp4_row`` encodes inside the flush); the cursor advance (nvfp4: inside its flush). ``y`` is fp32.
     """
     name = _format_name(fmt)
     S, H, P, N = state.shape
@@ -1014,81 +778,67 @@ def replay_step_readcopy_triton(state, copy, fmt, x_ring, dt_ring, la_ring, B_ri
     n_pb = cdiv(P, cfg["BLOCK_P"])
     has_slot = slot_idx is not None
     slot_arg = slot_idx if has_slot else cursor          # any pointer; unused when HAS_SLOT is False
-    pre = cfg["variant"] == "pre"
-    # int32 scratch zeroed by one fill: the listed flush rows ``work = [count, rows...]`` (pre) and the nvfp4 slot
-    # amax (one memset kernel per step fewer than two separate buffers: ~1 µs)
-    n_work = b + 1 if pre and cfg["flush_list"] else 0
-    n_scratch = n_work + (b if name == "nvfp4" else 0)
-    scratch = torch.zeros((n_scratch,), dtype=torch.int32, device=x.device) if n_scratch else None
+    # int32 scratch zeroed by one fill: the listed flush rows ``work = [count, rows...]`` and the nvfp4 slot amax
+    # (one memset kernel per step fewer than two separate buffers: ~1 µs). Listed flush rows, walked by fixed grids
+    # (H200 Super bs256: non-flush fp8 213 -> 135 us, bf16 264 -> 187, NVFP4 516 -> 362 against a full grid of
+    # programs that return; the flush step 10-25% slower; L-avg 1.2-1.3x better)
+    n_work = b + 1
+    scratch = torch.zeros((n_work + (b if name == "nvfp4" else 0),), dtype=torch.int32, device=x.device)
+    work = scratch[:n_work]
     amax = scratch[n_work:] if name == "nvfp4" else cursor
     (cv, cs, ct), cstrides = _copy_args(enc, name, cursor)
-    grid = (n_pb, b, H)
-    if pre:
-        # launch 1: the window's contribution per (row, head) and the records (shared with the fp32 step);
-        # launch 2: the copy pass of the non-flush rows; launch 3 (below): the flush rows
-        # flush rows listed by the window launch, walked by fixed grids (no full grid of returning programs)
-        work = scratch[:n_work] if n_work else None
-        win, dec = launch_window(x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, has_slot,
-                                 cfg["BLOCK_N"], cfg["BLOCK_L"], work, cb_only=cfg["win_cb"])
-        words = _code_words(cv) if FORMAT_IDS[name] == 2 and cfg["nvfp4_words"] and N % 8 == 0 else None
-        av, astrides = (cv, cstrides) if words is None else (words, (*words.stride(), *cstrides[4:]))
-        mode = 0 if words is None else 2 if cfg["nvfp4_mma"] and cfg["BLOCK_N"] >= 128 and cfg["APPLY_P"] >= 16 \
-            else 3 if cfg["nvfp4_pairs"] else 1
-        k = launch(_readcopy_apply_kernel)[(cdiv(P, cfg["APPLY_P"]), b, H)](
-            cursor, C, slot_arg, y, win, dec, av, cs, ct, x_ring, x, H, P, N, L, H // Gc, *C.stride(), *y.stride(),
-            *astrides, *x_ring.stride(), *x.stride(),
-            FMT=FORMAT_IDS[name], HAS_SLOT=has_slot, BLOCK_P=cfg["APPLY_P"], BLOCK_N=cfg["BLOCK_N"],
-            WORDS=mode, SPLIT=C.dtype == torch.float32, NBP=max(16, cfg["BLOCK_N"] // 16), WIN_CB=cfg["win_cb"],
-            BLOCK_L=cfg["BLOCK_L"], num_warps=cfg["apply_warps"])
-    listed = pre and cfg["flush_list"]
+    # launch 1: the window's per-record weights per (row, head) and the records (shared with the fp32 step); the
+    # copy pass forms the window term from them (H200, Super bs256: the window launch 29 -> 7 µs; non-flush bf16
+    # 168.8 -> 157.8 µs, fp8 108.2 -> 101.5)
+    win, dec = launch_window(dt_ring, la_ring, B_ring, cursor, dt, la, B, C, slot_arg, has_slot, cfg["BLOCK_N"],
+                             cfg["BLOCK_L"], work)
+    # launch 2: the copy pass of the non-flush rows. nvfp4 codes read as int32 words where N % 8 == 0 and the
+    # layout allows it (H200, Super bs256: the non-flush step 357 -> 203 µs), decoded two codes per lop3 into
+    # fp16 and multiplied in fp32 (the copy pass 163 -> 101 µs on 32-row tiles); byte by byte otherwise
+    words = _code_words(cv) if FORMAT_IDS[name] == 2 and N % 8 == 0 else None
+    av, astrides = (cv, cstrides) if words is None else (words, (*words.stride(), *cstrides[4:]))
+    k = launch(_readcopy_apply_kernel)[(cdiv(P, cfg["APPLY_P"]), b, H)](
+        cursor, C, slot_arg, y, win, dec, av, cs, ct, x_ring, x, H, P, N, L, H // Gc, *C.stride(), *y.stride(),
+        *astrides, *x_ring.stride(), *x.stride(),
+        FMT=FORMAT_IDS[name], HAS_SLOT=has_slot, BLOCK_P=cfg["APPLY_P"], BLOCK_N=cfg["BLOCK_N"],
+        PAIRS=words is not None, BLOCK_L=cfg["BLOCK_L"], num_warps=cfg["apply_warps"])
+    LAST_LAUNCH["kernel"] = k
     step_args = (state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, la, B, C, slot_arg, y, cv, cs, ct, amax)
     strides = (H, P, N, L, H // G, H // Gc,
                *state.stride(), *x_ring.stride(), *dt_ring.stride(), *la_ring.stride(), *B_ring.stride(),
                *x.stride(), *dt.stride(), *la.stride(), *B.stride(), *C.stride(), *y.stride(), *cstrides)
-    # pre: the flush rows' launch, with its own tile (FLUSH_P rows of whole N), warps and fold; fused: the one step
-    flush_p, flush_w = (cfg["FLUSH_P"], cfg["flush_warps"]) if pre else (cfg["BLOCK_P"], cfg["num_warps"])
-    n_fp = cdiv(P, flush_p)
-    step_kw = dict(FMT=FORMAT_IDS[name], HAS_SLOT=has_slot, BLOCK_P=flush_p, BLOCK_N=cfg["BLOCK_N"],
-                   BLOCK_L=cfg["BLOCK_L"], STOCHASTIC_FP16=state.dtype == torch.float16,
-                   FOLD_DOT=cfg["flush_dot"] if pre else cfg["fold_dot"], ROUTE=2 if pre else 0, num_warps=flush_w,
-                   HW_E4M3=cfg["hw_e4m3"] and hw_fp8_cast(x.device), ROW_SCALE=name == "nvfp4_row")
-    advanced = False
-    if listed and name == "nvfp4" and cfg["nvfp4_fold"]:
+    if name == "nvfp4":
         # nvfp4 (one tensor scale per slot) needs no whole rows in its flush: the fp32 step's listed fold (its
         # tiles and warps) gathering the slot amax; it also advances the cursors (the encode below walks the list)
         fp, fn, fw = fold_tile_shape(P, N, cfg["BLOCK_L"])
         fw = cfg["fold_warps"] or fw
         n_fp = cdiv(P, fp)
         programs = cfg["flush_programs"] or fixed_grid(b * H * n_fp, fw, x.device)
-        k2 = launch(_nvfp4_fold_list_kernel)[(programs,)](
+        launch(_nvfp4_fold_list_kernel)[(programs,)](
             *step_args[:13], work, amax, *strides[:6], n_fp, *strides[6:-11],
             HAS_SLOT=has_slot, BLOCK_P=fp, BLOCK_N=fn, BLOCK_L=cfg["BLOCK_L"], N_TILES=cdiv(N, fn),
-            STOCHASTIC_FP16=state.dtype == torch.float16, AMAX=cfg["amax_mode"], n_rows=b, num_warps=fw)
-        advanced = True
-    elif listed:
-        programs = cfg["flush_programs"] or fixed_grid(b * H * n_fp, flush_w, x.device)
-        k2 = launch(_readcopy_flush_list_kernel)[(programs,)](*step_args, work, n_fp, *strides, **step_kw)
-    else:
-        k2 = launch(_readcopy_step_kernel)[(n_fp, b, H)](*step_args, *strides, **step_kw)
-    LAST_LAUNCH["kernel"] = k if pre else k2
-    if name == "nvfp4":
-        enc_args = (state, cursor, slot_arg, amax, cv, cs, ct)
-        enc_kw = dict(HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_P"], NB=cfg["BLOCK_N"] // 16, num_warps=cfg["enc_warps"])
-        if listed:
-            enc_programs = cfg["flush_programs"] or fixed_grid(b * H * n_pb, cfg["enc_warps"], x.device,
-                                                               cfg["enc_per_sm"])
-            ew = _code_words(cv) if cfg["enc_words"] and N % 8 == 0 else None
-            if ew is not None:
-                enc_args = (state, cursor, slot_arg, amax, ew, cs, ct)
-                estrides = (*ew.stride(), *cstrides[4:])
-            else:
-                estrides = cstrides
-            launch(_nvfp4_flush_encode_list_kernel)[(enc_programs,)](*enc_args, work, H, n_pb, P, N, L, *state.stride(),
-                                                             *estrides, ENC_WORDS=ew is not None, **enc_kw)
-        else:
-            launch(_nvfp4_flush_encode_kernel)[grid](*enc_args, P, N, L, *state.stride(), *cstrides, **enc_kw)
-    if not advanced:
-        launch(_advance_cursor_kernel)[(cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
+            STOCHASTIC_FP16=state.dtype == torch.float16, n_rows=b, num_warps=fw)
+        # the encode reading tiles in order and writing int32 words of 8 codes where N % 8 == 0 and the layout
+        # allows it, else the byte encode
+        enc_programs = cfg["flush_programs"] or fixed_grid(b * H * n_pb, cfg["enc_warps"], x.device,
+                                                           cfg["enc_per_sm"])
+        ew = _code_words(cv) if N % 8 == 0 else None
+        enc_args, estrides = ((state, cursor, slot_arg, amax, ew, cs, ct), (*ew.stride(), *cstrides[4:])) \
+            if ew is not None else ((state, cursor, slot_arg, amax, cv, cs, ct), cstrides)
+        launch(_nvfp4_flush_encode_list_kernel)[(enc_programs,)](
+            *enc_args, work, H, n_pb, P, N, L, *state.stride(), *estrides, HAS_SLOT=has_slot, BLOCK_P=cfg["BLOCK_P"],
+            NB=cfg["BLOCK_N"] // 16, ENC_WORDS=ew is not None, num_warps=cfg["enc_warps"])
+        return y
+    # the flush rows' launch, with its own tile (FLUSH_P rows of whole N), warps and fold
+    n_fp = cdiv(P, cfg["FLUSH_P"])
+    programs = cfg["flush_programs"] or fixed_grid(b * H * n_fp, cfg["flush_warps"], x.device)
+    # fp8 flush encode by the hardware conversion where compiled for sm_89+ (the interpreter keeps the software
+    # rounding). H200, Super bs256: the fp8 flush step 1837 -> 1724 µs (L-avg 3.02 -> 3.12x)
+    launch(_readcopy_flush_list_kernel)[(programs,)](
+        *step_args, work, n_fp, *strides, FMT=FORMAT_IDS[name], HAS_SLOT=has_slot, BLOCK_P=cfg["FLUSH_P"],
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_L=cfg["BLOCK_L"], STOCHASTIC_FP16=state.dtype == torch.float16,
+        HW_E4M3=hw_fp8_cast(x.device), ROW_SCALE=name == "nvfp4_row", num_warps=cfg["flush_warps"])
+    launch(_advance_cursor_kernel)[(cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
     return y
 
 

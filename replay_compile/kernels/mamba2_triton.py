@@ -20,20 +20,19 @@ Variants of the same contract, picked by :func:`launch_config` from the batch (`
   ``cb_j = coef_j (B_j·C)`` and the decay into fp32 scratch, appends the ``dt``, ``log a`` and ``B`` records and
   lists the flushing rows; the checkpoint pass is then a streamed ``S_0 C`` per ``16 x N`` tile on 1 warp plus ``Σ_j
   cb_j x_j`` over its own slice of the x window (it appends ``x``). Flush rows skip both and are folded by a third
-  launch that walks the listed rows on a fixed grid (the ``tiled`` body per tile), so the fold's ``tl.dot``
-  registers never weigh on the streaming pass and a non-flush step pays nothing for it; every launch routes on the
-  device from the cursor. (A read-only GEMV stream of the checkpoint reaches 99% of copy bandwidth on the H200; the
-  checkpoint pass alone reaches it, the rest of a non-flush step is launch 1 and three small launches.)
-* ``tiled`` (the previous bandwidth variant, kept for comparison and as ``pre``'s flush body). Branches on ``w``
-  first and streams the checkpoint over N in ``BLOCK_P x BLOCK_N`` tiles with one tile live.
+  launch that walks the listed rows on a fixed grid (:func:`_fold_tile` per tile: the checkpoint streamed over N
+  in ``BLOCK_P x BLOCK_N`` tiles with one tile live), so the fold's ``tl.dot`` registers never weigh on the
+  streaming pass and a non-flush step pays nothing for it; every launch routes on the device from the cursor. (A
+  read-only GEMV stream of the checkpoint reaches 99% of copy bandwidth on the H200; the checkpoint pass alone
+  reaches it, the rest of a non-flush step is launch 1 and three small launches.)
 
 Cursor advance in the ``whole`` variant, without a second launch (one launch matters at small batch): the cursor
 word carries an arrival count in its high 16 bits while the kernel runs. Every program reads ``w`` and counts its
 arrival in one relaxed ``atomic_add(1 << 16)``; the program that arrives last (so every other one has read ``w``)
 stores the advanced cursor with the count cleared. Between launches the word is always the plain cursor, so every
 other op and the Python side see ``0 <= w < L``. (Counting the arrival at the end with a release atomic instead was
-slower: docs/design/mamba2_kernel.md, v2b.) The ``tiled`` and ``pre`` variants read the cursor with a plain load and
-a last tiny launch advances it: at large batch the atomic cost more than the launch.
+slower: docs/design/mamba2_kernel.md, v2b.) The ``pre`` variant reads the cursor with a plain load and its flush
+launch advances it: at large batch the atomic cost more than a launch.
 
 fp16 checkpoints are rounded stochastically at the flush (unbiased: each value goes to one of its two fp16
 neighbours with probability proportional to proximity), from a counter-based hash of (slot, head, element, the
@@ -266,7 +265,7 @@ def _step_window(lar_ptr, dtr_ptr, xr_ptr, la_ptr, dt_ptr, x_ptr, slot, row, h, 
                  s_lb, s_lh, s_db, s_dh, s_xb, s_xh, s_xp):
     """The window of a decode step, the current token at index ``w`` after the ``w`` held records:
     ``(la_cur, dt_cur, x_cur, coef [BLOCK_L], decay, xw [BLOCK_L, BLOCK_P])`` with ``coef_j = dt_j exp(Σ_{j<i<=w}
-    la_i)`` (suffix sums, <= 0) and ``decay = exp(Σ_{i<=w} la_i)``. Shared by the tiled and the read-copy step."""
+    la_i)`` (suffix sums, <= 0) and ``decay = exp(Σ_{i<=w} la_i)``. Shared by the flush fold and the read-copy step."""
     hist = offs_l < w
     cur = offs_l == w
     la_cur = tl.load(la_ptr + row * s_lb + h * s_lh)
@@ -296,13 +295,12 @@ def _fold_tile(state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, x_ptr, dt_ptr, la_pt
                s_brb, s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn,
                s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
                BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, N_TILES: tl.constexpr,
-               STOCHASTIC_FP16: tl.constexpr, STATE_EVICT: tl.constexpr, amax_ptr, AMAX: tl.constexpr):
+               STOCHASTIC_FP16: tl.constexpr, amax_ptr, AMAX: tl.constexpr):
     """The flush of one ``BLOCK_P``-row slice of head ``h`` of a row at cursor ``w``: the window folded into the
-    checkpoint over N in ``BLOCK_P x BLOCK_N`` tiles, each written once; ``y = S_new C``. The tiled kernel's flush
-    branch and the ``pre`` variant's flush launch. ``AMAX`` (the nvfp4 read copy's flush): also ``atomic_max`` the
-    slice's largest stored magnitude into ``amax_ptr[row]`` (int32 bits of a non-negative fp32: the same order),
-    for the copy's per-slot tensor scale: 1 reduces the slice to one value first, 2 issues one atomic per row of
-    the slice."""
+    checkpoint over N in ``BLOCK_P x BLOCK_N`` tiles, each written once; ``y = S_new C``. The ``pre`` variant's flush
+    launch. ``AMAX`` (the nvfp4 read copy's flush): also ``atomic_max`` the slice's largest stored magnitude into
+    ``amax_ptr[row]`` (int32 bits of a non-negative fp32: the same order), for the copy's per-slot tensor scale, one
+    atomic per row of the slice (no cross-warp reduction)."""
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     mask_p = offs_p < P
     offs_l = tl.arange(0, BLOCK_L)
@@ -332,106 +330,23 @@ def _fold_tile(state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, x_ptr, dt_ptr, la_pt
         bw = tl.where(cur[:, None], b_cur[None, :], bw)
         s_ptrs = st_base + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
         tile_mask = mask_p[:, None] & mask_n[None, :]
-        s0 = tl.load(s_ptrs, mask=tile_mask, other=0.0, eviction_policy=STATE_EVICT).to(tl.float32)
+        s0 = tl.load(s_ptrs, mask=tile_mask, other=0.0).to(tl.float32)
         s_new = decay * s0 + tl.dot(xc, bw, input_precision="ieee")
         s_st = _round_checkpoint(s_new, s_ptrs, la_cur, slot * H + h, offs_p[:, None] * N + offs_n[None, :],
                                  STOCHASTIC_FP16)
         tl.store(s_ptrs, s_st, mask=tile_mask)
-        if AMAX != 0:                                   # masked lanes hold zeros (zero loads and operands)
+        if AMAX:                                        # masked lanes hold zeros (zero loads and operands)
             amax = tl.maximum(amax, tl.max(tl.abs(s_st.to(tl.float32)), axis=1))
         c = tl.load(c_base + offs_n * s_cn, mask=mask_n, other=0.0).to(tl.float32)
         acc_y += tl.sum(s_new * c[None, :], axis=1)
     tl.store(y_ptrs, acc_y, mask=mask_p)
-    if AMAX == 1:
-        tl.atomic_max(amax_ptr + row, tl.max(amax, axis=0).to(tl.int32, bitcast=True), sem="relaxed")
-    elif AMAX == 2:                                  # one atomic per row of the slice: no cross-warp reduction
+    if AMAX:
         tl.atomic_max(amax_ptr + row + offs_p * 0, amax.to(tl.int32, bitcast=True), mask=mask_p, sem="relaxed")
 
 
 @triton.jit
-def _mamba2_replay_tiled_kernel(
-    state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, cursor_ptr,
-    x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, slot_ptr, y_ptr,
-    H, P, N, L, heads_per_g, heads_per_gc, arrivals,
-    s_sb, s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl,
-    s_brb, s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn,
-    s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,     # strides as in _mamba2_replay_whole_kernel
-    HAS_SLOT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    N_TILES: tl.constexpr, STOCHASTIC_FP16: tl.constexpr, STATE_EVICT: tl.constexpr, ROUTE: tl.constexpr,
-):
-    """Bandwidth variant: branch on ``w`` first, then stream the checkpoint over N in ``BLOCK_P x BLOCK_N``
-    tiles (only one tile live at a time: low register use, many programs per SM). Reads the cursor with a plain
-    load; a second tiny launch advances it (the fused arrival atomic cost ~5% at bs256:
-    docs/design/mamba2_kernel.md)."""
-    pid_p = tl.program_id(0)
-    row = tl.program_id(1).to(tl.int64)
-    h = tl.program_id(2).to(tl.int64)
-    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
-    mask_p = offs_p < P
-    y_ptrs = y_ptr + row * s_yb + h * s_yh + offs_p * s_yp
-    slot = _row_slot(slot_ptr, row, HAS_SLOT)
-    if slot < 0:                                   # padding row: zero output, touch nothing else
-        if ROUTE != 2:
-            tl.store(y_ptrs, tl.zeros([BLOCK_P], dtype=tl.float32), mask=mask_p)
-        return
-    w = tl.load(cursor_ptr + slot)                  # advanced afterwards by _advance_cursor_kernel
-    if ROUTE == 1:                                  # this launch does the non-flush rows only
-        if w == L - 1:
-            return
-    elif ROUTE == 2:                                # ... or the flush rows only
-        if w != L - 1:
-            return
-    g = h // heads_per_g
-    gc = h // heads_per_gc
-    offs_l = tl.arange(0, BLOCK_L)
-    hist = offs_l < w
-    cur = offs_l == w
-
-    if (ROUTE == 2) or ((ROUTE == 0) and (w == L - 1)):
-        _fold_tile(state_ptr, xr_ptr, dtr_ptr, lar_ptr, Br_ptr, x_ptr, dt_ptr, la_ptr, B_ptr, C_ptr, y_ptr,
-                   row, slot, h, pid_p, w, H, P, N, heads_per_g, heads_per_gc,
-                   s_sb, s_sh, s_sp, s_sn, s_xrb, s_xrh, s_xrl, s_xrp, s_drb, s_drh, s_drl, s_lrb, s_lrh, s_lrl,
-                   s_brb, s_brg, s_brl, s_brn, s_xb, s_xh, s_xp, s_db, s_dh, s_lb, s_lh, s_bb, s_bg, s_bn,
-                   s_cb, s_cg, s_cn, s_yb, s_yh, s_yp,
-                   BLOCK_P, BLOCK_N, BLOCK_L, N_TILES, STOCHASTIC_FP16, STATE_EVICT, y_ptr, 0)
-    else:
-        # y = exp(Σ la) (S_0 C) + Σ_j coef_j (B_j·C) x_j ; the checkpoint is only read
-        la_cur, dt_cur, x_cur, coef, decay, xw = _step_window(
-            lar_ptr, dtr_ptr, xr_ptr, la_ptr, dt_ptr, x_ptr, slot, row, h, w, offs_l, offs_p, mask_p,
-            s_lrb, s_lrh, s_lrl, s_drb, s_drh, s_drl, s_xrb, s_xrh, s_xrl, s_xrp, s_lb, s_lh, s_db, s_dh,
-            s_xb, s_xh, s_xp)
-        st_base = state_ptr + slot * s_sb + h * s_sh
-        br_base = Br_ptr + slot * s_brb + g * s_brg
-        b_base = B_ptr + row * s_bb + g * s_bg
-        c_base = C_ptr + row * s_cb + gc * s_cg
-        acc_sc = tl.zeros([BLOCK_P], dtype=tl.float32)
-        bc = tl.zeros([BLOCK_L], dtype=tl.float32)
-        for nt in range(N_TILES):                          # constexpr trip count (see module notes)
-            offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < N
-            c = tl.load(c_base + offs_n * s_cn, mask=mask_n, other=0.0).to(tl.float32)
-            s0 = tl.load(st_base + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn,
-                         mask=mask_p[:, None] & mask_n[None, :], other=0.0, eviction_policy=STATE_EVICT).to(tl.float32)
-            acc_sc += tl.sum(s0 * c[None, :], axis=1)
-            bw = tl.load(br_base + offs_l[:, None] * s_brl + offs_n[None, :] * s_brn,
-                         mask=hist[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-            b_cur = tl.load(b_base + offs_n * s_bn, mask=mask_n, other=0.0)
-            bw = tl.where(cur[:, None], b_cur.to(tl.float32)[None, :], bw)
-            bc += tl.sum(bw * c[None, :], axis=1)
-            if (pid_p == 0) & (h % heads_per_g == 0):        # one program per group appends B_t
-                tl.store(br_base + w * s_brl + offs_n * s_brn, b_cur.to(Br_ptr.dtype.element_ty), mask=mask_n)
-        y = decay * acc_sc + tl.sum((coef * bc)[:, None] * xw, axis=0)
-        tl.store(y_ptrs, y, mask=mask_p)
-        tl.store(xr_ptr + slot * s_xrb + h * s_xrh + w * s_xrl + offs_p * s_xrp,
-                 x_cur.to(xr_ptr.dtype.element_ty), mask=mask_p)
-        if pid_p == 0:
-            tl.store(dtr_ptr + slot * s_drb + h * s_drh + w * s_drl, dt_cur)
-            tl.store(lar_ptr + slot * s_lrb + h * s_lrh + w * s_lrl, la_cur)
-
-
-@triton.jit
 def _advance_cursor_kernel(cursor_ptr, slot_ptr, n_rows, L, HAS_SLOT: tl.constexpr, BLOCK: tl.constexpr):
-    """w -> w + 1, or 0 after a flush, for every non-padded row (the tiled variant's second launch)."""
+    """w -> w + 1, or 0 after a flush, for every non-padded row (the read-copy steps' last launch)."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = rows < n_rows
     if HAS_SLOT:
@@ -443,9 +358,8 @@ def _advance_cursor_kernel(cursor_ptr, slot_ptr, n_rows, L, HAS_SLOT: tl.constex
     tl.store(cursor_ptr + slots, tl.where(w == L - 1, 0, w + 1), mask=m)
 
 
-# Launch configuration override for benchmarks and tests (parse_tuning strings): {"variant": "whole"|"tiled",
-# "BLOCK_P", "BLOCK_N", "num_warps"}.
-# Empty in use.
+# Launch configuration override for benchmarks and tests (parse_tuning strings): {"variant": "whole"|"pre",
+# tile sizes, warps and the flush grid's programs per SM (the keys launch_config reads)}. Empty in use.
 TUNING: dict = {}
 
 # The last compiled step kernel launched (benchmarks print its registers / spills / shared memory).
@@ -457,7 +371,7 @@ WHOLE_MAX_ROW_HEADS = 1024
 
 
 def parse_tuning(spec: str) -> dict:
-    """``"tiled:BLOCK_P=32,num_warps=4"`` -> ``{"variant": "tiled", "BLOCK_P": 32, "num_warps": 4}`` (tests and
+    """``"pre:BLOCK_P=32,num_warps=4"`` -> ``{"variant": "pre", "BLOCK_P": 32, "num_warps": 4}`` (tests and
     benchmarks force a variant and configuration through :data:`TUNING` with these strings)."""
     name, _, rest = spec.partition(":")
     out: dict = {"variant": name}
@@ -480,8 +394,8 @@ def tuned(tuning: dict, spec: str):
 
 
 def fold_tile_shape(P: int, N: int, block_l: int) -> tuple[int, int, int]:
-    """``(rows, columns, warps)`` of the tiled fold (:func:`_fold_tile`: the ``tiled`` body and the listed flush
-    launches, the nvfp4 read copy's too): 64 x 64 tiles on 4 warps where 64 divides P (Super's P = 64), else 32 x 32
+    """``(rows, columns, warps)`` of the tiled fold (:func:`_fold_tile`: the listed flush launches, the nvfp4 read
+    copy's too): 64 x 64 tiles on 4 warps where 64 divides P (Super's P = 64), else 32 x 32
     on 2 (4 for a window longer than 16); never below 16 (``tl.dot``)."""
     bp = 64 if P % 64 == 0 else 32
     return (max(16, min(bp, next_pow2(P))), max(16, min(bp, next_pow2(N))),
@@ -500,41 +414,25 @@ def launch_config(b: int, H: int, P: int, N: int, L: int, state_bytes: int = 4) 
 
     * ``whole`` (latency, ``b * H <= WHOLE_MAX_ROW_HEADS``): ``BLOCK_P`` = 16 rows of P (or 32), all of N in one
       tile, 1 warp per 2048 tile elements; every load issued before ``w`` is known; one launch (bs1 Super 1.23x).
-    * ``pre`` (bandwidth, the default above): launch 1 per (row, group of heads) writes ``cb = coef (B·C)`` and the
-      decay to scratch, appends the records and lists flush rows (``window_full=1``: it also reads the x window and
-      writes ``win`` instead); launch 2 streams ``16 x N`` checkpoint tiles (1 warp) for non-flush rows, ``y = decay
-      (S_0 C) + Σ_j cb_j x_j`` (``held_x=1``, default: only the held x records, loaded after the cursor with the
-      tile: non-flush 2-6% faster at bs 128-512, H200; ``held_x=0``: the whole x window, before the
-      cursor, ``apply_early_x=0``: after launch 1); launch 3 walks the listed flush rows on 32 warps per SM (the
-      ``tiled`` body, 64 x 64 tiles and 4 warps where 64 divides P, else 32 x 32 and 2 warps; ``flush_list=0``: a
-      full grid whose non-flush programs return) and advances the cursors
-      (``fold_advance=0``: a fourth launch does). Super fp32 bs256 2.11x, bs128 2.10x (both knobs on: 1-3% faster at
-      bs128, 15 fewer registers; H200).
-      ``route=0`` folds flush rows inside launch 2 instead (``early_tile=1`` loads the tile before the cursor).
-      ``pdl=1`` (default; Hopper and later, :func:`~.launch.pdl_on`): launch 2 is launch 1's programmatic
-      dependent, so its tiles stream while launch 1 runs; ``zero_pdl=1`` (default): the list's count is zeroed by a
-      launch of ours whose dependent is launch 1. ``rows_outer`` (default where 64 does not divide P): launch 2's
-      grid is ``(n_pb, H, b)``, programs in memory order. ``win_pad=1`` (default): launch 1 covers a whole
-      group of heads whose count is not a power of two on a padded axis (``mamba2_pre_triton.window_heads``).
-      Launch 2's tiles are 64 x N on 2 warps where 64 divides P (Super), else 16 x N on 1 warp; for 2-byte
-      checkpoints (``state_bytes``) 32 x N on 1 warp. ``scratch_evict=1`` (default): launch 1 stores ``cb`` and
-      the decay ``evict_last``, kept in L2 through the tile stream for the pass.
-    * ``tiled`` (the previous bandwidth body, kept for comparisons): one launch streams ``BLOCK_P x BLOCK_N`` tiles
-      for both kinds of row, then the cursor advance.
+    * ``pre`` (bandwidth, the default above; :mod:`.mamba2_pre_triton`): a launch zeroes the flush list's count, and
+      launch 1, its programmatic dependent, per (row, group of heads) issues every ring load before the cursor,
+      writes ``cb = coef (B·C)`` and the decay to scratch (stored ``evict_last``, kept in L2 for the pass), appends
+      the records and lists flush rows; launch 2 (launch 1's programmatic dependent) streams ``BLOCK_P x N``
+      checkpoint tiles of non-flush rows, ``y = decay (S_0 C) + Σ_j cb_j x_j`` over the held x records only, loaded
+      after the cursor with the tile; launch 3 walks the listed flush rows on 32 warps per SM (:func:`_fold_tile`,
+      64 x 64 tiles and 4 warps where 64 divides P, else 32 x 32 and 2 warps) and advances the cursors. Super fp32
+      bs256 2.11x, bs128 2.10x (H200). Launch 2's tiles are 64 x N on 2 warps where 64 divides P (Super), else
+      16 x N on 1 warp; for 2-byte checkpoints (``state_bytes``) 32 x N on 1 warp. ``rows_outer`` (where 64 does
+      not divide P): launch 2's grid is ``(n_pb, H, b)``, programs in memory order.
     ``tl.dot`` needs every dim >= 16; the window sits on a power-of-two axis >= 16.
     """
     block_l = max(16, next_pow2(L))
     block_n_whole = max(16, next_pow2(N))
     variant = TUNING.get("variant") or ("whole" if b * H <= WHOLE_MAX_ROW_HEADS else "pre")
-    tiled_p, tiled_n, fold_warps = fold_tile_shape(P, N, block_l)
     if variant == "whole":
         block_p = TUNING.get("BLOCK_P") or (32 if P % 32 == 0 and P > 64 else 16)
         cfg = dict(BLOCK_P=block_p, BLOCK_N=block_n_whole,
                    num_warps=TUNING.get("num_warps") or max(1, min(8, max(block_p, block_l) * block_n_whole // 2048)))
-    elif variant == "tiled":
-        cfg = dict(BLOCK_P=TUNING.get("BLOCK_P") or tiled_p, BLOCK_N=TUNING.get("BLOCK_N") or tiled_n,
-                   num_warps=TUNING.get("num_warps") or (2 if block_l <= 16 else 4),
-                   state_evict="evict_first" if TUNING.get("evict_first", 0) else "")
     elif variant == "pre":
         # the checkpoint pass's tile: 64 x N on 2 warps where 64 divides P (H200, Super bs256: fp32
         # L-avg 319.0 -> 311.6 µs, mostly fewer programs that return at the flush; bf16 194.0 -> 187.8), else
@@ -544,28 +442,23 @@ def launch_config(b: int, H: int, P: int, N: int, L: int, state_bytes: int = 4) 
         # flush 3-4% faster, L-avg 1% lower; fp32 checkpoints lost 2-10% with it)
         p64 = P % 64 == 0
         narrow = state_bytes <= 2
+        flush_p, flush_n, flush_warps = fold_tile_shape(P, N, block_l)
         cfg = dict(BLOCK_P=TUNING.get("BLOCK_P") or (32 if narrow else 64 if p64 else 16), BLOCK_N=block_n_whole,
                    num_warps=TUNING.get("num_warps") or (2 if p64 and not narrow else 1),
-                   window_warps=TUNING.get("window_warps") or 1, route=TUNING.get("route", 1),
-                   early_tile=bool(TUNING.get("early_tile", 0)),
-                   FLUSH_P=TUNING.get("FLUSH_P") or tiled_p, FLUSH_N=TUNING.get("FLUSH_N") or tiled_n,
-                   flush_warps=TUNING.get("flush_warps") or fold_warps,
-                   flush_list=bool(TUNING.get("flush_list", 1)),
-                   window="full" if TUNING.get("window_full", 0) else "coef",
-                   apply_early_x=bool(TUNING.get("apply_early_x", 1)), fold_advance=bool(TUNING.get("fold_advance", 1)),
-                   flush_programs_per_sm=TUNING.get("flush_per_sm"), pdl=bool(TUNING.get("pdl", 1)),
-                   zero_pdl=bool(TUNING.get("zero_pdl", 1)), rows_outer=bool(TUNING.get("rows_outer", not p64)),
-                   held_x=bool(TUNING.get("held_x", 1)),
-                   # the window's scratch kept in L2 for the pass (scratch_evict, default: non-flush 0-1.9 µs
-                   # faster at bs 128-512, never slower beyond noise; H200). (The pass's tile loads
-                   # through L2 only, ld.global.cg, moved nothing beyond 0.5 µs: removed. No evict_first on the tile
-                   # stream: in a one-layer benchmark it keeps the last step's ring records in L2, which a model's
-                   # other layers would evict; docs/design/mamba2_kernel.md)
-                   scratch_evict=bool(TUNING.get("scratch_evict", 1)))
+                   FLUSH_P=TUNING.get("FLUSH_P") or flush_p, FLUSH_N=TUNING.get("FLUSH_N") or flush_n,
+                   flush_warps=TUNING.get("flush_warps") or flush_warps,
+                   flush_programs_per_sm=TUNING.get("flush_per_sm"),
+                   # the pass's grid (n_pb, H, b), a row's programs in memory order, where 64 does not divide P
+                   # (16-row tiles: Nano non-flush -1 to -9 µs at bs 128-512, H200); (n_pb, b, H) for Super's
+                   # whole-head tiles, where the other order lost 0-3 µs
+                   rows_outer=not p64)
         # (Capping the pass's registers for more programs per SM lost: ncu showed 6 programs, 12 warps per SM at
-        # 158 / 140 registers, but 128 spilled and made Super's non-flush steps 14-33% slower; H200)
+        # 158 / 140 registers, but 128 spilled and made Super's non-flush steps 14-33% slower; H200. The pass's tile
+        # loads through L2 only, ld.global.cg, moved nothing beyond 0.5 µs. No evict_first on the tile stream: in a
+        # one-layer benchmark it keeps the last step's ring records in L2, which a model's other layers would
+        # evict; docs/design/mamba2_kernel.md)
     else:
-        raise ValueError(f"replay_compile.mamba2: unknown kernel variant {variant!r} (whole, pre, tiled)")
+        raise ValueError(f"replay_compile.mamba2: unknown kernel variant {variant!r} (whole, pre)")
     return dict(cfg, variant=variant, BLOCK_L=block_l)
 
 
@@ -607,10 +500,6 @@ def replay_step_triton(state, x_ring, dt_ring, la_ring, B_ring, cursor, x, dt, l
                   STOCHASTIC_FP16=state.dtype == torch.float16, num_warps=cfg["num_warps"])
     if cfg["variant"] == "whole":
         k = launch(_mamba2_replay_whole_kernel)[(n_pb, b, H)](*args, **common)
-    elif cfg["variant"] == "tiled":
-        k = launch(_mamba2_replay_tiled_kernel)[(n_pb, b, H)](*args, N_TILES=cdiv(N, cfg["BLOCK_N"]),
-                                                      STATE_EVICT=cfg["state_evict"], ROUTE=0, **common)
-        launch(_advance_cursor_kernel)[(cdiv(b, 1024),)](cursor, slot_arg, b, L, HAS_SLOT=has_slot, BLOCK=1024)
     else:                                          # pre: launches in mamba2_pre_triton
         from .mamba2_pre_triton import replay_step_pre
 

@@ -1,8 +1,8 @@
-"""Programmatic dependent launch (PDL) between the two launches of the Mamba-2 ``pre`` and delta ``split`` steps.
+"""Programmatic dependent launch (PDL) between the launches of the Mamba-2 ``pre`` step.
 
 With PDL the second launch (the checkpoint pass) starts while the first (the window) still runs: it streams its
 checkpoint tile, then waits (``gdc_wait``) before reading the window's outputs. A load placed before the wait that
-reads something the window writes would race. On the GPU both steps run at a batch where the two launches overlap
+reads something the window writes would race. On the GPU the step runs at a batch where the two launches overlap
 (bs128-256, real geometries), with and without PDL from identical caches, for 2L+3 steps with desynced cursors and
 padding rows: every output, the checkpoint and every ring must be bit-identical, and the pass must really have been
 launched with PDL (its launch options and ``griddepcontrol.wait`` in its PTX). On CPU: when PDL is switched on.
@@ -11,12 +11,10 @@ launched with PDL (its launch options and ``griddepcontrol.wait`` in its PTX). O
 import pytest
 import torch
 
-from replay_compile.kernels import delta_triton as kd
 from replay_compile.kernels import launch as kl
 from replay_compile.kernels import mamba2_triton as kt
-from replay_compile.kernels.delta_triton import delta_replay_step_triton
 from replay_compile.kernels.mamba2_triton import replay_step_triton
-from replay_compile.state import DeltaRingSpec, Mamba2RingSpec
+from replay_compile.state import Mamba2RingSpec
 
 gpu = pytest.mark.gpu
 
@@ -78,11 +76,10 @@ def _assert_same(runs):
 
 @gpu
 @pytest.mark.parametrize("b, H, P, N, G", [(256, 128, 64, 128, 8), (128, 96, 80, 128, 8)])   # Super, Nano
-@pytest.mark.parametrize("spec", ["pre", "pre:zero_pdl=0,rows_outer=1", "pre:held_x=0"])
+@pytest.mark.parametrize("spec", ["pre"])
 def test_mamba2_pre_pdl_bit_identical(monkeypatch, b, H, P, N, G, spec):
-    """The default (``zero_pdl=1``) is a PDL chain of three launches: the count's zeroing -> the window launch,
-    whose flush rows list themselves only after their ``gdc_wait`` -> the checkpoint pass. Also without the
-    zeroing launch, with the pass's grid in the other order."""
+    """A PDL chain of three launches: the count's zeroing -> the window launch, whose flush rows list themselves
+    only after their ``gdc_wait`` -> the checkpoint pass."""
     L, S = 16, b + 8
     steps = 2 * L + 3
     gen = torch.Generator("cuda").manual_seed(5)
@@ -109,35 +106,3 @@ def test_mamba2_pre_pdl_bit_identical(monkeypatch, b, H, P, N, G, spec):
 
     with kt.tuned(kt.TUNING, spec):
         _assert_same(_run_twice(monkeypatch, make, step, steps, kt.LAST_LAUNCH))
-
-
-@gpu
-@pytest.mark.parametrize("b, HV, Hk, K, V, kda", [(256, 32, 16, 128, 128, False), (128, 32, 32, 128, 128, True)])
-def test_delta_split_pdl_bit_identical(monkeypatch, b, HV, Hk, K, V, kda):
-    L, S = 16, b + 8
-    steps = 2 * L + 3
-    gen = torch.Generator("cuda").manual_seed(9)
-
-    def make():
-        state = torch.randn((S, HV, K, V), generator=gen, device="cuda") * 0.05
-        rings = list(DeltaRingSpec(HV, Hk, K, V, L, torch.float32, torch.bfloat16, kda).allocate(S, "cuda"))
-        for r in rings[:-1]:
-            r.copy_(torch.randn(r.shape, generator=gen, device="cuda").to(r.dtype) * 0.1)
-        rings[2].copy_(-rings[2].abs())                      # log gates <= 0
-        cursor, slots = _cursors_and_slots(S, b, L, gen)
-        rings[-1].copy_(cursor)
-        inputs = []
-        for _ in range(steps):
-            kq = [torch.nn.functional.normalize(torch.randn((b, Hk, K), generator=gen, device="cuda"), dim=-1)
-                  for _ in range(2)]
-            g = -torch.rand((b, HV, K) if kda else (b, HV), generator=gen, device="cuda") * 0.1
-            inputs.append((kq[0].bfloat16(), kq[1].bfloat16(),
-                           torch.randn((b, HV, V), generator=gen, device="cuda").bfloat16(), g,
-                           torch.rand((b, HV), generator=gen, device="cuda"), slots))
-        return [state, *rings], inputs
-
-    def step(c, inp):
-        return delta_replay_step_triton(c[0], *c[1:], *inp)
-
-    with kt.tuned(kd.TUNING, "split:pdl=1"):                 # off by default (slower on the H200), kept correct
-        _assert_same(_run_twice(monkeypatch, make, step, steps, kd.LAST_LAUNCH))

@@ -39,19 +39,14 @@ def _bytes(t):
 @pytest.mark.parametrize("kda, fmt, listed", [
     (False, "bf16", False), (False, "fp8_e4m3", False), (False, "nvfp4", False), (True, "fp8_e4m3", False),
     (True, "nvfp4", False),                                    # KDA x bf16: the GDN case's decode + KDA gates
-    (False, "fp8_e4m3", True), (True, "nvfp4", True),          # flush rows listed, one encode program walks them
+    (False, "fp8_e4m3", True), (True, "nvfp4", True),          # one encode program walks the listed rows
     (False, "nvfp4_row", False), (True, "nvfp4_row", True)])   # tensor scale per row, encoded by the rows' launch
 @pytest.mark.parametrize("block_v", [32, 16])                   # the default slice (V = 32: one), and two per row
 def test_kernel_matches_reference_step_by_step(kda, fmt, listed, block_v, monkeypatch):
     import replay_compile.kernels.delta_readcopy_triton as drt
     monkeypatch.setitem(drt.TUNING, "BLOCK_V", block_v)
-    monkeypatch.setitem(drt.TUNING, "flush_list", int(listed))      # 0: the full encode grid every step
     if listed:
         monkeypatch.setitem(drt.TUNING, "flush_programs", 1)
-        monkeypatch.setitem(drt.TUNING, "flush_stages", 3)          # pipelined 3 deep (default 4)
-        monkeypatch.setitem(drt.TUNING, "hw_e4m3", 1)               # compiled: the hardware fp8 rounding
-    else:
-        monkeypatch.setitem(drt.TUNING, "flush_stages", 0)          # the plain record loop
     geom = DeltaGeometry(batch=3, HV=4, Hk=2, K=12, V=32, kda=kda)
     L, S = 4, 4
     steps = 2 * L + 3
@@ -94,12 +89,9 @@ def test_kernel_matches_reference_step_by_step(kda, fmt, listed, block_v, monkey
 
 
 @pytest.mark.parametrize("kda", [False, True])
-@pytest.mark.parametrize("stages", [0, 3])
-def test_flush_of_a_full_window_matches_reference(kda, stages, monkeypatch):
+def test_flush_of_a_full_window_matches_reference(kda):
     """L = 16 fills the window axis (BLOCK_L = 16): the exact flush applies the record in its last live slot, 14
     (the record loop runs BLOCK_L - 1 iterations). Outputs and checkpoint against the reference, every step."""
-    import replay_compile.kernels.delta_readcopy_triton as drt
-    monkeypatch.setitem(drt.TUNING, "flush_stages", stages)
     geom = DeltaGeometry(batch=2, HV=2, Hk=1, K=8, V=16, kda=kda)
     L = 16
     state0, seq = delta_problem(geom, L + 1, dtype=torch.float32, seed=7 + kda)

@@ -25,7 +25,7 @@ from replay_compile.testing.strategies import (  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # pre with small flush tiles so that the interpreter's shapes take several of them
-VARIANTS = ("whole", "tiled", "pre:FLUSH_P=16,FLUSH_N=32")
+VARIANTS = ("whole", "pre:FLUSH_P=16,FLUSH_N=32")
 
 
 def variant(name):
@@ -76,7 +76,7 @@ def _track_exact(geom, L, data):
                                      (Mamba2Geometry(1, 2, 3, 40, 1, 2), 1), (Mamba2Geometry(2, 2, 8, 8, 2, 2), 20)])
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("kind", [v for v in VARIANTS if v != "tiled"])    # tiled: no longer a default (CI time)
+@pytest.mark.parametrize("kind", VARIANTS)
 def test_kernel_matches_reference_bitwise_contract(geom, L, act, state_dtype, kind):
     """Same outputs, same checkpoint, same rings and cursors as the reference, step for step."""
     with variant(kind):
@@ -84,32 +84,23 @@ def test_kernel_matches_reference_bitwise_contract(geom, L, act, state_dtype, ki
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("geom, L", [(Mamba2Geometry(2, 4, 5, 6, 2, 4), 4), (Mamba2Geometry(2, 2, 8, 8, 2, 2), 20)])
+@pytest.mark.parametrize("geom, L", [(Mamba2Geometry(2, 4, 5, 6, 2, 4), 4), (Mamba2Geometry(2, 2, 8, 8, 2, 2), 20),
+                                     (Mamba2Geometry(2, 2, 64, 8, 2, 2), 4)])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("kind", ["pre:route=0", "pre:route=0,early_tile=1", "pre:flush_list=0,win_heads=1",
-                                  "pre:flush_per_sm=1,FLUSH_P=16,FLUSH_N=16,win_early=0,window_full=1",
-                                  "pre:held_x=0,apply_early_x=0,fold_advance=0,flush_per_sm=1", "pre:zero_pdl=0",
-                                  "pre:rows_outer=0,held_x=0", "pre:scratch_evict=0"])
+@pytest.mark.parametrize("kind", ["pre:flush_per_sm=1,FLUSH_P=16,FLUSH_N=16"])
 def test_pre_variant_launch_options(geom, L, state_dtype, kind):
-    """``pre`` with ``route=0`` (the checkpoint pass folds flush rows itself instead of a third launch); with the
-    flush launch over the whole grid instead of the listed rows and one head per window program; with 4 flush
-    programs walking more tiles than there are programs, with the x window read by the window launch (that reads
-    the cursor first) instead of the checkpoint pass; with the checkpoint pass loading its x window after the cursor
-    and the cursor advanced by a launch of its own (the defaults fold it into the flush walk); with the PDL chain's
-    launches (the list zeroed by ``torch.zeros`` instead of only its count by a launch of ours; PDL itself is off in
-    the interpreter); with the checkpoint pass's grid in the other order (these geometries' P takes ``(n_pb, H,
-    b)`` by default) and the whole x window read before the cursor (the default reads only the held records); and
-    without the window scratch's L2 hint (the interpreter ignores the hint: this covers the launch without it)."""
+    """``pre`` with 4 flush programs walking more tiles than there are programs; P = 64 takes the checkpoint pass's
+    ``(n_pb, b, H)`` grid (the other geometries' P takes ``(n_pb, H, b)``)."""
     with variant(kind):
         _match_reference(geom, L, torch.float32, state_dtype)
 
 
-@pytest.mark.parametrize("kind, int_poison", [("pre", 2), ("pre:zero_pdl=0", 1)])
+@pytest.mark.parametrize("kind, int_poison", [("pre", 2)])
 def test_pre_step_scratch_poisoned(kind, int_poison, monkeypatch):
     """Every scratch buffer of the ``pre`` step is written before it is read: with each fresh allocation poisoned
     (int32 to ``int_poison``, floats to NaN) the step still matches the reference, padding rows and flushes
-    included. By default (``zero_pdl=1``) the flush list comes from ``torch.empty`` and only its count is zeroed; a
-    count not zeroed lists poisoned entries, row 2 (slot 0), which then folds on steps where it must not."""
+    included. The flush list comes from ``torch.empty`` and only its count is zeroed; a count not zeroed lists
+    poisoned entries, row 2 (slot 0), which then folds on steps where it must not."""
     real_empty = torch.empty
 
     def poisoned(*args, **kwargs):
@@ -136,16 +127,14 @@ def test_pre_step_scratch_poisoned(kind, int_poison, monkeypatch):
 
 def test_folded_cursor_advance_walks_more_rows_than_programs():
     """6 rows, 4 flush programs (interpreter): each program advances more than one row's cursor."""
-    with variant("pre:fold_advance=1,apply_early_x=1,flush_per_sm=1"):
+    with variant("pre:flush_per_sm=1"):
         _match_reference(Mamba2Geometry(6, 1, 4, 8, 1, 1), 3, torch.float32, torch.float32)
 
 
 @pytest.mark.parametrize("geom", [Mamba2Geometry(3, 6, 5, 8, 2, 2), Mamba2Geometry(2, 12, 4, 8, 1, 1)], ids=str)
-@pytest.mark.parametrize("kind", ["pre", "pre:window_full=1", "pre:win_pad=0"])
+@pytest.mark.parametrize("kind", ["pre"])
 def test_padded_window_head_axis(geom, kind):
-    """``win_pad=1`` (the default): 3 (or 12) heads per group on a 4- (16-) long head axis, the padded lanes masked;
-    with the per-record weights (the default) and the x window read by the window launch (``window_full``); and
-    ``win_pad=0`` (power-of-two head counts only)."""
+    """3 (or 12) heads per group on a 4- (16-) long head axis, the padded lanes masked."""
     with variant(kind):
         _match_reference(geom, 3, torch.float32, torch.float32)
 
@@ -153,13 +142,7 @@ def test_padded_window_head_axis(geom, kind):
 def test_window_heads_share_one_group_and_bound_the_window():
     from replay_compile.kernels.mamba2_pre_triton import window_heads
 
-    with variant("pre:win_pad=0"):                                # power-of-two head counts
-        assert window_heads(128, 8, 8, 64, 16) == (16, 16)      # Nemotron-Super: 16 heads per group
-        assert window_heads(96, 8, 8, 80, 16) == (4, 4)        # Nano: 12 heads per group -> 4
-        assert window_heads(8, 2, 4, 8, 16) == (2, 2)          # B groups of 4 heads, C groups of 2
-        assert window_heads(6, 2, 2, 8, 16) == (1, 1)          # 3 heads per group
-        assert window_heads(128, 1, 1, 64, 64) == (4, 4)       # L = 64: 4 x 64 x 64 = 16K elements
-    # the default: a padded head axis, any divisor of the group
+    # a padded head axis, any divisor of the group
     assert window_heads(8, 2, 4, 8, 16) == (2, 2)
     assert window_heads(96, 8, 8, 16, 16) == (12, 16)           # Nano, cb form (no P axis): a program per group
     assert window_heads(96, 8, 8, 80, 16) == (6, 8)             # with the x window: 8 x 16 x 128 lanes at most
@@ -183,7 +166,6 @@ def test_pre_pass_tile_follows_the_checkpoint_width(P, state_bytes, tile):
     16 rows on 1 warp elsewhere for fp32 checkpoints; 32 rows on 1 warp for 2-byte ones at both."""
     cfg = kt.launch_config(256, 96, P, 128, 16, state_bytes)
     assert (cfg["variant"], cfg["BLOCK_P"], cfg["num_warps"]) == ("pre", *tile)
-    assert cfg["scratch_evict"]
 
 
 def _match_reference(geom, L, act, state_dtype):
