@@ -141,10 +141,11 @@ class ReplayConfig:
             the exact recurrence; their read-copy step is correct on every device but measured slower than exact
             reads on the H200 (Qwen3.5-4B dims, bs256, fp8: 5.87 vs 4.81 ms per whole step), so it is opt-in.
         decode_attention: ``"auto"``: ``scaled_dot_product_attention`` of a decode step's token or a speculative
-            verify's window over a key/value cache on CUDA becomes ``replay_compile::decode_attention`` (grouped heads read once, only the positions the mask
-            keeps; :mod:`replay_compile.passes.decode_attention`); ``"on"``: on every device (the CPU op is the
-            reference, slower than SDPA: for tests); ``"off"`` (default): attention is left to the lowering. Opt-in
-            until its Triton kernel has been measured on a GPU inside whole models.
+            verify's window over a key/value cache on CUDA becomes ``replay_compile::decode_attention`` (grouped
+            heads read once, only the positions the mask keeps; :mod:`replay_compile.passes.decode_attention`);
+            ``"on"``: on every device (the CPU op is the reference, slower than SDPA: for tests); ``"off"``
+            (default): attention is left to the lowering. Opt-in until its Triton kernel has been measured on a GPU
+            inside whole models.
         devices: device types whose graphs are rewritten (default ``("cuda",)``: ``DEFAULT_DEVICES`` says why CPU
             graphs are left to the lowering unless listed).
     """
