@@ -7,8 +7,7 @@ runs and against PyTorch's own grouped-query SDPA, with the bytes floor beside i
 Per geometry (Nemotron-Nano-4B: 32 query heads over 8 key/value heads of 128; Qwen3.5-4B: 16 over 4 of 256), batch,
 context and window, bf16; ``--contexts`` lists ``static:filled`` pairs: a static cache of ``static`` positions of
 which the first ``filled`` hold tokens (the mask). With ``T > 1`` tokens (a speculative verify window) the window
-sits at the cache's last ``T`` positions, each token seeing the filled positions and the window's tokens up to
-itself.
+sits right after the filled positions, each token seeing those and the window's tokens up to itself.
 
 * ``repeat_kv``: transformers' compiled path, ``repeat_kv`` then SDPA with the mask, under ``torch.compile``
   (Inductor materialises the expanded heads, SDPA reads every static position);
@@ -36,10 +35,11 @@ GEOMS = {"nano4b": (32, 8, 128), "qwen35_4b": (16, 4, 256)}
 
 
 def window_mask(b: int, T: int, S: int, filled: int, device) -> torch.Tensor:
-    """``[b, 1, T, S]`` bool: the first ``filled`` positions and the window's tokens up to each token."""
+    """``[b, 1, T, S]`` bool: the first ``filled`` positions and the window's tokens up to each token, the window
+    written right after the filled positions (where a static cache puts it)."""
     pos = torch.arange(S, device=device)
     tok = torch.arange(T, device=device)[:, None]
-    keep = (pos < filled) | ((pos >= S - T) & (pos - (S - T) <= tok)) if T > 1 else (pos < filled)[None]
+    keep = (pos < filled) | ((pos >= filled) & (pos - filled <= tok)) if T > 1 else (pos < filled)[None]
     return keep[None, None].expand(b, 1, T, S)
 
 
@@ -87,6 +87,9 @@ def main(argv=None):
         H, KV, d = GEOMS[name]
         G = H // KV
         S, filled = map(int, ctx.split(":"))
+        if filled + (T if T > 1 else 0) > S:
+            raise SystemExit(f"--contexts {ctx}: {filled} filled positions and a {T}-token window need a static cache "
+                             f"of at least {filled + T} positions")
         scale = d ** -0.5
 
         def repeat_kv(x):

@@ -295,7 +295,7 @@ def delta_replay_step_readcopy_triton(state, copy, fmt, d_ring, k_ring, g_ring, 
     common = dict(HAS_SLOT=has_slot, KDA=kda, BLOCK_K=cfg["BLOCK_K"], BLOCK_L=cfg["BLOCK_L"])
     launch(_delta_window_kernel)[(b, HV)](
         cursor, k_ring, g_ring, q, k, g, slot_arg, win, vec, ke, wrow, K, L, v_per_k, v_per_q,
-        *k_ring.stride(), *g_strides, *q.stride(), *k.stride(), *gi_strides, PDL=False, SCRATCH_EVICT="",
+        *k_ring.stride(), *g_strides, *q.stride(), *k.stride(), *gi_strides, SCRATCH_EVICT="",
         num_warps=cfg["window_warps"], **common)
     (cv, cs, ct), cstrides = _copy_args(enc, name, cursor)
     n_vb = cdiv(V, cfg["BLOCK_V"])
