@@ -87,7 +87,7 @@ def test_auto_leaves_cpu_graphs_to_sdpa():
         fwd = torch.compile(model.forward, backend="replayssm", options={"lower": "eager", "decode_attention": "auto"})
         _decode(model, fwd, StaticCache(config=model.config, max_cache_len=M))
     assert not any(r.attention for r in rb.reports())
-    assert rb.ReplayConfig().decode_attention == "off"              # opt-in
+    assert rb.ReplayConfig().decode_attention == "auto"             # the default: CUDA graphs only
 
 
 # -- graphs written by hand: what is and is not decode attention ------------------------------------------------
