@@ -207,10 +207,10 @@ def reported(label: str, fn, *args, **kwargs):
 def compare_configs(tuning: dict, points, configs, bw, csv_path):
     """Launch-config comparison shared by the kernel benchmarks: for each point ``(geom, batch, baseline_us, run)``
     (``run()`` times our kernel: a ``bench_point`` result without the baseline), every ``configs`` entry (a
-    ``mamba2_triton.parse_tuning`` string) is forced on the kernel module's ``tuning`` dict and timed; a config that
+    ``tuning.parse_tuning`` string) is forced on the kernel module's ``tuning`` dict and timed; a config that
     does not compile is reported and skipped (``run`` is called before the next point is drawn, so it may close over
     the loop variables of a generator). Prints a line per run, writes every row to ``csv_path``."""
-    from replay_compile.kernels.mamba2_triton import tuned
+    from replay_compile.kernels.tuning import tuned
 
     rows = []
 

@@ -6,10 +6,12 @@ drafts, compiled on both sides.
 
 Real-size layer dimensions (``replay_compile.bench``'s models, random weights, full depth or the first ``--layers``
 blocks), a repetitive prompt set (a random ``--phrase``-token phrase repeated ``--repeats`` times per row), greedy
-decoding of ``--new`` tokens. Every variant's attention layers hold a static cache of ``--context`` positions:
-transformers' attention reads every static position each step, so the steps cost what they would after a prompt of
-that length, without paying its prefill (the SSM layers' cost does not depend on the context). Per model and batch,
-in one process:
+decoding of ``--new`` tokens. Every variant's attention layers hold a static cache of ``--context`` positions. With
+the decode-attention rewrite (the default) a step reads only the filled positions (the prompt and the tokens so far),
+so the attention costs what the prompt's length says; with ``REPLAY_COMPILE_DECODE_ATTENTION=off`` transformers'
+attention reads every static position, the cost of a ``--context``-token prompt without its prefill. A longer prompt
+(``--phrase`` x ``--repeats``) costs its prefill, transformers' PyTorch path at full batch. Per model and batch, in
+one process:
 
 * ``decode``: the compiled decode step without drafts (``backend="replayssm"``, ``mode="reduce-overhead"``,
   ``replay_compile.bench.bench_one``'s median per-step time): the baseline the ratios are against;

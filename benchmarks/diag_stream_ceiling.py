@@ -214,7 +214,7 @@ def main():
     for gname in filter(None, args.delta.split(",")):
         Hk, HV, K, V, kda = DELTA_GEOMS[gname]
         from replay_compile.kernels import delta_triton as kd
-        from replay_compile.kernels.mamba2_triton import tuned
+        from replay_compile.kernels.tuning import tuned
         for spec in filter(None, args.delta_configs.split(";")):
             print(f"{gname} bs{args.batch} fp32 state [{args.batch}, {HV}, {K}, {V}], exact, {spec}")
             with tuned(kd.TUNING, spec):

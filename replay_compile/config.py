@@ -12,7 +12,7 @@ import dataclasses
 import os
 from typing import Any, Mapping, Optional
 
-CONFIG_VERSION = 6        # 2: read_copy; 3: read_copy_families; 4: decode_attention; 5: devices; 6: decode_attention "auto"
+CONFIG_VERSION = 6        # 2: read_copy; 3: read_copy_families; 4: decode_attention; 5: devices; 6: its default
 
 _TRUE = ("1", "true", "on", "yes")
 _FALSE = ("0", "false", "off", "no")

@@ -59,11 +59,12 @@ from .mamba2_triton import (
     _store_checkpoint,
     fixed_grid,
 )
+from .tuning import Tuning
 
 __all__ = ["delta_replay_step_readcopy_triton"]
 
-# Launch configuration override for tests: {"BLOCK_V", "num_warps", "BLOCK_R"}. Empty in use.
-TUNING: dict = {}
+# Launch configuration override for benchmarks and tests (``tuning.tuned``). Empty in use.
+TUNING = Tuning(__name__, ("BLOCK_R", "BLOCK_V", "flush_programs", "num_warps", "window_warps"))
 
 
 @triton.jit

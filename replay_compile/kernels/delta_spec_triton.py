@@ -38,6 +38,7 @@ from .host_math import cdiv, next_pow2
 from .launch import launch
 from .mamba2_spec_triton import _spec_apply_row, _spec_row
 from .mamba2_triton import _store_checkpoint
+from .tuning import Tuning
 
 
 @triton.jit
@@ -252,8 +253,8 @@ def _delta_spec_apply_kernel(
                      k_new.to(kr_ptr.dtype.element_ty), mask=tk)
 
 
-# launch knobs, for benchmarks/tuning only (the defaults are what the op uses)
-TUNING: dict = {}
+# Launch configuration override for benchmarks and tests (``tuning.tuned``). Empty in use.
+TUNING = Tuning(__name__, ("BLOCK_V", "num_warps", "window_warps"))
 
 
 def delta_spec_verify_triton(state, d_ring, k_ring, g_ring, w, origin, is_flush, q, k, v, g, beta, slot_idx=None):

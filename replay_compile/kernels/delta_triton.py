@@ -37,6 +37,7 @@ from .delta_split_triton import _gate_window, launch_split
 from .host_math import cdiv, memo_unless_tuned, next_pow2
 from .launch import launch
 from .mamba2_triton import _ARRIVAL, _arrive, _step_row, _store_checkpoint
+from .tuning import Tuning
 
 
 @triton.jit
@@ -149,9 +150,8 @@ def _delta_replay_step_kernel(
                          k_raw.to(kr_ptr.dtype.element_ty), mask=mask_k)
 
 
-# Launch configuration override for benchmarks and tests (``mamba2_triton.parse_tuning`` strings):
-# {"variant": "fused"|"split", "BLOCK_V", "num_warps"; split only: "window_warps"}. Empty in use.
-TUNING: dict = {}
+# Launch configuration override for benchmarks and tests (``tuning.tuned``; split only: "window_warps"). Empty in use.
+TUNING = Tuning(__name__, ("BLOCK_V", "num_warps", "window_warps"), variants=("fused", "split"))
 
 # The split step's last compiled checkpoint-pass kernel (tests check its launch options; benchmarks its registers).
 LAST_LAUNCH: dict = {}

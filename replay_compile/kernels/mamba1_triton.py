@@ -30,6 +30,7 @@ import triton.language as tl
 
 from .host_math import cdiv, next_pow2
 from .launch import launch
+from .tuning import Tuning
 
 
 @triton.jit
@@ -137,7 +138,8 @@ def _mamba1_advance_kernel(cursor_ptr, slot_ptr, b, L, HAS_SLOT: tl.constexpr, B
     tl.store(cursor_ptr + slots, tl.where(w == L - 1, 0, w + 1), mask=live)
 
 
-TUNING: dict = {}
+# Launch configuration override for benchmarks and tests (``tuning.tuned``). Empty in use.
+TUNING = Tuning(__name__, ("tile", "warps"))
 
 
 def _interpreting() -> bool:

@@ -114,8 +114,8 @@ from .mamba2_triton import (
     _step_window,
     fixed_grid,
     fold_tile_shape,
-    parse_tuning,
 )
+from .tuning import Tuning, parse_tuning
 
 __all__ = ["FORMAT_IDS", "TUNING", "decode_read_copy_triton", "launch_config", "replay_step_readcopy_triton",
            "tuned"]
@@ -123,8 +123,9 @@ __all__ = ["FORMAT_IDS", "TUNING", "decode_read_copy_triton", "launch_config", "
 #: Format name -> the kernels' ``FMT`` constexpr.
 FORMAT_IDS = {"bf16": 0, "fp8_e4m3": 1, "nvfp4": 2, "nvfp4_row": 2}     # nvfp4_row: FMT 2 with ROW_SCALE
 
-# Launch configuration override for tests and benchmarks: {"BLOCK_P", "num_warps"}. Empty in use.
-TUNING: dict = {}
+# Launch configuration override for tests and benchmarks (:func:`tuned`). Empty in use.
+TUNING = Tuning(__name__, ("APPLY_P", "BLOCK_P", "FLUSH_P", "apply_warps", "enc_per_sm", "enc_warps",
+                           "flush_programs", "flush_warps", "fold_warps", "num_warps"))
 
 # The last compiled step kernel launched (benchmarks print its registers / spills / shared memory).
 LAST_LAUNCH: dict = {}

@@ -37,6 +37,7 @@ import triton.language as tl
 from .host_math import cdiv, next_pow2
 from .launch import launch
 from .mamba2_triton import _row_slot
+from .tuning import Tuning
 
 
 @triton.jit
@@ -242,8 +243,8 @@ def _mamba2_spec_apply_kernel(
                      b_new.to(Br_ptr.dtype.element_ty), mask=tt[:, None] & mask_n[None, :])
 
 
-# launch knobs, for benchmarks/tuning only (the defaults are what the op uses)
-TUNING: dict = {}
+# Launch configuration override for benchmarks and tests (``tuning.tuned``). Empty in use.
+TUNING = Tuning(__name__, ("BLOCK_P", "num_warps", "window_heads", "window_warps"))
 
 
 def spec_verify_triton(state, x_ring, dt_ring, la_ring, B_ring, w, origin, is_flush, x, dt, la, B, C,

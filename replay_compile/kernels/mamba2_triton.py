@@ -45,7 +45,6 @@ interpreter (the CI's CPU test path) fails on runtime loop bounds with numpy >= 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
@@ -54,6 +53,7 @@ import triton.language as tl
 
 from .host_math import cdiv, memo_unless_tuned, next_pow2
 from .launch import launch
+from .tuning import Tuning, tuned  # noqa: F401  (tuned: re-exported for kt.tuned)
 
 _ARRIVAL = 1 << 16          # one arrival in the cursor word's high half; w lives in the low 16 bits
 _ARRIVAL_C = tl.constexpr(_ARRIVAL)
@@ -358,9 +358,10 @@ def _advance_cursor_kernel(cursor_ptr, slot_ptr, n_rows, L, HAS_SLOT: tl.constex
     tl.store(cursor_ptr + slots, tl.where(w == L - 1, 0, w + 1), mask=m)
 
 
-# Launch configuration override for benchmarks and tests (parse_tuning strings): {"variant": "whole"|"pre",
-# tile sizes, warps and the flush grid's programs per SM (the keys launch_config reads)}. Empty in use.
-TUNING: dict = {}
+# Launch configuration override for benchmarks and tests (``tuning.tuned`` strings): the variant, tile sizes, warps
+# and the flush grid's programs per SM. Empty in use.
+TUNING = Tuning(__name__, ("BLOCK_P", "FLUSH_N", "FLUSH_P", "flush_per_sm", "flush_warps", "num_warps"),
+                variants=("whole", "pre"))
 
 # The last compiled step kernel launched (benchmarks print its registers / spills / shared memory).
 LAST_LAUNCH: dict = {}
@@ -368,29 +369,6 @@ LAST_LAUNCH: dict = {}
 # Rows x heads up to which the latency variant runs (H200 sweep: at bs8 whole beat pre on both
 # geometries, 1.34x / 1.30x vs 1.27x / 1.16x; at bs32 pre wins, 1.70x vs 1.46x).
 WHOLE_MAX_ROW_HEADS = 1024
-
-
-def parse_tuning(spec: str) -> dict:
-    """``"pre:BLOCK_P=32,num_warps=4"`` -> ``{"variant": "pre", "BLOCK_P": 32, "num_warps": 4}`` (tests and
-    benchmarks force a variant and configuration through :data:`TUNING` with these strings)."""
-    name, _, rest = spec.partition(":")
-    out: dict = {"variant": name}
-    for item in filter(None, rest.split(",")):
-        key, _, val = item.partition("=")
-        out[key.strip()] = int(val)
-    return out
-
-
-@contextlib.contextmanager
-def tuned(tuning: dict, spec: str):
-    """Force a kernel module's launch configuration (its ``TUNING`` dict) to the :func:`parse_tuning` string
-    ``spec`` for the duration of the block; cleared afterwards, also on errors."""
-    tuning.clear()
-    tuning.update(parse_tuning(spec))
-    try:
-        yield
-    finally:
-        tuning.clear()
 
 
 def fold_tile_shape(P: int, N: int, block_l: int) -> tuple[int, int, int]:

@@ -209,7 +209,7 @@ def generate_speculative(model, input_ids: torch.Tensor, max_new_tokens: int, *,
     if per_row:
         if mode == "reduce-overhead":                # CUDA graphs: the rounds capture their own
             mode = None
-        compiler = (lambda fn: torch.compile(fn, backend=backend, mode=mode)) if compile else None
+        compiler = _round_compiler(backend, mode) if compile else None
         return generate_rounds(model, input_ids, max_new_tokens, num_draft=num_draft, draft=draft,
                                buffer_len=buffer_len, compiler=compiler, eos=eos, pad=pad, sampling=sampling,
                                cuda_graph=bool(compile) and input_ids.is_cuda, max_cache_len=max_cache_len)
@@ -228,6 +228,16 @@ def generate_speculative(model, input_ids: torch.Tensor, max_new_tokens: int, *,
             layer.finish()
     res.sequences = _end_at_eos(res.sequences, input_ids.shape[1], eos, pad)
     return res
+
+
+def _round_compiler(backend: str, mode: str | None) -> Callable:
+    """``torch.compile`` for the round function. With our backend the SSM pass is off for the round: every SSM mixer
+    of a round is already a verify layer (the pass would only report the layers' own writes as state updates it
+    leaves unchanged, once per layer), while the decode-attention rewrite still takes the verify windows."""
+    if backend != "replayssm":
+        return lambda fn: torch.compile(fn, backend=backend, mode=mode)
+    options = {**(torch._inductor.list_mode_options(mode) if mode else {}), "families": ()}
+    return lambda fn: torch.compile(fn, backend=backend, options=options)
 
 
 def _end_tokens(model, eos_token_id, pad_token_id) -> tuple[list[int], int]:

@@ -10,6 +10,8 @@ one graph with no graph break. ``buffer_len=8`` with 4-token verifies flushes th
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -85,6 +87,24 @@ def test_verify_windows_through_the_decode_attention_op(reference, monkeypatch):
     assert torch.equal(out.sequences, ref.sequences), (family, out.accepted)
     layers = len(attention_layers(out.cache))
     assert layers and counters["replay_compile"]["decode_attention"] == layers, family
+
+
+@pytest.mark.slow
+def test_the_round_reports_no_state_update_left_unchanged(reference, monkeypatch, caplog):
+    """A round's SSM mixers are verify layers already, so the SSM pass has nothing to rewrite there; it must not
+    report their writes (nor the attention scratch's commit) as state updates it leaves unchanged, also where CPU
+    graphs are rewritten."""
+    family, model, ids, ref = reference
+    if family not in ("nemotron_h", "qwen3_5"):
+        pytest.skip("one family per state kind")
+    monkeypatch.setenv("REPLAY_COMPILE_DEVICES", "cpu,cuda")
+    torch._dynamo.reset()
+    with caplog.at_level(logging.INFO, logger="replay_compile"):
+        out = generate_speculative(model, ids, NEW, num_draft=3, draft=known_continuation(ref.sequences, 5),
+                                   buffer_len=8, compile=True)
+    assert torch.equal(out.sequences, ref.sequences), (family, out.accepted)
+    unchanged = [r.getMessage() for r in caplog.records if "left unchanged" in r.getMessage()]
+    assert not unchanged, unchanged[:3]
 
 
 @pytest.mark.parametrize("every", [0, 2])

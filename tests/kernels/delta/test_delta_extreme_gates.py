@@ -84,7 +84,7 @@ from replay_compile.kernels import delta_spec_triton as kst  # noqa: E402
 from replay_compile.kernels import delta_triton as kd  # noqa: E402
 from replay_compile.kernels.delta_spec_reference import delta_spec_verify_reference  # noqa: E402
 from replay_compile.kernels.delta_spec_triton import delta_spec_verify_triton  # noqa: E402
-from replay_compile.kernels.mamba2_triton import tuned  # noqa: E402
+from replay_compile.kernels.tuning import tuned  # noqa: E402
 
 GEOMS = (DeltaGeometry(batch=2, HV=4, Hk=2, K=16, V=16, kda=False), DeltaGeometry(batch=2, HV=2, Hk=2, K=16, V=16,
                                                                                     kda=True))

@@ -14,7 +14,7 @@ triton = pytest.importorskip("triton")
 from replay_compile.kernels import delta_triton as kd  # noqa: E402
 from replay_compile.kernels.delta_reference import delta_replay_step_reference  # noqa: E402
 from replay_compile.kernels.delta_triton import delta_replay_step_triton  # noqa: E402
-from replay_compile.kernels.mamba2_triton import tuned  # noqa: E402
+from replay_compile.kernels.tuning import tuned  # noqa: E402
 from replay_compile.state import DeltaRingSpec  # noqa: E402
 from replay_compile.testing.strategies import (  # noqa: E402
     DeltaGeometry,

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.gpu
 
 from replay_compile.kernels import delta_triton as kd  # noqa: E402
 from replay_compile.kernels.delta_triton import delta_replay_step_triton  # noqa: E402
-from replay_compile.kernels.mamba2_triton import tuned  # noqa: E402
+from replay_compile.kernels.tuning import tuned  # noqa: E402
 from replay_compile.state import DeltaRingSpec  # noqa: E402
 from replay_compile.testing.strategies import DeltaGeometry, ExactDeltaOracle, delta_problem  # noqa: E402
 

@@ -155,8 +155,9 @@ def test_launch_config_picks_whole_for_small_batches_and_pre_above():
     assert kt.launch_config(8, 128, 64, 128, 16)["variant"] == "whole"
     assert kt.launch_config(9, 128, 64, 128, 16)["variant"] == "pre"
     assert kt.launch_config(8, 128, 64, 128, 16, 2)["variant"] == "whole"
-    with variant("bogus"), pytest.raises(ValueError, match="unknown kernel variant 'bogus'"):
+    with pytest.raises(ValueError, match="unknown variant 'bogus'"), variant("bogus"):
         kt.launch_config(1, 1, 1, 1, 1)
+    assert not kt.TUNING
 
 
 @pytest.mark.parametrize("P, state_bytes, tile",
