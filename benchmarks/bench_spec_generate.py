@@ -158,9 +158,15 @@ def main(argv=None):
                          "target's vocabulary); empty: no draft-model row")
     ap.add_argument("--oracle-iters", type=int, default=6,
                     help="runs re-drafting their own output until every oracle draft is accepted")
+    ap.add_argument("--profile", action="store_true",
+                    help="also the device time per step / replayed round by kernel category (torch.profiler): the "
+                         "decode step's, and each speculative variant's from two calls of --new / 2 and --new tokens "
+                         "(their difference: replayed rounds only); printed and written to spec_profile.csv")
     ap.add_argument("--out", default="bench-results")
     args = ap.parse_args(argv)
     args.variants = args.variants.split(",")
+    if args.profile and args.device != "cuda":
+        raise SystemExit("bench_spec_generate: --profile reads CUDA kernel times; it needs --device cuda")
     compiler = (lambda fn: torch.compile(fn, backend="replayssm"))      # the rounds capture their own CUDA graph
     os.makedirs(args.out, exist_ok=True)
     dtype = getattr(torch, args.dtype)
@@ -175,8 +181,9 @@ def main(argv=None):
     print(f"{'model':18} {'bs':>3} {'variant':8} {'tok/s':>10} {'x decode':>8} {'ms/round':>8} {'tok/round':>9} "
           f"{'call tok/s':>9} {'x decode':>8} {'prefill':>6} {'warmup':>6} {'agree':>6} {'first':>6}")
     csv_path = os.path.join(args.out, "spec_generate.csv")
-    if os.path.exists(csv_path):
-        os.remove(csv_path)
+    for stale in (csv_path, os.path.join(args.out, "spec_profile.csv")):
+        if os.path.exists(stale):
+            os.remove(stale)
     for name in args.models.split(","):
         trained = None
         if args.train_copy:
@@ -196,9 +203,12 @@ def main(argv=None):
             extra = dict(copy_steps=trained["steps"] if trained else 0,
                          copy_acc=trained["copy_acc"] if trained else float("nan"))
             # the same cache length on every side: the rounds' need (prompt, new tokens, scratch) or the context
-            cache_len = max(args.context, ids.shape[1] + args.new + 2 * (args.num_draft + 1))
+            cache_len = max(args.context, ids.shape[1] + args.new + 2 * (args.num_draft + 1)
+                            + (bench.PROFILE_STEPS if args.profile else 0))
             step = bench.bench_one(model, bs, "replayssm-ro", args.new, 16, prompt_len=ids.shape[1],
-                                   cache_len=cache_len)
+                                   cache_len=cache_len, profile=args.profile)
+            if args.profile:
+                _emit_profile(name, bs, "decode", step.get("profile", {}), 1.0, args.out)
             dec_tps = bs / (step["median_step_ms"] * 1e-3)
             _emit(rows, csv_path, dict(model=name, bs=bs, variant="decode", cache_len=cache_len, tok_s_rounds=dec_tps,
                                        x_decode=1.0, tok_s_call=float("nan"), x_decode_call=float("nan"),
@@ -234,6 +244,9 @@ def main(argv=None):
                     ref = out.sequences
                 agree = float((out.sequences == ref).float().mean())
                 tm = out.timing
+                if args.profile:
+                    cats, rounds = _round_profile(run, draft, args.new)
+                    _emit_profile(name, bs, variant, cats, rounds, args.out)
                 tps = bs * args.new / t
                 tps_r = tm["replay_tokens"] / tm["replay"] if tm["replay"] > 0 else float("nan")
                 _emit(rows, csv_path, dict(model=name, bs=bs, variant=variant, cache_len=cache_len, tok_s_rounds=tps_r,
@@ -251,6 +264,53 @@ def main(argv=None):
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     _plot(rows, os.path.join(args.out, "spec_generate.png"))
+
+
+def _round_profile(run, draft, new: int) -> tuple[dict, float]:
+    """Device milliseconds by kernel category summed over the replayed rounds of a ``new``-token call, less those of a
+    ``new // 2``-token call (prefill, warm-up rounds and capture are the same in both), and the rounds between."""
+    import torch
+
+    from replay_compile.bench import kernel_category
+
+    def profiled(n):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            out = run(n, draft)
+            torch.cuda.synchronize()
+        cats: dict = {}
+        kernels: dict = {}
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                cat = kernel_category(e.name)
+                cats[cat] = cats.get(cat, 0.0) + e.device_time_total / 1e3
+                kernels[e.name[:100]] = kernels.get(e.name[:100], 0.0) + e.device_time_total / 1e3
+        return cats, kernels, out.timing["replay_rounds"]
+
+    short, short_k, r0 = profiled(new // 2)
+    full, full_k, r1 = profiled(new)
+    rounds = float(r1 - r0)
+    per_kernel = {k: (full_k.get(k, 0.0) - short_k.get(k, 0.0)) / max(rounds, 1) for k in full_k}
+    for k in sorted(per_kernel, key=per_kernel.get, reverse=True)[:12]:
+        print(f"#     {per_kernel[k]:7.3f} ms/round  {k}", flush=True)
+    return {c: full.get(c, 0.0) - short.get(c, 0.0) for c in full | short}, rounds
+
+
+def _emit_profile(model: str, bs: int, variant: str, cats: dict, rounds: float, out_dir: str) -> None:
+    """Print and append one profile row: device ms per step or replayed round by category."""
+    from replay_compile.bench import PROFILE_CATEGORIES
+
+    names = [c for c, _ in PROFILE_CATEGORIES] + ["other"]
+    per = {c: cats.get(c, 0.0) / rounds if rounds > 0 else float("nan") for c in names}
+    total = sum(per.values())
+    print(f"#   {variant} device ms per {'step' if variant == 'decode' else 'round'}: {total:.2f} = "
+          + ", ".join(f"{c} {v:.2f}" for c, v in per.items() if v > 0.005), flush=True)
+    path = os.path.join(out_dir, "spec_profile.csv")
+    new = not os.path.exists(path)
+    with open(path, "a", newline="") as f:
+        w = csv.writer(f)
+        if new:
+            w.writerow(["model", "bs", "variant", "rounds", "device_ms"] + names)
+        w.writerow([model, bs, variant, rounds, total] + [per[c] for c in names])
 
 
 def _emit(rows: list, path: str, row: dict) -> None:
