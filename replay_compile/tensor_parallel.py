@@ -18,11 +18,17 @@ Why not ``ColwiseParallel`` alone: the Mamba-2 ``in_proj`` packs ``[z | x | B | 
 sliced to the same heads. The module's size attributes (``num_heads``, ``n_groups``, ...) are set to the local sizes,
 since the HF code splits and reshapes by them.
 
+Kimi Delta Attention (Kimi-Linear, GLM-5.3-Flash, Ling-3.0-Flash) is sharded the same way by heads: ``q/k/v_proj``,
+``b_proj``, the forget gate's and the output gate's head-wide projections column-wise (their low-rank first halves
+``f_a_proj`` / ``g_a_proj`` replicated), ``o_proj`` row-wise, the conv, ``dt_bias`` and ``A_log`` sliced to the rank's
+heads; the gated norm works within a head and is unchanged.
+
 Supported: the Mamba-2 mixers of NemotronH, Mamba2, Bamba, Zamba2, GraniteMoeHybrid (heads and groups divisible by
-``tp``; a grouped norm whose groups stay on one rank), Qwen3.5/Qwen3.5-MoE and Qwen3-Next Gated DeltaNet (key and
-value heads divisible by ``tp``); attention with ``q/k/v/o_proj`` and dense MLPs with ``up/down(/gate)_proj``.
-Anything else with SSM parameters raises :class:`UnsupportedSharding` naming the layer, rather than being sharded
-wrongly; MoE expert blocks and embeddings stay replicated.
+``tp``; a grouped norm whose groups stay on one rank), Gated DeltaNet of Qwen3.5/Qwen3.5-MoE, Qwen3-Next and
+OLMo-Hybrid (key and value heads divisible by ``tp``), Kimi Delta Attention (heads divisible by ``tp``); attention
+with ``q/k/v/o_proj`` and dense MLPs with ``up/down(/gate)_proj``. Anything else with SSM parameters raises
+:class:`UnsupportedSharding` naming the layer, rather than being sharded wrongly; MoE expert blocks, Kimi-Linear's
+latent attention and embeddings stay replicated.
 """
 
 from __future__ import annotations
@@ -32,8 +38,9 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from ._logging import log
 from .errors import ReplayCompileError
-from .integrations.hf_modules import is_mamba2_mixer
+from .integrations.hf_modules import is_kimi_delta_attention, is_mamba2_mixer
 
 
 class UnsupportedSharding(ReplayCompileError):
@@ -94,11 +101,14 @@ def _check(layer: str, tp: int, **sizes: int) -> None:
 
 
 def _is_gdn(m: nn.Module) -> bool:
-    return all(hasattr(m, a) for a in ("A_log", "dt_bias", "conv1d", "out_proj", "num_v_heads", "num_k_heads"))
+    return (all(hasattr(m, a) for a in ("A_log", "dt_bias", "conv1d", "num_v_heads", "num_k_heads"))
+            and (hasattr(m, "out_proj") or hasattr(m, "o_proj")))
 
 
 def _looks_like_ssm(m: nn.Module) -> bool:
-    return hasattr(m, "A_log") or type(m).__name__.endswith(("DeltaAttention", "GatedDeltaNet", "Mixer"))
+    """SSM parameters on the module or a direct child (a forget gate's ``A_log``), or an SSM layer's class name."""
+    return (hasattr(m, "A_log") or any(hasattr(c, "A_log") for c in m.children())
+            or type(m).__name__.endswith(("DeltaAttention", "GatedDeltaNet", "Mixer", "LinearAttention")))
 
 
 def _check_mamba2(name: str, m: nn.Module, tp: int) -> None:
@@ -143,14 +153,17 @@ def _shard_mamba2_mixer(name: str, m: nn.Module, mesh, tp: int, rank: int) -> No
             setattr(m, attr, getattr(m, attr) // tp)
 
 
+_GDN_SEPARATE = ("q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj", "o_proj")     # OLMo-Hybrid
+
+
 def _check_gdn(name: str, m: nn.Module, tp: int) -> None:
     H, HV, K, V = m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim
     layer = f"{name} ({type(m).__name__}: key heads={H}, value heads={HV}, K={K}, V={V})"
     _check(layer, tp, num_k_heads=H, num_v_heads=HV)
-    if not (hasattr(m, "in_proj_qkv") or hasattr(m, "in_proj_qkvz")):
+    if not (hasattr(m, "in_proj_qkv") or hasattr(m, "in_proj_qkvz") or _linear(m, *_GDN_SEPARATE)):
         raise UnsupportedSharding(
-            f"replay_compile.tensor_parallel: {layer}: unknown input projections (expected in_proj_qkv/z/b/a or "
-            f"in_proj_qkvz/ba); not sharded.")
+            f"replay_compile.tensor_parallel: {layer}: unknown input projections (expected in_proj_qkv/z/b/a, "
+            f"in_proj_qkvz/ba or {'/'.join(_GDN_SEPARATE)}); not sharded.")
 
 
 def _shard_gdn(name: str, m: nn.Module, mesh, tp: int, rank: int) -> None:
@@ -158,12 +171,14 @@ def _shard_gdn(name: str, m: nn.Module, mesh, tp: int, rank: int) -> None:
 
     H, HV, K, V = m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim
     kd, vd = H * K, HV * V
-    plan = {"out_proj": RowwiseParallel()}
     if hasattr(m, "in_proj_qkv"):                      # Qwen3.5: [q | k | v] packed, z/b/a separate
         _permute_out_rows(m.in_proj_qkv, _permutation([kd, kd, vd], tp))
-        plan.update({p: ColwiseParallel() for p in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")})
-    else:                                              # Qwen3-Next: packed per key head already, split evenly
-        plan.update({"in_proj_qkvz": ColwiseParallel(), "in_proj_ba": ColwiseParallel()})
+        plan = {p: ColwiseParallel() for p in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}
+    elif hasattr(m, "in_proj_qkvz"):                   # Qwen3-Next: packed per key head already, split evenly
+        plan = {"in_proj_qkvz": ColwiseParallel(), "in_proj_ba": ColwiseParallel()}
+    else:                                              # OLMo-Hybrid: one projection each, head-major
+        plan = {p: ColwiseParallel() for p in _GDN_SEPARATE[:-1]}
+    plan["out_proj" if hasattr(m, "out_proj") else "o_proj"] = RowwiseParallel()
     parallelize_module(m, mesh, plan)
     _slice_conv(m.conv1d, _rows([kd, kd, vd], tp, rank))    # the conv runs on [q | k | v] in both models
     heads = _rows([HV], tp, rank)
@@ -172,6 +187,65 @@ def _shard_gdn(name: str, m: nn.Module, mesh, tp: int, rank: int) -> None:
     m.num_k_heads, m.num_v_heads = H // tp, HV // tp
     m.key_dim, m.value_dim = m.num_k_heads * K, m.num_v_heads * V
     m.conv_dim = 2 * m.key_dim + m.value_dim
+
+
+def _kda_parts(m: nn.Module) -> tuple[list[str], nn.Module]:
+    """The head-wide projections of a KDA layer that are sharded column-wise (names relative to the layer)."""
+    gate = m.forget_gate
+    names = ["q_proj", "k_proj", "v_proj", "b_proj"]
+    names += ["g_proj"] if hasattr(m, "g_proj") else ["g_b_proj"]                    # Ling-3.0-Flash / Kimi-Linear
+    names += ["forget_gate.f_proj"] if hasattr(gate, "f_proj") else ["forget_gate.f_b_proj"]
+    return names, gate
+
+
+def _check_kda(name: str, m: nn.Module, tp: int) -> None:
+    H, D = m.num_heads, m.head_dim
+    layer = f"{name} ({type(m).__name__}: heads={H}, head_dim={D})"
+    _check(layer, tp, num_heads=H)
+    names, gate = _kda_parts(m)
+    for n in names:
+        try:
+            sub = m.get_submodule(n)
+        except AttributeError:
+            sub = None
+        want = H if n == "b_proj" else H * D
+        if not isinstance(sub, nn.Linear) or sub.out_features != want:
+            raise UnsupportedSharding(
+                f"replay_compile.tensor_parallel: {layer}: {n} is not a linear map to {want} features (one per "
+                f"{'head' if n == 'b_proj' else 'head channel'}); not sharded.")
+    a_log, dt_bias = getattr(gate, "A_log", None), getattr(gate, "dt_bias", None)
+    if a_log is None or dt_bias is None or list(a_log.shape).count(H) != 1 or dt_bias.numel() != H * D:
+        raise UnsupportedSharding(
+            f"replay_compile.tensor_parallel: {layer}: the forget gate's A_log / dt_bias are not one value per head "
+            f"/ per head channel; not sharded.")
+
+
+def _shard_kda(name: str, m: nn.Module, mesh, tp: int, rank: int) -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    H, D = m.num_heads, m.head_dim
+    names, gate = _kda_parts(m)
+    plan = {n: ColwiseParallel() for n in names}
+    plan["o_proj"] = RowwiseParallel()
+    parallelize_module(m, mesh, plan)
+    _slice_conv(m.conv1d, _rows([H * D] * 3, tp, rank))        # the conv runs on [q | k | v]
+    _keep(gate, "dt_bias", _rows([H * D], tp, rank))
+    _keep(gate, "A_log", _rows([H], tp, rank), dim=list(gate.A_log.shape).index(H))
+    for mod in (m, gate):
+        mod.num_heads = H // tp
+        mod.qkv_dim = mod.num_heads * D
+    m.conv_dim = 3 * m.qkv_dim
+
+
+def _norm_across_heads(m: nn.Module) -> str | None:
+    """The name of a query / key norm of attention block ``m`` whose weight spans several heads (OLMo's norm over the
+    whole projection), else None: such a norm needs every head's values."""
+    head_dim = getattr(m, "head_dim", None)
+    for n in ("q_norm", "k_norm"):
+        w = getattr(getattr(m, n, None), "weight", None)
+        if isinstance(w, torch.Tensor) and head_dim and w.numel() > head_dim:
+            return n
+    return None
 
 
 def _check_attention(name: str, m: nn.Module, tp: int) -> None:
@@ -226,13 +300,20 @@ def parallelize_hybrid(model: nn.Module, mesh, *, attention: bool = True, mlp: b
             plan.append((name, m, "mamba2"))
         elif _is_gdn(m):
             plan.append((name, m, "gdn"))
+        elif is_kimi_delta_attention(m):
+            plan.append((name, m, "kda"))
         elif _looks_like_ssm(m) and any(isinstance(c, nn.Conv1d) for c in m.children()):
             raise UnsupportedSharding(
                 f"replay_compile.tensor_parallel: {name} ({type(m).__name__}) looks like an SSM layer of a kind "
-                f"this helper does not shard (supported: Mamba-2 mixers, Gated DeltaNet). Shard it yourself so that "
-                f"the SSM update runs on local tensors, or leave the model unsharded.")
+                f"this helper does not shard (supported: Mamba-2 mixers, Gated DeltaNet, Kimi Delta Attention). Shard "
+                f"it yourself so that the SSM update runs on local tensors, or leave the model unsharded.")
         elif attention and _linear(m, "q_proj", "k_proj", "v_proj", "o_proj"):
-            plan.append((name, m, "attention"))
+            wide = _norm_across_heads(m)
+            if wide:
+                log.info("replay_compile.tensor_parallel: %s (%s) left replicated: its %s normalises across heads, "
+                         "which a head shard cannot compute alone", name, type(m).__name__, wide)
+            else:
+                plan.append((name, m, "attention"))
         elif mlp and _linear(m, "up_proj", "down_proj") and not hasattr(m, "experts") and not hasattr(m, "gate"):
             plan.append((name, m, "mlp"))
     for name, m, kind in plan:            # every check before any layer is touched: no half-sharded model
@@ -244,4 +325,5 @@ def parallelize_hybrid(model: nn.Module, mesh, *, attention: bool = True, mlp: b
 
 # kind -> (check: raises UnsupportedSharding, shard: in place)
 _KINDS = {"mamba2": (_check_mamba2, _shard_mamba2_mixer), "gdn": (_check_gdn, _shard_gdn),
+          "kda": (_check_kda, _shard_kda),
           "attention": (_check_attention, _shard_attention), "mlp": (_check_mlp, _shard_mlp)}
