@@ -156,7 +156,7 @@ def main(argv=None):
                 base = r.get("baseline_us", float("nan"))
                 pct = r["bytes_nonflush"] / (r["nonflush_us"] * 1e-6) / bw * 100
                 row = dict(geom=gname, dtype=dname, bs=bs, L=args.L, copy_bw_TBs=bw / 1e12,
-                           variant=launch_config(bs, HV, K, V, args.L, kda=kda)["variant"], **r,
+                           variant=launch_config(bs, HV, K, V, args.L)["variant"], **r,
                            speedup=base / r["lavg_us"])
                 rows.append(row)
                 print(f"{gname:12} {dname:8} {bs:>4} {base:>9.1f} {r['nonflush_us']:>9.1f} {pct:>5.0f} "

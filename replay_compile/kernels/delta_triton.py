@@ -165,16 +165,16 @@ CAPPED_MIN_ROW_HEADS = 8192
 
 
 @memo_unless_tuned(TUNING)
-def launch_config(b: int, HV: int, K: int, V: int, L: int, kda: bool = False) -> dict:
+def launch_config(b: int, HV: int, K: int, V: int, L: int) -> dict:
     """Kernel variant and launch configuration for a step of ``b`` rows.
 
     * ``fused`` (latency, small batch): one launch; each program recomputes the window for its V-block.
     * ``split`` (bandwidth, large batch, :mod:`.delta_split_triton`): launch 1 computes the window once per (row,
       value head); launch 2 streams the checkpoint in ``K x BLOCK_V`` slices (as fla's fused recurrent kernel
       does) with little else live, so many programs fit per SM.
-    K is held whole (padded to a power of two >= 16); the window sits on a power-of-two axis >= 16. ``kda``: the
-    step has per-key-channel gates (launch 1 of the split variant then runs record by record,
-    :func:`~.delta_split_triton.launch_split`).
+    K is held whole (padded to a power of two >= 16); the window sits on a power-of-two axis >= 16. GDN and KDA
+    share the configuration (KDA's launch 1 of the split variant runs record by record:
+    :func:`~.delta_split_triton.launch_split` picks by family).
     """
     block_k = max(16, next_pow2(K))
     block_l = max(16, next_pow2(L))
@@ -223,7 +223,7 @@ def delta_replay_step_triton(state, d_ring, k_ring, g_ring, cursor, q, k, v, g, 
     o = torch.empty((b, HV, V), dtype=torch.float32, device=v.device)
     if b == 0:
         return o
-    cfg = launch_config(b, HV, K, V, L, kda=kda)
+    cfg = launch_config(b, HV, K, V, L)
     n_vb = cdiv(V, cfg["BLOCK_V"])
     if n_vb * HV >= 1 << 15 or L >= _ARRIVAL:
         raise ValueError(f"replay_compile.delta: {HV} heads x {n_vb} V-blocks (or L={L}) exceed the cursor word's "

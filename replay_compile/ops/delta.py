@@ -93,7 +93,7 @@ def _latency_launch(state, d_ring, k_ring, g_ring, cursor, q, k, v, *_, **__) ->
     from ..kernels.delta_triton import launch_config
 
     _, HV, K, V = state.shape
-    return launch_config(v.shape[0], HV, K, V, d_ring.shape[2], kda=g_ring.dim() == 4)["variant"] == "fused"
+    return launch_config(v.shape[0], HV, K, V, d_ring.shape[2])["variant"] == "fused"
 
 
 @delta_step.register_kernel("cuda", inline=_latency_launch)

@@ -199,22 +199,21 @@ def test_kernel_configs_track_the_exact_recurrence_with_poisoned_rings(kda, kind
 
 
 def test_fused_launch_config_takes_32_wide_slices_on_4_warps():
-    """The fused step runs 32-wide slices on 4 warps for GDN and KDA alike (measured fastest at bs 1-2 for both);
-    a longer ring goes to warps by tile size, a 16-wide value head to 16-wide slices."""
-    for kda in (False, True):
-        cfg = kd.launch_config(1, 32, 128, 128, 16, kda=kda)
-        assert (cfg["variant"], cfg["BLOCK_V"], cfg["num_warps"]) == ("fused", 32, 4)
-    long_ring = kd.launch_config(1, 32, 128, 128, 64, kda=True)
+    """The fused step runs 32-wide slices on 4 warps (GDN and KDA alike: measured fastest at bs 1-2 for both); a
+    longer ring goes to warps by tile size, a 16-wide value head to 16-wide slices."""
+    cfg = kd.launch_config(1, 32, 128, 128, 16)
+    assert (cfg["variant"], cfg["BLOCK_V"], cfg["num_warps"]) == ("fused", 32, 4)
+    long_ring = kd.launch_config(1, 32, 128, 128, 64)
     assert (long_ring["BLOCK_V"], long_ring["num_warps"]) == (32, 8)
-    assert kd.launch_config(1, 32, 128, 16, 16, kda=True)["BLOCK_V"] == 16
+    assert kd.launch_config(1, 32, 128, 16, 16)["BLOCK_V"] == 16
 
 
 def test_launch_config_caps_registers_from_the_row_head_threshold():
     """The split checkpoint pass is capped at 128 registers from ``CAPPED_MIN_ROW_HEADS`` rows x value heads (it
     measured faster there, slower below); the fused kernel has no cap."""
     rows = kd.CAPPED_MIN_ROW_HEADS // 32
-    assert kd.launch_config(rows, 32, 128, 128, 16, kda=True)["maxnreg"] == 128
-    assert kd.launch_config(rows - 1, 32, 128, 128, 16, kda=True)["maxnreg"] == 0
+    assert kd.launch_config(rows, 32, 128, 128, 16)["maxnreg"] == 128
+    assert kd.launch_config(rows - 1, 32, 128, 128, 16)["maxnreg"] == 0
     assert "maxnreg" not in kd.launch_config(1, 32, 128, 128, 16)
 
 
