@@ -267,7 +267,7 @@ def _install_integrations() -> None:
 def _rewrite_attention(result: PassResult, original: fx.GraphModule, cfg: ReplayConfig) -> None:
     """Decode attention into ``replay_compile::decode_attention`` (:mod:`.passes.decode_attention`), on a copy of
     Dynamo's graph as the SSM pass does."""
-    if not decode_attention.sdpa_calls(result.gm.graph):
+    if not decode_attention.attention_calls(result.gm.graph):
         return
     gm = result.gm if result.gm is not original else copy_graph_module(original)
     done, _ = decode_attention.rewrite(gm, cuda_only=cfg.decode_attention == "auto")

@@ -7,9 +7,12 @@ dk]`` with ``T <= MAX_TOKENS`` and whose keys and values are a cache's ``[b, KV,
 are (``H == KV``, or ``enable_gqa=True``) or expanded to ``H`` heads the way transformers' ``repeat_kv`` does
 (``x[:, :, None].expand(b, KV, G, S, d).reshape(b, KV * G, S, d)``, or ``repeat_interleave(x, G, dim=1)``): query
 head ``h`` reads key/value head ``h // G``. The mask is None or ``[b or 1, 1, T or 1, S]`` (shared by the heads),
-boolean or additive; no dropout, not ``is_causal`` (a window's causal order is in its mask). Every call that is not
-this is left as it is, with its reason logged at debug (prefill graphs and other attention are not decode
-attention, so nothing is said at info).
+boolean or additive; no dropout, not ``is_causal`` (a window's causal order is in its mask). transformers' eager
+attention is found too: ``matmul(dropout(softmax(matmul(q, k.transpose(2, 3)) * scale + mask).to(dtype)), v)``
+over the same expanded keys and values, with no other reader of the probabilities (a model that outputs its
+attention weights keeps them), no dropout and no other term (soft-capping, sinks). Every call that is not this is
+left as it is, with its reason logged at debug (prefill graphs and other attention are not decode attention, so
+nothing is said at info).
 
 Why: under ``torch.compile``, transformers expands the grouped key/value heads with ``repeat_kv`` (a copy of the
 whole static cache into ``H`` heads) and SDPA then reads the copy over every static position: on the H200 at batch
@@ -41,6 +44,9 @@ def max_query_rows(dv: int) -> int:
     """Query rows (``G * T``) one program of the kernel holds: its float32 accumulator is ``rows x dv``."""
     return 64 if dv <= 128 else 32
 _EXPANSION = ("reshape", "view", "expand", "getitem", "unsqueeze", "repeat_interleave")
+# side-effect-free ops that may feed the replaced attention only: erased with it
+_FEEDERS = _EXPANSION + ("matmul", "bmm", "transpose", "mul", "div", "add", "softmax", "dropout", "to", "float",
+                         "type", "contiguous")
 
 
 class NotDecodeAttention(Exception):
@@ -73,6 +79,45 @@ class AttentionMatch:
 
 def sdpa_calls(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if n.op == "call_function" and op_name(n) in _SDPA]
+
+
+_MATMUL = ("matmul", "bmm")
+_PASS_THROUGH = ("to", "float", "type", "contiguous")     # casts between the softmax and the second matmul
+
+
+def _strip(n, names) -> fx.Node:
+    while isinstance(n, fx.Node) and op_name(n) in names and n.args:
+        n = n.args[0]
+    return n
+
+
+def _is_dropout_off(n: fx.Node) -> bool:
+    p = _arg(n, 1, "p", 0.5)
+    training = _arg(n, 2, "training", True)
+    return op_name(n) == "dropout" and (p == 0 or training is False)
+
+
+def _probabilities(n) -> fx.Node | None:
+    """The softmax behind the first operand of a second attention matmul (through casts and a dropout that is
+    off), else None."""
+    while isinstance(n, fx.Node):
+        if op_name(n) == "softmax":
+            return n
+        if op_name(n) in _PASS_THROUGH or (op_name(n) == "dropout" and _is_dropout_off(n)):
+            n = n.args[0]
+            continue
+        return None
+    return None
+
+
+def eager_calls(graph: fx.Graph) -> list[fx.Node]:
+    """Second matmuls of eager attention (probabilities @ values): their first operand is a softmax's output."""
+    return [n for n in graph.nodes if n.op == "call_function" and op_name(n) in _MATMUL and len(n.args) == 2
+            and _probabilities(n.args[0]) is not None]
+
+
+def attention_calls(graph: fx.Graph) -> list[fx.Node]:
+    return sdpa_calls(graph) + eager_calls(graph)
 
 
 def _arg(n: fx.Node, index: int, name: str, default=None):
@@ -135,7 +180,10 @@ def kv_source(n, heads: int, gqa: bool) -> tuple[fx.Node, int]:
 
 
 def match(n: fx.Node) -> AttentionMatch:
-    """The decode attention of SDPA call ``n``, or :class:`NotDecodeAttention` with the reason."""
+    """The decode attention of SDPA call (or eager attention's second matmul) ``n``, or :class:`NotDecodeAttention`
+    with the reason."""
+    if op_name(n) in _MATMUL:
+        return _match_eager(n)
     q, k, v = n.args[:3]
     mask = _arg(n, 3, "attn_mask")
     dropout = _arg(n, 4, "dropout_p", 0.0)
@@ -148,6 +196,65 @@ def match(n: fx.Node) -> AttentionMatch:
         raise NotDecodeAttention("is_causal=True")
     if scale is not None and not isinstance(scale, (int, float)):
         raise NotDecodeAttention("a scale computed in the graph")
+    return _build(n, q, k, v, mask, scale, gqa)
+
+
+def _only_user(x: fx.Node, user: fx.Node) -> None:
+    if list(x.users) != [user]:
+        raise NotDecodeAttention(f"`{x.name}` has readers besides the attention (e.g. attention weights returned)")
+
+
+def _match_eager(n: fx.Node) -> AttentionMatch:
+    """``matmul(P, v)`` with ``P = dropout_off(softmax(scores * scale + mask, dim=-1).to(dtype))`` and ``scores =
+    matmul(q, k.transpose(2, 3))``: the pieces of transformers' ``eager_attention_forward``."""
+    probs, v = n.args
+    sm = _probabilities(probs)
+    chain, x = [], probs
+    while x is not sm:
+        chain.append(x)
+        x = x.args[0]
+    for node, reader in zip(chain + [sm], [n] + chain):       # the probabilities feed the values' matmul only
+        _only_user(node, reader)
+    dim = _arg(sm, 1, "dim")
+    if dim not in (-1, 3):
+        raise NotDecodeAttention(f"a softmax over dim {dim}, not the positions")
+    if _arg(sm, 3, "dtype") not in (None, torch.float32):
+        raise NotDecodeAttention("a softmax in a dtype other than float32")
+    x, mask, scale = sm.args[0], None, 1.0
+    if op_name(x) == "add":                                     # scores * scale + mask (either order)
+        _only_user(x, sm)
+        a, b = x.args
+        x, mask = (a, b) if _reaches_matmul(a) else (b, a)
+        if not isinstance(mask, fx.Node):
+            raise NotDecodeAttention("a constant added to the scores")
+    if op_name(x) in ("mul", "div"):
+        if len(x.users) != 1:
+            raise NotDecodeAttention(f"`{x.name}` has readers besides the attention")
+        a, b = x.args
+        if op_name(x) == "mul":
+            c, x = (b, a) if isinstance(b, (int, float)) else (a, b)
+            scale = float(c) if isinstance(c, (int, float)) else None
+        else:
+            x, c = a, b
+            scale = 1.0 / float(c) if isinstance(c, (int, float)) and c else None
+        if scale is None:
+            raise NotDecodeAttention("scores scaled by a graph tensor")
+    if not isinstance(x, fx.Node) or op_name(x) not in _MATMUL:
+        raise NotDecodeAttention("the scores are not a matmul of queries and keys (soft-capping, bias or sinks?)")
+    if len(x.users) != 1:
+        raise NotDecodeAttention(f"`{x.name}` (the scores) has readers besides the attention")
+    q, kt = x.args
+    if not isinstance(kt, fx.Node) or op_name(kt) != "transpose" or {d % 4 for d in kt.args[1:3]} != {2, 3}:
+        raise NotDecodeAttention("keys not transposed as k.transpose(2, 3)")
+    return _build(n, q, kt.args[0], v, mask, scale, gqa=False)
+
+
+def _reaches_matmul(x) -> bool:
+    x = _strip(x, ("mul", "div"))
+    return isinstance(x, fx.Node) and op_name(x) in _MATMUL
+
+
+def _build(n: fx.Node, q, k, v, mask, scale, gqa: bool) -> AttentionMatch:
     sq = shape(q)
     if sq is None or len(sq) != 4 or not all(isinstance(x, int) for x in sq):
         raise NotDecodeAttention(f"query of shape {sq}, not a static [b, H, T, dk]")
@@ -197,15 +304,14 @@ def _insert(graph: fx.Graph, m: AttentionMatch) -> None:
             mask = graph.call_method("contiguous", (mask,))        # the op reads positions with unit stride
         out = graph.call_function(torch.ops.replay_compile.decode_attention.default, (m.q, m.k, m.v, mask, m.scale))
     n.replace_all_uses_with(out)
-    old = [a for a in n.args[1:4] if isinstance(a, fx.Node)]
+    todo = list(n.all_input_nodes)
     graph.erase_node(n)
-    for a in old:                              # the expansion feeding nothing now: reshape <- expand <- index
-        while a.op in ("call_method", "call_function") and not a.users and op_name(a) in _EXPANSION:
-            nxt = a.args[0]
-            graph.erase_node(a)
-            if not isinstance(nxt, fx.Node):
-                break
-            a = nxt
+    while todo:                                # what fed only the old attention: the expansion, eager's chain
+        a = todo.pop()
+        if a.users or a.op not in ("call_method", "call_function") or op_name(a) not in _FEEDERS:
+            continue
+        todo.extend(a.all_input_nodes)
+        graph.erase_node(a)
 
 
 _CHECKED: dict[tuple, str | None] = {}
@@ -251,7 +357,7 @@ def rewrite(gm: fx.GraphModule, cuda_only: bool = True) -> tuple[list[AttentionM
     """Rewrite every decode attention of ``gm``'s graph in place (``cuda_only``: those on CUDA tensors). Returns the
     rewritten matches and ``(layer, reason)`` for the SDPA calls left unchanged."""
     done, left = [], []
-    for n in sdpa_calls(gm.graph):
+    for n in attention_calls(gm.graph):
         layer = module_path(n)
         try:
             m = match(n)

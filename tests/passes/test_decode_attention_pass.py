@@ -43,13 +43,23 @@ def _attention_layers(model) -> int:
     return -1
 
 
+def _use_attention(model, implementation: str) -> None:
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is not None:
+            cfg._attn_implementation = implementation
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_every_family_decodes_exactly_with_its_attention_rewritten(family):
+def test_every_family_decodes_exactly_with_its_attention_rewritten(family, implementation):
+    """transformers' SDPA attention and its eager attention (softmax of scaled scores plus the mask) alike."""
     from transformers import StaticCache
 
     if not available(family):
         pytest.skip(f"{family} is not in this transformers")
     model = {**MAMBA2_FAMILY, **DELTA_FAMILY}[family](dtype=torch.float32)
+    _use_attention(model, implementation)
     rb.clear_reports()
     with torch.no_grad():
         ref = _decode(model, model.forward, StaticCache(config=model.config, max_cache_len=M))
@@ -172,6 +182,44 @@ def test_other_attention_is_left_unchanged_with_the_reason(case, reason):
     }
     fn, q = fns[case]
     gm, _ = _graph(fn, q, K, K, MASK)
+    done, left = da.rewrite(gm, cuda_only=False)
+    assert not done and len(left) == 1 and reason in left[0][1], left
+
+
+def _eager(q, k, v, m, scale=D ** -0.5, divide=False, softcap=None, weights=False, probs_dtype=None):
+    """transformers' ``eager_attention_forward`` with an additive mask, and the variants the pass must refuse."""
+    k, v = _repeat_kv(k, 2), _repeat_kv(v, 2)
+    scores = torch.matmul(q, k.transpose(2, 3))
+    scores = scores / (1 / scale) if divide else scores * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores + torch.where(m, 0.0, torch.finfo(q.dtype).min)
+    p = torch.nn.functional.softmax(scores, dim=-1, dtype=probs_dtype or torch.float32).to(q.dtype)
+    p = torch.nn.functional.dropout(p, p=0.0, training=False)
+    out = torch.matmul(p, v)
+    return (out, p) if weights else out
+
+
+@pytest.mark.parametrize("divide", [False, True])
+def test_eager_attention_is_rewritten(divide):
+    done, left = _rewrite(lambda q, k, v, m: _eager(q, k, v, m, divide=divide), Q, K, K, MASK)
+    assert len(done) == 1 and not left, left
+    assert done[0].scale == pytest.approx(D ** -0.5) and done[0].kv_heads == KV
+    gm, _ = _graph(lambda q, k, v, m: _eager(q, k, v, m), Q, K, K, MASK)
+    da.rewrite(gm, cuda_only=False)
+    left_ops = {da.op_name(n) for n in gm.graph.nodes}
+    assert not left_ops & {"softmax", "matmul", "dropout", "expand"}, left_ops      # the old attention is gone
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("weights", "readers besides the attention"),
+    ("softcap", "not a matmul of queries and keys"),
+    ("half_softmax", "a dtype other than float32"),
+])
+def test_other_eager_attention_is_left_unchanged_with_the_reason(case, reason):
+    kw = {"weights": dict(weights=True), "softcap": dict(softcap=30.0),
+          "half_softmax": dict(probs_dtype=torch.float64)}[case]
+    gm, args = _graph(lambda q, k, v, m: _eager(q, k, v, m, **kw), Q, K, K, MASK)
     done, left = da.rewrite(gm, cuda_only=False)
     assert not done and len(left) == 1 and reason in left[0][1], left
 
