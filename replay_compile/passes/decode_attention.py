@@ -6,7 +6,7 @@ What is found (by dataflow, in Dynamo's graph): a ``scaled_dot_product_attention
 dk]`` with ``T <= MAX_TOKENS`` and whose keys and values are a cache's ``[b, KV, S, d]`` tensors, either as they
 are (``H == KV``, or ``enable_gqa=True``) or expanded to ``H`` heads the way transformers' ``repeat_kv`` does
 (``x[:, :, None].expand(b, KV, G, S, d).reshape(b, KV * G, S, d)``, or ``repeat_interleave(x, G, dim=1)``): query
-head ``h`` reads key/value head ``h // G``. The mask is None or ``[b or 1, 1, T or 1, S]`` (shared by the heads),
+head ``h`` reads key/value head ``h // G``; the cache's length may be symbolic (a dynamic cache). The mask is None or ``[b or 1, 1, T or 1, S]`` (shared by the heads),
 boolean or additive; no dropout, not ``is_causal`` (a window's causal order is in its mask). transformers' eager
 attention is found too: ``matmul(dropout(softmax(matmul(q, k.transpose(2, 3)) * scale + mask).to(dtype)), v)``
 over the same expanded keys and values, with no other reader of the probabilities (a model that outputs its
@@ -64,7 +64,7 @@ class AttentionMatch:
     heads: int
     tokens: int
     kv_heads: int
-    positions: int
+    positions: int | torch.SymInt
     dk: int
     dv: int
     dtype: torch.dtype
@@ -138,6 +138,29 @@ def _full(idx) -> bool:
     return idx == slice(None)
 
 
+def _same(a, b) -> bool:
+    """Shapes equal for every value of their symbolic sizes (a dynamic cache's positions, a dynamic batch), decided
+    without adding a guard."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return a is not None and b is not None and len(a) == len(b) and all(statically_known_true(x == y)
+                                                                       for x, y in zip(a, b))
+
+
+def _compatible(a, b) -> bool:
+    """Sizes of different tensors (keys and values, the mask and the keys) that are not known to differ: a dynamic
+    cache gives its keys and values lengths with symbols of their own. The op checks them when it runs (a mismatch
+    raises, naming the arguments), so nothing is guarded here."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return a is not None and b is not None and len(a) == len(b) and not any(
+        statically_known_true(x != y) for x, y in zip(a, b))
+
+
+def _static(*sizes) -> bool:
+    return all(isinstance(x, int) for x in sizes)
+
+
 def kv_source(n, heads: int, gqa: bool) -> tuple[fx.Node, int]:
     """``(cache tensor [b, KV, S, d], G)`` behind SDPA's key or value argument ``n`` (see the module docstring)."""
     if not isinstance(n, fx.Node):
@@ -152,7 +175,7 @@ def kv_source(n, heads: int, gqa: bool) -> tuple[fx.Node, int]:
         if op_name(ex) != "expand" or se is None or len(se) != 5:
             raise NotDecodeAttention("keys or values reshaped from something other than repeat_kv's expand")
         b, KV, G, S, d = se
-        if s != (b, KV * G, S, d):
+        if not _static(KV, G, d) or not _same(s, (b, KV * G, S, d)):
             raise NotDecodeAttention(f"a [b, KV, G, S, d] expansion reshaped to {s}, not [b, KV*G, S, d]")
         src = ex.args[0]
         base = None
@@ -163,7 +186,7 @@ def kv_source(n, heads: int, gqa: bool) -> tuple[fx.Node, int]:
                 base = src.args[0]
         elif op_name(src) == "unsqueeze" and tuple(src.args[1:]) in ((2,), (-3,)):
             base = src.args[0]
-        if base is None or shape(src) != (b, KV, 1, S, d) or shape(base) != (b, KV, S, d):
+        if base is None or not _same(shape(src), (b, KV, 1, S, d)) or not _same(shape(base), (b, KV, S, d)):
             raise NotDecodeAttention("the grouped heads are not expanded as repeat_kv's x[:, :, None].expand(...)")
         return base, G
     if name == "repeat_interleave":
@@ -171,9 +194,12 @@ def kv_source(n, heads: int, gqa: bool) -> tuple[fx.Node, int]:
         dim = _arg(n, 2, "dim")
         base = n.args[0]
         sb = shape(base)
-        if not isinstance(G, int) or dim not in (1, -3) or sb is None or s != (sb[0], sb[1] * G, sb[2], sb[3]):
+        if (not isinstance(G, int) or dim not in (1, -3) or sb is None or not _static(sb[1], sb[3])
+                or not _same(s, (sb[0], sb[1] * G, sb[2], sb[3]))):
             raise NotDecodeAttention("keys or values repeated other than head-wise (repeat_interleave(x, G, dim=1))")
         return base, G
+    if not _static(s[1], s[3]):
+        raise NotDecodeAttention(f"keys or values of shape {s}: a dynamic number of heads or head dimension")
     if s[1] == heads or gqa:
         return n, 1 if s[1] == heads else heads // s[1]
     raise NotDecodeAttention(f"{s[1]} key/value heads for {heads} query heads, not expanded by repeat_kv")
@@ -256,19 +282,17 @@ def _reaches_matmul(x) -> bool:
 
 def _build(n: fx.Node, q, k, v, mask, scale, gqa: bool) -> AttentionMatch:
     sq = shape(q)
-    if sq is None or len(sq) != 4 or not all(isinstance(x, int) for x in sq):
-        raise NotDecodeAttention(f"query of shape {sq}, not a static [b, H, T, dk]")
+    if sq is None or len(sq) != 4 or not _static(*sq[1:]):
+        raise NotDecodeAttention(f"query of shape {sq}, not [b, H, T, dk] with static heads, tokens and dims")
     b, H, T, dk = sq
     if T > MAX_TOKENS:
         raise NotDecodeAttention(f"{T} query tokens, more than a decode step or a verify window ({MAX_TOKENS})")
     kb, G = kv_source(k, H, gqa)
     vb, Gv = kv_source(v, H, gqa)
     sk, sv = shape(kb), shape(vb)
-    if G != Gv or sk[:3] != sv[:3] or sk[0] != b or sk[1] * G != H or sk[3] != dk:
+    if G != Gv or not _compatible(sk[:3], sv[:3]) or not _compatible(sk[:1], (b,)) or sk[1] * G != H or sk[3] != dk:
         raise NotDecodeAttention(f"keys {sk} and values {sv} (groups {G} / {Gv}) do not fit a query {sq}")
-    if not all(isinstance(x, int) for x in sk + sv):
-        raise NotDecodeAttention("a dynamic cache shape")
-    S = sk[2]
+    S = sk[2]                   # may be symbolic: a dynamic cache grows by a token a step
     if H // sk[1] * T > max_query_rows(sv[3]):
         raise NotDecodeAttention(f"{H // sk[1]} query heads per key/value head x {T} tokens: more query rows than "
                                  f"the kernel's tile holds ({max_query_rows(sv[3])})")
@@ -276,7 +300,8 @@ def _build(n: fx.Node, q, k, v, mask, scale, gqa: bool) -> AttentionMatch:
     if mask is not None:
         sm = shape(mask)
         mdt = dtype_of(mask)
-        if sm is None or len(sm) != 4 or sm[0] not in (1, b) or sm[1] != 1 or sm[2] not in (1, T) or sm[3] != S:
+        if (sm is None or len(sm) != 4 or not (_same(sm[:1], (1,)) or _compatible(sm[:1], (b,))) or sm[1] != 1
+                or sm[2] not in (1, T) or not _compatible(sm[3:], (S,))):
             raise NotDecodeAttention(f"a mask of shape {sm}, not [b or 1, 1, {T} or 1, {S}] shared by the heads")
         mrows = sm[2]
         if mdt != torch.bool and not (mdt is not None and mdt.is_floating_point):
@@ -297,8 +322,9 @@ def _insert(graph: fx.Graph, m: AttentionMatch) -> None:
     n = m.sdpa
     with graph.inserting_before(n):
         if m.mask is None:
-            mask = graph.call_function(torch.ones, ((1, 1, m.positions),), {"dtype": torch.bool,
-                                                                             "device": example(m.q).device})
+            positions = m.positions if isinstance(m.positions, int) else graph.call_method("size", (m.k, 2))
+            mask = graph.call_function(torch.ones, ((1, 1, positions),), {"dtype": torch.bool,
+                                                                          "device": example(m.q).device})
         else:
             mask = graph.call_function(operator.getitem, (m.mask, (slice(None), 0)))
             mask = graph.call_method("contiguous", (mask,))        # the op reads positions with unit stride
@@ -375,7 +401,7 @@ def rewrite(gm: fx.GraphModule, cuda_only: bool = True) -> tuple[list[AttentionM
             continue
         _insert(gm.graph, m)
         done.append(m)
-        log.info("replay_compile: %s: decode attention (%d token(s), %d query heads over %d key/value heads, %d "
+        log.info("replay_compile: %s: decode attention (%d token(s), %d query heads over %d key/value heads, %s "
                  "positions) -> replay_compile::decode_attention", layer, m.tokens, m.heads, m.kv_heads, m.positions)
     if done:
         gm.graph.lint()

@@ -100,6 +100,33 @@ def test_auto_leaves_cpu_graphs_to_sdpa():
     assert rb.ReplayConfig().decode_attention == "auto"             # the default: CUDA graphs only
 
 
+def test_a_dynamic_cache_is_rewritten_with_symbolic_positions():
+    """``generate``'s default dynamic cache grows by a token a step: after the first recompile Dynamo makes the
+    positions symbolic (the keys and values with symbols of their own); that graph's attention is rewritten too."""
+    model = MAMBA2_FAMILY["nemotron_h"](dtype=torch.float32)
+    ids = make_inputs(model, batch=2, prompt_len=PROMPT, seed=0)
+    rb.clear_reports()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=STEPS, do_sample=False)
+        model.forward = torch.compile(model.forward, backend="replayssm",
+                                      options={"decode_attention": "on", "lower": "eager"})
+        got = model.generate(ids, max_new_tokens=STEPS, do_sample=False)
+    assert torch.equal(got, ref)
+    decode_graphs = [r for r in rb.reports() if r.attention]
+    assert len(decode_graphs) == 2, [r.attention for r in rb.reports()]     # the first step's shape, then dynamic
+
+
+def test_the_op_refuses_keys_and_values_of_different_lengths():
+    """The pass accepts keys and values whose symbolic lengths it cannot prove equal; the op checks them when it
+    runs."""
+    from replay_compile.ops.decode_attention import decode_attention
+
+    q, k, v = torch.randn(B, H, 1, D), torch.randn(B, KV, S, D), torch.randn(B, KV, S - 1, D)
+    with pytest.raises(ValueError, match=r"v must be \[b=2, KV=2, S=9, dv\]"):
+        decode_attention(q, k, v, torch.ones(1, 1, S, dtype=torch.bool), D ** -0.5)
+
+
 # -- graphs written by hand: what is and is not decode attention ------------------------------------------------
 
 B, H, KV, S, D = 2, 4, 2, 9, 8
