@@ -6,8 +6,8 @@ What is found (by dataflow, in Dynamo's graph): a ``scaled_dot_product_attention
 dk]`` with ``T <= MAX_TOKENS`` and whose keys and values are a cache's ``[b, KV, S, d]`` tensors, either as they
 are (``H == KV``, or ``enable_gqa=True``) or expanded to ``H`` heads the way transformers' ``repeat_kv`` does
 (``x[:, :, None].expand(b, KV, G, S, d).reshape(b, KV * G, S, d)``, or ``repeat_interleave(x, G, dim=1)``): query
-head ``h`` reads key/value head ``h // G``; the cache's length may be symbolic (a dynamic cache). The mask is None or ``[b or 1, 1, T or 1, S]`` (shared by the heads),
-boolean or additive; no dropout, not ``is_causal`` (a window's causal order is in its mask). transformers' eager
+head ``h`` reads key/value head ``h // G``; the cache's length may be symbolic (a dynamic cache). The mask is None
+or ``[b or 1, 1, T or 1, S]`` (shared by the heads), boolean or additive; no dropout, not ``is_causal`` (a window's causal order is in its mask). transformers' eager
 attention is found too: ``matmul(dropout(softmax(matmul(q, k.transpose(2, 3)) * scale + mask).to(dtype)), v)``
 over the same expanded keys and values, with no other reader of the probabilities (a model that outputs its
 attention weights keeps them), no dropout and no other term (soft-capping, sinks). Every call that is not this is
