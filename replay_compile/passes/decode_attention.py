@@ -3,16 +3,16 @@ last token and its drafts for a speculative verify), rewritten into ``replay_com
 key/value head is read once, over its filled positions only.
 
 What is found (by dataflow, in Dynamo's graph): a ``scaled_dot_product_attention`` call whose query is ``[b, H, T,
-dk]`` with ``T <= MAX_TOKENS`` and whose keys and values are a cache's ``[b, KV, S, d]`` tensors, either as they
-are (``H == KV``, or ``enable_gqa=True``) or expanded to ``H`` heads the way transformers' ``repeat_kv`` does
-(``x[:, :, None].expand(b, KV, G, S, d).reshape(b, KV * G, S, d)``, or ``repeat_interleave(x, G, dim=1)``): query
-head ``h`` reads key/value head ``h // G``; the cache's length may be symbolic (a dynamic cache). The mask is None
-or ``[b or 1, 1, T or 1, S]`` (shared by the heads), boolean or additive; no dropout, not ``is_causal`` (a window's causal order is in its mask). transformers' eager
-attention is found too: ``matmul(dropout(softmax(matmul(q, k.transpose(2, 3)) * scale + mask).to(dtype)), v)``
-over the same expanded keys and values, with no other reader of the probabilities (a model that outputs its
-attention weights keeps them), no dropout and no other term (soft-capping, sinks). Every call that is not this is
-left as it is, with its reason logged at debug (prefill graphs and other attention are not decode attention, so
-nothing is said at info).
+dk]`` with ``T <= MAX_TOKENS`` and whose keys and values are a cache's ``[b, KV, S, d]`` tensors, either as they are
+(``H == KV``, or ``enable_gqa=True``) or expanded to ``H`` heads the way transformers' ``repeat_kv`` does (``x[:, :,
+None].expand(b, KV, G, S, d).reshape(b, KV * G, S, d)``, or ``repeat_interleave(x, G, dim=1)``): query head ``h``
+reads key/value head ``h // G``; the cache's length may be symbolic (a dynamic cache). The mask is None or ``[b or
+1, 1, T or 1, S]`` (shared by the heads), boolean or additive; no dropout, not ``is_causal`` (a window's causal
+order is in its mask). transformers' eager attention is found too: ``matmul(dropout(softmax(matmul(q, k.transpose(2,
+3)) * scale + mask).to(dtype)), v)`` over the same expanded keys and values, with no other reader of the
+probabilities (a model that outputs its attention weights keeps them), no dropout and no other term (soft-capping,
+sinks). Every call that is not this is left as it is, with its reason logged at debug (prefill graphs and other
+attention are not decode attention, so nothing is said at info).
 
 Why: under ``torch.compile``, transformers expands the grouped key/value heads with ``repeat_kv`` (a copy of the
 whole static cache into ``H`` heads) and SDPA then reads the copy over every static position: on the H200 at batch
