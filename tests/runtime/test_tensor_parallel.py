@@ -3,8 +3,9 @@
 The parity tests start two CPU processes (gloo) and greedy-decode 2L+1 tokens (L = 4): the unsharded model eagerly (the
 reference), compiled with ``backend="replayssm"`` at TP=1, and the TP=2 model eagerly and compiled (one compile per
 rank). Tokens must be identical, logits and the recurrent states left in the cache (gathered over ranks) close, and
-every rank must have rewritten every SSM layer. One family goes through Inductor, one through the eager lowering
-(the DTensor graph under Inductor is the slower path on 2 CPU cores).
+every rank must have rewritten every SSM layer. Each state kind (Mamba-2, Gated DeltaNet in its packed and separate
+projections, KDA with low-rank and full-rank gates) goes through the eager lowering; NemotronH through Inductor too
+where time allows (the DTensor graph under Inductor is the slower path on 2 CPU cores).
 """
 
 from __future__ import annotations
