@@ -31,14 +31,15 @@ def _when_slow_tests(reason: str):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family,lower", [
-    ("nemotron_h", "eager"), ("qwen3_5", "eager"), ("kimi_linear", "eager"), ("bailing_hybrid", "eager"),
-    ("olmo_hybrid", "eager"),
-    # Kimi-Linear's KDA sharding with GLM-5.3-Flash's A_log layout (Ling-3.0-Flash's above): ~100 s on 2 CPU cores
-    pytest.param("glm5_next", "eager", marks=_when_slow_tests("GLM-5.3-Flash's tiny model takes ~100 s here")),
+    ("nemotron_h", "eager"), ("qwen3_5", "eager"),
     # TP + Inductor: ~100 s on the CI's two cores (two ranks compiling); run it where time allows (the GPU machine)
     pytest.param("nemotron_h", "inductor", marks=_when_slow_tests("TP + Inductor takes ~100 s on 2 CPU cores")),
 ])
 def test_tp2_matches_tp1_and_eager(family, lower):
+    check_tp2_parity(family, lower)
+
+
+def check_tp2_parity(family: str, lower: str) -> None:
     from replay_compile.testing.hf_models import available
     from replay_compile.testing.tp_parity import tp_parity
 

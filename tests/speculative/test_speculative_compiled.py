@@ -95,8 +95,8 @@ def test_the_round_reports_no_state_update_left_unchanged(reference, monkeypatch
     report their writes (nor the attention scratch's commit) as state updates it leaves unchanged, also where CPU
     graphs are rewritten."""
     family, model, ids, ref = reference
-    if family not in ("nemotron_h", "qwen3_5"):
-        pytest.skip("one family per state kind")
+    if family != "qwen3_5":
+        pytest.skip("one family: the SSM pass is off for every round alike")
     monkeypatch.setenv("REPLAY_COMPILE_DEVICES", "cpu,cuda")
     torch._dynamo.reset()
     with caplog.at_level(logging.INFO, logger="replay_compile"):
