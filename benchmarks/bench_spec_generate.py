@@ -271,28 +271,21 @@ def _round_profile(run, draft, new: int) -> tuple[dict, float]:
     ``new // 2``-token call (prefill, warm-up rounds and capture are the same in both), and the rounds between."""
     import torch
 
-    from replay_compile.bench import kernel_category
+    from replay_compile.bench import by_category, kernel_times
 
     def profiled(n):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             out = run(n, draft)
             torch.cuda.synchronize()
-        cats: dict = {}
-        kernels: dict = {}
-        for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                cat = kernel_category(e.name)
-                cats[cat] = cats.get(cat, 0.0) + e.device_time_total / 1e3
-                kernels[e.name[:100]] = kernels.get(e.name[:100], 0.0) + e.device_time_total / 1e3
-        return cats, kernels, out.timing["replay_rounds"]
+        return kernel_times(prof), out.timing["replay_rounds"]
 
-    short, short_k, r0 = profiled(new // 2)
-    full, full_k, r1 = profiled(new)
+    short, r0 = profiled(new // 2)
+    full, r1 = profiled(new)
     rounds = float(r1 - r0)
-    per_kernel = {k: (full_k.get(k, 0.0) - short_k.get(k, 0.0)) / max(rounds, 1) for k in full_k}
-    for k in sorted(per_kernel, key=per_kernel.get, reverse=True)[:12]:
-        print(f"#     {per_kernel[k]:7.3f} ms/round  {k}", flush=True)
-    return {c: full.get(c, 0.0) - short.get(c, 0.0) for c in full | short}, rounds
+    diff = {k: full.get(k, 0.0) - short.get(k, 0.0) for k in full | short}
+    for k in sorted(diff, key=diff.get, reverse=True)[:12]:
+        print(f"#     {diff[k] / max(rounds, 1):7.3f} ms/round  {k[:100]}", flush=True)
+    return by_category(diff), rounds
 
 
 def _emit_profile(model: str, bs: int, variant: str, cats: dict, rounds: float, out_dir: str) -> None:

@@ -319,13 +319,28 @@ def profile_steps(step: Callable, steps: int = PROFILE_STEPS) -> dict:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
+    return {cat: t / steps for cat, t in by_category(kernel_times(prof)).items()}
+
+
+def kernel_times(prof) -> dict[str, float]:
+    """Device milliseconds per kernel name over a finished ``torch.profiler`` run (its CUDA events)."""
+    import torch
+
     out: dict = {}
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             t = getattr(e, "device_time_total", None)
             t = e.cuda_time_total if t is None else t
-            cat = kernel_category(e.name)
-            out[cat] = out.get(cat, 0.0) + t / 1e3 / steps
+            out[e.name] = out.get(e.name, 0.0) + t / 1e3
+    return out
+
+
+def by_category(times: dict[str, float]) -> dict[str, float]:
+    """Kernel times summed by :func:`kernel_category`."""
+    out: dict = {}
+    for name, t in times.items():
+        cat = kernel_category(name)
+        out[cat] = out.get(cat, 0.0) + t
     return out
 
 

@@ -31,6 +31,7 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .._logging import log
 from .graph_utils import dtype as dtype_of
@@ -43,10 +44,10 @@ MAX_TOKENS = 16         # a decode step or a speculative window; longer queries 
 def max_query_rows(dv: int) -> int:
     """Query rows (``G * T``) one program of the kernel holds: its float32 accumulator is ``rows x dv``."""
     return 64 if dv <= 128 else 32
-_EXPANSION = ("reshape", "view", "expand", "getitem", "unsqueeze", "repeat_interleave")
-# side-effect-free ops that may feed the replaced attention only: erased with it
-_FEEDERS = _EXPANSION + ("matmul", "bmm", "transpose", "mul", "div", "add", "softmax", "dropout", "to", "float",
-                         "type", "contiguous")
+# side-effect-free ops that may feed the replaced attention only (repeat_kv's expansion, eager's chain): erased
+# with it
+_FEEDERS = ("reshape", "view", "expand", "getitem", "unsqueeze", "repeat_interleave", "matmul", "bmm", "transpose",
+            "mul", "div", "add", "softmax", "dropout", "to", "float", "type", "contiguous")
 
 
 class NotDecodeAttention(Exception):
@@ -103,7 +104,7 @@ def _probabilities(n) -> fx.Node | None:
     while isinstance(n, fx.Node):
         if op_name(n) == "softmax":
             return n
-        if op_name(n) in _PASS_THROUGH or (op_name(n) == "dropout" and _is_dropout_off(n)):
+        if op_name(n) in _PASS_THROUGH or _is_dropout_off(n):
             n = n.args[0]
             continue
         return None
@@ -141,8 +142,6 @@ def _full(idx) -> bool:
 def _same(a, b) -> bool:
     """Shapes equal for every value of their symbolic sizes (a dynamic cache's positions, a dynamic batch), decided
     without adding a guard."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
     return a is not None and b is not None and len(a) == len(b) and all(statically_known_true(x == y)
                                                                        for x, y in zip(a, b))
 
@@ -151,8 +150,6 @@ def _compatible(a, b) -> bool:
     """Sizes of different tensors (keys and values, the mask and the keys) that are not known to differ: a dynamic
     cache gives its keys and values lengths with symbols of their own. The op checks them when it runs (a mismatch
     raises, naming the arguments), so nothing is guarded here."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
     return a is not None and b is not None and len(a) == len(b) and not any(
         statically_known_true(x != y) for x, y in zip(a, b))
 
