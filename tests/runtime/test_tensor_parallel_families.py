@@ -6,22 +6,18 @@ attention left replicated). Run under the newest transformers only: the sharding
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 pytest.importorskip("transformers")
 
-from test_tensor_parallel import check_tp2_parity  # noqa: E402
+from test_tensor_parallel import _when_slow_tests, check_tp2_parity  # noqa: E402
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", [
     "kimi_linear", "bailing_hybrid", "olmo_hybrid",
-    pytest.param("glm5_next", marks=pytest.mark.skipif(
-        not os.environ.get("REPLAY_COMPILE_SLOW_TESTS"),
-        reason="GLM-5.3-Flash's tiny model takes ~100 s here (its KDA sharding is Kimi-Linear's with Ling-3.0-Flash's "
-               "A_log layout, both above); set REPLAY_COMPILE_SLOW_TESTS=1 to run it")),
+    # Kimi-Linear's KDA sharding with Ling-3.0-Flash's A_log layout, both above
+    pytest.param("glm5_next", marks=_when_slow_tests("GLM-5.3-Flash's tiny model takes ~100 s here")),
 ])
 def test_tp2_matches_tp1_and_eager(family):
     check_tp2_parity(family, "eager")
