@@ -24,6 +24,10 @@ one process:
 * ``oracle``: compiled speculative rounds drafting their own output (every draft accepted; found by re-drafting
   each run's output until a run reproduces it, ``--oracle-iters``: in bf16 a token depends on the window position a
   verify computes it at, through near-ties of the argmax): the upper bound a good draft source reaches;
+* ``accept-all``: compiled rounds with prompt-lookup drafts, every draft accepted by force (the round's
+  acceptance is replaced by one that keeps all ``k`` drafts and the model's token after them; the argmax is still
+  computed): exactly the work of rounds with perfect drafts, ``T`` tokens per round. Its tokens are not the model's;
+  the oracle row is the honest acceptance, which in bf16 falls short of ``T`` (below);
 * ``snapshot``: the same oracle rounds with the per-draft snapshot baseline in place of the replay verify
   (``spec_baselines.snapshot_layers``: ``T + 1`` states per sequence, one read and ``T`` writes per round), compiled
   the same way: the speculative decoding an engine without replay runs;
@@ -46,6 +50,7 @@ import argparse
 import csv
 import os
 import time
+from unittest import mock
 
 import torch
 
@@ -92,6 +97,19 @@ def _train(name: str, args):
             torch.cuda.empty_cache()
 
 
+def _accept_all_rounds():
+    """:class:`~replay_compile.speculative.rounds.Rounds` whose acceptance keeps every draft (the ``accept-all``
+    rows)."""
+    from replay_compile.speculative.rounds import Rounds
+
+    class AcceptAll(Rounds):
+        def accept(self, logits, drafts):
+            ok, pred = super().accept(logits, drafts)            # the argmax stays in the round
+            return torch.full_like(ok, self.k), torch.cat([drafts, pred[:, self.k:]], dim=1)
+
+    return AcceptAll
+
+
 def _fixed_point(generate, seqs, iters: int):
     """Sequences that a run drafting them reproduces exactly, so that every draft is accepted: in bf16 a token
     depends on which window position a verify computes it at (near-ties of the argmax), so a run drafting another
@@ -129,6 +147,7 @@ def main(argv=None):
     from replay_compile import bench
     from replay_compile.bench import build_model
     from replay_compile.speculative import DraftModel, PromptLookup, generate_speculative
+    from replay_compile.speculative import generate as generate_module
     from replay_compile.speculative.generate import generate_rounds
     from replay_compile.testing.copy_task import copy_batch
     from replay_compile.testing.drafts import known_continuation
@@ -150,7 +169,7 @@ def main(argv=None):
                          "hundred steps; 1000 and 16 stayed at chance for 600 steps on a 4B-sized model)")
     ap.add_argument("--copy-phrase", type=int, default=8)
     ap.add_argument("--copy-batch", type=int, default=48)
-    ap.add_argument("--variants", default="lookup,oracle,snapshot,draft")
+    ap.add_argument("--variants", default="lookup,accept-all,oracle,snapshot,draft")
     ap.add_argument("--phrase", type=int, default=8, help="random prompts: a phrase of this many tokens ...")
     ap.add_argument("--repeats", type=int, default=4, help="... repeated this many times")
     ap.add_argument("--draft-model", default="1024,4",
@@ -167,6 +186,7 @@ def main(argv=None):
     args.variants = args.variants.split(",")
     if args.profile and args.device != "cuda":
         raise SystemExit("bench_spec_generate: --profile reads CUDA kernel times; it needs --device cuda")
+    _AcceptAll = _accept_all_rounds()
     compiler = (lambda fn: torch.compile(fn, backend="replayssm"))      # the rounds capture their own CUDA graph
     os.makedirs(args.out, exist_ok=True)
     dtype = getattr(torch, args.dtype)
@@ -217,12 +237,16 @@ def main(argv=None):
             print(f"{name:18} {bs:3d} {'decode':8} {dec_tps:10.1f} {1.0:7.2f}x {step['median_step_ms']:8.2f} "
                   f"{1.0:9.2f} {'':>9} {'':>8} {'':>6} {'':>6} {'':>6} {step['first_step_s']:6.1f}", flush=True)
             ref = None                          # the lookup run's tokens at 2N: what the oracle rows draft
-            for variant in ("lookup", "oracle", "snapshot", "draft"):
+            for variant in ("lookup", "accept-all", "oracle", "snapshot", "draft"):
                 if variant != "lookup" and variant not in args.variants or variant == "draft" and drafter is None:
                     continue
                 layers_for = snapshot_layers if variant == "snapshot" else None
 
                 def run(new, draft):
+                    if variant == "accept-all":
+                        with mock.patch.object(generate_module, "Rounds", _AcceptAll):
+                            return generate_speculative(model, ids, new, num_draft=args.num_draft, draft=draft,
+                                                        compile=True, eos_token_id=[], max_cache_len=cache_len)
                     if layers_for is None:
                         return generate_speculative(model, ids, new, num_draft=args.num_draft, draft=draft,
                                                     compile=True, eos_token_id=[], max_cache_len=cache_len)
@@ -230,7 +254,7 @@ def main(argv=None):
                                            compiler=compiler, eos=[], layers_for=layers_for,
                                            cuda_graph=args.device == "cuda", max_cache_len=cache_len)
                 t_first = time.perf_counter()
-                if variant == "lookup":
+                if variant in ("lookup", "accept-all"):
                     draft = PromptLookup(ngram=3)
                 elif variant == "draft":
                     draft = DraftModel(drafter)
@@ -283,7 +307,7 @@ def _round_profile(run, draft, new: int) -> tuple[dict, float]:
     full, r1 = profiled(new)
     rounds = float(r1 - r0)
     diff = {k: full.get(k, 0.0) - short.get(k, 0.0) for k in full | short}
-    for k in sorted(diff, key=diff.get, reverse=True)[:12]:
+    for k in sorted(diff, key=lambda k: abs(diff[k]), reverse=True)[:16]:       # a negative one is a difference too
         print(f"#     {diff[k] / max(rounds, 1):7.3f} ms/round  {k[:100]}", flush=True)
     return by_category(diff), rounds
 

@@ -7,8 +7,11 @@ Bytes. A decode step's attention must read each key/value head's filled position
 expanded heads (``repeat_kv``), then SDPA reads the copy: ``(1 + 2G)`` times the whole static cache. Here one
 program owns one (row, key/value head) pair and a range of positions; its ``G`` query heads times ``T`` window
 tokens are the rows of one ``tl.dot`` tile, so each key and value is loaded once for all of them. The loop runs over
-the positions between the first and the last one the row's mask keeps (found by a scan of the mask first), and its
-loads are predicated by the mask: only kept positions are read, whatever the static cache's length.
+the positions between the first and the last one the row's mask keeps (found by a scan of the mask first), a tile
+that the mask hides for every query row is skipped, and the loads are predicated by the mask: only kept positions
+are read, whatever the static cache's length. (A speculative round's mask keeps each row's tokens and a scratch
+window at the cache's end; without the skip its tiles between them cost 5x a decode step's attention: 2.18 ms per
+round for 8 layers at batch 256, T = 4, Qwen3.5-4B dims, H100.)
 
 Parallelism. ``b * KV`` programs fill the SMs from batch 17 on (8 key/value heads, 132 SMs); below that the
 positions are split ``n_split`` ways, each split keeping its running maximum, normaliser and weighted sum in
@@ -82,28 +85,30 @@ def _decode_attention_split(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, ws_m, ws_l, 
         else:
             live = tl.load(m_rows[:, None] + s[None, :], mask=inside[None, :], other=0) != 0
         any_live = tl.max(live.to(tl.int32), axis=0) > 0      # [BLOCK_S]: some query row keeps the position
-        kt = tl.load(k_base + s[:, None] * sk_s + dk[None, :], mask=any_live[:, None] & (dk[None, :] < DK),
-                     other=0.0)
-        if IEEE:
-            scores = tl.dot(q.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(kt))
-        scores = scores * scale_log2
-        if FLOAT_MASK:
-            scores = scores + bias * 1.4426950408889634
-        scores = tl.where(live, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)   # a query row with nothing kept yet adds nothing
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(scores - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        vt = tl.load(v_base + s[:, None] * sv_s + dv[None, :], mask=any_live[:, None] & (dv[None, :] < DV),
-                     other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-        m_i = m_new
+        # a tile the mask hides for every query row is skipped whole (see the module docstring)
+        if tl.max(any_live.to(tl.int32), axis=0) > 0:
+            kt = tl.load(k_base + s[:, None] * sk_s + dk[None, :], mask=any_live[:, None] & (dk[None, :] < DK),
+                         other=0.0)
+            if IEEE:
+                scores = tl.dot(q.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
+            else:
+                scores = tl.dot(q, tl.trans(kt))
+            scores = scores * scale_log2
+            if FLOAT_MASK:
+                scores = scores + bias * 1.4426950408889634
+            scores = tl.where(live, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)   # a query row with nothing kept yet adds nothing
+            alpha = tl.exp2(m_i - m_ref)
+            p = tl.exp2(scores - m_ref[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            vt = tl.load(v_base + s[:, None] * sv_s + dv[None, :], mask=any_live[:, None] & (dv[None, :] < DV),
+                         other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+            m_i = m_new
     if N_SPLIT == 1:
         res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + row * so_b + heads[:, None] * so_h + t[:, None] * so_t + dv[None, :],

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ..integrations.hf_modules import is_kimi_delta_attention
 from ..kernels.delta_reference import delta_replay_materialize_reference
 from ..kernels.delta_spec_reference import delta_spec_exact_fold, delta_spec_verify_reference
-from .base import SpecLayer
+from .base import SpecLayer, conv_window
 
 
 def _act(name: str):
@@ -66,12 +66,8 @@ class SpecDeltaLayer(SpecLayer):
     def _conv(self, mixed: torch.Tensor) -> torch.Tensor:
         """``causal_conv1d_update`` for ``T`` inputs at once, the conv state left alone: [b, C, T] -> [b, C, T]."""
         m = self.mixer
-        T = mixed.shape[-1]
         self.pending_conv = mixed
-        w = m.conv1d.weight                                                        # [C, 1, k]
-        seq = torch.cat([self.conv_state, mixed], dim=-1).to(w.dtype)
-        out = F.conv1d(seq, w, m.conv1d.bias, padding=0, groups=seq.shape[1])[..., -T:]
-        return self.act(out).to(mixed.dtype)
+        return self.act(conv_window(self.conv_state, mixed, m.conv1d.weight, m.conv1d.bias)).to(mixed.dtype)
 
     def forward(self, hidden_states: torch.Tensor, *args, attention_mask=None, **kwargs) -> torch.Tensor:
         """hidden_states [b, T, hidden] -> [b, T, hidden]; the cache is not written (see the module docstring)."""

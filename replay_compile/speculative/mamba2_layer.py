@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ..kernels.mamba2_reference import replay_materialize_reference
 from ..kernels.mamba2_spec_reference import spec_verify_reference
-from .base import SpecLayer
+from .base import SpecLayer, conv_window
 
 
 class SpecMamba2Layer(SpecLayer):
@@ -49,8 +49,7 @@ class SpecMamba2Layer(SpecLayer):
         gate, xBC, dt = m.in_proj(hidden_states).split([m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
         new = xBC.transpose(1, 2)                                               # [b, conv_dim, T]
         self.pending_conv = new
-        seq = torch.cat([self.conv_state.to(new.dtype), new], dim=-1)         # the decode path's conv, T at once
-        conv = F.conv1d(seq, m.conv1d.weight, m.conv1d.bias, groups=m.conv_dim)[..., -T:]
+        conv = conv_window(self.conv_state, new, m.conv1d.weight, m.conv1d.bias).to(new.dtype)
         xBC = m.act(conv).transpose(1, 2) if hasattr(m, "act") else F.silu(conv).transpose(1, 2)
         x, Bm, Cm = torch.split(xBC, [m.intermediate_size, G * N, G * N], dim=-1)
         x = x.reshape(b, T, H, P)

@@ -71,11 +71,9 @@ def _holds_tensors(value) -> bool:
 def copy_scratch(attn: list, start: int, dest: torch.Tensor) -> None:
     """Copy the ``T`` scratch positions ``[start, start + T)`` of every static attention layer in ``attn`` to each
     row's positions ``dest`` [b, T] (a commit of the keys and values a forward wrote to the scratch)."""
-    b, T = dest.shape
     for layer in attn:
         for t in (layer.keys, layer.values):
-            src = t[:, :, start:start + T].clone()
-            t.scatter_(2, dest[:, None, :, None].expand(b, t.shape[1], T, t.shape[3]), src)
+            torch.ops.replay_compile.copy_positions(t, start, dest)
 
 
 class Rounds:
@@ -175,11 +173,7 @@ class Rounds:
         extra = {"position_ids": pos} if self.takes_positions else {}
         logits = self.model(window, **{self.ck: self.cache}, attention_mask=self.attention_mask(),
                             cache_position=self.scratch, use_cache=True, **extra).logits
-        if self.sampling is None:                    # greedy: the drafts that match the model's own choices
-            pred = logits.argmax(-1)                                                 # [b, T]
-            ok = (drafts == pred[:, :k]).to(torch.int32).cumprod(-1).sum(-1)
-        else:                                        # speculative sampling: pred[:, :ok] drafts, then a draw
-            ok, pred = accept(self.sampling.probs(logits), drafts, self.sampling)
+        ok, pred = self.accept(logits, drafts)
         n = torch.minimum(ok.long() + 1, remaining)
         if self.eos is not None:                     # a row ends at its first end-of-sequence token
             first_eos = torch.where(torch.isin(pred, self.eos), self.window_cols[None, :], T).amin(-1)
@@ -198,6 +192,16 @@ class Rounds:
         self.history.index_copy_(0, self.round.clamp(max=self.max_rounds)[None], n.to(torch.int32)[None])
         self.round += 1
         self._update_status()
+
+    def accept(self, logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The round's acceptance: logits [b, T, vocab] of the verify, drafts [b, k] -> (``ok`` [b], drafts accepted,
+        ``pred`` [b, T], the tokens the row emits from: ``pred[:, :ok]`` are the accepted drafts, ``pred[:, ok]`` the
+        model's own token after them). Greedy: the drafts that match the model's argmax; sampling: the speculative
+        sampling rule (:func:`.sampling.accept`)."""
+        if self.sampling is None:
+            pred = logits.argmax(-1)
+            return (drafts == pred[:, :self.k]).to(torch.int32).cumprod(-1).sum(-1), pred
+        return accept(self.sampling.probs(logits), drafts, self.sampling)
 
     def _update_status(self) -> None:
         remaining = torch.where(self.finished, 0, self.max_new - (self.length - self.prompt))
