@@ -184,6 +184,9 @@ def main(argv=None):
     ap.add_argument("--out", default="bench-results")
     args = ap.parse_args(argv)
     args.variants = args.variants.split(",")
+    if ("oracle" in args.variants or "snapshot" in args.variants) and "lookup" not in args.variants:
+        raise SystemExit("bench_spec_generate: the oracle and snapshot rows draft the lookup row's output: add lookup "
+                         "to --variants")
     if args.profile and args.device != "cuda":
         raise SystemExit("bench_spec_generate: --profile reads CUDA kernel times; it needs --device cuda")
     _AcceptAll = _accept_all_rounds()
@@ -238,7 +241,7 @@ def main(argv=None):
                   f"{1.0:9.2f} {'':>9} {'':>8} {'':>6} {'':>6} {'':>6} {step['first_step_s']:6.1f}", flush=True)
             ref = None                          # the lookup run's tokens at 2N: what the oracle rows draft
             for variant in ("lookup", "accept-all", "oracle", "snapshot", "draft"):
-                if variant != "lookup" and variant not in args.variants or variant == "draft" and drafter is None:
+                if variant not in args.variants or variant == "draft" and drafter is None:
                     continue
                 layers_for = snapshot_layers if variant == "snapshot" else None
 
