@@ -38,7 +38,8 @@ Each speculative row times a ``generate_speculative`` call of ``--new`` tokens a
 captured its round. ``tok/s``: the steady state, tokens emitted by the replayed rounds over their time
 (``SpeculativeOutput.timing``; ``decode``'s per-step median is the same kind of figure), with ``ms/round``;
 ``call tok/s``: the whole call (prefill, the compiled warm-up rounds, the capture and the final fold included),
-with ``prefill`` and ``warmup`` in seconds. Also tokens per round and the share of tokens equal to the lookup row's
+with ``prefill``, ``warmup`` and ``finish`` (the rings folded into the cache) in seconds. Also tokens per round and
+the share of tokens equal to the lookup row's
 (exactness against ``generate`` is the tests' business, in fp32), and the first call's seconds (``first``: compile,
 capture, and for the oracle rows the runs that found its drafts). The CSV grows row by row; a PNG of tokens/s
 against batch at the end.
@@ -202,7 +203,7 @@ def main(argv=None):
           + (f", models trained on the copy task (<= {args.train_copy} steps, phrases of {args.copy_phrase} over "
              f"{args.copy_vocab} ids)" if args.train_copy else ""))
     print(f"{'model':18} {'bs':>3} {'variant':8} {'tok/s':>10} {'x decode':>8} {'ms/round':>8} {'tok/round':>9} "
-          f"{'call tok/s':>9} {'x decode':>8} {'prefill':>6} {'warmup':>6} {'agree':>6} {'first':>6}")
+          f"{'call tok/s':>9} {'x decode':>8} {'prefill':>6} {'warmup':>6} {'finish':>6} {'agree':>6} {'first':>6}")
     csv_path = os.path.join(args.out, "spec_generate.csv")
     for stale in (csv_path, os.path.join(args.out, "spec_profile.csv")):
         if os.path.exists(stale):
@@ -280,11 +281,13 @@ def main(argv=None):
                                            x_decode=tps_r / dec_tps, tok_s_call=tps, x_decode_call=tps / dec_tps,
                                            tok_round=out.tokens_per_round,
                                            ms_round=1e3 * tm["replay"] / max(tm["replay_rounds"], 1),
-                                           prefill_s=tm["prefill"], warmup_s=tm["warmup"], agree=agree,
+                                           prefill_s=tm["prefill"], warmup_s=tm["warmup"], finish_s=tm["finish"],
+                                           agree=agree,
                                            first_s=t_first, **extra))
                 print(f"{name:18} {bs:3d} {variant:8} {tps_r:10.1f} {tps_r / dec_tps:7.2f}x "
                       f"{1e3 * tm['replay'] / max(tm['replay_rounds'], 1):8.2f} {out.tokens_per_round:9.2f} "
-                      f"{tps:9.1f} {tps / dec_tps:7.2f}x {tm['prefill']:6.3f} {tm['warmup']:6.3f} {agree:6.3f} "
+                      f"{tps:9.1f} {tps / dec_tps:7.2f}x {tm['prefill']:6.3f} {tm['warmup']:6.3f} {tm['finish']:6.3f} "
+                      f"{agree:6.3f} "
                       f"{t_first:6.1f}", flush=True)
                 out = None
         model = drafter = None

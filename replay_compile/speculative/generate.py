@@ -52,9 +52,9 @@ class SpeculativeOutput:
     accepted: list                   # per round, tokens emitted per row (1 .. num_draft + 1; 0: the row was done)
     attention_mask: torch.Tensor | None = None   # per_row: [b, cache positions], 1 where a row's token sits
     # wall-clock seconds of the call's phases (device work included): "prefill", "warmup" (the compiled rounds run
-    # before one is captured, and the capture), "replay" (the captured rounds to the end), and "replay_rounds" /
-    # "replay_tokens" (rounds replayed, tokens they emitted over all rows): a serving loop's steady state is
-    # replay_tokens / replay
+    # before one is captured, and the capture), "replay" (the captured rounds to the last), "finish" (the rings
+    # folded into the cache), and "replay_rounds" / "replay_tokens" (rounds replayed, tokens they emitted over all
+    # rows): a serving loop's steady state is replay_tokens / replay
     timing: dict = dataclasses.field(default_factory=dict)
 
     @property
@@ -336,15 +336,17 @@ def generate_rounds(model, input_ids: torch.Tensor, max_new_tokens: int, *, num_
                             f"replay_compile.speculative: the draft source {rounds.draft_name} proposed token ids "
                             f"outside the vocabulary [0, {rounds.vocab}); nothing of that round or a later one was "
                             f"committed")
+            sync()
+            t3 = time.perf_counter()
         finally:
             for layer in layers:                             # the cache holds the true state, also after an error
                 layer.finish()
             del graph
     sync()
-    t3 = time.perf_counter()
+    t4 = time.perf_counter()
     counts = rounds.accepted()
     timing = dict(prefill=t1 - t0, warmup=t2 - t1 if warm is not None else t3 - t1,
-                  replay=t3 - t2 if warm is not None else 0.0,
+                  replay=t3 - t2 if warm is not None else 0.0, finish=t4 - t3,
                   replay_rounds=len(counts) - warm if warm is not None else 0,
                   replay_tokens=sum(map(sum, counts[warm:])) if warm is not None else 0)
     return SpeculativeOutput(sequences=rounds.sequences(pad), cache=cache, rounds=len(counts), accepted=counts,
