@@ -105,6 +105,11 @@ class SpecLayer:
         """[S, ...] committed states from ``rings`` whose first ``w`` records per slot are in logical order."""
         raise NotImplementedError
 
+    def _fold_in_place(self, rings, w: torch.Tensor) -> bool:
+        """Fold ``rings`` (logical order) into the cache's state in place where the family can (True), else leave
+        it to :meth:`_fold` (False)."""
+        return False
+
     def finish(self) -> None:
         """Fold the committed history into the cache's state (it then holds the true state) and empty the ring.
         All slots at once: the rings are read in logical order (from each slot's origin) and folded by the
@@ -112,5 +117,6 @@ class SpecLayer:
         order = (self.origin.long()[:, None] + torch.arange(self.buf, device=self.w.device)) & (self.buf - 1)
         logical = [torch.take_along_dim(r, order.view(order.shape[0], 1, self.buf, *([1] * (r.dim() - 3))), dim=2)
                    for r in self.rings]
-        self.state.copy_(self._fold(logical, self.w).to(self.state.dtype))
+        if not self._fold_in_place(logical, self.w):
+            self.state.copy_(self._fold(logical, self.w).to(self.state.dtype))
         ref.spec_reset_reference(self.w, self.origin, self.is_flush, self.B, self.T)

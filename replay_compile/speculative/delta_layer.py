@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..integrations.hf_modules import is_kimi_delta_attention
-from ..kernels.delta_reference import delta_replay_materialize_reference
+from ..kernels.delta_reference import _fold_window, _per_value_head, _scale_keys, delta_replay_materialize_reference
 from ..kernels.delta_spec_reference import delta_spec_exact_fold, delta_spec_verify_reference
 from .base import SpecLayer, conv_window
 
@@ -137,6 +137,30 @@ class SpecDeltaLayer(SpecLayer):
         if self.read_state is not None:
             return (self.k_ring, self.g_ring, self.v_ring, self.beta_ring)
         return (self.d_ring, self.k_ring, self.g_ring)
+
+    def _fold_in_place(self, rings, w) -> bool:
+        """``S = exp(Σ_j g_j) ⊙ S + Σ_j (k_j ⊙ exp(E_j)) d_jᵀ`` on the fp32 cache state itself: one scaling and one
+        batched GEMM (in fp32, whatever the process's matmul precision), the sums of the reference fold without its
+        copies of the state. A slot without records is left bit-unchanged (scaled by 1, zeros added)."""
+        if self.read_state is not None or self.state.dtype != torch.float32 or not self.state.is_contiguous():
+            return False
+        d, k, g = rings
+        S, HV, K, V = self.state.shape
+        L = d.shape[2]
+        E_tot, after, valid = _fold_window(g, w.long(), L, torch.float32)
+        keep = valid.view(S, 1, L, 1)
+        KE = torch.where(keep, _scale_keys(after, _per_value_head(k, HV).float()), 0.0)         # [S, HV, L, K]
+        D = torch.where(keep, d.float(), 0.0)                                                  # [S, HV, L, V]
+        dec = torch.exp(E_tot.clamp(max=0))                                                    # [S, HV(, K)]
+        st = self.state.view(S * HV, K, V)
+        st.mul_(dec.reshape(S * HV, -1, 1))
+        precision = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("highest")          # TF32 would round the records to 10-bit mantissas
+        try:
+            st.baddbmm_(KE.reshape(S * HV, L, K).transpose(1, 2), D.reshape(S * HV, L, V))
+        finally:
+            torch.set_float32_matmul_precision(precision)
+        return True
 
     def _fold(self, rings, w):
         if self.read_state is None:

@@ -1,0 +1,38 @@
+"""The final fold of a delta-rule layer's rings into the cache state, done in place (a scaling and one batched GEMM),
+equals the reference fold; a slot without records keeps its state bit for bit."""
+
+import types
+
+import pytest
+import torch
+
+from replay_compile.kernels.delta_reference import delta_replay_materialize_reference
+from replay_compile.speculative.delta_layer import SpecDeltaLayer
+
+
+@pytest.mark.parametrize("kda", [False, True])
+@pytest.mark.parametrize("HV,Hk", [(4, 2), (3, 3)])
+def test_in_place_fold_equals_the_reference_fold(kda, HV, Hk):
+    g = torch.Generator().manual_seed(0)
+    S, K, V, L = 5, 8, 6, 16
+    state = torch.randn(S, HV, K, V, generator=g)
+    d = torch.randn(S, HV, L, V, generator=g)
+    k = torch.nn.functional.normalize(torch.randn(S, Hk, L, K, generator=g), dim=-1)
+    gates = -torch.rand((S, HV, L, K) if kda else (S, HV, L), generator=g)
+    gates[1, :, 2] = -float("inf")                                  # a gate that closes: exact zeros, no NaN
+    w = torch.tensor([0, 3, 16, 7, 1], dtype=torch.int32)
+    want = delta_replay_materialize_reference(state.double(), d.double(), k.double(), gates.double(), w)
+    layer = types.SimpleNamespace(read_state=None, state=state.clone())
+    assert SpecDeltaLayer._fold_in_place(layer, (d, k, gates), w)
+    torch.testing.assert_close(layer.state.double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(layer.state[0], state[0])                    # w = 0: untouched
+    assert not layer.state.isnan().any()
+
+
+def test_in_place_fold_declines_what_it_does_not_handle():
+    layer = types.SimpleNamespace(read_state=None, state=torch.zeros(2, 2, 4, 4, dtype=torch.float64))
+    rings = (torch.zeros(2, 2, 8, 4), torch.zeros(2, 1, 8, 4), torch.zeros(2, 2, 8))
+    assert not SpecDeltaLayer._fold_in_place(layer, rings, torch.zeros(2, dtype=torch.int32))
+    layer.state = torch.zeros(2, 2, 4, 4)
+    layer.read_state = torch.zeros(2, 2, 4, 4)
+    assert not SpecDeltaLayer._fold_in_place(layer, rings, torch.zeros(2, dtype=torch.int32))
