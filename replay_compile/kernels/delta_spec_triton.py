@@ -60,35 +60,32 @@ def _spec_gates(gr_h, g_row, hist, new, ring_j, t_j, offs_k, mask_k, s_grl, s_gr
 @triton.jit
 def _delta_spec_window_kernel(
     kr_ptr, gr_ptr, w_ptr, origin_ptr, flush_ptr, q_ptr, k_ptr, g_ptr, slot_ptr, ck_ptr, cq_ptr, dec_ptr,
-    HV, K, T, v_per_k, v_per_q,
+    K, T, v_per_k, v_per_q,
     s_krb, s_krh, s_krl, s_krk,             # k_ring [S, Hk, buf, K]
     s_grb, s_grh, s_grl, s_grk,             # g_ring [S, HV, buf(, K)]
     s_qb, s_qt, s_qh, s_qk,                 # q [b, T, Hq, K]
     s_kb, s_kt, s_kh, s_kk,                 # k [b, T, Hk, K]
     s_gb, s_gt, s_gh, s_gk,                 # g [b, T, HV(, K)]
     HAS_SLOT: tl.constexpr, KDA: tl.constexpr, BUF: tl.constexpr, BLOCK_W: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, HEADS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Launch 1 of 2, grid ``(batch, HV // HEADS)``: the window's coefficients, once per (row, value head), for
-    ``HEADS`` consecutive value heads that read the same key and query head. For token ``t`` at window position
-    ``m = w + t`` and ``E_j = Σ_{j<i<=m} g_i`` over the live window (``lo <= j``; ``lo = w`` on flush rows, whose
-    history is folded first)::
+    """Launch 1 of 2, grid ``(batch, HV)``: the window's coefficients, once per (row, value head). For token ``t`` at
+    window position ``m = w + t`` and ``E_j = Σ_{j<i<=m} g_i`` over the live window (``lo <= j``; ``lo = w`` on flush
+    rows, whose history is folded first)::
 
         ck[t, j] = (k_j ⊙ exp(E_j)) · k_t   (lo <= j < m)      cq[t, j] = (k_j ⊙ exp(E_j)) · q_t, cq[t, m] = k_t · q_t
         dec[t]   = exp(Σ_{lo<=i<=m} g_i)    (a vector over K for KDA)
-
-    GDN's gate is one scalar per position, so ``ck[t, j] = exp(E_j) (k_j · k_t)``: the key products are formed once
-    for the ``HEADS`` value heads of a key head (the key window read once), then scaled by each head's gates. KDA's
-    gates weigh each key channel (``HEADS = 1``)."""
+    """
     row = tl.program_id(0).to(tl.int64)
-    h0 = tl.program_id(1).to(tl.int64) * HEADS
+    h = tl.program_id(1).to(tl.int64)
+    HV = tl.num_programs(1)
     slot, w, overflow = _spec_row(slot_ptr, w_ptr, row, T, HAS_SLOT, BUF)
     if (slot < 0) | overflow:
         return
     org = tl.load(origin_ptr + slot)
     fl = tl.load(flush_ptr + slot).to(tl.int32) != 0
-    hk = h0 // v_per_k
-    hq = h0 // v_per_q
+    hk = h // v_per_k
+    hq = h // v_per_q
     offs_k = tl.arange(0, BLOCK_K)
     mask_k = offs_k < K
     offs_j = tl.arange(0, BLOCK_W)
@@ -107,49 +104,36 @@ def _delta_spec_window_kernel(
     new_n = (nxt >= w) & (nxt < w + T)
     ring_n = (org + nxt) & (BUF - 1)
     t_n = tl.where(new_n, nxt - w, 0)
+    gr_h = gr_ptr + slot * s_grb + h * s_grh
+    g_row = g_ptr + row * s_gb + h * s_gh
+    gw = _spec_gates(gr_h, g_row, hist, new, ring_j, t_j, offs_k, mask_k, s_grl, s_grk, s_gt, s_gk, KDA)
+    gw_next = _spec_gates(gr_h, g_row, hist_n, new_n, ring_n, t_n, offs_k, mask_k, s_grl, s_grk, s_gt, s_gk, KDA)
     lo = tl.where(fl, w, 0)
-    for t in tl.static_range(BLOCK_T):
+    base_idx = row * HV + h
+    for t in range(BLOCK_T):
         if t < T:
             m = w + t
             live = (offs_j >= lo) & (offs_j <= m)
             prior = live & (offs_j < m)
-            live_n = (nxt >= lo) & (nxt <= m)
             q_t = tl.load(q_ptr + row * s_qb + t * s_qt + hq * s_qh + offs_k * s_qk, mask=mask_k,
                           other=0.0).to(tl.float32)
             k_t = tl.load(k_ptr + row * s_kb + t * s_kt + hk * s_kh + offs_k * s_kk, mask=mask_k,
                           other=0.0).to(tl.float32)
-            kself = tl.sum(k_t * q_t, axis=0)
+            live_n = (nxt >= lo) & (nxt <= m)
             if KDA:
-                gr_h = gr_ptr + slot * s_grb + h0 * s_grh
-                g_row = g_ptr + row * s_gb + h0 * s_gh
-                gw = _spec_gates(gr_h, g_row, hist, new, ring_j, t_j, offs_k, mask_k, s_grl, s_grk, s_gt, s_gk, KDA)
-                gw_next = _spec_gates(gr_h, g_row, hist_n, new_n, ring_n, t_n, offs_k, mask_k, s_grl, s_grk, s_gt,
-                                      s_gk, KDA)
-                idx = (row * HV + h0) * BLOCK_T + t
                 after = tl.minimum(tl.cumsum(tl.where(live_n[:, None], gw_next, 0.0), axis=0, reverse=True), 0.0)
                 ke = tl.where(prior[:, None], kw * tl.exp(after), 0.0)                       # [BLOCK_W, BLOCK_K]
-                tl.store(dec_ptr + idx * BLOCK_K + offs_k,
+                tl.store(dec_ptr + (base_idx * BLOCK_T + t) * BLOCK_K + offs_k,
                          tl.exp(tl.minimum(tl.sum(tl.where(live[:, None], gw, 0.0), axis=0), 0.0)))
-                tl.store(ck_ptr + idx * BLOCK_W + offs_j, tl.sum(ke * k_t[None, :], axis=1))
-                tl.store(cq_ptr + idx * BLOCK_W + offs_j, tl.sum(ke * q_t[None, :], axis=1) +
-                         tl.where(offs_j == m, kself, 0.0))
             else:
-                kk = tl.sum(kw * k_t[None, :], axis=1)                                      # k_j · k_t [BLOCK_W]
-                kq = tl.sum(kw * q_t[None, :], axis=1)                                      # k_j · q_t
-                for i in tl.static_range(HEADS):
-                    h = h0 + i
-                    gr_h = gr_ptr + slot * s_grb + h * s_grh
-                    g_row = g_ptr + row * s_gb + h * s_gh
-                    gw = _spec_gates(gr_h, g_row, hist, new, ring_j, t_j, offs_k, mask_k, s_grl, s_grk, s_gt, s_gk,
-                                     KDA)
-                    gw_next = _spec_gates(gr_h, g_row, hist_n, new_n, ring_n, t_n, offs_k, mask_k, s_grl, s_grk,
-                                          s_gt, s_gk, KDA)
-                    idx = (row * HV + h) * BLOCK_T + t
-                    e = tl.where(prior, tl.exp(tl.minimum(tl.cumsum(tl.where(live_n, gw_next, 0.0), axis=0,
-                                                                    reverse=True), 0.0)), 0.0)
-                    tl.store(dec_ptr + idx, tl.exp(tl.minimum(tl.sum(tl.where(live, gw, 0.0), axis=0), 0.0)))
-                    tl.store(ck_ptr + idx * BLOCK_W + offs_j, e * kk)
-                    tl.store(cq_ptr + idx * BLOCK_W + offs_j, e * kq + tl.where(offs_j == m, kself, 0.0))
+                after = tl.minimum(tl.cumsum(tl.where(live_n, gw_next, 0.0), axis=0, reverse=True), 0.0)
+                ke = tl.where(prior[:, None], kw * tl.exp(after)[:, None], 0.0)
+                tl.store(dec_ptr + base_idx * BLOCK_T + t, tl.exp(tl.minimum(tl.sum(tl.where(live, gw, 0.0), axis=0),
+                                                                              0.0)))
+            c_off = (base_idx * BLOCK_T + t) * BLOCK_W + offs_j
+            tl.store(ck_ptr + c_off, tl.sum(ke * k_t[None, :], axis=1))
+            tl.store(cq_ptr + c_off, tl.sum(ke * q_t[None, :], axis=1) +
+                     tl.where(offs_j == m, tl.sum(k_t * q_t, axis=0), 0.0))
 
 
 @triton.jit
@@ -172,11 +156,7 @@ def _delta_spec_apply_kernel(
 ):
     """Launch 2 of 2, grid ``(cdiv(V, BLOCK_V), batch, HV)``: the checkpoint pass (read once; flush rows fold and
     write it), the forward substitution of the window's corrected values for this program's value columns, the
-    outputs and this verify's records.
-
-    Every input of the ``T`` tokens is loaded as one tile before the checkpoint is used, so their loads overlap the
-    checkpoint's instead of each token waiting on its own after the previous token's stores (which they could
-    alias); the fold of a flush loads each record one ahead of the one it folds."""
+    outputs and this verify's records."""
     pid_v = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2).to(tl.int64)
@@ -199,94 +179,78 @@ def _delta_spec_apply_kernel(
     offs_j = tl.arange(0, BLOCK_W)
     hist = offs_j < w
     ring_j = (org + offs_j) & (BUF - 1)
-    base_idx = row * HV + h
-    # the T tokens' inputs and window coefficients, [BLOCK_T, ...] tiles
-    tk = tt[:, None] & mask_k[None, :]
-    Q = tl.load(q_ptr + row * s_qb + offs_t[:, None] * s_qt + hq * s_qh + offs_k[None, :] * s_qk, mask=tk,
-                other=0.0).to(tl.float32)
-    Kt = tl.load(k_ptr + row * s_kb + offs_t[:, None] * s_kt + hk * s_kh + offs_k[None, :] * s_kk, mask=tk,
-                 other=0.0).to(tl.float32)
-    if KDA:
-        Dec = tl.load(dec_ptr + (base_idx * BLOCK_T + offs_t[:, None]) * BLOCK_K + offs_k[None, :], mask=tk,
-                      other=0.0)
-    else:
-        Dec = tl.load(dec_ptr + base_idx * BLOCK_T + offs_t, mask=tt, other=0.0)[:, None]
-    Qd = Q * Dec
-    Kd = Kt * Dec
-    Vt = tl.load(v_ptr + row * s_vb + offs_t[:, None] * s_vt + h * s_vh + offs_v[None, :] * s_vv, mask=o_mask,
-                 other=0.0).to(tl.float32)
-    Beta = tl.load(beta_ptr + row * s_bb + offs_t * s_bt + h * s_bh, mask=tt, other=0.0).to(tl.float32)
-    c_off = (base_idx * BLOCK_T + offs_t[:, None]) * BLOCK_W + offs_j[None, :]
-    CK = tl.load(ck_ptr + c_off, mask=tt[:, None], other=0.0)                                # [BLOCK_T, BLOCK_W]
-    CQ = tl.load(cq_ptr + c_off, mask=tt[:, None], other=0.0)
     DW = tl.load(dr_ptr + slot * s_drb + h * s_drh + ring_j[:, None] * s_drl + offs_v[None, :] * s_drv,
                  mask=hist[:, None] & mask_v[None, :], other=0.0).to(tl.float32)           # [BLOCK_W, BLOCK_V]
     st_ptrs = state_ptr + slot * s_sb + h * s_sh + offs_k[:, None] * s_sk + offs_v[None, :] * s_sv
     base = tl.load(st_ptrs, mask=tile_mask, other=0.0).to(tl.float32)                    # [BLOCK_K, BLOCK_V]
     if fl:
-        if w > 0:
-            # fold the history into the checkpoint, record by record (the recurrence S = a_j ⊙_K S + k_j d_jᵀ
-            # itself; no tl.dot, whose shared memory would cost every program occupancy), each record loaded
-            # while the one before is folded; written once
-            kr_h = kr_ptr + slot * s_krb + hk * s_krh
-            dr_h = dr_ptr + slot * s_drb + h * s_drh
-            gr_h = gr_ptr + slot * s_grb + h * s_grh
-            r0 = org & (BUF - 1)
-            k_j = tl.load(kr_h + r0 * s_krl + offs_k * s_krk, mask=mask_k, other=0.0).to(tl.float32)
-            d_j = tl.load(dr_h + r0 * s_drl + offs_v * s_drv, mask=mask_v, other=0.0).to(tl.float32)
-            if KDA:
-                g_j = tl.load(gr_h + r0 * s_grl + offs_k * s_grk, mask=mask_k, other=0.0).to(tl.float32)
-            else:
-                g_j = tl.load(gr_h + r0 * s_grl).to(tl.float32)
-            for j in range(0, w):
-                rn = (org + tl.minimum(j + 1, w - 1)) & (BUF - 1)        # the next record (the last: itself)
-                k_n = tl.load(kr_h + rn * s_krl + offs_k * s_krk, mask=mask_k, other=0.0).to(tl.float32)
-                d_n = tl.load(dr_h + rn * s_drl + offs_v * s_drv, mask=mask_v, other=0.0).to(tl.float32)
+        # fold the history into the checkpoint, record by record (the recurrence S = a_j ⊙_K S + k_j d_jᵀ itself; no
+        # tl.dot, whose shared memory would cost every program occupancy); written once
+        key_gate = w.to(tl.float32) * 0.0
+        for j in range(BLOCK_W):
+            if j < w:
+                rj = (org + j) & (BUF - 1)
+                k_j = tl.load(kr_ptr + slot * s_krb + hk * s_krh + rj * s_krl + offs_k * s_krk, mask=mask_k,
+                              other=0.0).to(tl.float32)
+                d_j = tl.load(dr_ptr + slot * s_drb + h * s_drh + rj * s_drl + offs_v * s_drv, mask=mask_v,
+                              other=0.0).to(tl.float32)
                 if KDA:
-                    g_n = tl.load(gr_h + rn * s_grl + offs_k * s_grk, mask=mask_k, other=0.0).to(tl.float32)
+                    g_j = tl.load(gr_ptr + slot * s_grb + h * s_grh + rj * s_grl + offs_k * s_grk, mask=mask_k,
+                                  other=0.0).to(tl.float32)
                     base = tl.exp(g_j)[:, None] * base + k_j[:, None] * d_j[None, :]
+                    key_gate = tl.sum(tl.where(offs_k == 0, g_j, 0.0), axis=0)   # last record's g[..., 0]
                 else:
-                    g_n = tl.load(gr_h + rn * s_grl).to(tl.float32)
+                    g_j = tl.load(gr_ptr + slot * s_grb + h * s_grh + rj * s_grl).to(tl.float32)
                     base = tl.exp(g_j) * base + k_j[:, None] * d_j[None, :]
-                k_j, d_j, g_j = k_n, d_n, g_n
-            # the stochastic-rounding key: the last record's g (its first channel for KDA)
-            rl = (org + w - 1) & (BUF - 1)
-            key_gate = tl.load(gr_h + rl * s_grl).to(tl.float32)
+                    key_gate = g_j
+        if w > 0:
             _store_checkpoint(st_ptrs, base, tile_mask, key_gate, slot * HV + h,
                               offs_k[:, None] * V + offs_v[None, :], STOCHASTIC_FP16)
 
-    for t in tl.static_range(BLOCK_T):             # forward substitution, one token at a time
+    base_idx = row * HV + h
+    for t in range(BLOCK_T):                       # forward substitution, one token at a time
         if t < T:
-            sel = offs_t == t
-            qd_t = tl.sum(tl.where(sel[:, None], Qd, 0.0), axis=0)                              # [BLOCK_K]
-            kd_t = tl.sum(tl.where(sel[:, None], Kd, 0.0), axis=0)
-            v_t = tl.sum(tl.where(sel[:, None], Vt, 0.0), axis=0)                               # [BLOCK_V]
-            beta_t = tl.sum(tl.where(sel, Beta, 0.0), axis=0)
-            ck = tl.sum(tl.where(sel[:, None], CK, 0.0), axis=0)                                # [BLOCK_W]
-            cq = tl.sum(tl.where(sel[:, None], CQ, 0.0), axis=0)
-            sk = tl.sum(base * kd_t[:, None], axis=0) + tl.sum(ck[:, None] * DW, axis=0)         # S'ᵀk [BLOCK_V]
+            q_t = tl.load(q_ptr + row * s_qb + t * s_qt + hq * s_qh + offs_k * s_qk, mask=mask_k,
+                          other=0.0).to(tl.float32)
+            k_t = tl.load(k_ptr + row * s_kb + t * s_kt + hk * s_kh + offs_k * s_kk, mask=mask_k,
+                          other=0.0).to(tl.float32)
+            v_t = tl.load(v_ptr + row * s_vb + t * s_vt + h * s_vh + offs_v * s_vv, mask=mask_v,
+                          other=0.0).to(tl.float32)
+            beta_t = tl.load(beta_ptr + row * s_bb + t * s_bt + h * s_bh).to(tl.float32)
+            if KDA:
+                dec = tl.load(dec_ptr + (base_idx * BLOCK_T + t) * BLOCK_K + offs_k)
+            else:
+                dec = tl.load(dec_ptr + base_idx * BLOCK_T + t)
+            c_off = (base_idx * BLOCK_T + t) * BLOCK_W + offs_j
+            ck = tl.load(ck_ptr + c_off)
+            cq = tl.load(cq_ptr + c_off)
+            sk = tl.sum(base * (dec * k_t)[:, None], axis=0) + tl.sum(ck[:, None] * DW, axis=0)    # S'ᵀk [BLOCK_V]
             d = beta_t * (v_t - sk)
             DW = tl.where((offs_j == w + t)[:, None], d[None, :], DW)      # later tokens read this record
-            o = tl.sum(base * qd_t[:, None], axis=0) + tl.sum(cq[:, None] * DW, axis=0)
+            o = tl.sum(base * (dec * q_t)[:, None], axis=0) + tl.sum(cq[:, None] * DW, axis=0)
             tl.store(o_ptr + row * s_ob + t * s_ot + h * s_oh + offs_v * s_ov, o, mask=mask_v)
             tl.store(dr_ptr + slot * s_drb + h * s_drh + ((org + w + t) & (BUF - 1)) * s_drl + offs_v * s_drv,
                      d.to(dr_ptr.dtype.element_ty), mask=mask_v)
 
     # this verify's keys and gates after the history (its corrected values were stored above)
     slot_t = (org + w + offs_t) & (BUF - 1)
+    tk = tt[:, None] & mask_k[None, :]
     if pid_v == 0:
         gr_h = gr_ptr + slot * s_grb + h * s_grh
         if KDA:
-            g_new = tl.load(g_ptr + row * s_gb + offs_t[:, None] * s_gt + h * s_gh + offs_k[None, :] * s_gk, mask=tk,
+            tg = tt[:, None] & mask_k[None, :]
+            g_new = tl.load(g_ptr + row * s_gb + offs_t[:, None] * s_gt + h * s_gh + offs_k[None, :] * s_gk, mask=tg,
                             other=0.0)
             tl.store(gr_h + slot_t[:, None] * s_grl + offs_k[None, :] * s_grk, g_new.to(gr_ptr.dtype.element_ty),
-                     mask=tk)
+                     mask=tg)
         else:
             g_new = tl.load(g_ptr + row * s_gb + offs_t * s_gt + h * s_gh, mask=tt, other=0.0)
             tl.store(gr_h + slot_t * s_grl, g_new.to(gr_ptr.dtype.element_ty), mask=tt)
         if h % v_per_k == 0:                       # one program per key head appends k
+            k_new = tl.load(k_ptr + row * s_kb + offs_t[:, None] * s_kt + hk * s_kh + offs_k[None, :] * s_kk,
+                            mask=tk, other=0.0)
             tl.store(kr_ptr + slot * s_krb + hk * s_krh + slot_t[:, None] * s_krl + offs_k[None, :] * s_krk,
-                     Kt.to(kr_ptr.dtype.element_ty), mask=tk)
+                     k_new.to(kr_ptr.dtype.element_ty), mask=tk)
 
 
 # Launch configuration override for benchmarks and tests (``tuning.tuned``). Empty in use.
@@ -320,12 +284,10 @@ def delta_spec_verify_triton(state, d_ring, k_ring, g_ring, w, origin, is_flush,
     cq = torch.empty_like(ck)
     dec = torch.empty((b, HV, block_t) + ((block_k,) if kda else ()), dtype=torch.float32, device=v.device)
     common = dict(HAS_SLOT=has_slot, KDA=kda, BUF=buf, BLOCK_W=block_w, BLOCK_T=block_t, BLOCK_K=block_k)
-    # GDN: the value heads of one key head (and query head) in one window program, which reads its keys once
-    heads = v_per_k if not kda and v_per_q == v_per_k and v_per_k <= 8 else 1
-    launch(_delta_spec_window_kernel)[(b, HV // heads)](
-        k_ring, g_ring, w, origin, is_flush, q, k, g, slot_arg, ck, cq, dec, HV, K, T, v_per_k, v_per_q,
+    launch(_delta_spec_window_kernel)[(b, HV)](
+        k_ring, g_ring, w, origin, is_flush, q, k, g, slot_arg, ck, cq, dec, K, T, v_per_k, v_per_q,
         *k_ring.stride(), *g_strides, *q.stride(), *k.stride(), *gi_strides,
-        HEADS=heads, num_warps=TUNING.get("window_warps") or (1 if big else 4), **common)
+        num_warps=TUNING.get("window_warps") or (1 if big else 4), **common)
     launch(_delta_spec_apply_kernel)[(cdiv(V, block_v), b, HV)](
         state, d_ring, k_ring, g_ring, w, origin, is_flush, q, k, v, g, beta, slot_arg, o, ck, cq, dec,
         HV, K, V, T, v_per_k, v_per_q,
