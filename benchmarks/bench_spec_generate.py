@@ -282,13 +282,11 @@ def main(argv=None):
                                            tok_round=out.tokens_per_round,
                                            ms_round=1e3 * tm["replay"] / max(tm["replay_rounds"], 1),
                                            prefill_s=tm["prefill"], warmup_s=tm["warmup"], finish_s=tm["finish"],
-                                           agree=agree,
-                                           first_s=t_first, **extra))
+                                           agree=agree, first_s=t_first, **extra))
                 print(f"{name:18} {bs:3d} {variant:8} {tps_r:10.1f} {tps_r / dec_tps:7.2f}x "
                       f"{1e3 * tm['replay'] / max(tm['replay_rounds'], 1):8.2f} {out.tokens_per_round:9.2f} "
                       f"{tps:9.1f} {tps / dec_tps:7.2f}x {tm['prefill']:6.3f} {tm['warmup']:6.3f} {tm['finish']:6.3f} "
-                      f"{agree:6.3f} "
-                      f"{t_first:6.1f}", flush=True)
+                      f"{agree:6.3f} {t_first:6.1f}", flush=True)
                 out = None
         model = drafter = None
         if torch.cuda.is_available():

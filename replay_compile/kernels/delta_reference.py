@@ -192,20 +192,28 @@ def delta_replay_step_reference(state, d_ring, k_ring, g_ring, cursor, q, k, v, 
     return o
 
 
+def fold_terms(d_rows, k_rows, g_rows, n, HV: int, cdt):
+    """``(dec, KE, D)`` of the fold of the first ``n`` [r] records of each row (the window as if token ``n - 1``
+    were the last one), so that the folded state is ``dec ⊙ S0 + KEᵀ D``: ``dec`` [r, HV, 1, 1] (GDN) or
+    [r, HV, K, 1] (KDA), ``KE = k_j ⊙ exp(E_j)`` [r, HV, L, K], ``D`` [r, HV, L, V], zeros past ``n``. Rows of
+    d [r, HV, L, V], k [r, Hk, L, K], g [r, HV, L(, K)] in logical order."""
+    E_tot, after, valid = _fold_window(g_rows, n, d_rows.shape[2], cdt)
+    keep = valid[:, None, :, None]
+    zero = torch.zeros((), dtype=cdt)
+    D = torch.where(keep, d_rows.to(cdt), zero)
+    KE = torch.where(keep, _scale_keys(after, _per_value_head(k_rows.to(cdt), HV)), zero)
+    dec = torch.exp(E_tot.clamp(max=0))
+    return (dec[..., None, None] if dec.dim() == 2 else dec[..., None]), KE, D
+
+
 def _fold(state, d_ring, k_ring, g_ring, cursor, count, slot_idx):
     """(rows, slots, S): the state after ``count`` records of each non-padded row, in the compute dtype."""
-    HV, L = state.shape[1], d_ring.shape[2]
+    HV = state.shape[1]
     cdt = _compute_dtype(state, g_ring)
     rows, slots, n = _fold_rows(state, cursor, count, slot_idx)
     if rows.numel() == 0:
         return rows, slots, state.new_zeros((0,) + tuple(state.shape[1:]), dtype=cdt)
-    # the window of the first n records, as if token n-1 were the last one
-    E_tot, after, valid = _fold_window(g_ring[slots], n, L, cdt)
-    D = torch.where(valid[:, None, :, None], d_ring[slots].to(cdt), torch.zeros((), dtype=cdt))
-    KE = torch.where(valid[:, None, :, None], _scale_keys(after, _per_value_head(k_ring[slots].to(cdt), HV)),
-                     torch.zeros((), dtype=cdt))
-    dec = torch.exp(E_tot.clamp(max=0))
-    dec = dec[..., None, None] if dec.dim() == 2 else dec[..., None]
+    dec, KE, D = fold_terms(d_ring[slots], k_ring[slots], g_ring[slots], n, HV, cdt)
     S0 = state[slots].to(cdt)
     S = dec * S0 + torch.einsum("rhlk,rhlv->rhkv", KE, D)
     return rows, slots, torch.where((n == 0)[:, None, None, None], S0, S)     # no records: bit-exact copy

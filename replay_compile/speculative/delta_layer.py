@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..integrations.hf_modules import is_kimi_delta_attention
-from ..kernels.delta_reference import _fold_window, _per_value_head, _scale_keys, delta_replay_materialize_reference
+from ..kernels.delta_reference import delta_replay_materialize_reference, fold_terms
 from ..kernels.delta_spec_reference import delta_spec_exact_fold, delta_spec_verify_reference
 from .base import SpecLayer, conv_window
 
@@ -147,11 +147,7 @@ class SpecDeltaLayer(SpecLayer):
         d, k, g = rings
         S, HV, K, V = self.state.shape
         L = d.shape[2]
-        E_tot, after, valid = _fold_window(g, w.long(), L, torch.float32)
-        keep = valid.view(S, 1, L, 1)
-        KE = torch.where(keep, _scale_keys(after, _per_value_head(k, HV).float()), 0.0)         # [S, HV, L, K]
-        D = torch.where(keep, d.float(), 0.0)                                                  # [S, HV, L, V]
-        dec = torch.exp(E_tot.clamp(max=0))                                                    # [S, HV(, K)]
+        dec, KE, D = fold_terms(d, k, g, w.long(), HV, torch.float32)   # [S, HV, 1 or K, 1], [.., L, K], [.., L, V]
         st = self.state.view(S * HV, K, V)
         st.mul_(dec.reshape(S * HV, -1, 1))
         precision = torch.get_float32_matmul_precision()
