@@ -5,9 +5,10 @@ none, per launch configuration; outputs and checkpoint checked against the first
     python benchmarks/diag_spec_verify_profile.py --geoms qwen35_4b --batches 256 "" "BLOCK_V=16"
     python benchmarks/diag_spec_verify_profile.py --geoms qwen35_4b --module path/to/variant.py ""
 
-Configurations are the verify module's ``TUNING`` knobs. ``--module``: also time another implementation of the
-same verify (a Python file defining ``spec_verify_triton`` or ``delta_spec_verify_triton`` and ``TUNING``), every
-configuration on both, checked against the first configuration of the shipped one. T = 4, history budget 16 (a
+Configurations are the verify module's ``TUNING`` knobs. ``--module`` (repeatable): also time another
+implementation of the same verify (a Python file defining ``spec_verify_triton`` or ``delta_spec_verify_triton`` and
+``TUNING``), every configuration on each implementation whose ``TUNING`` has its knobs, checked against the first
+configuration of the shipped one. T = 4, history budget 16 (a
 32-slot ring), fp32 checkpoint, bf16 (Mamba-2) or fp32 (GDN) activations; non-flush rows hold 8 records, flush rows
 16. Per configuration: the verify alone captured 8 times in a CUDA graph (µs per call, median of 10 replays),
 torch.profiler's device time per launch, the registers and spill bytes of each launch's kernel, and the bytes floor
@@ -71,7 +72,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--geoms", default="nano,super")
     ap.add_argument("--batches", default="32,256")
-    ap.add_argument("--module", default="", help="another implementation to time beside the shipped one")
+    ap.add_argument("--module", action="append", default=[],
+                    help="another implementation to time beside the shipped one (repeatable)")
     ap.add_argument("configs", nargs="*", default=[""])
     args = ap.parse_args(argv)
     import replay_compile  # noqa: F401 - registers the ops
@@ -84,7 +86,7 @@ def main(argv=None):
     for gname, bs in itertools.product(args.geoms.split(","), map(int, args.batches.split(","))):
         family, dims = GEOMS[gname]
         shipped = mamba2_spec_triton if family == "mamba2" else delta_spec_triton
-        impls = [("shipped", shipped)] + ([("variant", load(args.module))] if args.module else [])
+        impls = [("shipped", shipped)] + [(os.path.splitext(os.path.basename(m))[0][:7], load(m)) for m in args.module]
         entry = "spec_verify_triton" if family == "mamba2" else "delta_spec_verify_triton"
         p = Problem(family, dims, bs, 4, 16)
         c = p.ours[0]
@@ -103,7 +105,10 @@ def main(argv=None):
             for (iname, mod), cfg in itertools.product(impls, configs):
                 run = getattr(mod, entry)
                 mod.TUNING.clear()
-                mod.TUNING.update({k: int(v) for k, v in (kv.split("=") for kv in cfg.split(",") if kv)})
+                knobs = {k: int(v) for k, v in (kv.split("=") for kv in cfg.split(",") if kv)}
+                if not set(knobs) <= mod.TUNING.keys_allowed:       # a knob of another implementation
+                    continue
+                mod.TUNING.update(knobs)
                 chk = [t.clone() for t in c]
                 y = run(*chk, *inp)
                 first = first or (y, chk[0])

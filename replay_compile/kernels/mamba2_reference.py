@@ -257,21 +257,31 @@ def _fold_rows(state, cursor, count, slot_idx):
     return rows, slots, n
 
 
+def fold_terms(x_rows, dt_rows, la_rows, B_rows, n, H: int):
+    """``(dec, XC, Bh)`` of the fold of the first ``n`` [r] records of each row, so that the folded state is
+    ``dec ⊙ S0 + XCᵀ Bh``: ``dec = exp(Σ_{j<n} la_j)`` [r, H, 1, 1], ``XC = dt_j exp(Σ_{j<i<n} la_i) x_j`` [r, H, L,
+    P], ``Bh`` [r, H, L, N] (the group's B per head), zeros past ``n``. Rows of x [r, H, L, P], dt, la [r, H, L],
+    B [r, G, L, N] in logical order and in the compute dtype."""
+    valid = torch.arange(x_rows.shape[2], device=x_rows.device)[None, :] < n[:, None]
+    total, coef = _window_coefficients(la_rows, dt_rows, valid)
+    keep = valid[:, None, :, None]
+    zero = torch.zeros((), dtype=x_rows.dtype)
+    XC = coef[..., None] * torch.where(keep, x_rows, zero)
+    Bh = _per_head(torch.where(keep, B_rows, zero), H)
+    return torch.exp(total)[..., None, None], XC, Bh
+
+
 def _fold(state, x_ring, dt_ring, la_ring, B_ring, cursor, count, slot_idx):
     """(rows, slots, S) with S [r, H, P, N] the state after ``count`` records of each non-padded row, in the
     compute dtype (the checkpoint itself, converted exactly, where ``count == 0``)."""
-    L, H = x_ring.shape[2], state.shape[1]
+    H = state.shape[1]
     cdt = _compute_dtype(state, dt_ring)
     rows, slots, n = _fold_rows(state, cursor, count, slot_idx)
     if rows.numel() == 0:
         return rows, slots, state.new_zeros((0,) + tuple(state.shape[1:]), dtype=cdt)
-    X, DT, LA, BW = _gather_window((x_ring, dt_ring, la_ring, B_ring), slots, cdt)
-    valid = torch.arange(L, device=state.device)[None, :] < n[:, None]
-    total, coef = _window_coefficients(LA, DT, valid)
-    X = torch.where(valid[:, None, :, None], X, torch.zeros((), dtype=cdt))
-    Bh = _per_head(torch.where(valid[:, None, :, None], BW, torch.zeros((), dtype=cdt)), H)
+    dec, XC, Bh = fold_terms(*_gather_window((x_ring, dt_ring, la_ring, B_ring), slots, cdt), n, H)
     S0 = state[slots].to(cdt)
-    S = torch.exp(total)[..., None, None] * S0 + torch.einsum("rhl,rhlp,rhln->rhpn", coef, X, Bh)
+    S = dec * S0 + torch.einsum("rhlp,rhln->rhpn", XC, Bh)
     return rows, slots, torch.where((n == 0)[:, None, None, None], S0, S)     # no records: bit-exact copy
 
 

@@ -16,6 +16,23 @@ from ..integrations.hf_modules import ssm_layer_states
 from ..kernels import mamba2_spec_reference as ref
 
 
+def fold_into(state: torch.Tensor, dec: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
+    """``state = dec ⊙ state + leftᵀ right`` per (slot, head), in place on a contiguous fp32 state [S, H, R, C]:
+    ``dec`` [S, H, 1 or R, 1], ``left`` [S, H, L, R], ``right`` [S, H, L, C]. One scaling and one fp32 batched
+    GEMM, with the matmul precision forced to "highest" for the call (TF32 would round the records to 10-bit
+    mantissas) and restored after. ``dec = 1`` with zero terms leaves a slot bit-unchanged."""
+    S, H, R, C = state.shape
+    L = left.shape[2]
+    st = state.view(S * H, R, C)
+    st.mul_(dec.reshape(S * H, -1, 1))
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        st.baddbmm_(left.reshape(S * H, L, R).transpose(1, 2), right.reshape(S * H, L, C))
+    finally:
+        torch.set_float32_matmul_precision(precision)
+
+
 def conv_window(conv_state: torch.Tensor, new: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
     """The decode path's depthwise causal conv for ``T`` inputs at once, before the activation: conv state [b, C, K],

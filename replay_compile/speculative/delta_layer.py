@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ..integrations.hf_modules import is_kimi_delta_attention
 from ..kernels.delta_reference import delta_replay_materialize_reference, fold_terms
 from ..kernels.delta_spec_reference import delta_spec_exact_fold, delta_spec_verify_reference
-from .base import SpecLayer, conv_window
+from .base import SpecLayer, conv_window, fold_into
 
 
 def _act(name: str):
@@ -144,18 +144,8 @@ class SpecDeltaLayer(SpecLayer):
         copies of the state. A slot without records is left bit-unchanged (scaled by 1, zeros added)."""
         if self.read_state is not None or self.state.dtype != torch.float32 or not self.state.is_contiguous():
             return False
-        d, k, g = rings
-        S, HV, K, V = self.state.shape
-        L = d.shape[2]
-        dec, KE, D = fold_terms(d, k, g, w.long(), HV, torch.float32)   # [S, HV, 1 or K, 1], [.., L, K], [.., L, V]
-        st = self.state.view(S * HV, K, V)
-        st.mul_(dec.reshape(S * HV, -1, 1))
-        precision = torch.get_float32_matmul_precision()
-        torch.set_float32_matmul_precision("highest")          # TF32 would round the records to 10-bit mantissas
-        try:
-            st.baddbmm_(KE.reshape(S * HV, L, K).transpose(1, 2), D.reshape(S * HV, L, V))
-        finally:
-            torch.set_float32_matmul_precision(precision)
+        dec, KE, D = fold_terms(*rings, w.long(), self.state.shape[1], torch.float32)
+        fold_into(self.state, dec, KE, D)           # dec [S, HV, 1 or K, 1], KE [.., L, K], D [.., L, V]
         return True
 
     def _fold(self, rings, w):

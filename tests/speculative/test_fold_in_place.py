@@ -1,5 +1,5 @@
-"""The final fold of a delta-rule layer's rings into the cache state, done in place (a scaling and one batched GEMM),
-equals the reference fold; a slot without records keeps its state bit for bit."""
+"""The final fold of a layer's rings into the cache state, done in place (a scaling and one batched GEMM), equals the
+reference fold (delta rule and Mamba-2); a slot without records keeps its state bit for bit."""
 
 import types
 
@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from replay_compile.kernels.delta_reference import delta_replay_materialize_reference
+from replay_compile.kernels.mamba2_reference import replay_materialize_reference
 from replay_compile.speculative.delta_layer import SpecDeltaLayer
+from replay_compile.speculative.mamba2_layer import SpecMamba2Layer
 
 
 @pytest.mark.parametrize("kda", [False, True])
@@ -36,3 +38,30 @@ def test_in_place_fold_declines_what_it_does_not_handle():
     layer.state = torch.zeros(2, 2, 4, 4)
     layer.read_state = torch.zeros(2, 2, 4, 4)
     assert not SpecDeltaLayer._fold_in_place(layer, rings, torch.zeros(2, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("H,G", [(4, 2), (3, 1), (2, 2)])
+def test_mamba2_in_place_fold_equals_the_reference_fold(H, G):
+    g = torch.Generator().manual_seed(1)
+    S, P, N, L = 5, 6, 8, 16
+    state = torch.randn(S, H, P, N, generator=g)
+    x = torch.randn(S, H, L, P, generator=g).bfloat16()              # the rings' own dtypes: activations in bf16
+    dt = torch.rand(S, H, L, generator=g)
+    la = -torch.rand(S, H, L, generator=g) * 2
+    la[2, :, 5] = -float("inf")                                     # a decay that closes: exact zeros, no NaN
+    B = torch.randn(S, G, L, N, generator=g).bfloat16()
+    w = torch.tensor([0, 3, 16, 7, 1], dtype=torch.int32)
+    want = replay_materialize_reference(state.double(), x.double(), dt.double(), la.double(), B.double(), w)
+    layer = types.SimpleNamespace(read_state=None, state=state.clone())
+    assert SpecMamba2Layer._fold_in_place(layer, (x, dt, la, B), w)
+    torch.testing.assert_close(layer.state.double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(layer.state[0], state[0])                    # w = 0: untouched
+    assert not layer.state.isnan().any()
+
+
+def test_mamba2_in_place_fold_declines_what_it_does_not_handle():
+    rings = (torch.zeros(2, 2, 8, 4), torch.zeros(2, 2, 8), torch.zeros(2, 2, 8), torch.zeros(2, 1, 8, 4))
+    layer = types.SimpleNamespace(read_state=None, state=torch.zeros(2, 2, 4, 4, dtype=torch.bfloat16))
+    assert not SpecMamba2Layer._fold_in_place(layer, rings, torch.zeros(2, dtype=torch.int32))
+    layer.state = torch.zeros(2, 2, 4, 4).transpose(2, 3)           # not contiguous: a view would not write through
+    assert not SpecMamba2Layer._fold_in_place(layer, rings, torch.zeros(2, dtype=torch.int32))
