@@ -3,7 +3,8 @@
 ``replay_compile::spec_commit``  accept ``n`` tokens per row of the last verify (Mamba-2 or delta rule): cursor
                                  moves only; rejected drafts are simply not counted (rollback without a copy).
 ``replay_compile::copy_positions``  the attention side of a commit: copy a verify's ``T`` scratch positions of a
-                                 static key or value cache to each row's own positions, in place.
+                                 static key or value cache to each row's own positions, in place (CUDA:
+                                 :mod:`~replay_compile.kernels.copy_positions_triton`).
 
 CPU: :func:`~replay_compile.kernels.mamba2_spec_reference.spec_commit_reference` (the ring, cursors and flush rule
 are documented there); CUDA: :func:`~replay_compile.kernels.mamba2_spec_triton.spec_commit_triton` (one launch, no
@@ -68,6 +69,9 @@ def copy_positions(cache: Tensor, start: int, dest: Tensor) -> None:
     if not 0 <= start <= S - T:
         raise ValueError(f"replay_compile.copy_positions: source positions [{start}, {start + T}) outside the "
                          f"cache's {S}")
+    if cache.is_cuda and use_triton():
+        from ..kernels.copy_positions_triton import copy_positions_triton  # one launch, CUDA-graph safe
+        return copy_positions_triton(cache, start, dest)
     src = cache[:, :, start:start + T].clone()
     cache.scatter_(2, dest[:, None, :, None].expand(b, H, T, D), src)
 

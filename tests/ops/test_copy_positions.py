@@ -72,3 +72,29 @@ def test_inductor_writes_the_cache_in_place_without_a_copy_of_it():
     allocations = [line for src in code for line in src.splitlines() if "empty_strided" in line and "= empty" in line
                    and f"({b}, {H}, {S}, {D})" in line]
     assert not allocations, allocations
+
+
+@pytest.mark.parametrize("D, T, dtype", [(8, 4, torch.float32), (160, 3, torch.bfloat16), (256, 1, torch.float16)])
+def test_kernel_copies_what_the_eager_form_copies(D, T, dtype):
+    """The CUDA kernel (here through Triton's interpreter, or on the GPU where there is one) against the op's eager
+    form, destinations overlapping the source included; a destination outside the cache is not written."""
+    from replay_compile.kernels.copy_positions_triton import copy_positions_triton
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(3)
+    cache = torch.randn(b, H, S, D, generator=g).to(dtype)
+    dest = torch.stack([torch.randperm(S - T, generator=g)[:T] for _ in range(b)])
+    dest[1] = torch.arange(S - T, S).roll(1)                         # a permutation of the source positions
+    got = cache.clone().to(dev)
+    copy_positions_triton(got, S - T, dest.to(dev))
+    assert torch.equal(got.cpu(), _expected(cache, S - T, dest))
+
+    dest[2, 0] = S                                                   # outside the cache: that one is skipped
+    got = cache.clone().to(dev)
+    copy_positions_triton(got, S - T, dest.to(dev))
+    want = cache.clone()
+    for r in range(b):
+        for t in range(T):
+            if dest[r, t] < S:
+                want[r, :, dest[r, t]] = cache[r, :, S - T + t]
+    assert torch.equal(got.cpu(), want)
