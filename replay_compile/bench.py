@@ -634,7 +634,23 @@ def run_banner() -> str:
         tv = "none"
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
     return (f"torch {torch.__version__}, triton {tv}, {gpu}; inline kernels: {inline_mode()}; "
-            f"PDL: {os.environ.get('REPLAY_COMPILE_PDL', '1')}")
+            f"PDL: {os.environ.get('REPLAY_COMPILE_PDL', '1')}; transformers' kernel packages: {kernel_packages()}")
+
+
+def kernel_packages() -> str:
+    """The packages transformers routes its SSM mixers to when they import (fla for Gated DeltaNet / KDA, mamba_ssm
+    and causal_conv1d for Mamba-2, each function falling back to transformers' PyTorch code on its own): with them
+    the ``eager`` and ``inductor*`` rows run transformers' kernel path, without them its PyTorch path."""
+    import importlib
+
+    found = []
+    for name in ("fla", "mamba_ssm", "causal_conv1d"):
+        try:
+            mod = importlib.import_module(name)
+        except Exception:                      # a missing package or a compiled extension that does not load
+            continue
+        found.append(f"{name} {getattr(mod, '__version__', '?')}")
+    return ", ".join(found) or "none"
 
 
 def _write_profile(rows, out_dir, quiet: bool) -> None:

@@ -83,3 +83,20 @@ def test_profile_table_and_csv(tmp_path, capsys):
     text = (tmp_path / "profile.csv").read_text().splitlines()
     assert text[0] == "model,batch,context,mode,step_ms,device_ms,attention,GEMM" and text[1].endswith(",0.25,0.5")
     assert "0.750" in capsys.readouterr().out
+
+
+def test_the_banner_names_the_kernel_packages_transformers_would_route_to(monkeypatch):
+    """A results table says whether its transformers rows ran the kernel path: the packages that import, with their
+    versions; one whose import fails (a compiled extension that does not load) is not counted."""
+    import sys
+    import types
+
+    from replay_compile.bench import kernel_packages, run_banner
+
+    monkeypatch.setitem(sys.modules, "fla", types.SimpleNamespace(__version__="0.6.0"))
+    monkeypatch.setitem(sys.modules, "mamba_ssm", None)              # import raises ImportError
+    monkeypatch.setitem(sys.modules, "causal_conv1d", None)
+    assert kernel_packages() == "fla 0.6.0"
+    assert run_banner().endswith("transformers' kernel packages: fla 0.6.0")
+    monkeypatch.setitem(sys.modules, "fla", None)
+    assert kernel_packages() == "none"
