@@ -308,9 +308,9 @@ def _round_profile(run, draft, new: int) -> tuple[dict, float]:
             torch.cuda.synchronize()
         return kernel_times(prof), out.timing["replay_rounds"]
 
-    # a call of new // 2 tokens has shapes of its own (the token buffer): compiled and autotuned once outside the
-    # profile, whose first profiled call otherwise carried the autotuner's L2 flushes and timing launches (negative
-    # differences of ~100 ms in Qwen3.5-4B dims at batch 256)
+    # a call of new // 2 tokens has shapes of its own (the token buffer), so it is compiled once outside the profile:
+    # profiled cold, its compilation's device work made the differences negative (Qwen3.5-4B dims, batch 256: an
+    # int32 fill of -12.8 ms per round and Inductor kernels of -8.7 ms, a 31.7 ms round summing to 8.1 ms)
     run(new // 2, draft)
     short, r0 = profiled(new // 2)
     full, r1 = profiled(new)
