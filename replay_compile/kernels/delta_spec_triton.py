@@ -111,6 +111,11 @@ def _delta_spec_window_kernel(
     ring_n = (org + nxt) & (BUF - 1)
     t_n = tl.where(new_n, nxt - w, 0)
     lo = tl.where(fl, w, 0)
+    if KDA:                                        # one value head per program: its [BLOCK_W, BLOCK_K] gates once
+        gr_h = gr_ptr + slot * s_grb + h0 * s_grh
+        g_row = g_ptr + row * s_gb + h0 * s_gh
+        gw = _spec_gates(gr_h, g_row, hist, new, ring_j, t_j, offs_k, mask_k, s_grl, s_grk, s_gt, s_gk, KDA)
+        gw_next = _spec_gates(gr_h, g_row, hist_n, new_n, ring_n, t_n, offs_k, mask_k, s_grl, s_grk, s_gt, s_gk, KDA)
     for t in tl.static_range(BLOCK_T):
         if t < T:
             m = w + t
@@ -123,11 +128,6 @@ def _delta_spec_window_kernel(
                           other=0.0).to(tl.float32)
             kself = tl.sum(k_t * q_t, axis=0)
             if KDA:
-                gr_h = gr_ptr + slot * s_grb + h0 * s_grh
-                g_row = g_ptr + row * s_gb + h0 * s_gh
-                gw = _spec_gates(gr_h, g_row, hist, new, ring_j, t_j, offs_k, mask_k, s_grl, s_grk, s_gt, s_gk, KDA)
-                gw_next = _spec_gates(gr_h, g_row, hist_n, new_n, ring_n, t_n, offs_k, mask_k, s_grl, s_grk, s_gt,
-                                      s_gk, KDA)
                 idx = (row * HV + h0) * BLOCK_T + t
                 after = tl.minimum(tl.cumsum(tl.where(live_n[:, None], gw_next, 0.0), axis=0, reverse=True), 0.0)
                 ke = tl.where(prior[:, None], kw * tl.exp(after), 0.0)                       # [BLOCK_W, BLOCK_K]
