@@ -4,7 +4,7 @@ of its replay rings, the pending conv inputs of the last verify, and the commit 
 A family subclass (:mod:`.mamba2_layer`, :mod:`.delta_layer`) allocates its rings and provides ``forward`` (the
 verify forward over ``T`` tokens; it leaves the window's conv inputs in ``pending_conv``), ``rings`` (its record
 rings, ring axis 2) and ``_fold(rings, w)`` (the committed state of every slot from rings in logical order, for
-:meth:`SpecLayer.finish`).
+:meth:`SpecLayer.finish`), and where it can ``_fold_terms(rings, w)``, which lets the finish fold in place.
 """
 
 from __future__ import annotations
@@ -122,10 +122,23 @@ class SpecLayer:
         """[S, ...] committed states from ``rings`` whose first ``w`` records per slot are in logical order."""
         raise NotImplementedError
 
+    def _fold_terms(self, rings, w: torch.Tensor):
+        """``(dec, left, right)`` in fp32 with the folded state ``dec ⊙ S + leftᵀ right`` (:func:`fold_into`), from
+        ``rings`` in logical order; ``None`` where the family has no such form."""
+        return None
+
     def _fold_in_place(self, rings, w: torch.Tensor) -> bool:
-        """Fold ``rings`` (logical order) into the cache's state in place where the family can (True), else leave
-        it to :meth:`_fold` (False)."""
-        return False
+        """Fold ``rings`` (logical order) into the cache's state in place (True): the family's
+        :meth:`_fold_terms`, one scaling and one fp32 batched GEMM on the state itself, without the reference
+        fold's state-sized temporaries. Declined (False, left to :meth:`_fold`) for a state that is not a contiguous
+        fp32 tensor, a layer with a read copy, or a family without fold terms."""
+        if self.read_state is not None or self.state.dtype != torch.float32 or not self.state.is_contiguous():
+            return False
+        terms = self._fold_terms(rings, w)
+        if terms is None:
+            return False
+        fold_into(self.state, *terms)
+        return True
 
     def finish(self) -> None:
         """Fold the committed history into the cache's state (it then holds the true state) and empty the ring.

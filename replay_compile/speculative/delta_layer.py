@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ..integrations.hf_modules import is_kimi_delta_attention
 from ..kernels.delta_reference import delta_replay_materialize_reference, fold_terms
 from ..kernels.delta_spec_reference import delta_spec_exact_fold, delta_spec_verify_reference
-from .base import SpecLayer, conv_window, fold_into
+from .base import SpecLayer, conv_window
 
 
 def _act(name: str):
@@ -138,15 +138,10 @@ class SpecDeltaLayer(SpecLayer):
             return (self.k_ring, self.g_ring, self.v_ring, self.beta_ring)
         return (self.d_ring, self.k_ring, self.g_ring)
 
-    def _fold_in_place(self, rings, w) -> bool:
-        """``S = exp(Σ_j g_j) ⊙ S + Σ_j (k_j ⊙ exp(E_j)) d_jᵀ`` on the fp32 cache state itself: one scaling and one
-        batched GEMM (in fp32, whatever the process's matmul precision), the sums of the reference fold without its
-        copies of the state. A slot without records is left bit-unchanged (scaled by 1, zeros added)."""
-        if self.read_state is not None or self.state.dtype != torch.float32 or not self.state.is_contiguous():
-            return False
-        dec, KE, D = fold_terms(*rings, w.long(), self.state.shape[1], torch.float32)
-        fold_into(self.state, dec, KE, D)           # dec [S, HV, 1 or K, 1], KE [.., L, K], D [.., L, V]
-        return True
+    def _fold_terms(self, rings, w):
+        """``S = exp(Σ_j g_j) ⊙ S + Σ_j (k_j ⊙ exp(E_j)) d_jᵀ``: dec [S, HV, 1 or K, 1], KE [S, HV, L, K], D [S, HV, L,
+        V]."""
+        return fold_terms(*rings, w.long(), self.state.shape[1], torch.float32)
 
     def _fold(self, rings, w):
         if self.read_state is None:

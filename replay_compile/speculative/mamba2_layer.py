@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ..kernels.mamba2_reference import fold_terms, replay_materialize_reference
 from ..kernels.mamba2_spec_reference import spec_verify_reference
-from .base import SpecLayer, conv_window, fold_into
+from .base import SpecLayer, conv_window
 
 
 class SpecMamba2Layer(SpecLayer):
@@ -75,16 +75,10 @@ class SpecMamba2Layer(SpecLayer):
     def rings(self):
         return (self.x_ring, self.dt_ring, self.la_ring, self.B_ring)
 
-    def _fold_in_place(self, rings, w) -> bool:
-        """``S = exp(Σ_j la_j) S + Σ_j dt_j exp(Σ_{i>j} la_i) x_j B_jᵀ`` on the fp32 cache state itself (one
-        scaling, one fp32 batched GEMM), the reference fold's sums without its copies of the state. A slot without
-        records is left bit-unchanged."""
-        if self.read_state is not None or self.state.dtype != torch.float32 or not self.state.is_contiguous():
-            return False
-        f32 = [r.float() for r in rings]
-        dec, XC, Bh = fold_terms(*f32, w.long(), self.state.shape[1])
-        fold_into(self.state, dec, XC, Bh)          # dec [S, H, 1, 1], XC [S, H, L, P], Bh [S, H, L, N]
-        return True
+    def _fold_terms(self, rings, w):
+        """``S = exp(Σ_j la_j) S + Σ_j dt_j exp(Σ_{i>j} la_i) x_j B_jᵀ``: dec [S, H, 1, 1], XC [S, H, L, P], Bh [S, H,
+        L, N]."""
+        return fold_terms(*(r.float() for r in rings), w.long(), self.state.shape[1])
 
     def _fold(self, rings, w):
         return replay_materialize_reference(self.state, *rings, w)
