@@ -31,6 +31,9 @@ one process:
 * ``snapshot``: the same oracle rounds with the per-draft snapshot baseline in place of the replay verify
   (``spec_baselines.snapshot_layers``: ``T + 1`` states per sequence, one read and ``T`` writes per round), compiled
   the same way: the speculative decoding an engine without replay runs;
+* ``snapshot-all``: the per-draft snapshot baseline with every draft accepted by force, as ``accept-all``: the
+  baseline's cost for exactly the work of the ``accept-all`` row (its ``x snapshot`` ratio), which needs neither the
+  lookup row nor an oracle fixed point;
 * ``draft``: compiled rounds with a ``DraftModel`` proposer (a random-weight Llama of ``--draft-model`` size over the
   target's vocabulary): its drafts are as good as chance, so the row is the cost of proposing with a draft model.
 
@@ -48,12 +51,15 @@ against batch at the end.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import os
 import time
 from unittest import mock
 
 import torch
+
+VARIANTS = ("lookup", "accept-all", "oracle", "snapshot", "snapshot-all", "draft")
 
 
 def _timed(fn):
@@ -185,6 +191,9 @@ def main(argv=None):
     ap.add_argument("--out", default="bench-results")
     args = ap.parse_args(argv)
     args.variants = args.variants.split(",")
+    unknown = sorted(set(args.variants) - set(VARIANTS))
+    if unknown:
+        raise SystemExit(f"bench_spec_generate: unknown --variants {unknown}; choose from {', '.join(VARIANTS)}")
     if ("oracle" in args.variants or "snapshot" in args.variants) and "lookup" not in args.variants:
         raise SystemExit("bench_spec_generate: the oracle and snapshot rows draft the lookup row's output: add lookup "
                          "to --variants")
@@ -242,24 +251,24 @@ def main(argv=None):
             print(f"{name:18} {bs:3d} {'decode':8} {dec_tps:10.1f} {1.0:7.2f}x {step['median_step_ms']:8.2f} "
                   f"{1.0:9.2f} {'':>9} {'':>8} {'':>6} {'':>6} {'':>6} {step['first_step_s']:6.1f}", flush=True)
             ref = None                          # the lookup run's tokens at 2N: what the oracle rows draft
-            for variant in ("lookup", "accept-all", "oracle", "snapshot", "draft"):
+            round_tps = {}
+            for variant in VARIANTS:
                 if variant not in args.variants or variant == "draft" and drafter is None:
                     continue
-                layers_for = snapshot_layers if variant == "snapshot" else None
+                layers_for = snapshot_layers if variant.startswith("snapshot") else None
+                accept_all = variant in ("accept-all", "snapshot-all")
 
                 def run(new, draft):
-                    if variant == "accept-all":
-                        with mock.patch.object(generate_module, "Rounds", _AcceptAll):
+                    with (mock.patch.object(generate_module, "Rounds", _AcceptAll) if accept_all
+                          else contextlib.nullcontext()):
+                        if layers_for is None:
                             return generate_speculative(model, ids, new, num_draft=args.num_draft, draft=draft,
                                                         compile=True, eos_token_id=[], max_cache_len=cache_len)
-                    if layers_for is None:
-                        return generate_speculative(model, ids, new, num_draft=args.num_draft, draft=draft,
-                                                    compile=True, eos_token_id=[], max_cache_len=cache_len)
-                    return generate_rounds(model, ids, new, num_draft=args.num_draft, draft=draft, buffer_len=16,
-                                           compiler=compiler, eos=[], layers_for=layers_for,
-                                           cuda_graph=args.device == "cuda", max_cache_len=cache_len)
+                        return generate_rounds(model, ids, new, num_draft=args.num_draft, draft=draft,
+                                               buffer_len=16, compiler=compiler, eos=[], layers_for=layers_for,
+                                               cuda_graph=args.device == "cuda", max_cache_len=cache_len)
                 t_first = time.perf_counter()
-                if variant in ("lookup", "accept-all"):
+                if variant in ("lookup", "accept-all", "snapshot-all"):
                     draft = PromptLookup(ngram=3)
                 elif variant == "draft":
                     draft = DraftModel(drafter)
@@ -288,7 +297,11 @@ def main(argv=None):
                       f"{1e3 * tm['replay'] / max(tm['replay_rounds'], 1):8.2f} {out.tokens_per_round:9.2f} "
                       f"{tps:9.1f} {tps / dec_tps:7.2f}x {tm['prefill']:6.3f} {tm['warmup']:6.3f} {tm['finish']:6.3f} "
                       f"{agree:6.3f} {t_first:6.1f}", flush=True)
+                round_tps[variant] = tps_r
                 out = None
+            for ours, base in (("accept-all", "snapshot-all"), ("oracle", "snapshot")):
+                if ours in round_tps and base in round_tps:
+                    print(f"# {name} bs {bs}: {ours} / {base} = {round_tps[ours] / round_tps[base]:.2f}x", flush=True)
         model = drafter = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
