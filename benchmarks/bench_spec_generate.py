@@ -17,10 +17,11 @@ one process:
   ``replay_compile.bench.bench_one``'s median per-step time): the baseline the ratios are against;
 * ``lookup``: compiled speculative rounds with prompt-lookup drafts (3 per round). With random weights the model
   never repeats the prompt, so nothing is accepted: this row measures the cost of verifying drafts that fail. With
-  ``--train-copy STEPS`` each model is first trained (fp32, on the GPU, at most STEPS AdamW steps) on the copy task
-  of ``replay_compile.testing.copy_task`` until it continues a repeated phrase (retried once at a third of the
-  learning rate if it has not learned), and the prompts become a ``--copy-phrase``-token phrase of ids <
-  ``--copy-vocab`` repeated twice: prompt lookup then meets the repetitive text it is meant for;
+  ``--train-copy STEPS`` each model is first trained (fp32 weights, forward passes under bf16 autocast on CUDA, at
+  most STEPS AdamW steps) on the copy task of ``replay_compile.testing.copy_task`` until it continues a repeated
+  phrase (retried once at a third of the learning rate if it has not learned), and the prompts become a
+  ``--copy-phrase``-token phrase of ids < ``--copy-vocab`` repeated twice: prompt lookup then meets the repetitive
+  text it is meant for;
 * ``oracle``: compiled speculative rounds drafting their own output (every draft accepted; found by re-drafting
   each run's output until a run reproduces it, ``--oracle-iters``: in bf16 a token depends on the window position a
   verify computes it at, through near-ties of the argmax): the upper bound a good draft source reaches;
@@ -94,6 +95,7 @@ def _train(name: str, args):
         lr = default_lr(model) if lr is None else lr / 3
         trained = train_copy(model, args.train_copy, phrase_len=args.copy_phrase, vocab=args.copy_vocab,
                              batch=args.copy_batch, lr=lr, check_every=25,
+                             autocast_dtype=torch.bfloat16 if args.device == "cuda" else None,
                              log=lambda s: print(f"# {name} (lr {lr:.1e}): {s}", flush=True))
         if trained["copy_acc"] >= 0.5 or attempt == 1:
             return model, trained

@@ -98,12 +98,15 @@ def default_lr(model) -> float:
 
 def train_copy(model, steps: int, *, phrase_len: int = 16, reps: int = 4, vocab: int = 1000, batch: int = 32,
                lr: float | None = None, warmup: int = 50, clip: float = 1.0, target: float = 0.98,
-               check_every: int = 50, log: Callable[[str], None] | None = print) -> dict:
+               check_every: int = 50, autocast_dtype: torch.dtype | None = None,
+               log: Callable[[str], None] | None = print) -> dict:
     """Train ``model`` (fp32 parameters) on the copy task for at most ``steps`` steps, stopping once
     :func:`copy_accuracy` reaches ``target``; leaves it in eval mode. ``vocab`` is capped at the model's vocabulary.
     AdamW at ``lr`` (default :func:`default_lr`) after a linear warmup of ``warmup`` steps, gradients clipped to
-    norm ``clip``; delta rules through torch (:func:`torch_delta_rules`). Returns ``{"steps", "loss", "copy_acc",
-    "lr"}``."""
+    norm ``clip``; delta rules through torch (:func:`torch_delta_rules`). ``autocast_dtype`` (e.g. bf16): forward
+    passes, the accuracy checks included, under ``torch.autocast`` in that dtype, the parameters and optimizer
+    state staying fp32 (a 4B-parameter model's fp32 matmuls run at a fraction of the tensor cores' rate). Returns
+    ``{"steps", "loss", "copy_acc", "lr"}``."""
     if any(p.dtype != torch.float32 for p in model.parameters()):
         raise ValueError("train_copy: train the fp32 model, then convert it (AdamW on bf16 weights stalls)")
     vocab = min(vocab, model.config.vocab_size)
@@ -113,8 +116,10 @@ def train_copy(model, steps: int, *, phrase_len: int = 16, reps: int = 4, vocab:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / max(1, warmup)))
     model.train()
     loss, acc, step = float("nan"), 0.0, 0
+    amp = (torch.autocast(_device(model).type, dtype=autocast_dtype) if autocast_dtype is not None
+           else contextlib.nullcontext())
     try:
-        with torch_delta_rules(model):
+        with torch_delta_rules(model), amp:
             for step in range(1, steps + 1):
                 ids = copy_batch(batch, phrase_len, reps, vocab, gen, _device(model))
                 out = model(input_ids=ids, labels=ids)

@@ -177,6 +177,14 @@ def test_copy_training_runs_delta_rules_through_torch():
     assert mod.torch_chunk_gated_delta_rule is before
     res = train_copy(model, 3, phrase_len=4, reps=2, vocab=model.config.vocab_size, batch=2, check_every=3, log=None)
     assert res["steps"] == 3 and math.isfinite(res["loss"]) and mod.torch_chunk_gated_delta_rule is before
+    # under autocast the forward's matmuls run in bf16 while the parameters stay fp32
+    seen = []
+    hook = model.lm_head.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    res = train_copy(model, 2, phrase_len=4, reps=2, vocab=model.config.vocab_size, batch=2, check_every=2,
+                     autocast_dtype=torch.bfloat16, log=None)
+    hook.remove()
+    assert math.isfinite(res["loss"]) and set(seen) == {torch.bfloat16}, seen
+    assert all(p.dtype == torch.float32 for p in model.parameters())
     with torch_delta_rules(MAMBA2_FAMILY["nemotron_h"]()) as n:
         assert n == 0
     assert default_lr(model) == 3e-3 and abs(default_lr(type("M", (), {"config": type("C", (), {
