@@ -21,7 +21,7 @@ from . import ops  # noqa: F401 - registers the custom ops
 from . import state as replay_state
 from ._logging import log, timed_phase
 from .config import ReplayConfig, env_flag
-from .passes import decode_attention
+from .passes import decode_attention, decode_conv
 from .passes.replay_pass import PassResult, ReplaySSMPass, copy_graph_module, graph_device
 from .replay_tensor import ReplayTensor, checkpoint_of
 
@@ -277,6 +277,19 @@ def _rewrite_attention(result: PassResult, original: fx.GraphModule, cfg: Replay
         counters["replay_compile"]["decode_attention"] += len(done)
 
 
+def _rewrite_convs(result: PassResult, original: fx.GraphModule, cfg: ReplayConfig) -> None:
+    """Decode steps' depthwise convs into shifted multiply-adds (:mod:`.passes.decode_conv`), on a copy of Dynamo's
+    graph as the SSM pass does."""
+    if not decode_conv.conv_calls(result.gm.graph):
+        return
+    gm = result.gm if result.gm is not original else copy_graph_module(original)
+    done, _ = decode_conv.rewrite(gm, cuda_only=cfg.decode_conv == "auto")
+    if done:
+        result.gm = gm
+        result.convs = [m.layer for m in done]
+        counters["replay_compile"]["decode_conv"] += len(done)
+
+
 def replayssm_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | None = None,
                       options: dict | None = None):
     """torch.compile backend: rewrite SSM state updates into ReplaySSM ops, then lower."""
@@ -296,6 +309,9 @@ def replayssm_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | 
     if cfg.enabled and cfg.decode_attention != "off":
         with timed_phase("replay_compile.decode_attention"):
             _rewrite_attention(result, gm, cfg)
+    if cfg.enabled and cfg.decode_conv != "off":
+        with timed_phase("replay_compile.decode_conv"):
+            _rewrite_convs(result, gm, cfg)
     _REPORTS.append(dataclasses.replace(result, gm=None, fake_inputs=[]))
     gm = result.gm
     if result.sites and env_flag("REPLAY_COMPILE_COMBO_KERNELS", True) \

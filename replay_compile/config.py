@@ -12,7 +12,8 @@ import dataclasses
 import os
 from typing import Any, Mapping, Optional
 
-CONFIG_VERSION = 6        # 2: read_copy; 3: read_copy_families; 4: decode_attention; 5: devices; 6: its default
+CONFIG_VERSION = 7        # 2: read_copy; 3: read_copy_families; 4: decode_attention; 5: devices; 6: its default;
+                          # 7: decode_conv
 
 _TRUE = ("1", "true", "on", "yes")
 _FALSE = ("0", "false", "off", "no")
@@ -60,6 +61,10 @@ ENV_VARS: dict[str, tuple[str, Any, str]] = {
                                         "auto (CUDA graphs) / on (every device; CPU runs the reference) / off: "
                                         "rewrite one-token SDPA over a cache into the grouped-head decode "
                                         "attention op; default off"),
+    "REPLAY_COMPILE_DECODE_CONV": ("decode_conv", lambda s: s.strip().lower(),
+                                   "auto (CUDA graphs) / on (every device) / off: compute the depthwise conv of a "
+                                   "decode step or verify window as shifted multiply-adds Inductor fuses; default "
+                                   "auto"),
     "REPLAY_COMPILE_READ_COPY_FAMILIES": ("read_copy_families", lambda s: tuple(x for x in s.split(",") if x),
                                           "comma list of families given the read copy; default mamba2"),
 }
@@ -108,6 +113,7 @@ DEFAULT_FAMILIES = ("mamba2", "gdn", "kda")
 SUPPORTED_LOWERINGS = ("inductor", "eager", "piecewise", "tensorrt")
 SUPPORTED_READ_COPIES = ("bf16", "fp8_e4m3", "nvfp4", "nvfp4_row")
 DECODE_ATTENTION_MODES = ("auto", "on", "off")
+DECODE_CONV_MODES = ("auto", "on", "off")
 SUPPORTED_DEVICES = ("cuda", "cpu")
 # CPU graphs are left to the lowering by default: there the ops run their PyTorch reference, and the rewritten
 # decode step measured 0.33-0.35x plain torch.compile's speed (2-core CPU, embedded models, steady state), while the
@@ -146,6 +152,10 @@ class ReplayConfig:
             the default: on the H100, Nemotron-Nano-4B dims at full depth, batch 256, context 1,024, it took the
             whole step from 1.85x to 3.69x plain ``torch.compile``. ``"on"``: on every device (the CPU op is the
             reference, slower than SDPA: for tests); ``"off"``: attention is left to the lowering.
+        decode_conv: ``"auto"`` (the default): a depthwise ``conv1d`` of a decode step or a verify window (at most
+            8 taps and 16 output positions) in a CUDA graph becomes shifted multiply-adds accumulated in fp32, which
+            Inductor fuses with the concatenation before them (:mod:`replay_compile.passes.decode_conv`); ``"on"``:
+            on every device; ``"off"``: the convolution is left to the lowering.
         devices: device types whose graphs are rewritten (default ``("cuda",)``: ``DEFAULT_DEVICES`` says why CPU
             graphs are left to the lowering unless listed).
     """
@@ -159,6 +169,7 @@ class ReplayConfig:
     read_copy: Optional[str] = None
     read_copy_families: tuple[str, ...] = ("mamba2",)
     decode_attention: str = "auto"
+    decode_conv: str = "auto"
     devices: tuple[str, ...] = DEFAULT_DEVICES
     version: int = CONFIG_VERSION
 
@@ -180,6 +191,9 @@ class ReplayConfig:
         if self.decode_attention not in DECODE_ATTENTION_MODES:
             raise ValueError(f"replay_compile: decode_attention must be one of {DECODE_ATTENTION_MODES}, got "
                              f"{self.decode_attention!r}")
+        if self.decode_conv not in DECODE_CONV_MODES:
+            raise ValueError(f"replay_compile: decode_conv must be one of {DECODE_CONV_MODES}, got "
+                             f"{self.decode_conv!r}")
         if self.read_copy is not None and self.read_copy not in SUPPORTED_READ_COPIES:
             raise ValueError(f"replay_compile: read_copy must be None or one of {SUPPORTED_READ_COPIES}, "
                              f"got {self.read_copy!r}")

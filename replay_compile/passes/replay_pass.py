@@ -85,14 +85,18 @@ class PassResult:
     ops_after: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     returns_state: bool = False     # a stepped state is returned for the caller to store (a returned next state)
     attention: list = dataclasses.field(default_factory=list)   # layers whose decode attention was rewritten
+    convs: list = dataclasses.field(default_factory=list)       # layers whose depthwise conv was rewritten
     note: str = ""                  # why the graph as a whole was left to the lowering
 
     def __repr__(self) -> str:
         parts = [f"{len(self.rewrites)} rewritten", f"{len(self.skipped)} left unchanged"]
         if self.attention:
             parts.append(f"{len(self.attention)} decode attention")
+        if self.convs:
+            parts.append(f"{len(self.convs)} decode conv")
         lines = [f"PassResult({', '.join(parts)})"] + [f"  {x}" for x in self.rewrites + self.skipped]
-        return "\n".join(lines + [f"  {layer}: decode attention" for layer in self.attention])
+        return "\n".join(lines + [f"  {layer}: decode attention" for layer in self.attention]
+                         + [f"  {layer}: depthwise conv as shifted multiply-adds" for layer in self.convs])
 
 
 def graph_device(example_inputs: Sequence) -> str:

@@ -14,6 +14,7 @@ import torch
 from ..errors import ReplayCompileError
 from ..integrations.hf_modules import ssm_layer_states
 from ..kernels import mamba2_spec_reference as ref
+from ..passes.shifted_conv import shifted_conv1d
 
 
 def fold_into(state: torch.Tensor, dec: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
@@ -39,17 +40,12 @@ def conv_window(conv_state: torch.Tensor, new: torch.Tensor, weight: torch.Tenso
     new inputs [b, C, T], weight [C, 1, K], bias [C] or None -> [b, C, T] in ``weight``'s dtype, accumulated in fp32
     (fp64 for fp64) as ``F.conv1d`` does. Output ``t`` reads positions ``t + 1 .. t + K`` of ``[conv state | new]``.
 
-    ``K`` shifted multiply-adds instead of ``F.conv1d``: Inductor fuses them with the concatenation into one
-    elementwise kernel, where the depthwise convolution (``conv_depthwise2d_forward_kernel``) took 125 µs per layer
-    for 29 MB at batch 256 (Qwen3.5-4B dims, ``T = 4``, H100): 3.0 ms of a round's 45."""
-    K, T = weight.shape[-1], new.shape[-1]
-    acc = torch.promote_types(weight.dtype, torch.float32)
-    seq = torch.cat([conv_state.to(new.dtype), new], dim=-1).to(acc)                      # [b, C, K + T]
-    w = weight.reshape(-1, K).to(acc)
-    out = sum(seq[..., 1 + j:1 + j + T] * w[:, j, None] for j in range(K))
-    if bias is not None:
-        out = out + bias.to(acc)[:, None]
-    return out.to(weight.dtype)
+    ``K`` shifted multiply-adds (:func:`~replay_compile.passes.shifted_conv.shifted_conv1d`) instead of
+    ``F.conv1d``: Inductor fuses them with the concatenation into one elementwise kernel, where the depthwise
+    convolution (``conv_depthwise2d_forward_kernel``) took 125 µs per layer for 29 MB at batch 256 (Qwen3.5-4B dims,
+    ``T = 4``, H100): 3.0 ms of a round's 45."""
+    seq = torch.cat([conv_state.to(new.dtype), new], dim=-1)                               # [b, C, K + T]
+    return shifted_conv1d(seq[..., 1:], weight, bias)
 
 
 class SpecLayer:
