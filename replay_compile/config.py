@@ -60,7 +60,7 @@ ENV_VARS: dict[str, tuple[str, Any, str]] = {
     "REPLAY_COMPILE_DECODE_ATTENTION": ("decode_attention", lambda s: s.strip().lower(),
                                         "auto (CUDA graphs) / on (every device; CPU runs the reference) / off: "
                                         "rewrite one-token SDPA over a cache into the grouped-head decode "
-                                        "attention op; default off"),
+                                        "attention op; default auto"),
     "REPLAY_COMPILE_DECODE_CONV": ("decode_conv", lambda s: s.strip().lower(),
                                    "auto (CUDA graphs) / on (every device) / off: compute the depthwise conv of a "
                                    "decode step or verify window as shifted multiply-adds Inductor fuses; default "
