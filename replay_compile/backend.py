@@ -264,30 +264,19 @@ def _install_integrations() -> None:
         hf.install()
 
 
-def _rewrite_attention(result: PassResult, original: fx.GraphModule, cfg: ReplayConfig) -> None:
-    """Decode attention into ``replay_compile::decode_attention`` (:mod:`.passes.decode_attention`), on a copy of
-    Dynamo's graph as the SSM pass does."""
-    if not decode_attention.attention_calls(result.gm.graph):
+def _rewrite_decode(result: PassResult, original: fx.GraphModule, name: str, rewrite_pass, calls, setting: str,
+                    field: str) -> None:
+    """The decode rewrite ``name`` (:mod:`.passes.decode_attention`, :mod:`.passes.decode_conv`: ``calls(graph)``
+    finds its candidates, ``rewrite_pass(gm, cuda_only=...)`` rewrites them) on a copy of Dynamo's graph as the SSM
+    pass does; the rewritten layers go to ``result.<field>`` and the ``replay_compile/<name>`` counter."""
+    if not calls(result.gm.graph):
         return
     gm = result.gm if result.gm is not original else copy_graph_module(original)
-    done, _ = decode_attention.rewrite(gm, cuda_only=cfg.decode_attention == "auto")
+    done, _ = rewrite_pass(gm, cuda_only=setting == "auto")
     if done:
         result.gm = gm
-        result.attention = [m.layer for m in done]
-        counters["replay_compile"]["decode_attention"] += len(done)
-
-
-def _rewrite_convs(result: PassResult, original: fx.GraphModule, cfg: ReplayConfig) -> None:
-    """Decode steps' depthwise convs into shifted multiply-adds (:mod:`.passes.decode_conv`), on a copy of Dynamo's
-    graph as the SSM pass does."""
-    if not decode_conv.conv_calls(result.gm.graph):
-        return
-    gm = result.gm if result.gm is not original else copy_graph_module(original)
-    done, _ = decode_conv.rewrite(gm, cuda_only=cfg.decode_conv == "auto")
-    if done:
-        result.gm = gm
-        result.convs = [m.layer for m in done]
-        counters["replay_compile"]["decode_conv"] += len(done)
+        setattr(result, field, [m.layer for m in done])
+        counters["replay_compile"][name] += len(done)
 
 
 def replayssm_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | None = None,
@@ -306,12 +295,13 @@ def replayssm_backend(gm: fx.GraphModule, example_inputs: Sequence, mode: str | 
     else:
         with timed_phase("replay_compile.ReplaySSMPass"):
             result = ReplaySSMPass(cfg)(gm, example_inputs)
-    if cfg.enabled and cfg.decode_attention != "off":
-        with timed_phase("replay_compile.decode_attention"):
-            _rewrite_attention(result, gm, cfg)
-    if cfg.enabled and cfg.decode_conv != "off":
-        with timed_phase("replay_compile.decode_conv"):
-            _rewrite_convs(result, gm, cfg)
+    for name, rewrite_pass, calls, setting, field in (
+            ("decode_attention", decode_attention.rewrite, decode_attention.attention_calls, cfg.decode_attention,
+             "attention"),
+            ("decode_conv", decode_conv.rewrite, decode_conv.conv_calls, cfg.decode_conv, "convs")):
+        if cfg.enabled and setting != "off":
+            with timed_phase(f"replay_compile.{name}"):
+                _rewrite_decode(result, gm, name, rewrite_pass, calls, setting, field)
     _REPORTS.append(dataclasses.replace(result, gm=None, fake_inputs=[]))
     gm = result.gm
     if result.sites and env_flag("REPLAY_COMPILE_COMBO_KERNELS", True) \

@@ -236,6 +236,24 @@ def make_inputs(model, batch: int = 2, prompt_len: int = 5, seed: int = 0) -> to
     return torch.randint(3, vocab_size(model), (batch, prompt_len), generator=g)
 
 
+def greedy_static_decode(model, forward, cache, prompt_len: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill a [2, prompt_len] :func:`make_inputs` prompt eagerly into ``cache`` (a static cache), then ``steps``
+    one-token greedy steps through ``forward`` (the model's own or a compiled one). Returns the tokens [2, steps] and
+    their logits [2, steps, vocab]."""
+    from ..integrations.hf_modules import cache_kwarg
+
+    ck = cache_kwarg(model)
+    ids = make_inputs(model, batch=2, prompt_len=prompt_len, seed=0)
+    out = model(ids, use_cache=True, cache_position=torch.arange(prompt_len), **{ck: cache})
+    tok, toks, logits = out.logits[:, -1:].argmax(-1), [], []
+    for t in range(steps):
+        o = forward(tok, use_cache=True, cache_position=torch.tensor([prompt_len + t]), **{ck: cache})
+        logits.append(o.logits)
+        tok = o.logits[:, -1:].argmax(-1)
+        toks.append(tok)
+    return torch.cat(toks, 1), torch.cat(logits, 1)
+
+
 # --- delta-rule families ----------------------------------------------------------------------------------------------
 # Gated DeltaNet: Qwen3-Next, Qwen3.5 dense/MoE, OLMo-Hybrid, Lara-Mini, Qwen4-Exp (with indexed attention); KDA:
 # Kimi-Linear, Ling-3.0-Flash (bailing_hybrid, with MLA attention), GLM-5.3-Flash (glm5_next, with indexed MLA).

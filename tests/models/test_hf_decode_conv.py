@@ -12,14 +12,13 @@ from torch._dynamo.utils import counters
 pytest.importorskip("transformers")
 
 from replay_compile import backend as rb  # noqa: E402
-from replay_compile.integrations.hf_modules import cache_kwarg  # noqa: E402
 from replay_compile.passes import decode_conv  # noqa: E402
 from replay_compile.testing.hf_models import (  # noqa: E402
     DELTA_FAMILY,
     MAMBA1_FAMILY,
     MAMBA2_FAMILY,
     available,
-    make_inputs,
+    greedy_static_decode,
 )
 
 pytestmark = pytest.mark.hf
@@ -34,17 +33,7 @@ SLOW = [f for f in MODELS if f not in FAST + ["qwen4_exp", "glm5_next"]]
 def _decode(model, forward):
     from transformers import StaticCache
 
-    cache = StaticCache(config=model.config, max_cache_len=M)
-    ck = cache_kwarg(model)
-    ids = make_inputs(model, batch=2, prompt_len=PROMPT, seed=0)
-    out = model(ids, use_cache=True, cache_position=torch.arange(PROMPT), **{ck: cache})
-    tok, toks, logits = out.logits[:, -1:].argmax(-1), [], []
-    for t in range(STEPS):
-        o = forward(tok, use_cache=True, cache_position=torch.tensor([PROMPT + t]), **{ck: cache})
-        logits.append(o.logits)
-        tok = o.logits[:, -1:].argmax(-1)
-        toks.append(tok)
-    return torch.cat(toks, 1), torch.cat(logits, 1)
+    return greedy_static_decode(model, forward, StaticCache(config=model.config, max_cache_len=M), PROMPT, STEPS)
 
 
 def _depthwise_convs(model) -> int:

@@ -11,9 +11,14 @@ import torch
 pytest.importorskip("transformers")
 
 from replay_compile import backend as rb  # noqa: E402
-from replay_compile.integrations.hf_modules import cache_kwarg  # noqa: E402
 from replay_compile.passes import decode_attention as da  # noqa: E402
-from replay_compile.testing.hf_models import DELTA_FAMILY, MAMBA2_FAMILY, available, make_inputs  # noqa: E402
+from replay_compile.testing.hf_models import (  # noqa: E402
+    DELTA_FAMILY,
+    MAMBA2_FAMILY,
+    available,
+    greedy_static_decode,
+    make_inputs,
+)
 
 PROMPT, STEPS, M = 5, 6, 16
 FAMILIES = ["nemotron_h", "bamba", "zamba2", "granitemoehybrid", "falcon_h1", "qwen3_next", "qwen3_5", "kimi_linear",
@@ -21,17 +26,7 @@ FAMILIES = ["nemotron_h", "bamba", "zamba2", "granitemoehybrid", "falcon_h1", "q
 
 
 def _decode(model, forward, cache):
-    from transformers import StaticCache  # noqa: F401
-    ck = cache_kwarg(model)
-    ids = make_inputs(model, batch=2, prompt_len=PROMPT, seed=0)
-    out = model(ids, use_cache=True, cache_position=torch.arange(PROMPT), **{ck: cache})
-    tok, toks, logits = out.logits[:, -1:].argmax(-1), [], []
-    for t in range(STEPS):
-        o = forward(tok, use_cache=True, cache_position=torch.tensor([PROMPT + t]), **{ck: cache})
-        logits.append(o.logits)
-        tok = o.logits[:, -1:].argmax(-1)
-        toks.append(tok)
-    return torch.cat(toks, 1), torch.cat(logits, 1)
+    return greedy_static_decode(model, forward, cache, PROMPT, STEPS)
 
 
 def _attention_layers(model) -> int:
