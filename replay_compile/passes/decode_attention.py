@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .._logging import log
+from .decode_rewrite import NotRewritten, rewrite_each
 from .graph_utils import dtype as dtype_of
 from .graph_utils import example, module_path, op_name, shape
 
@@ -50,7 +50,7 @@ _FEEDERS = ("reshape", "view", "expand", "getitem", "unsqueeze", "repeat_interle
             "mul", "div", "add", "softmax", "dropout", "to", "float", "type", "contiguous")
 
 
-class NotDecodeAttention(Exception):
+class NotDecodeAttention(NotRewritten):
     """Why an attention call is left unchanged."""
 
 
@@ -379,28 +379,9 @@ def _check(m: AttentionMatch) -> str | None:
 def rewrite(gm: fx.GraphModule, cuda_only: bool = True) -> tuple[list[AttentionMatch], list[tuple[str, str]]]:
     """Rewrite every decode attention of ``gm``'s graph in place (``cuda_only``: those on CUDA tensors). Returns the
     rewritten matches and ``(layer, reason)`` for the SDPA calls left unchanged."""
-    done, left = [], []
-    for n in attention_calls(gm.graph):
-        layer = module_path(n)
-        try:
-            m = match(n)
-            if cuda_only and example(m.q).device.type != "cuda":
-                raise NotDecodeAttention("not on CUDA (the CPU op is the reference: slower than SDPA there)")
-            bad = check(m)
-            if bad:
-                log.warning("replay_compile: %s: attention left unchanged: the decode attention op failed its check "
-                            "for this configuration (%s)", layer, bad)
-                left.append((layer, bad))
-                continue
-        except NotDecodeAttention as e:
-            left.append((layer, str(e)))
-            log.debug("replay_compile: %s: attention left unchanged: %s", layer, e)
-            continue
-        _insert(gm.graph, m)
-        done.append(m)
-        log.info("replay_compile: %s: decode attention (%d token(s), %d query heads over %d key/value heads, %s "
-                 "positions) -> replay_compile::decode_attention", layer, m.tokens, m.heads, m.kv_heads, m.positions)
-    if done:
-        gm.graph.lint()
-        gm.recompile()
-    return done, left
+    return rewrite_each(gm, attention_calls(gm.graph), match, check, _insert, tensor=lambda m: m.q,
+                        cuda_only=cuda_only, noun="attention",
+                        cpu_reason="not on CUDA (the CPU op is the reference: slower than SDPA there)",
+                        describe=lambda m: f"decode attention ({m.tokens} token(s), {m.heads} query heads over "
+                                           f"{m.kv_heads} key/value heads, {m.positions} positions) -> "
+                                           f"replay_compile::decode_attention")

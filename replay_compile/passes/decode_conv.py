@@ -29,9 +29,9 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .._logging import log
+from .decode_rewrite import NotRewritten, rewrite_each
 from .graph_utils import dtype as dtype_of
-from .graph_utils import example, is_static_int, module_path, op_name, shape
+from .graph_utils import is_static_int, module_path, op_name, shape
 from .shifted_conv import accumulation_dtype, shifted_taps
 
 MAX_TAPS = 8            # kernel widths of SSM convolutions (4 in the released models)
@@ -47,7 +47,7 @@ _PARAMS = {
 }
 
 
-class NotDecodeConv(Exception):
+class NotDecodeConv(NotRewritten):
     """Why a convolution is left unchanged."""
 
 
@@ -200,28 +200,7 @@ def _check(m: ConvMatch) -> str | None:
 def rewrite(gm: fx.GraphModule, cuda_only: bool = True) -> tuple[list[ConvMatch], list[tuple[str, str]]]:
     """Rewrite every decode conv of ``gm``'s graph in place (``cuda_only``: those on CUDA tensors). Returns the
     rewritten matches and ``(layer, reason)`` for the convolutions left unchanged."""
-    done, left = [], []
-    for n in conv_calls(gm.graph):
-        layer = module_path(n)
-        try:
-            m = match(n)
-            if cuda_only and example(m.x).device.type != "cuda":
-                raise NotDecodeConv("not on CUDA (auto rewrites CUDA graphs)")
-            bad = check(m)
-            if bad:
-                log.warning("replay_compile: %s: depthwise conv left unchanged: its rewrite failed its check for this "
-                            "configuration (%s)", layer, bad)
-                left.append((layer, bad))
-                continue
-        except NotDecodeConv as e:
-            left.append((layer, str(e)))
-            log.debug("replay_compile: %s: convolution left unchanged: %s", layer, e)
-            continue
-        _insert(gm.graph, m)
-        done.append(m)
-        log.info("replay_compile: %s: depthwise conv (%d channels, %d taps, %d output positions) -> %d shifted "
-                 "multiply-adds", layer, m.channels, m.taps, m.out_length, m.taps)
-    if done:
-        gm.graph.lint()
-        gm.recompile()
-    return done, left
+    return rewrite_each(gm, conv_calls(gm.graph), match, check, _insert, tensor=lambda m: m.x, cuda_only=cuda_only,
+                        noun="convolution", cpu_reason="not on CUDA (auto rewrites CUDA graphs)",
+                        describe=lambda m: f"depthwise conv ({m.channels} channels, {m.taps} taps, {m.out_length} "
+                                           f"output positions) -> {m.taps} shifted multiply-adds")
