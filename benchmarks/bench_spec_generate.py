@@ -18,7 +18,8 @@ one process:
 * ``lookup``: compiled speculative rounds with prompt-lookup drafts (3 per round). With random weights the model
   never repeats the prompt, so nothing is accepted: this row measures the cost of verifying drafts that fail. With
   ``--train-copy STEPS`` each model is first trained (fp32 weights, forward passes under bf16 autocast on CUDA, at
-  most STEPS AdamW steps) on the copy task of ``replay_compile.testing.copy_task`` until it continues a repeated
+  most STEPS AdamW steps; the MLP blocks held fixed unless ``--copy-params all``) on the copy task of
+  ``replay_compile.testing.copy_task`` until it continues a repeated
   phrase (retried once at a third of the learning rate if it has not learned), and the prompts become a
   ``--copy-phrase``-token phrase of ids < ``--copy-vocab`` repeated twice: prompt lookup then meets the repetitive
   text it is meant for;
@@ -96,6 +97,7 @@ def _train(name: str, args):
         trained = train_copy(model, args.train_copy, phrase_len=args.copy_phrase, vocab=args.copy_vocab,
                              batch=args.copy_batch, lr=lr, check_every=25,
                              autocast_dtype=torch.bfloat16 if args.device == "cuda" else None,
+                             freeze_mlps=args.copy_params == "no-mlp",
                              log=lambda s: print(f"# {name} (lr {lr:.1e}): {s}", flush=True))
         if trained["copy_acc"] >= 0.5 or attempt == 1:
             return model, trained
@@ -178,6 +180,9 @@ def main(argv=None):
                          "hundred steps; 1000 and 16 stayed at chance for 600 steps on a 4B-sized model)")
     ap.add_argument("--copy-phrase", type=int, default=8)
     ap.add_argument("--copy-batch", type=int, default=48)
+    ap.add_argument("--copy-params", choices=("no-mlp", "all"), default="no-mlp",
+                    help="what the copy task trains: every parameter but the MLP blocks' (default; Qwen3.5-4B dims "
+                         "then train in ~50 GB instead of ~78 GB) or all")
     ap.add_argument("--variants", default="lookup,accept-all,oracle,snapshot,draft")
     ap.add_argument("--phrase", type=int, default=8, help="random prompts: a phrase of this many tokens ...")
     ap.add_argument("--repeats", type=int, default=4, help="... repeated this many times")

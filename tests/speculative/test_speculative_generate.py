@@ -166,7 +166,7 @@ def test_copy_training_runs_delta_rules_through_torch():
     torch function, training steps run, and every patch is undone afterwards; a Mamba-2 model needs none."""
     import sys
 
-    from replay_compile.testing.copy_task import default_lr, torch_delta_rules, train_copy
+    from replay_compile.testing.copy_task import default_lr, mlp_parameters, torch_delta_rules, train_copy
 
     model = DELTA_FAMILY["qwen3_5"](dtype=torch.float32, initializer_range=0.02)
     mod = sys.modules[type(model.model.layers[0].linear_attn).__module__]
@@ -185,6 +185,17 @@ def test_copy_training_runs_delta_rules_through_torch():
     hook.remove()
     assert math.isfinite(res["loss"]) and set(seen) == {torch.bfloat16}, seen
     assert all(p.dtype == torch.float32 for p in model.parameters())
+    # the MLP blocks held fixed: their parameters unchanged and back to trainable afterwards, the rest trained
+    mlp = mlp_parameters(model)
+    assert {id(p) for p in mlp} == {id(p) for n, p in model.named_parameters() if ".mlp." in n} != set()
+    before_mlp = [p.detach().clone() for p in mlp]
+    before_all = {n: p.detach().clone() for n, p in model.named_parameters()}
+    res = train_copy(model, 2, phrase_len=4, reps=2, vocab=model.config.vocab_size, batch=2, check_every=2,
+                     freeze_mlps=True, log=None)
+    assert all(torch.equal(a, p) for a, p in zip(before_mlp, mlp)) and all(p.requires_grad for p in mlp)
+    assert res["trained_params"] == sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in mlp)
+    assert not torch.equal(before_all["model.layers.0.linear_attn.in_proj_qkv.weight"],
+                           model.model.layers[0].linear_attn.in_proj_qkv.weight)
     with torch_delta_rules(MAMBA2_FAMILY["nemotron_h"]()) as n:
         assert n == 0
     assert default_lr(model) == 3e-3 and abs(default_lr(type("M", (), {"config": type("C", (), {
