@@ -520,6 +520,13 @@ class _Progress:
         elif self.enabled:
             print(f"[{self.done}/{self.total}] {what} ...", file=sys.stderr, flush=True)
 
+    def note(self, line: str) -> None:
+        """A line on stderr above the bar (without one, printed as it is)."""
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stderr)
+        elif self.enabled:
+            print(line, file=sys.stderr, flush=True)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.update(1)
@@ -571,6 +578,9 @@ def run(models, batches, modes, steps, L, device, dtype_name, layers, out_dir, p
                     bar.next(f"{name} bs={bs} {mode}")
                     try:
                         runs[mode].append(bench_one(model, bs, mode, steps, L, context=context, profile=profile))
+                        r = runs[mode][-1]                  # a run cut short still shows what it measured
+                        bar.note(f"  {name} bs={bs} {mode}: {r['step_ms']:.3f} ms/step (flush {r['flush_ms']:.3f}), "
+                                 f"first step {r['first_step_s']:.1f} s")
                         if env_flag("REPLAY_COMPILE_BENCH_COMPILE_TIMES", False):   # where compile time went
                             print(f"compile times, {name} bs={bs} {mode}:\n{torch._dynamo.utils.compile_times()}",
                                   file=sys.stderr)
