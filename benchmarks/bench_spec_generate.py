@@ -171,6 +171,9 @@ def main(argv=None):
                     help="static cache positions of every variant (at least what the prompt and new tokens need)")
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--num-draft", type=int, default=3)
+    ap.add_argument("--budget", type=int, default=16,
+                    help="history budget of the replay rings (generate_speculative's buffer_len): records held before "
+                         "a verify folds them; a larger budget flushes less often and reads more records per verify")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--train-copy", type=int, default=0, metavar="STEPS",
@@ -214,7 +217,8 @@ def main(argv=None):
     dev_name = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     import transformers
     print(f"# {dev_name}, torch {torch.__version__}, transformers {transformers.__version__}, {args.dtype}, "
-          f"{args.layers or 'all'} layers, {args.new} new tokens, {args.num_draft} drafts per round, static caches "
+          f"{args.layers or 'all'} layers, {args.new} new tokens, {args.num_draft} drafts per round, history budget "
+          f"{args.budget}, static caches "
           f"of >= {args.context} positions"
           + (f", models trained on the copy task (<= {args.train_copy} steps, phrases of {args.copy_phrase} over "
              f"{args.copy_vocab} ids)" if args.train_copy else ""))
@@ -270,9 +274,10 @@ def main(argv=None):
                           else contextlib.nullcontext()):
                         if layers_for is None:
                             return generate_speculative(model, ids, new, num_draft=args.num_draft, draft=draft,
-                                                        compile=True, eos_token_id=[], max_cache_len=cache_len)
+                                                        buffer_len=args.budget, compile=True, eos_token_id=[],
+                                                        max_cache_len=cache_len)
                         return generate_rounds(model, ids, new, num_draft=args.num_draft, draft=draft,
-                                               buffer_len=16, compiler=compiler, eos=[], layers_for=layers_for,
+                                               buffer_len=args.budget, compiler=compiler, eos=[], layers_for=layers_for,
                                                cuda_graph=args.device == "cuda", max_cache_len=cache_len)
                 t_first = time.perf_counter()
                 if variant in ("lookup", "accept-all", "snapshot-all"):
