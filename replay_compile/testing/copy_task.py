@@ -155,12 +155,12 @@ def train_copy(model, steps: int, *, phrase_len: int = 16, reps: int = 4, vocab:
 
 
 def mlp_parameters(model) -> list[torch.nn.Parameter]:
-    """The parameters of ``model``'s MLP blocks: modules whose class is an MLP or a mixture of experts
-    (``Qwen3_5MLP``, ``NemotronHMLP``, ``...SparseMoeBlock``, ``...Experts``), each parameter once."""
+    """The parameters of ``model``'s MLP blocks: modules whose class name ends as an MLP's or a mixture of experts'
+    does (``Qwen3_5MLP``, ``NemotronHMLP``, ``KimiLinearMoE``, ``Qwen3_5MoeSparseMoeBlock`` with its router,
+    ``...Experts``; never ``Qwen3_5MoeGatedDeltaNet`` or ``Qwen3_5MoeForCausalLM``), each parameter once."""
     seen, out = set(), []
     for m in model.modules():
-        name = type(m).__name__
-        if "MLP" in name or "Moe" in name or "MoE" in name or "Experts" in name:
+        if type(m).__name__.endswith(("MLP", "Mlp", "MoE", "MoeBlock", "Experts")):
             for p in m.parameters():
                 if id(p) not in seen:
                     seen.add(id(p))

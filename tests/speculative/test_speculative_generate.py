@@ -196,6 +196,12 @@ def test_copy_training_runs_delta_rules_through_torch():
     assert res["trained_params"] == sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in mlp)
     assert not torch.equal(before_all["model.layers.0.linear_attn.in_proj_qkv.weight"],
                            model.model.layers[0].linear_attn.in_proj_qkv.weight)
+    # a mixture of experts is an MLP block (router included); the mixers and the model around them are not
+    moe = DELTA_FAMILY["qwen3_5_moe"](dtype=torch.float32)
+    held = {id(p) for p in mlp_parameters(moe)}
+    names = {n for n, p in moe.named_parameters() if id(p) in held}
+    assert names == {n for n in dict(moe.named_parameters()) if ".mlp." in n} and any(".experts." in n for n in names)
+    assert any("gate" in n and "experts" not in n for n in names), names
     with torch_delta_rules(MAMBA2_FAMILY["nemotron_h"]()) as n:
         assert n == 0
     assert default_lr(model) == 3e-3 and abs(default_lr(type("M", (), {"config": type("C", (), {
