@@ -2,7 +2,7 @@
 drafts, compiled on both sides.
 
     python benchmarks/bench_spec_generate.py --out bench-results/spec_generate [--models nemotron_h_nano4b,qwen35_4b]
-        [--layers N]
+        [--layers N] [--gpus N]
 
 Real-size layer dimensions (``replay_compile.bench``'s models, random weights, full depth or the first ``--layers``
 blocks), a repetitive prompt set (a random ``--phrase``-token phrase repeated ``--repeats`` times per row), greedy
@@ -56,6 +56,9 @@ import argparse
 import contextlib
 import csv
 import os
+import subprocess
+import sys
+import threading
 import time
 from unittest import mock
 
@@ -199,7 +202,12 @@ def main(argv=None):
                          "decode step's, and each speculative variant's from two calls of --new / 2 and --new tokens "
                          "(their difference: replayed rounds only); printed and written to spec_profile.csv")
     ap.add_argument("--out", default="bench-results")
+    ap.add_argument("--gpus", type=int, default=1,
+                    help="spread the (model, batch) points over N GPUs of this host, one worker process per GPU "
+                         "(CUDA_VISIBLE_DEVICES); one merged CSV and PNG (worker logs under OUT/worker<k>)")
     args = ap.parse_args(argv)
+    if args.gpus > 1:
+        return _run_parallel(args, sys.argv[1:] if argv is None else list(argv))
     args.variants = args.variants.split(",")
     unknown = sorted(set(args.variants) - set(VARIANTS))
     if unknown:
@@ -318,6 +326,72 @@ def main(argv=None):
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     _plot(rows, os.path.join(args.out, "spec_generate.png"))
+
+
+PER_WORKER = ("--gpus", "--out", "--models", "--batches")
+
+
+def worker_argv(argv: list[str]) -> list[str]:
+    """The command line less the options each ``--gpus`` worker gets of its own (``--opt value`` or
+    ``--opt=value``)."""
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in PER_WORKER:
+            skip = True
+        elif not a.startswith(tuple(o + "=" for o in PER_WORKER)):
+            rest.append(a)
+    return rest
+
+
+def _run_parallel(args, argv: list[str]) -> None:
+    """``--gpus N``: every (model, batch) point to one of N workers (``bench_parallel.shard_points``: largest batches
+    first, to the least-loaded), each worker a thread running its points' ``(model, batches)`` groups one after another
+    as this script on its own GPU; then the workers' rows merged into ``OUT/spec_generate.csv`` (and
+    ``spec_profile.csv``) and the PNG. Points never share a GPU, so their timings are those of separate runs."""
+    from replay_compile.bench_parallel import read_rows, shard_points
+
+    rest = worker_argv(argv)
+    shards = shard_points(args.models.split(","), [int(b) for b in args.batches.split(",")], args.gpus)
+    os.makedirs(args.out, exist_ok=True)
+    failed = []
+
+    def worker(k: int) -> None:
+        out = os.path.join(args.out, f"worker{k}")
+        os.makedirs(out, exist_ok=True)
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(k)}
+        with open(os.path.join(out, "log.txt"), "w") as log:
+            for i, (model, batches) in enumerate(shards[k]):
+                cmd = [sys.executable, os.path.abspath(__file__), *rest, "--models", model,
+                       "--batches", ",".join(map(str, batches)), "--out", os.path.join(out, f"group{i}")]
+                proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+                if proc.returncode:
+                    failed.append(f"worker {k} ({model} {batches}): exit {proc.returncode}")
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(args.gpus) if shards[k]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    rows = []
+    for name in ("spec_generate.csv", "spec_profile.csv"):
+        parts = sorted(os.path.join(root, name) for root, _, files in os.walk(args.out)
+                       if name in files and root != args.out)
+        merged = [r for part in parts for r in read_rows(part)]
+        if merged:
+            with open(os.path.join(args.out, name), "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=list(merged[0]))
+                w.writeheader()
+                w.writerows(merged)
+        if name == "spec_generate.csv":
+            rows = merged
+    print(f"# {len(rows)} rows from {len(threads)} workers into {os.path.join(args.out, 'spec_generate.csv')}")
+    for line in failed:
+        print(f"# {line}: see its log.txt", file=sys.stderr)
+    _plot(rows, os.path.join(args.out, "spec_generate.png"))
+    if failed:
+        raise SystemExit(1)
 
 
 def _round_profile(run, draft, new: int) -> tuple[dict, float]:
