@@ -56,9 +56,7 @@ import argparse
 import contextlib
 import csv
 import os
-import subprocess
 import sys
-import threading
 import time
 from unittest import mock
 
@@ -205,8 +203,11 @@ def main(argv=None):
     ap.add_argument("--gpus", type=int, default=1,
                     help="spread the (model, batch) points over N GPUs of this host, one worker process per GPU "
                          "(CUDA_VISIBLE_DEVICES); one merged CSV and PNG (worker logs under OUT/worker<k>)")
+    ap.add_argument("--time-limit", type=float, default=None, metavar="S",
+                    help="stop after S seconds and still merge the (model, batch) groups that finished (each group "
+                         "then runs as a worker process, also on one GPU; the groups cut or skipped are listed)")
     args = ap.parse_args(argv)
-    if args.gpus > 1:
+    if args.gpus > 1 or args.time_limit is not None:
         return _run_parallel(args, sys.argv[1:] if argv is None else list(argv))
     args.variants = args.variants.split(",")
     unknown = sorted(set(args.variants) - set(VARIANTS))
@@ -328,7 +329,7 @@ def main(argv=None):
     _plot(rows, os.path.join(args.out, "spec_generate.png"))
 
 
-PER_WORKER = ("--gpus", "--out", "--models", "--batches")
+PER_WORKER = ("--gpus", "--out", "--models", "--batches", "--time-limit")
 
 
 def worker_argv(argv: list[str]) -> list[str]:
@@ -347,38 +348,25 @@ def worker_argv(argv: list[str]) -> list[str]:
 
 def _run_parallel(args, argv: list[str]) -> None:
     """``--gpus N``: every (model, batch) point to one of N workers (``bench_parallel.shard_points``: largest batches
-    first, to the least-loaded), each worker a thread running its points' ``(model, batches)`` groups one after another
-    as this script on its own GPU; then the workers' rows merged into ``OUT/spec_generate.csv`` (and
-    ``spec_profile.csv``) and the PNG. Points never share a GPU, so their timings are those of separate runs."""
-    from replay_compile.bench_parallel import read_rows, shard_points
+    first, to the least-loaded), each worker running its points' ``(model, batches)`` groups one after another as this
+    script on its own GPU (``bench_parallel.run_units``); then the groups' rows merged into ``OUT/spec_generate.csv``
+    (and ``spec_profile.csv``) and the PNG. Points never share a GPU, so their timings are those of separate runs."""
+    from replay_compile.bench_parallel import Unit, read_rows, run_units, shard_points
 
     rest = worker_argv(argv)
-    shards = shard_points(args.models.split(","), [int(b) for b in args.batches.split(",")], args.gpus)
     os.makedirs(args.out, exist_ok=True)
-    failed = []
-
-    def worker(k: int) -> None:
-        out = os.path.join(args.out, f"worker{k}")
-        os.makedirs(out, exist_ok=True)
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(k)}
-        with open(os.path.join(out, "log.txt"), "w") as log:
-            for i, (model, batches) in enumerate(shards[k]):
-                cmd = [sys.executable, os.path.abspath(__file__), *rest, "--models", model,
-                       "--batches", ",".join(map(str, batches)), "--out", os.path.join(out, f"group{i}")]
-                proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-                if proc.returncode:
-                    failed.append(f"worker {k} ({model} {batches}): exit {proc.returncode}")
-
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(args.gpus) if shards[k]]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    shards = [[Unit(f"{model} batches {batches}", os.path.join(args.out, f"worker{k}", f"group{i}"),
+                    [sys.executable, os.path.abspath(__file__), *rest, "--models", model,
+                     "--batches", ",".join(map(str, batches)),
+                     "--out", os.path.join(args.out, f"worker{k}", f"group{i}")])
+               for i, (model, batches) in enumerate(shard)]
+              for k, shard in enumerate(shard_points(args.models.split(","),
+                                                     [int(b) for b in args.batches.split(",")], args.gpus))]
+    failed = run_units(shards, args.time_limit)
     rows = []
     for name in ("spec_generate.csv", "spec_profile.csv"):
-        parts = sorted(os.path.join(root, name) for root, _, files in os.walk(args.out)
-                       if name in files and root != args.out)
-        merged = [r for part in parts for r in read_rows(part)]
+        parts = [os.path.join(u.out, name) for shard in shards for u in shard]
+        merged = [r for part in parts if os.path.exists(part) for r in read_rows(part)]
         if merged:
             with open(os.path.join(args.out, name), "w", newline="") as f:
                 w = csv.DictWriter(f, fieldnames=list(merged[0]))
@@ -386,9 +374,10 @@ def _run_parallel(args, argv: list[str]) -> None:
                 w.writerows(merged)
         if name == "spec_generate.csv":
             rows = merged
-    print(f"# {len(rows)} rows from {len(threads)} workers into {os.path.join(args.out, 'spec_generate.csv')}")
+    merged_csv = os.path.join(args.out, "spec_generate.csv")
+    print(f"# {len(rows)} rows from {sum(map(bool, shards))} workers into {merged_csv}")
     for line in failed:
-        print(f"# {line}: see its log.txt", file=sys.stderr)
+        print(f"# {line}", file=sys.stderr)
     _plot(rows, os.path.join(args.out, "spec_generate.png"))
     if failed:
         raise SystemExit(1)

@@ -17,6 +17,7 @@ separate runs, so a compile-time ratio from one sample each says little.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -84,62 +85,95 @@ def merge_cold_rounds(rows: list[dict]) -> list[dict]:
     return out
 
 
-def run_parallel(n: int, models: list[str], batches: list[int], modes: list[str], forward: list[str],
-                 out_dir: str, time_limit: float | None = None, cold: bool = False,
-                 rounds: int = 1) -> tuple[list[dict], list[str]]:
-    """Run the sweep on ``n`` GPUs (workers ``0 .. n-1``); ``forward`` holds the other ``bench`` options (steps,
-    dtype, layers, ...). ``time_limit`` (seconds): a worker still running then is stopped and its later groups are
-    skipped, and the rows finished so far are merged all the same (a sweep cut by an outer timeout merges nothing).
-    ``cold``: one process per (model, batch, mode), each with fresh Inductor and Triton cache directories;
-    ``rounds`` of them per point, merged by :func:`merge_cold_rounds` (without ``cold``, ``forward`` carries
-    ``--rounds`` to the workers instead).
-    Returns the merged rows (also written to ``out_dir``) and one line per failed, cut or skipped group."""
-    os.makedirs(out_dir, exist_ok=True)
-    shards = [_units(shard, modes, cold, rounds) for shard in shard_points(models, batches, n)]
+@dataclasses.dataclass
+class Unit:
+    """One process of a sweep: ``label`` names it in the report, ``out`` is its output folder (created before it
+    runs, its log written there), ``cmd`` its command line."""
+
+    label: str
+    out: str
+    cmd: list[str]
+
+
+def run_units(shards: list[list[Unit]], time_limit: float | None = None,
+              setup=None, teardown=None) -> list[str]:
+    """Run ``shards[k]``'s units one after another in worker ``k`` (a thread), pinned to GPU ``k`` with
+    ``CUDA_VISIBLE_DEVICES``; each unit's output goes to ``unit.out/log.txt``. ``time_limit`` (seconds): a unit still
+    running then is stopped and later ones are skipped, so that what finished can still be merged (a sweep cut by an
+    outer timeout merges nothing). ``setup(unit) -> dict`` adds to a unit's environment just before it runs and
+    ``teardown(unit)`` runs after it. Returns one line per unit that failed, was cut or was skipped."""
     failures: list[str] = []
     lock = threading.Lock()
     deadline = None if time_limit is None else time.monotonic() + time_limit
 
     def worker(k: int) -> None:
-        for model, bs, unit_modes, name in shards[k]:
+        for unit in shards[k]:
             env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(k))
-            caches = tempfile.mkdtemp(prefix="replay-compile-cold-") if cold else None
-            if caches:
-                env.update(TORCHINDUCTOR_CACHE_DIR=os.path.join(caches, "inductor"),
-                           TRITON_CACHE_DIR=os.path.join(caches, "triton"))
-            out = os.path.join(out_dir, f"worker{k}", name)
-            os.makedirs(out, exist_ok=True)
+            if setup is not None:
+                env.update(setup(unit))
+            os.makedirs(unit.out, exist_ok=True)
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 status = "skipped (time limit)"
             else:
-                cmd = [sys.executable, "-m", "replay_compile.cli", "bench", "--models", model,
-                       "--batches", ",".join(map(str, bs)), "--modes", ",".join(unit_modes), "--out", out, *forward]
-                with open(os.path.join(out, "log.txt"), "w") as log:
+                with open(os.path.join(unit.out, "log.txt"), "w") as log:
                     try:
-                        rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                        rc = subprocess.run(unit.cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                             timeout=left).returncode
                         status = "done" if rc == 0 else f"exit {rc}"
                     except subprocess.TimeoutExpired:          # the child is killed; its finished rows stay
                         status = "cut at the time limit"
-            if caches:
-                shutil.rmtree(caches, ignore_errors=True)
+            if teardown is not None:
+                teardown(unit)
             with lock:
-                what = f"{model} batches {bs}" + (f" {unit_modes[0]}" if cold else "")
-                line = f"worker {k} (GPU {k}): {what}: {status}"
+                line = f"worker {k} (GPU {k}): {unit.label}: {status}"
                 print(line, file=sys.stderr, flush=True)
                 if status != "done":
-                    failures.append(f"{line}, see {os.path.join(out, 'log.txt')}")
+                    failures.append(f"{line}, see {os.path.join(unit.out, 'log.txt')}")
 
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(n) if shards[k]]
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(len(shards)) if shards[k]]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    return failures
+
+
+def run_parallel(n: int, models: list[str], batches: list[int], modes: list[str], forward: list[str],
+                 out_dir: str, time_limit: float | None = None, cold: bool = False,
+                 rounds: int = 1) -> tuple[list[dict], list[str]]:
+    """Run the sweep on ``n`` GPUs (workers ``0 .. n-1``); ``forward`` holds the other ``bench`` options (steps,
+    dtype, layers, ...). ``time_limit``: as :func:`run_units`.
+    ``cold``: one process per (model, batch, mode), each with fresh Inductor and Triton cache directories;
+    ``rounds`` of them per point, merged by :func:`merge_cold_rounds` (without ``cold``, ``forward`` carries
+    ``--rounds`` to the workers instead).
+    Returns the merged rows (also written to ``out_dir``) and one line per failed, cut or skipped group."""
+    os.makedirs(out_dir, exist_ok=True)
+    shards = [[Unit(f"{model} batches {bs}" + (f" {unit_modes[0]}" if cold else ""),
+                    os.path.join(out_dir, f"worker{k}", name),
+                    [sys.executable, "-m", "replay_compile.cli", "bench", "--models", model,
+                     "--batches", ",".join(map(str, bs)), "--modes", ",".join(unit_modes),
+                     "--out", os.path.join(out_dir, f"worker{k}", name), *forward])
+               for model, bs, unit_modes, name in _units(shard, modes, cold, rounds)]
+              for k, shard in enumerate(shard_points(models, batches, n))]
+    caches: dict[str, str] = {}
+
+    def setup(unit: Unit) -> dict:
+        if not cold:
+            return {}
+        caches[unit.out] = root = tempfile.mkdtemp(prefix="replay-compile-cold-")
+        return dict(TORCHINDUCTOR_CACHE_DIR=os.path.join(root, "inductor"),
+                    TRITON_CACHE_DIR=os.path.join(root, "triton"))
+
+    def teardown(unit: Unit) -> None:
+        if unit.out in caches:
+            shutil.rmtree(caches.pop(unit.out), ignore_errors=True)
+
+    failures = run_units(shards, time_limit, setup, teardown)
     rows = []
-    for k in range(n):
-        for *_, name in shards[k]:
-            path = os.path.join(out_dir, f"worker{k}", name, "bench.csv")
+    for shard in shards:
+        for unit in shard:
+            path = os.path.join(unit.out, "bench.csv")
             if os.path.exists(path):                     # a worker cut short still leaves the rows it finished
                 rows += read_rows(path)
     if cold:
