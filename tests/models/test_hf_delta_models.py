@@ -29,8 +29,13 @@ def test_delta_model_decodes_like_eager(name):
     torch._dynamo.utils.counters.clear()
     model = DELTA_FAMILY[name]()
     # 9 steps: two flushes per layer (GLM-5.3-Flash and Qwen4-Exp: 5 steps at L = 2; their graph breaks make every
-    # step compile)
-    rep = check_equivalence(model, make_inputs(model), buffer_len=2 if name in ("glm5_next", "qwen4_exp") else 4)
+    # step compile). The newer families' rewritten graphs run as traced (``lower="eager"``): what they add is how
+    # their layers spell the update, which the rewrite reads; Inductor lowers the same ops in the other families'
+    # runs (Qwen4-Exp's keeps the graph-per-layer form under Inductor). Inductor's C++ build of GLM-5.3-Flash's and
+    # Ling-3.0-Flash's graphs took 191 s and 135 s of the CI's 2 cores, the traced graphs 37 s and 9 s.
+    lower = {"lower": "eager"} if name in _NEWER and name != "qwen4_exp" else None
+    rep = check_equivalence(model, make_inputs(model), buffer_len=2 if name in ("glm5_next", "qwen4_exp") else 4,
+                            options=lower)
     assert rep.tokens_match, rep
     assert rep.max_logit_diff <= 1e-3 * rep.logit_scale, rep
     assert rep.states_compared > 0 and rep.max_state_diff < 1e-3, rep
