@@ -8,10 +8,14 @@ nothing of it), then decode steps through ``forward`` compiled as the mode says:
 * ``replayssm``, ``replayssm-ro``   ``backend="replayssm"`` (default / ``mode="reduce-overhead"``); a suffix
   ``:<fmt>`` (``replayssm-ro:fp8_e4m3``) adds ``read_copy=<fmt>``
 
-Each decode step is timed with CUDA events on GPUs (wall clock on CPU). Steps are labelled flush / non-flush by
-their position (the cursor is 0 after the prefill, so step ``t`` flushes when ``t % L == L - 1``). Reported:
-tokens/s, mean step time, flush and non-flush step times, peak memory (of the whole run, and of the decode loop alone
-after the first step compiled), time of the first compiled step (compile).
+Each decode step is timed with CUDA events on GPUs (wall clock on CPU), the loop synchronising after every step as a
+loop that reads each token back does: the step time holds the host's work before the launch. Steps are labelled
+flush / non-flush by their position (the cursor is 0 after the prefill, so step ``t`` flushes when ``t % L == L -
+1``). Reported: tokens/s, mean step time, flush and non-flush step times, peak memory (of the whole run, and of the
+decode loop alone after the first step compiled), time of the first compiled step (compile); on GPUs also ``2 L``
+steps queued without synchronisation (``queued ms``: the device's time per step when the host runs ahead, as in a
+loop that schedules the next step before the last one ends; ``host ms``: the host's time per call), each beside the
+bytes floor (weights, SSM states, records, the filled keys and values at the measured copy bandwidth).
 Results go to a CSV, a Markdown table and, with matplotlib, a PNG of the speedup over plain ``torch.compile`` in the
 same mode.
 
@@ -347,13 +351,34 @@ def by_category(times: dict[str, float]) -> dict[str, float]:
 WARM_STEPS = 3          # steps left out of the statistics: compile, CUDA-graph warm-up, CUDA-graph recording
 
 
+def queued_steps(step: Callable, steps: int) -> tuple[float, float]:
+    """``step()`` ``steps`` times with no synchronisation between them (each step's token argmaxed on the device
+    feeds the next): (device seconds per step, host seconds per call). The timed loop synchronises after every step,
+    so its step time holds the host's work before the launch (Dynamo's guards, the CUDA-graph launch), as a loop
+    that reads each token back pays it; here the host runs ahead of the device, as in a loop that schedules the
+    next step before the last one ends, and the step time is the device's alone unless the host is slower."""
+    import torch
+
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    a.record()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    host = time.perf_counter() - t0
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1e-3 / steps, host / steps
+
+
 def bench_one(model, batch: int, mode: str, steps: int, L: int, prompt_len: int = 16, seed: int = 0,
-              cache_len: int | None = None, context: int = 0, profile: bool = False) -> dict:
+              cache_len: int | None = None, context: int = 0, profile: bool = False, queued: int = 0) -> dict:
     """Decode ``steps`` tokens after an eager prefill; per-step times. The first compiled step is the compile.
     ``context``: decode from position ``context``, the positions after the prompt filled by :func:`fill_context`.
     ``cache_len``: the static cache's positions (default: just enough); a longer one holds unfilled positions,
     which transformers' SDPA reads and the decode-attention rewrite skips. ``profile`` (CUDA): also the device time
-    per step by category (:func:`profile_steps`), as ``profile`` in the result."""
+    per step by category (:func:`profile_steps`), as ``profile`` in the result. ``queued`` (CUDA): then that many
+    steps with no synchronisation between them (:func:`queued_steps`), as ``queued_ms`` and ``host_ms``."""
     import torch
     from transformers import StaticCache
 
@@ -366,7 +391,7 @@ def bench_one(model, batch: int, mode: str, steps: int, L: int, prompt_len: int 
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, model.config.vocab_size, (batch, prompt_len), generator=gen).to(device)
     start = max(context, prompt_len)
-    need = start + steps + 2 + (PROFILE_STEPS if profile else 0)
+    need = start + steps + 2 + (PROFILE_STEPS if profile else 0) + queued
     if cache_len is not None and cache_len < need:
         raise SystemExit(f"replay-compile bench: a cache of {cache_len} positions is too short for a "
                          f"{prompt_len}-token prompt and {steps} steps ({need})")
@@ -397,14 +422,22 @@ def bench_one(model, batch: int, mode: str, steps: int, L: int, prompt_len: int 
         if timer.cuda:
             steady = torch.cuda.max_memory_allocated() / 2**30
         breakdown = {}
-        if profile and timer.cuda:
-            at = [start + steps + 1]
+        at = [start + steps + 1]
+        positions = {}                                # made before a queued loop, which must not wait on a copy
 
-            def one():
-                nonlocal tok
-                out = forward(tok, use_cache=True, cache_position=torch.tensor([at[0]], device=device), **{ck: cache})
-                tok = out.logits[:, -1:].argmax(-1)
-                at[0] += 1
+        def one():
+            nonlocal tok
+            pos = positions.pop(at[0], None)
+            pos = torch.tensor([at[0]], device=device) if pos is None else pos
+            out = forward(tok, use_cache=True, cache_position=pos, **{ck: cache})
+            tok = out.logits[:, -1:].argmax(-1)
+            at[0] += 1
+        queued_ms = host_ms = float("nan")
+        if queued and timer.cuda:
+            positions.update({p: torch.tensor([p], device=device) for p in range(at[0], at[0] + queued)})
+            queued_s, host_s = queued_steps(one, queued)
+            queued_ms, host_ms = queued_s * 1e3, host_s * 1e3
+        if profile and timer.cuda:
             breakdown = profile_steps(one, PROFILE_STEPS)
         rs.flush(cache)
     # step 0 compiles (or warms up eager); under mode="reduce-overhead" CUDA-graph trees run step 1 as a warm-up and
@@ -423,6 +456,7 @@ def bench_one(model, batch: int, mode: str, steps: int, L: int, prompt_len: int 
                 tokens_per_s=batch / mean, first_step_s=first,
                 peak_mem_gib=max(compile_peak / 2**30, steady) if timer.cuda else float("nan"),
                 steady_mem_gib=steady,
+                queued_ms=queued_ms, host_ms=host_ms,
                 rewrites=rewrites, context=start, floor_bytes=floor["total"], profile=breakdown)
 
 
@@ -546,8 +580,9 @@ def merge_rounds(runs: list[dict]) -> dict:
     if len(runs) == 1:
         return dict(runs[0], rounds=1)
     out = dict(runs[0])
-    for key in ("step_ms", "median_step_ms", "nonflush_ms", "flush_ms"):
-        out[key] = statistics.mean(r[key] for r in runs)
+    for key in ("step_ms", "median_step_ms", "nonflush_ms", "flush_ms", "queued_ms", "host_ms"):
+        if key in out:
+            out[key] = statistics.mean(r[key] for r in runs)
     out["tokens_per_s"] = out["batch"] / (out["step_ms"] * 1e-3)
     for key in ("peak_mem_gib", "steady_mem_gib"):
         out[key] = max(r[key] for r in runs)
@@ -577,7 +612,8 @@ def run(models, batches, modes, steps, L, device, dtype_name, layers, out_dir, p
                 for mode in order:
                     bar.next(f"{name} bs={bs} {mode}")
                     try:
-                        runs[mode].append(bench_one(model, bs, mode, steps, L, context=context, profile=profile))
+                        runs[mode].append(bench_one(model, bs, mode, steps, L, context=context, profile=profile,
+                                                    queued=2 * L))
                         r = runs[mode][-1]                  # a run cut short still shows what it measured
                         bar.note(f"  {name} bs={bs} {mode}: {r['step_ms']:.3f} ms/step (flush {r['flush_ms']:.3f}), "
                                  f"first step {r['first_step_s']:.1f} s")
@@ -594,6 +630,7 @@ def run(models, batches, modes, steps, L, device, dtype_name, layers, out_dir, p
                     row = merge_rounds(runs[mode])
                     row["floor_ms"] = row["floor_bytes"] / bandwidth * 1e3
                     row["pct_floor"] = 100 * row["floor_ms"] / row["step_ms"]
+                    row["queued_pct_floor"] = 100 * row["floor_ms"] / row["queued_ms"]
                     rows.append(dict(model=name, layers=n_layers, dtype=dtype_name, L=L, tp=tp, **row))
             if rank == 0:
                 _write(rows, out_dir, quiet=True)          # a run cut short still leaves its rows
@@ -694,14 +731,17 @@ def _write(rows, out_dir, quiet=False):
         w = csv.DictWriter(f, fieldnames=[k for k in rows[0] if k != "profile"], extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
-    lines = ["| model (layers, TP) | batch | context | mode | step ms | floor ms | % of floor | non-flush ms | "
+    nan = float("nan")
+    lines = ["| model (layers, TP) | batch | context | mode | step ms | floor ms | % of floor | queued ms | "
+             "queued % of floor | host ms | non-flush ms | "
              "flush ms | tokens/s | first step s | peak GiB | decode-loop peak GiB | rewrites | "
              "speedup vs torch.compile | first step vs torch.compile |",
-             "|" + " --- |" * 16]
+             "|" + " --- |" * 19]
     for r in rows:
         lines.append(f"| {r['model']} ({r['layers']}, {r.get('tp', 1)}) | {r['batch']} | {r.get('context', '')} | "
-                     f"{r['mode']} | {r['step_ms']:.3f} | {r.get('floor_ms', float('nan')):.3f} | "
-                     f"{r.get('pct_floor', float('nan')):.0f} | "
+                     f"{r['mode']} | {r['step_ms']:.3f} | {r.get('floor_ms', nan):.3f} | "
+                     f"{r.get('pct_floor', nan):.0f} | {r.get('queued_ms', nan):.3f} | "
+                     f"{r.get('queued_pct_floor', nan):.0f} | {r.get('host_ms', nan):.3f} | "
                      f"{r['nonflush_ms']:.3f} | {r['flush_ms']:.3f} | {r['tokens_per_s']:.1f} | "
                      f"{r['first_step_s']:.1f} | {r['peak_mem_gib']:.2f} | "
                      f"{r.get('steady_mem_gib', float('nan')):.2f} | "

@@ -59,6 +59,19 @@ def test_bench_one_decodes_after_the_context():
     model, _ = _prefilled()
     row = bench.bench_one(model, 2, "eager", 4, 16, prompt_len=5, context=25)
     assert row["context"] == 25 and row["floor_bytes"] > 0
+    assert row["queued_ms"] != row["queued_ms"]                     # NaN: queued steps are timed on GPUs only
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["eager", "replayssm-ro"])
+def test_queued_steps_run_ahead_of_the_device_and_continue_the_decode(mode):
+    """The queued loop decodes on from the timed one in the same cache (sized for both: a position past its end
+    would fail the step), through a flush (L = 4, 8 steps), and reports the device's and the host's time per
+    step."""
+    model = MAMBA2_FAMILY["nemotron_h"](dtype=torch.float32).cuda()
+    row = bench.bench_one(model, 2, mode, 6, 4, prompt_len=5, context=25, queued=8)
+    assert row["queued_ms"] > 0 and row["host_ms"] > 0
+    assert row["context"] == 25
 
 
 @pytest.mark.parametrize("name, category", [
