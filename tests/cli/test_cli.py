@@ -23,7 +23,7 @@ def test_verify_passes_on_a_supported_model(capsys):
 def test_verify_in_bfloat16_holds_the_rewrite_to_plain_torch_compile(capsys, monkeypatch):
     """bf16: eager's tokens fed to both compiled runs; the rewrite passes within twice plain torch.compile's own
     departure from eager, and a wrong rewrite does not."""
-    assert main(["verify", "--family", "bamba", "--dtype", "bfloat16", "--lower", "eager", "--tokens", "17",
+    assert main(["verify", "--family", "mamba2", "--dtype", "bfloat16", "--lower", "eager", "--tokens", "17",
                  "--buffer-len", "8"]) == 0
     out = capsys.readouterr().out
     assert "teacher-forced" in out and "twice what inductor departs from eager" in out and "PASS" in out, out
@@ -31,7 +31,7 @@ def test_verify_in_bfloat16_holds_the_rewrite_to_plain_torch_compile(capsys, mon
     real = ref._window_coefficients
     monkeypatch.setattr(ref, "_window_coefficients", lambda la, dt, valid: real(la * 0, dt, valid))
     # the same sizes as above: plain torch.compile's graphs are compiled once, the second run reuses them
-    assert main(["verify", "--family", "bamba", "--dtype", "bfloat16", "--lower", "eager", "--tokens", "17",
+    assert main(["verify", "--family", "mamba2", "--dtype", "bfloat16", "--lower", "eager", "--tokens", "17",
                  "--buffer-len", "8"]) == 1
     assert "FAIL" in capsys.readouterr().out
 
