@@ -58,6 +58,14 @@ def read_rows(path: str) -> list[dict]:
         return [{k: _value(v) for k, v in r.items()} for r in csv.DictReader(f)]
 
 
+def read_profiles(path: str) -> dict[tuple, dict]:
+    """The per-category device times of a ``profile.csv``, by ``(model, batch, mode)``: what :func:`bench.run` holds
+    as each row's ``profile``."""
+    fixed = ("model", "batch", "context", "mode", "step_ms", "device_ms")
+    return {(r["model"], r["batch"], r["mode"]): {k: v for k, v in r.items() if k not in fixed}
+            for r in read_rows(path)}
+
+
 def _units(shard: list[tuple[str, list[int]]], modes: list[str], cold: bool,
            rounds: int = 1) -> list[tuple[str, list[int], list[str], str]]:
     """A worker's runs: ``(model, batches, modes, output folder name)``; one per model group, or with ``cold`` one
@@ -175,7 +183,12 @@ def run_parallel(n: int, models: list[str], batches: list[int], modes: list[str]
         for unit in shard:
             path = os.path.join(unit.out, "bench.csv")
             if os.path.exists(path):                     # a worker cut short still leaves the rows it finished
-                rows += read_rows(path)
+                got = read_rows(path)
+                prof = os.path.join(unit.out, "profile.csv")
+                profiles = read_profiles(prof) if os.path.exists(prof) else {}
+                for r in got:
+                    r["profile"] = profiles.get((r["model"], r["batch"], r["mode"]), {})
+                rows += got
     if cold:
         rows = merge_cold_rounds(rows)
     order = {m: i for i, m in enumerate(modes)}

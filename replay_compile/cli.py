@@ -165,9 +165,9 @@ def _bench(args) -> int:
     if args.rounds < 1:
         raise SystemExit("replay-compile bench: --rounds must be >= 1")
     if args.gpus > 1 or args.time_limit or args.cold_compile:
-        if args.tp > 1 or args.check or args.profile:
+        if args.tp > 1 or args.check:
             raise SystemExit("replay-compile bench: --gpus / --time-limit / --cold-compile spread independent points "
-                             "over worker processes; they do not combine with --tp, --check or --profile")
+                             "over worker processes; they do not combine with --tp or --check")
         from .bench_parallel import run_parallel
         # cold: each round is a process of its own (a second round in one process would compile warm)
         worker_rounds = 1 if args.cold_compile else args.rounds
@@ -175,7 +175,8 @@ def _bench(args) -> int:
                    "--dtype", args.dtype,
                    "--device", args.device, "--context", str(context)] + \
                   (["--layers", str(args.layers)] if args.layers else []) + \
-                  (["--threads", str(args.threads)] if args.threads else [])
+                  (["--threads", str(args.threads)] if args.threads else []) + \
+                  (["--profile"] if args.profile else [])
         rows, failures = run_parallel(args.gpus, models, batches, modes, forward, args.out,
                                       time_limit=args.time_limit, cold=args.cold_compile, rounds=args.rounds)
         for line in failures:

@@ -297,6 +297,35 @@ def test_bench_cold_compile_runs_each_mode_in_its_own_process_with_empty_caches(
                                                                                                (8, 2.0, 1.05)]
 
 
+def test_bench_workers_profiles_are_merged_onto_their_rows(tmp_path, monkeypatch):
+    """``bench --time-limit S --profile``: each worker profiles its points; the merged ``profile.csv`` holds every
+    row's device time by category, read from the worker that ran it."""
+    import subprocess
+
+    import replay_compile.bench_parallel as bp
+
+    def fake_run(cmd, env, stdout, stderr, timeout):
+        assert "--profile" in cmd
+        out, model = cmd[cmd.index("--out") + 1], cmd[cmd.index("--models") + 1]
+        gemm = {"a": 1.5, "b": 2.5}[model]
+        row = dict(model=model, layers=2, tp=1, batch=1, mode="inductor", step_ms=2.0, nonflush_ms=2.0, flush_ms=2.0,
+                   tokens_per_s=500.0, first_step_s=1.0, peak_mem_gib=0.1, steady_mem_gib=0.1, rewrites=0)
+        with open(f"{out}/bench.csv", "w") as f:
+            f.write(",".join(row) + "\n" + ",".join(map(str, row.values())) + "\n")
+        with open(f"{out}/profile.csv", "w") as f:
+            f.write("model,batch,context,mode,step_ms,device_ms,GEMM,attention\n"
+                    f"{model},1,0,inductor,2.0,{gemm + 0.25},{gemm},0.25\n")
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(bp.subprocess, "run", fake_run)
+    rows, failures = bp.run_parallel(1, ["a", "b"], [1], ["inductor"], ["--profile"], str(tmp_path), time_limit=300)
+    assert not failures
+    assert [r["profile"] for r in rows] == [{"GEMM": 1.5, "attention": 0.25}, {"GEMM": 2.5, "attention": 0.25}]
+    merged = (tmp_path / "profile.csv").read_text().splitlines()
+    assert merged[0].startswith("model,batch,context,mode,step_ms,device_ms") and len(merged) == 3
+    assert merged[2].split(",")[0] == "b" and "2.5" in merged[2].split(",")
+
+
 def test_bench_gpus_rejects_tp_and_check(tmp_path):
     with pytest.raises(SystemExit, match="--gpus"):
         main(["bench", "--device", "cpu", "--gpus", "2", "--tp", "2", "--out", str(tmp_path)])
