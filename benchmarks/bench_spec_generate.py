@@ -57,6 +57,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import math
 import os
 import sys
 import time
@@ -267,7 +268,7 @@ def main(argv=None):
                 _emit_profile(name, bs, "decode", step.get("profile", {}), 1.0, args.out)
             # the baseline is the decode step queued as the rounds are (the host runs ahead; the rounds of a burst
             # are replayed with no read between them); the step of a loop synchronising after each token is slower
-            dec_ms = step["queued_ms"] if step["queued_ms"] == step["queued_ms"] else step["median_step_ms"]
+            dec_ms = step["median_step_ms"] if math.isnan(step["queued_ms"]) else step["queued_ms"]
             dec_tps = bs / (dec_ms * 1e-3)
             _emit(rows, csv_path, dict(model=name, bs=bs, variant="decode", cache_len=cache_len, tok_s_rounds=dec_tps,
                                        x_decode=1.0, tok_s_call=float("nan"), x_decode_call=float("nan"),

@@ -422,19 +422,15 @@ def bench_one(model, batch: int, mode: str, steps: int, L: int, prompt_len: int 
         if timer.cuda:
             steady = torch.cuda.max_memory_allocated() / 2**30
         breakdown = {}
-        at = [start + steps + 1]
-        positions = {}                                # made before a queued loop, which must not wait on a copy
+        # the positions of the steps after the timed ones, made beforehand: a queued loop must not wait on a copy
+        positions = iter([torch.tensor([p], device=device) for p in range(start + steps + 1, need)])
 
         def one():
             nonlocal tok
-            pos = positions.pop(at[0], None)
-            pos = torch.tensor([at[0]], device=device) if pos is None else pos
-            out = forward(tok, use_cache=True, cache_position=pos, **{ck: cache})
+            out = forward(tok, use_cache=True, cache_position=next(positions), **{ck: cache})
             tok = out.logits[:, -1:].argmax(-1)
-            at[0] += 1
         queued_ms = host_ms = float("nan")
         if queued and timer.cuda:
-            positions.update({p: torch.tensor([p], device=device) for p in range(at[0], at[0] + queued)})
             queued_s, host_s = queued_steps(one, queued)
             queued_ms, host_ms = queued_s * 1e3, host_s * 1e3
         if profile and timer.cuda:
@@ -744,7 +740,7 @@ def _write(rows, out_dir, quiet=False):
                      f"{r.get('queued_pct_floor', nan):.0f} | {r.get('host_ms', nan):.3f} | "
                      f"{r['nonflush_ms']:.3f} | {r['flush_ms']:.3f} | {r['tokens_per_s']:.1f} | "
                      f"{r['first_step_s']:.1f} | {r['peak_mem_gib']:.2f} | "
-                     f"{r.get('steady_mem_gib', float('nan')):.2f} | "
+                     f"{r.get('steady_mem_gib', nan):.2f} | "
                      f"{r['rewrites']} | "
                      f"{r['speedup_vs_compile']:.2f} | {r.get('first_step_vs_compile', float('nan')):.2f} |")
     table = "\n".join(lines)

@@ -96,20 +96,20 @@ def merge_cold_rounds(rows: list[dict]) -> list[dict]:
 @dataclasses.dataclass
 class Unit:
     """One process of a sweep: ``label`` names it in the report, ``out`` is its output folder (created before it
-    runs, its log written there), ``cmd`` its command line."""
+    runs, its log written there), ``cmd`` its command line; ``cold``: it runs with Inductor and Triton cache folders
+    of its own, empty when it starts and removed when it ends."""
 
     label: str
     out: str
     cmd: list[str]
+    cold: bool = False
 
 
-def run_units(shards: list[list[Unit]], time_limit: float | None = None,
-              setup=None, teardown=None) -> list[str]:
+def run_units(shards: list[list[Unit]], time_limit: float | None = None) -> list[str]:
     """Run ``shards[k]``'s units one after another in worker ``k`` (a thread), pinned to GPU ``k`` with
     ``CUDA_VISIBLE_DEVICES``; each unit's output goes to ``unit.out/log.txt``. ``time_limit`` (seconds): a unit still
     running then is stopped and later ones are skipped, so that what finished can still be merged (a sweep cut by an
-    outer timeout merges nothing). ``setup(unit) -> dict`` adds to a unit's environment just before it runs and
-    ``teardown(unit)`` runs after it. Returns one line per unit that failed, was cut or was skipped."""
+    outer timeout merges nothing). Returns one line per unit that failed, was cut or was skipped."""
     failures: list[str] = []
     lock = threading.Lock()
     deadline = None if time_limit is None else time.monotonic() + time_limit
@@ -117,8 +117,10 @@ def run_units(shards: list[list[Unit]], time_limit: float | None = None,
     def worker(k: int) -> None:
         for unit in shards[k]:
             env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(k))
-            if setup is not None:
-                env.update(setup(unit))
+            caches = tempfile.mkdtemp(prefix="replay-compile-cold-") if unit.cold else None
+            if caches:
+                env.update(TORCHINDUCTOR_CACHE_DIR=os.path.join(caches, "inductor"),
+                           TRITON_CACHE_DIR=os.path.join(caches, "triton"))
             os.makedirs(unit.out, exist_ok=True)
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
@@ -131,8 +133,8 @@ def run_units(shards: list[list[Unit]], time_limit: float | None = None,
                         status = "done" if rc == 0 else f"exit {rc}"
                     except subprocess.TimeoutExpired:          # the child is killed; its finished rows stay
                         status = "cut at the time limit"
-            if teardown is not None:
-                teardown(unit)
+            if caches:
+                shutil.rmtree(caches, ignore_errors=True)
             with lock:
                 line = f"worker {k} (GPU {k}): {unit.label}: {status}"
                 print(line, file=sys.stderr, flush=True)
@@ -161,23 +163,10 @@ def run_parallel(n: int, models: list[str], batches: list[int], modes: list[str]
                     os.path.join(out_dir, f"worker{k}", name),
                     [sys.executable, "-m", "replay_compile.cli", "bench", "--models", model,
                      "--batches", ",".join(map(str, bs)), "--modes", ",".join(unit_modes),
-                     "--out", os.path.join(out_dir, f"worker{k}", name), *forward])
+                     "--out", os.path.join(out_dir, f"worker{k}", name), *forward], cold=cold)
                for model, bs, unit_modes, name in _units(shard, modes, cold, rounds)]
               for k, shard in enumerate(shard_points(models, batches, n))]
-    caches: dict[str, str] = {}
-
-    def setup(unit: Unit) -> dict:
-        if not cold:
-            return {}
-        caches[unit.out] = root = tempfile.mkdtemp(prefix="replay-compile-cold-")
-        return dict(TORCHINDUCTOR_CACHE_DIR=os.path.join(root, "inductor"),
-                    TRITON_CACHE_DIR=os.path.join(root, "triton"))
-
-    def teardown(unit: Unit) -> None:
-        if unit.out in caches:
-            shutil.rmtree(caches.pop(unit.out), ignore_errors=True)
-
-    failures = run_units(shards, time_limit, setup, teardown)
+    failures = run_units(shards, time_limit)
     rows = []
     for shard in shards:
         for unit in shard:
