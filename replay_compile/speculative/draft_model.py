@@ -26,7 +26,7 @@ import torch
 
 from ..errors import ReplayCompileError
 from ..integrations.hf_modules import attention_layers, cache_kwarg, looks_like_ssm, write_at
-from .rounds import copy_scratch
+from .rounds import cache_positions, copy_scratch
 
 
 class DraftModel:
@@ -61,7 +61,8 @@ class DraftModel:
         dev = input_ids.device
         self.T, self.k = num_draft + 1, num_draft
         self.scratch_len = self.T + self.k - 1
-        self.M = prompt + max_new_tokens + self.scratch_len
+        # sized as the target's cache is, so that calls of similar lengths share the compiled round
+        self.M = cache_positions(prompt + max_new_tokens + self.scratch_len)
         self.cache = StaticCache(config=self.model.config, max_cache_len=self.M)
         with torch.no_grad():
             self.model(input_ids, use_cache=True, cache_position=torch.arange(prompt, device=dev),

@@ -22,7 +22,7 @@ import contextlib
 import dataclasses
 import inspect
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -40,7 +40,7 @@ from .base import SpecLayer
 from .delta_layer import SpecDeltaLayer
 from .drafts import PromptLookup
 from .mamba2_layer import SpecMamba2Layer
-from .rounds import Rounds, refuse_what_cannot_roll_back
+from .rounds import Rounds, cache_positions, refuse_what_cannot_roll_back
 from .sampling import Sampling
 
 
@@ -150,7 +150,8 @@ def _step_kwargs(model) -> tuple[str, bool]:
     return ck, "position_ids" in inspect.signature(model.forward).parameters
 
 
-def generate_speculative(model, input_ids: torch.Tensor, max_new_tokens: int, *, num_draft: int = 3,
+def generate_speculative(model, input_ids: torch.Tensor, max_new_tokens: int | Sequence[int] | torch.Tensor, *,
+                         num_draft: int = 3,
                          draft: Callable | None = None, buffer_len: int = 16, per_row: bool = True,
                          compile: bool | None = None, backend: str = "replayssm", mode: str | None = None,
                          eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
@@ -163,6 +164,8 @@ def generate_speculative(model, input_ids: torch.Tensor, max_new_tokens: int, *,
         model: an HF causal LM whose SSM layers are Mamba-2 mixers, Gated DeltaNet or KDA layers (see the module
             docstring for the families; eval mode).
         input_ids: [b, prompt] (no padding).
+        max_new_tokens: new tokens per row: an int, or one per row ([b] ints; ``per_row`` only). A row that has its
+            tokens sits the remaining rounds out at no cost, and its later positions hold ``pad_token_id``.
         draft: ``(tokens [b, n], k) -> [b, k]`` proposer; default :class:`PromptLookup`. Rows run ahead of each
             other: ``tokens`` holds each row's tokens right-aligned, left-padded with -1. Compiled, it must be made
             of tensor operations (``PromptLookup`` is); ids outside the vocabulary raise an error naming it, with
@@ -182,18 +185,24 @@ def generate_speculative(model, input_ids: torch.Tensor, max_new_tokens: int, *,
             drafts are accepted by the speculative sampling rule (:mod:`.sampling`), so every token is distributed
             as plain sampling's; the random draws come from torch's default generator (``torch.manual_seed``).
             Needs ``per_row``.
-        max_cache_len: positions of the attention caches the rounds allocate (``per_row``; default and minimum:
-            ``prompt + max_new_tokens + 2 * (num_draft + 1)``). transformers' attention reads every position of a
-            static cache, so this is also what each round's attention costs.
+        max_cache_len: positions of the attention caches the rounds allocate (``per_row``; at least ``prompt +
+            max_new_tokens + 2 * (num_draft + 1)``; default: that rounded up to a power of two or 1.5 times one,
+            :func:`~.rounds.cache_positions`, so that calls with prompts and budgets of similar length and the same
+            batch reuse one compiled round). The decode-attention rewrite reads only the filled positions;
+            transformers' own attention reads every position of a static cache, so there this is also what each
+            round's attention costs.
     Returns:
         :class:`SpeculativeOutput`; greedy, ``sequences`` equals ``model.generate(input_ids, max_new_tokens=...,
         do_sample=False)``'s. ``cache`` holds the SSM state after every fed token of each row, as ``generate``'s
         does (up to its end-of-sequence token: ``generate`` then feeds padding); with ``per_row`` its attention
         layers hold each row's tokens at the positions ``attention_mask`` marks.
     """
-    if max_new_tokens < 1 or num_draft < 1:
-        raise ValueError(f"generate_speculative: need max_new_tokens >= 1 and num_draft >= 1, got {max_new_tokens}, "
-                         f"{num_draft}")
+    max_new_tokens = _token_budget(max_new_tokens, input_ids.shape[0])
+    if num_draft < 1:
+        raise ValueError(f"generate_speculative: need num_draft >= 1, got {num_draft}")
+    if not isinstance(max_new_tokens, int) and not per_row:
+        raise ValueError("generate_speculative: one max_new_tokens per row needs per_row=True; per_row=False commits "
+                         "the same tokens on every row")
     if compile and not per_row:
         raise ValueError("generate_speculative: compile=True runs per-row rounds; per_row=False is eager only")
     if max_cache_len is not None and not per_row:
@@ -230,14 +239,33 @@ def generate_speculative(model, input_ids: torch.Tensor, max_new_tokens: int, *,
     return res
 
 
+def _token_budget(max_new_tokens, b: int) -> int | torch.Tensor:
+    """``max_new_tokens`` checked: an int >= 1, or [b] ints >= 1 as a CPU int64 tensor."""
+    per_row = torch.as_tensor(max_new_tokens)
+    if per_row.dim() == 0 and not (per_row.is_floating_point() or per_row.dtype == torch.bool):
+        if int(per_row) < 1:
+            raise ValueError(f"generate_speculative: need max_new_tokens >= 1, got {int(per_row)}")
+        return int(per_row)
+    if per_row.dim() != 1 or per_row.shape[0] != b or per_row.is_floating_point() or per_row.dtype == torch.bool:
+        raise ValueError(f"generate_speculative: max_new_tokens must be an int or {b} ints (one per row of input_ids), "
+                         f"got {tuple(per_row.shape)} {per_row.dtype}")
+    per_row = per_row.to(device="cpu", dtype=torch.long)
+    if bool((per_row < 1).any()):
+        raise ValueError(f"generate_speculative: need max_new_tokens >= 1 on every row, got {per_row.tolist()}")
+    return per_row
+
+
 def _round_compiler(backend: str, mode: str | None) -> Callable:
     """``torch.compile`` for the round function. With our backend the SSM pass is off for the round: every SSM mixer
     of a round is already a verify layer (the pass would only report the layers' own writes as state updates it
-    leaves unchanged, once per layer), while the decode-attention rewrite still takes the verify windows."""
+    leaves unchanged, once per layer), while the decode-attention rewrite still takes the verify windows.
+    ``dynamic=False``: a round's shapes come from the batch and the cache's length alone (:mod:`.rounds`), and each
+    such shape compiles a static graph of its own, with the same rewrites and kernels as the first, where
+    automatic dynamic shapes would turn the second batch size into one graph of symbolic sizes."""
     if backend != "replayssm":
-        return lambda fn: torch.compile(fn, backend=backend, mode=mode)
+        return lambda fn: torch.compile(fn, backend=backend, mode=mode, dynamic=False)
     options = {**(torch._inductor.list_mode_options(mode) if mode else {}), "families": ()}
-    return lambda fn: torch.compile(fn, backend=backend, options=options)
+    return lambda fn: torch.compile(fn, backend=backend, options=options, dynamic=False)
 
 
 def _end_tokens(model, eos_token_id, pad_token_id) -> tuple[list[int], int]:
@@ -271,7 +299,8 @@ def _end_at_eos(sequences: torch.Tensor, prompt: int, eos: list[int], pad: int) 
     return torch.cat([sequences[:, :prompt], torch.where(after, pad, new)[:, :live]], dim=1)
 
 
-def generate_rounds(model, input_ids: torch.Tensor, max_new_tokens: int, *, num_draft: int, draft: Callable,
+def generate_rounds(model, input_ids: torch.Tensor, max_new_tokens: int | torch.Tensor, *, num_draft: int,
+                    draft: Callable,
                     buffer_len: int, compiler: Callable | None, eos: list[int] | None = None,
                     pad: int = 0, layers_for: Callable | None = None, sampling: Sampling | None = None,
                     cuda_graph: bool = False, max_cache_len: int | None = None) -> SpeculativeOutput:
@@ -280,19 +309,21 @@ def generate_rounds(model, input_ids: torch.Tensor, max_new_tokens: int, *, num_
     eagerly, the same code), and with ``cuda_graph`` (CUDA only) from the third round on as one CUDA graph replay.
     ``attention_mask`` of the result marks each row's valid cache positions.
     ``layers_for(model, cache, buffer_len, T)``: the SSM layers' speculative forms (default: the replay verify of
-    each family; benchmarks pass their baselines'). ``max_cache_len``: the cache's positions (at least, and by
-    default, ``prompt + max_new_tokens + 2T``)."""
+    each family; benchmarks pass their baselines'). ``max_new_tokens``: an int or [b] ints. ``max_cache_len``: the
+    cache's positions (at least ``prompt + max_new_tokens + 2T``; default: that rounded up by
+    :func:`~.rounds.cache_positions`)."""
     from transformers import StaticCache
 
     T = num_draft + 1
     b, prompt = input_ids.shape
     ck, _ = _step_kwargs(model)
-    need = prompt + max_new_tokens + 2 * T
+    longest = int(torch.as_tensor(max_new_tokens).max())
+    need = prompt + longest + 2 * T
     if max_cache_len is not None and max_cache_len < need:
         raise ValueError(f"generate_speculative: max_cache_len={max_cache_len} is too small: a {prompt}-token prompt, "
-                         f"{max_new_tokens} new tokens and rounds of T={T} need {need} positions (2T for the verify "
+                         f"{longest} new tokens and rounds of T={T} need {need} positions (2T for the verify "
                          f"window and the rejected tail)")
-    cache = StaticCache(config=model.config, max_cache_len=max_cache_len or need)
+    cache = StaticCache(config=model.config, max_cache_len=max_cache_len or cache_positions(need))
     sync = torch.cuda.synchronize if input_ids.is_cuda else (lambda: None)
     sync()
     t0 = time.perf_counter()
@@ -304,7 +335,7 @@ def generate_rounds(model, input_ids: torch.Tensor, max_new_tokens: int, *, num_
         layers = (layers_for or _spec_layers)(model, cache, buffer_len, T)
         rounds = Rounds(model, cache, layers, input_ids, first, max_new_tokens, num_draft, draft, eos, sampling)
         if hasattr(draft, "start"):                  # a proposer with state of its own (a draft model's cache)
-            draft.start(input_ids, max_new_tokens, num_draft)
+            draft.start(input_ids, longest, num_draft)
         step = rounds.step if compiler is None else compiler(rounds.step)
         graph = None
         sync()

@@ -15,6 +15,11 @@ positions past a row's new ``fed`` hold rejected entries that the mask hides and
 positions are per row (``position_ids = fed + t``). So the cache needs ``prompt + max_new + 2T`` positions whatever
 the acceptance, and every tensor shape is the same every round.
 
+Shapes across calls. A round's tensors take their sizes from the batch and the cache's ``M`` alone, never from the
+prompt's length or the token budget (those are per-row tensors: :attr:`Rounds.limit`), and :func:`cache_positions`
+rounds ``M`` up to a few sizes per doubling. So calls with the same batch and prompts and budgets of similar length
+reuse one compiled round; ``torch.compile`` recompiles only for a new batch size or a new ``M``.
+
 Rows that have all their tokens, or emitted an end-of-sequence token, sit the remaining rounds out: their slot is -1
 for the SSM layers (nothing of their state is read or written) and nothing of theirs is committed. Drafts are checked
 on the device: an id outside the vocabulary makes the round (and any later one) commit nothing and the host raise an
@@ -68,6 +73,18 @@ def _holds_tensors(value) -> bool:
     return any(isinstance(x, torch.Tensor) for x in items)
 
 
+def cache_positions(need: int) -> int:
+    """The static cache's positions for rounds that need ``need`` (``prompt + max_new + 2T``): the smallest of 64,
+    96, 128, 192, .. (a power of two or 1.5 times one) that holds them. The compiled round specialises on the
+    cache's length, so lengths between two of these sizes share one compilation; the padding is at most half the
+    need, and costs no attention reads where the decode-attention rewrite skips masked positions (transformers'
+    SDPA reads them: pass ``max_cache_len`` to ``generate_speculative`` for an exact size)."""
+    size = 64
+    while size < need:
+        size = size * 3 // 2 if size & (size - 1) == 0 else size // 3 * 4
+    return size
+
+
 def copy_scratch(attn: list, start: int, dest: torch.Tensor) -> None:
     """Copy the ``T`` scratch positions ``[start, start + T)`` of every static attention layer in ``attn`` to each
     row's positions ``dest`` [b, T] (a commit of the keys and values a forward wrote to the scratch)."""
@@ -84,32 +101,40 @@ class Rounds:
         cache: a ``StaticCache`` of ``M >= prompt + max_new + 2T`` positions holding the prefilled prompt.
         layers: the spec layers of ``model`` (cursors, rings, conv inputs).
         input_ids: [b, prompt]; first: [b, 1] the token the prefill emitted (not yet fed).
-        max_new: tokens to emit per row (``first`` included); num_draft: ``k``, ``T = k + 1``; draft: a proposer
+        max_new: tokens to emit per row (``first`` included): an int, or [b] ints, one per row; num_draft: ``k``,
+            ``T = k + 1``; draft: a proposer
             ``(tokens [b, n] right-aligned, left-padded with -1, k) -> [b, k]`` made of tensor operations.
         sampling: None for greedy rounds (drafts accepted while they match the argmax), else the distribution to
             sample from, drafts accepted by the speculative sampling rule (:mod:`.sampling`).
     """
 
     def __init__(self, model, cache, layers: list[SpecLayer], input_ids: torch.Tensor, first: torch.Tensor,
-                 max_new: int, num_draft: int, draft, eos: list[int] | None = None, sampling: Sampling | None = None):
+                 max_new: int | torch.Tensor, num_draft: int, draft, eos: list[int] | None = None,
+                 sampling: Sampling | None = None):
         b, prompt = input_ids.shape
         dev = input_ids.device
+        per_row = torch.as_tensor(max_new, dtype=torch.long).to(dev).expand(b)
+        longest = int(per_row.max())
         self.model, self.cache, self.layers, self.draft, self.sampling = model, cache, layers, draft, sampling
         self.draft_name = getattr(draft, "__qualname__", None) or type(draft).__name__
         self.vocab = model.get_input_embeddings().num_embeddings
         self.eos = None if not eos else torch.tensor(list(eos), dtype=torch.long, device=dev)
-        self.b, self.prompt, self.max_new, self.k, self.T = b, prompt, max_new, num_draft, num_draft + 1
+        self.b, self.prompt, self.k, self.T = b, prompt, num_draft, num_draft + 1
+        # the length at which each row has all its tokens: a tensor, so the compiled round does not specialise on
+        # the prompt's length or the budget
+        self.limit = prompt + per_row
         self.ck = cache_kwarg(model)
         self.takes_positions = "position_ids" in inspect.signature(model.forward).parameters
         self.attn = attention_layers(cache)
         refuse_what_cannot_roll_back(cache, type(model).__name__)
-        need = prompt + max_new + 2 * self.T
+        need = prompt + longest + 2 * self.T
         # the attention layers' own length (a hybrid cache may report max_cache_len -1: transformers 5.17's Zamba2)
-        self.M = self.attn[0].keys.shape[2] if self.attn else need
+        self.M = self.attn[0].keys.shape[2] if self.attn else cache_positions(need)
         if self.attn and self.M < need:
             raise ValueError(f"replay_compile.speculative: the StaticCache holds {self.M} positions; speculative "
-                             f"rounds of T={self.T} after a {prompt}-token prompt for {max_new} new tokens need {need}")
-        W = prompt + max_new + self.T                  # token columns; the last one takes writes of rejected tokens
+                             f"rounds of T={self.T} after a {prompt}-token prompt for {longest} new tokens need {need}")
+        # token columns, sized by M alone (>= prompt + longest + T); the last one takes writes of rejected tokens
+        W = self.M - self.T
         self.tokens = torch.full((b, W), -1, dtype=torch.long, device=dev)
         self.tokens[:, :prompt] = input_ids
         self.tokens[:, prompt] = first[:, 0]
@@ -126,8 +151,9 @@ class Rounds:
         # bursts between host reads)
         self.bad = torch.zeros((), dtype=torch.bool, device=dev)
         # tokens each row emitted per round (0: the row sat it out), written on the device; at most one round per
-        # emitted token, plus the rounds a burst runs after the last row is done (recorded in the last line)
-        self.max_rounds = max_new + 1
+        # emitted token, plus the rounds a burst runs after the last row is done (recorded in the last line); sized by
+        # W (>= longest + 1), not by the budget, as every shape of a round is
+        self.max_rounds = W
         self.history = torch.zeros(self.max_rounds + 1, b, dtype=torch.int32, device=dev)
         self.round = torch.zeros((), dtype=torch.long, device=dev)
         # [every row done, a bad draft met, the most tokens a row still has to emit]: what the host reads
@@ -163,7 +189,7 @@ class Rounds:
         window = torch.cat([last, drafts], dim=1)                                    # [b, T]
         fed = self.length - 1
         pos = fed[:, None] + self.window_cols[None, :]          # [b, T] the window's positions (RoPE and cache)
-        remaining = self.max_new - (self.length - self.prompt)
+        remaining = self.limit - self.length
         active = (remaining > 0) & ~self.finished & ~bad
         slots = torch.where(active, self.rows, -1).to(torch.int32)
         for layer in self.layers:                    # the verify forward and the commit see the same slots
@@ -204,7 +230,7 @@ class Rounds:
         return accept(self.sampling.probs(logits), drafts, self.sampling)
 
     def _update_status(self) -> None:
-        remaining = torch.where(self.finished, 0, self.max_new - (self.length - self.prompt))
+        remaining = torch.where(self.finished, 0, self.limit - self.length)
         self.status.copy_(torch.stack([(remaining <= 0).all().long(), self.bad.long(), remaining.amax()]))
 
     def accepted(self) -> list[list[int]]:

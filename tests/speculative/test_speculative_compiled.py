@@ -23,6 +23,7 @@ from replay_compile.integrations.hf_modules import attention_layers, output_cach
 from replay_compile.passes.validate import rel_err  # noqa: E402
 from replay_compile.speculative import PromptLookup, generate_speculative  # noqa: E402
 from replay_compile.speculative.generate import generate_rounds  # noqa: E402
+from replay_compile.speculative.rounds import cache_positions  # noqa: E402
 from replay_compile.testing.drafts import known_continuation  # noqa: E402
 from replay_compile.testing.hf_models import build_for_speculation, make_inputs  # noqa: E402
 from replay_compile.testing.tp_parity import _conv_states, _recurrent_states  # noqa: E402
@@ -131,6 +132,69 @@ def test_a_longer_static_cache_leaves_the_tokens_unchanged(reference):
                                buffer_len=8, compile=False, max_cache_len=ids.shape[1] + NEW + 8 + 21)
     assert torch.equal(out.sequences, ref.sequences), (family, out.accepted)
     assert all(layer.keys.shape[2] == ids.shape[1] + NEW + 8 + 21 for layer in attention_layers(out.cache))
+
+
+def test_per_row_token_budgets_match_generate(reference):
+    """One ``max_new_tokens`` per row: each row holds ``generate``'s greedy tokens up to its own budget, then
+    padding, and the SSM and conv states left for a row are those ``generate`` leaves with that row's budget."""
+    family, model, ids, ref = reference
+    prompt = ids.shape[1]
+    budgets = [NEW, 5, 13]
+    out = generate_speculative(model, ids, budgets, num_draft=3, draft=known_continuation(ref.sequences, 2),
+                               buffer_len=8, compile=False, eos_token_id=[], pad_token_id=-7)
+    assert out.sequences.shape == (3, prompt + NEW)
+    for row, n in enumerate(budgets):
+        assert torch.equal(out.sequences[row, :prompt + n], ref.sequences[row, :prompt + n]), (family, row)
+        assert (out.sequences[row, prompt + n:] == -7).all(), (family, row)
+        assert sum(rnd[row] for rnd in out.accepted) == n - 1              # the first token: the prefill's
+    with torch.no_grad():
+        short = model.generate(ids[1:2], max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
+    for a, b in zip(_recurrent_states(out.cache) + _conv_states(out.cache),
+                    _recurrent_states(output_cache(short)) + _conv_states(output_cache(short)), strict=True):
+        assert rel_err(a[1:2], b) < 1e-4, (family, rel_err(a[1:2], b))
+
+
+def test_token_budgets_are_checked_before_anything_runs():
+    model = build_for_speculation("nemotron_h")
+    ids = make_inputs(model, batch=2, prompt_len=5, seed=0)
+    for budget, match in (([4], r"an int or 2 ints"), ([4, 0], r">= 1 on every row"), (0, ">= 1, got 0"),
+                          ([4.0, 2.0], "an int or 2 ints"), (torch.ones(2, 1, dtype=torch.long), "an int or 2")):
+        with pytest.raises(ValueError, match=match):
+            generate_speculative(model, ids, budget, compile=False)
+    with pytest.raises(ValueError, match="per_row=True"):
+        generate_speculative(model, ids, [4, 2], compile=False, per_row=False)
+    out = generate_speculative(model, ids, torch.tensor(3), compile=False)           # a 0-d tensor is an int
+    assert out.sequences.shape == (2, 5 + 3)
+
+
+def test_cache_positions_are_few_sizes_per_doubling():
+    sizes = sorted({cache_positions(n) for n in range(1, 5000)})
+    assert sizes[:6] == [64, 96, 128, 192, 256, 384] and sizes[-1] == 6144
+    for n in range(1, 5000):
+        assert n <= cache_positions(n) <= max(64, 3 * n // 2 + 1)
+
+
+@pytest.mark.slow
+def test_calls_of_similar_lengths_reuse_the_compiled_round(reference):
+    """A second call with a shorter prompt, a smaller budget and per-row budgets, same batch: no new graph (the
+    round's shapes come from the batch and the bucketed cache length alone), and ``generate``'s tokens."""
+    family, model, ids, ref = reference
+    if family != "qwen3_5":
+        pytest.skip("one family: the round's shapes are family-neutral")
+    torch._dynamo.reset()
+    counters.clear()
+    out = generate_speculative(model, ids, NEW, num_draft=3, draft=PromptLookup(ngram=3), buffer_len=8, compile=True)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert counters["stats"]["unique_graphs"] == 1
+    counters.clear()
+    shorter = ids[:, 2:]
+    with torch.no_grad():
+        want = model.generate(shorter, max_new_tokens=NEW - 3, do_sample=False)
+    out = generate_speculative(model, shorter, [NEW - 3, NEW - 3, 9], num_draft=3, draft=PromptLookup(ngram=3),
+                               buffer_len=8, compile=True, eos_token_id=[], pad_token_id=-7)
+    assert torch.equal(out.sequences[:2], want[:2])
+    assert torch.equal(out.sequences[2, :shorter.shape[1] + 9], want[2, :shorter.shape[1] + 9])
+    assert not counters["stats"]["unique_graphs"], dict(counters["stats"])
 
 
 def test_a_static_cache_too_short_for_the_rounds_is_refused():
