@@ -314,20 +314,26 @@ def kernel_category(name: str) -> str:
 PROFILE_STEPS = 8
 
 
-def profile_steps(step: Callable, steps: int = PROFILE_STEPS) -> dict:
+def profile_steps(step: Callable, steps: int = PROFILE_STEPS, kernels: dict | None = None) -> dict:
     """Device milliseconds per step by :data:`PROFILE_CATEGORIES` over ``steps`` calls of ``step`` (torch.profiler,
-    CUDA activity; the step must already be warm)."""
+    CUDA activity; the step must already be warm). ``kernels``: filled with ``name -> (ms per step, launches per
+    step)`` for every kernel, which tells a step bound by many small launches from one bound by a slow kernel."""
     import torch
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    return {cat: t / steps for cat, t in by_category(kernel_times(prof)).items()}
+    launches: dict = {}
+    times = kernel_times(prof, launches)
+    if kernels is not None:
+        kernels.update({name: (t / steps, launches[name] / steps) for name, t in times.items()})
+    return {cat: t / steps for cat, t in by_category(times).items()}
 
 
-def kernel_times(prof) -> dict[str, float]:
-    """Device milliseconds per kernel name over a finished ``torch.profiler`` run (its CUDA events)."""
+def kernel_times(prof, launches: dict | None = None) -> dict[str, float]:
+    """Device milliseconds per kernel name over a finished ``torch.profiler`` run (its CUDA events); ``launches``:
+    filled with the number of launches per name."""
     import torch
 
     out: dict = {}
@@ -336,6 +342,8 @@ def kernel_times(prof) -> dict[str, float]:
             t = getattr(e, "device_time_total", None)
             t = e.cuda_time_total if t is None else t
             out[e.name] = out.get(e.name, 0.0) + t / 1e3
+            if launches is not None:
+                launches[e.name] = launches.get(e.name, 0) + 1
     return out
 
 
@@ -421,7 +429,7 @@ def bench_one(model, batch: int, mode: str, steps: int, L: int, prompt_len: int 
                 torch.cuda.reset_peak_memory_stats()
         if timer.cuda:
             steady = torch.cuda.max_memory_allocated() / 2**30
-        breakdown = {}
+        breakdown, kernels = {}, {}
         # the positions of the steps after the timed ones, made beforehand: a queued loop must not wait on a copy
         positions = iter([torch.tensor([p], device=device) for p in range(start + steps + 1, need)])
 
@@ -434,7 +442,7 @@ def bench_one(model, batch: int, mode: str, steps: int, L: int, prompt_len: int 
             queued_s, host_s = queued_steps(one, queued)
             queued_ms, host_ms = queued_s * 1e3, host_s * 1e3
         if profile and timer.cuda:
-            breakdown = profile_steps(one, PROFILE_STEPS)
+            breakdown = profile_steps(one, PROFILE_STEPS, kernels)
         rs.flush(cache)
     # step 0 compiles (or warms up eager); under mode="reduce-overhead" CUDA-graph trees run step 1 as a warm-up and
     # record the graph in step 2: none of them is a decode step a server would see (with them in, the mean of a
@@ -453,7 +461,7 @@ def bench_one(model, batch: int, mode: str, steps: int, L: int, prompt_len: int 
                 peak_mem_gib=max(compile_peak / 2**30, steady) if timer.cuda else float("nan"),
                 steady_mem_gib=steady,
                 queued_ms=queued_ms, host_ms=host_ms,
-                rewrites=rewrites, context=start, floor_bytes=floor["total"], profile=breakdown)
+                rewrites=rewrites, context=start, floor_bytes=floor["total"], profile=breakdown, kernels=kernels)
 
 
 def parity(model, batch: int, steps: int, L: int, mode: str = "replayssm-ro", prompt_len: int = 16,
@@ -696,11 +704,22 @@ def kernel_packages() -> str:
     return ", ".join(found) or "none"
 
 
+PROFILE_KERNEL_COLUMNS = ("model", "batch", "context", "mode", "kernel", "category", "ms_per_step",
+                          "launches_per_step")
+
+
 def _write_profile(rows, out_dir, quiet: bool) -> None:
-    """``profile.csv`` and a table: device ms per step by category, per (model, batch, mode)."""
+    """``profile.csv`` and a table: device ms per step by category, per (model, batch, mode); and
+    ``profile_kernels.csv``: every kernel's ms and launches per step, costliest first per (model, batch, mode)."""
     prof = [r for r in rows if r.get("profile")]
     if not prof:
         return
+    with open(os.path.join(out_dir, "profile_kernels.csv"), "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(PROFILE_KERNEL_COLUMNS)
+        for r in prof:
+            for name, (ms, n) in sorted(r.get("kernels", {}).items(), key=lambda kv: -kv[1][0]):
+                w.writerow([r["model"], r["batch"], r.get("context"), r["mode"], name, kernel_category(name), ms, n])
     cats = [c for c, _ in PROFILE_CATEGORIES] + ["other"]
     cats = [c for c in cats if any(c in r["profile"] for r in prof)]
     with open(os.path.join(out_dir, "profile.csv"), "w", newline="") as f:
@@ -716,6 +735,12 @@ def _write_profile(rows, out_dir, quiet: bool) -> None:
     for r in prof:
         print(f"{r['model'][:22]:22} {r['batch']:4d} {r['mode'][:14]:14} {sum(r['profile'].values()):8.3f} "
               + " ".join(f"{r['profile'].get(c, 0.0):14.3f}" for c in cats))
+    for r in prof:
+        top = sorted(r.get("kernels", {}).items(), key=lambda kv: -kv[1][0])[:8]
+        if top:
+            print(f"costliest kernels, {r['model']} bs{r['batch']} {r['mode']} (ms / launches per step):")
+            for name, (ms, n) in top:
+                print(f"  {ms:8.3f} {n:6.1f}  {name[:100]}")
 
 
 def _write(rows, out_dir, quiet=False):
@@ -724,7 +749,8 @@ def _write(rows, out_dir, quiet=False):
     _speedups(rows)
     _write_profile(rows, out_dir, quiet)
     with open(os.path.join(out_dir, "bench.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=[k for k in rows[0] if k != "profile"], extrasaction="ignore")
+        w = csv.DictWriter(f, fieldnames=[k for k in rows[0] if k not in ("profile", "kernels")],
+                           extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
     nan = float("nan")

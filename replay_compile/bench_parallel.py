@@ -66,6 +66,16 @@ def read_profiles(path: str) -> dict[tuple, dict]:
             for r in read_rows(path)}
 
 
+def read_kernel_profiles(path: str) -> dict[tuple, dict]:
+    """The per-kernel rows of a ``profile_kernels.csv``, by ``(model, batch, mode)``: ``kernel -> (ms per step,
+    launches per step)``, what :func:`bench.run` holds as each row's ``kernels``."""
+    out: dict = {}
+    for r in read_rows(path):
+        out.setdefault((r["model"], r["batch"], r["mode"]), {})[str(r["kernel"])] = (r["ms_per_step"],
+                                                                                    r["launches_per_step"])
+    return out
+
+
 def _units(shard: list[tuple[str, list[int]]], modes: list[str], cold: bool,
            rounds: int = 1) -> list[tuple[str, list[int], list[str], str]]:
     """A worker's runs: ``(model, batches, modes, output folder name)``; one per model group, or with ``cold`` one
@@ -175,8 +185,11 @@ def run_parallel(n: int, models: list[str], batches: list[int], modes: list[str]
                 got = read_rows(path)
                 prof = os.path.join(unit.out, "profile.csv")
                 profiles = read_profiles(prof) if os.path.exists(prof) else {}
+                kern = os.path.join(unit.out, "profile_kernels.csv")
+                kernels = read_kernel_profiles(kern) if os.path.exists(kern) else {}
                 for r in got:
                     r["profile"] = profiles.get((r["model"], r["batch"], r["mode"]), {})
+                    r["kernels"] = kernels.get((r["model"], r["batch"], r["mode"]), {})
                 rows += got
     if cold:
         rows = merge_cold_rounds(rows)

@@ -288,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--out", default="bench-results")
     b.add_argument("--profile", action="store_true",
                    help="also profile 8 steps per point (CUDA): device time per step by category (attention, KV "
-                        "expand copy, SSM step, GEMM, ...), printed and written to profile.csv")
+                        "expand copy, SSM step, GEMM, ...), printed and written to profile.csv; every kernel's time "
+                        "and launches per step to profile_kernels.csv")
     b.add_argument("--check", type=int, default=0, metavar="TOKENS",
                    help="instead of timing: greedy-decode TOKENS tokens eager and compiled (the last of --modes, "
                         "default replayssm-ro on CUDA) in lockstep and compare tokens and logits; exit 1 if an fp32 "

@@ -91,11 +91,20 @@ def test_profile_categories(name, category):
 
 def test_profile_table_and_csv(tmp_path, capsys):
     rows = [dict(model="m", batch=2, context=8, mode="replayssm-ro", step_ms=1.0,
-                 profile={"attention": 0.25, "GEMM": 0.5})]
+                 profile={"attention": 0.25, "GEMM": 0.5},
+                 kernels={"nvjet_tst_128x64": (0.5, 7.0), "_decode_attention_kernel": (0.25, 2.0),
+                          "void at::native::elementwise_kernel<128, 4, direct_copy_kernel_cuda>": (0.0625, 1.0)})]
     bench._write_profile(rows, str(tmp_path), quiet=False)
     text = (tmp_path / "profile.csv").read_text().splitlines()
     assert text[0] == "model,batch,context,mode,step_ms,device_ms,attention,GEMM" and text[1].endswith(",0.25,0.5")
-    assert "0.750" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "0.750" in out and "costliest kernels, m bs2 replayssm-ro" in out
+    # every kernel, costliest first, a name with commas kept whole; read back as the merge of workers reads it
+    from replay_compile.bench_parallel import read_kernel_profiles
+    kern = (tmp_path / "profile_kernels.csv").read_text().splitlines()
+    assert kern[0] == "model,batch,context,mode,kernel,category,ms_per_step,launches_per_step" and len(kern) == 4
+    assert kern[1].startswith("m,2,8,replayssm-ro,nvjet_tst_128x64,GEMM,0.5,7.0")
+    assert read_kernel_profiles(str(tmp_path / "profile_kernels.csv")) == {("m", 2, "replayssm-ro"): rows[0]["kernels"]}
 
 
 def test_the_banner_names_the_kernel_packages_transformers_would_route_to(monkeypatch):

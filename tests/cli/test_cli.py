@@ -315,6 +315,9 @@ def test_bench_workers_profiles_are_merged_onto_their_rows(tmp_path, monkeypatch
         with open(f"{out}/profile.csv", "w") as f:
             f.write("model,batch,context,mode,step_ms,device_ms,GEMM,attention\n"
                     f"{model},1,0,inductor,2.0,{gemm + 0.25},{gemm},0.25\n")
+        with open(f"{out}/profile_kernels.csv", "w") as f:
+            f.write("model,batch,context,mode,kernel,category,ms_per_step,launches_per_step\n"
+                    f"{model},1,0,inductor,gemm_{model},GEMM,{gemm},3.0\n")
         return subprocess.CompletedProcess(cmd, 0)
 
     monkeypatch.setattr(bp.subprocess, "run", fake_run)
@@ -324,6 +327,8 @@ def test_bench_workers_profiles_are_merged_onto_their_rows(tmp_path, monkeypatch
     merged = (tmp_path / "profile.csv").read_text().splitlines()
     assert merged[0].startswith("model,batch,context,mode,step_ms,device_ms") and len(merged) == 3
     assert merged[2].split(",")[0] == "b" and "2.5" in merged[2].split(",")
+    kernels = (tmp_path / "profile_kernels.csv").read_text().splitlines()
+    assert kernels[1:] == ["a,1,,inductor,gemm_a,GEMM,1.5,3.0", "b,1,,inductor,gemm_b,GEMM,2.5,3.0"]
 
 
 def test_bench_gpus_rejects_tp_and_check(tmp_path):
