@@ -462,6 +462,8 @@ def _plot(rows, path):
         print("# matplotlib not installed: no plot")
         return
     models = list(dict.fromkeys(r["model"] for r in rows))
+    if not models:                                   # every point failed or was cut: nothing to draw
+        return
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
     for ax, name in zip(axes[0], models):
         for variant in dict.fromkeys(r["variant"] for r in rows if r["variant"] != "generate"):

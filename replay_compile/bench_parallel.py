@@ -115,6 +115,16 @@ class Unit:
     cold: bool = False
 
 
+def _log_tail(path: str, lines: int = 8) -> str:
+    """The last ``lines`` lines of a unit's log, indented (a traceback's end: the exception and where it was raised)."""
+    try:
+        with open(path, errors="replace") as f:
+            tail = f.read().splitlines()[-lines:]
+    except OSError:
+        return ""
+    return "\n".join("    " + line[:300] for line in tail)
+
+
 def run_units(shards: list[list[Unit]], time_limit: float | None = None) -> list[str]:
     """Run ``shards[k]``'s units one after another in worker ``k`` (a thread), pinned to GPU ``k`` with
     ``CUDA_VISIBLE_DEVICES``; each unit's output goes to ``unit.out/log.txt``. ``time_limit`` (seconds): a unit still
@@ -148,6 +158,8 @@ def run_units(shards: list[list[Unit]], time_limit: float | None = None) -> list
             with lock:
                 line = f"worker {k} (GPU {k}): {unit.label}: {status}"
                 print(line, file=sys.stderr, flush=True)
+                if status.startswith("exit"):              # the error's last lines, so the report says why
+                    print(_log_tail(os.path.join(unit.out, "log.txt")), file=sys.stderr, flush=True)
                 if status != "done":
                     failures.append(f"{line}, see {os.path.join(unit.out, 'log.txt')}")
 

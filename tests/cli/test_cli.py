@@ -262,6 +262,19 @@ def test_bench_time_limit_merges_what_finished(tmp_path, monkeypatch, capsys):
     assert "b batches [1]: skipped (time limit)" in failures[1]
 
 
+def test_a_failed_worker_reports_the_end_of_its_log(tmp_path, capsys):
+    """A unit that exits non-zero is reported with its log's last lines (the exception), not only the log's path."""
+    import sys
+
+    from replay_compile.bench_parallel import Unit, run_units
+
+    cmd = [sys.executable, "-c", "print('setting up'); raise MemoryError('CUDA out of memory in the prefill')"]
+    failures = run_units([[Unit("m batches [256]", str(tmp_path / "u"), cmd)]])
+    assert len(failures) == 1 and "m batches [256]: exit 1" in failures[0]
+    err = capsys.readouterr().err
+    assert "MemoryError: CUDA out of memory in the prefill" in err and "setting up" in err
+
+
 def test_bench_cold_compile_runs_each_mode_in_its_own_process_with_empty_caches(tmp_path, monkeypatch):
     """``bench --cold-compile``: one process per (model, batch, mode), each with Inductor and Triton cache folders
     of its own that are empty when it starts; the rows are merged with both ratios against plain torch.compile."""
