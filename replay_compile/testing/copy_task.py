@@ -99,7 +99,7 @@ def default_lr(model) -> float:
 def train_copy(model, steps: int, *, phrase_len: int = 16, reps: int = 4, vocab: int = 1000, batch: int = 32,
                lr: float | None = None, warmup: int = 50, clip: float = 1.0, target: float = 0.98,
                check_every: int = 50, autocast_dtype: torch.dtype | None = None, freeze_mlps: bool = False,
-               log: Callable[[str], None] | None = print) -> dict:
+               checkpoint: bool | None = None, log: Callable[[str], None] | None = print) -> dict:
     """Train ``model`` (fp32 parameters) on the copy task for at most ``steps`` steps, stopping once
     :func:`copy_accuracy` reaches ``target``; leaves it in eval mode. ``vocab`` is capped at the model's vocabulary.
     AdamW at ``lr`` (default :func:`default_lr`) after a linear warmup of ``warmup`` steps, gradients clipped to
@@ -109,8 +109,13 @@ def train_copy(model, steps: int, *, phrase_len: int = 16, reps: int = 4, vocab:
     ``freeze_mlps``: the parameters of the MLP blocks (:func:`mlp_parameters`) stay as they are, without gradients or
     optimizer state: the copy is learned by the attention and recurrent mixers (an induction head), and a model of
     Qwen3.5-4B dims trains in ~50 GB instead of ~78 (4.84 G parameters, 2.26 G of them in MLPs; the tiny NemotronH
-    and Qwen3.5 test models reach the same copy accuracy at the same step either way). Returns
-    ``{"steps", "loss", "copy_acc", "lr", "trained_params"}``."""
+    and Qwen3.5 test models reach the same copy accuracy at the same step either way). ``checkpoint``: activation
+    checkpointing per block (transformers' ``gradient_checkpointing_enable``; default: on CUDA, where the model
+    supports it): the blocks' activations are recomputed in the backward instead of held (a Qwen3.5-4B-dims model at
+    batch 48 ran an 80 GB card out of memory in the forward of transformers' torch chunked delta rule without it).
+    Autocast keeps no cache of low-precision weight copies (``cache_enabled=False``): the cache would hold one of
+    every weight for the whole step (~9.7 GB at 4.84 G parameters). Returns ``{"steps", "loss", "copy_acc", "lr",
+    "trained_params"}``."""
     if any(p.dtype != torch.float32 for p in model.parameters()):
         raise ValueError("train_copy: train the fp32 model, then convert it (AdamW on bf16 weights stalls)")
     vocab = min(vocab, model.config.vocab_size)
@@ -122,8 +127,12 @@ def train_copy(model, steps: int, *, phrase_len: int = 16, reps: int = 4, vocab:
     opt = torch.optim.AdamW(params, lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / max(1, warmup)))
     loss, acc, step = float("nan"), 0.0, 0
-    amp = (torch.autocast(_device(model).type, dtype=autocast_dtype) if autocast_dtype is not None
-           else contextlib.nullcontext())
+    amp = (torch.autocast(_device(model).type, dtype=autocast_dtype, cache_enabled=False)
+           if autocast_dtype is not None else contextlib.nullcontext())
+    if checkpoint is None:
+        checkpoint = _device(model).type == "cuda" and getattr(model, "supports_gradient_checkpointing", False)
+    if checkpoint:
+        _set_checkpointing(model, True)
     for p in held:                                 # no gradients, no optimizer state; given back below
         p.requires_grad_(False)
     model.train()
@@ -148,10 +157,26 @@ def train_copy(model, steps: int, *, phrase_len: int = 16, reps: int = 4, vocab:
                         break
     finally:
         model.eval()
+        if checkpoint:
+            _set_checkpointing(model, False)
         for p in held:
             p.requires_grad_(True)
         del opt
     return dict(steps=step, loss=loss, copy_acc=acc, lr=lr, trained_params=sum(p.numel() for p in params))
+
+
+def _set_checkpointing(model, on: bool) -> None:
+    """Activation checkpointing per block on or off, non-reentrant (transformers from 5.2x spells it
+    ``activation_checkpointing_*``, earlier versions ``gradient_checkpointing_*``)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        if on:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.activation_checkpointing_disable()
+    elif on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
 
 
 def mlp_parameters(model) -> list[torch.nn.Parameter]:

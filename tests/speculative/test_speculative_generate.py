@@ -208,6 +208,34 @@ def test_copy_training_runs_delta_rules_through_torch():
         "hidden_size": 2048})})()) - 1.5e-3) < 1e-12
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
+def test_copy_training_with_activation_checkpointing_takes_the_same_steps(family):
+    """``train_copy(checkpoint=True)`` recomputes each block's activations in the backward: the same losses and
+    parameters as holding them (fp32 on CPU), and the model is left without checkpointing."""
+    from replay_compile.testing.copy_task import train_copy
+
+    build = {**DELTA_FAMILY, **MAMBA2_FAMILY}[family]
+    models = []
+    for checkpoint in (False, True):
+        torch.manual_seed(0)
+        model = build(dtype=torch.float32, initializer_range=0.02)
+        losses, on = [], []
+
+        def log(line, model=model):
+            losses.append(line)
+            on.append(any(getattr(m, "gradient_checkpointing", False) for m in model.modules()))
+        res = train_copy(model, 3, phrase_len=4, reps=2, vocab=model.config.vocab_size, batch=2, check_every=1,
+                         checkpoint=checkpoint, log=log)
+        assert on == [checkpoint] * 3                                   # while training, and only if asked
+        assert not getattr(model, "is_activation_checkpointing", None) and not any(
+            getattr(m, "gradient_checkpointing", False) for m in model.modules())
+        models.append((model, res, losses))
+    (a, ra, la), (b, rb, lb) = models
+    assert la == lb and ra["loss"] == rb["loss"], (la, lb)
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
+
+
 @settings(max_examples=200, deadline=None)
 @given(data=st.data(), ngram=st.integers(1, 4), k=st.integers(0, 5))
 def test_prompt_lookup_on_device_matches_the_row_by_row_rule(data, ngram, k):
