@@ -13,5 +13,6 @@ error naming the layer.
 from .draft_model import DraftModel
 from .drafts import PromptLookup
 from .generate import SpeculativeOutput, generate_speculative
+from .generator import SpeculativeGenerator
 
-__all__ = ["DraftModel", "PromptLookup", "SpeculativeOutput", "generate_speculative"]
+__all__ = ["DraftModel", "PromptLookup", "SpeculativeGenerator", "SpeculativeOutput", "generate_speculative"]

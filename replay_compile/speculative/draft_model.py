@@ -54,23 +54,32 @@ class DraftModel:
         self.cache = None
 
     def start(self, input_ids: torch.Tensor, max_new_tokens: int, num_draft: int) -> None:
-        """Prefill the prompt ``input_ids`` [b, prompt] into a fresh ``StaticCache`` sized for the rounds."""
+        """Prefill the prompt ``input_ids`` [b, prompt] into a ``StaticCache`` sized for the rounds: the last call's,
+        reset, where batch, size and device match (its tensors stay where a captured round reads them), else a
+        fresh one."""
         from transformers import StaticCache
 
         b, prompt = input_ids.shape
         dev = input_ids.device
-        self.T, self.k = num_draft + 1, num_draft
-        self.scratch_len = self.T + self.k - 1
+        T, k = num_draft + 1, num_draft
         # sized as the target's cache is, so that calls of similar lengths share the compiled round
-        self.M = cache_positions(prompt + max_new_tokens + self.scratch_len)
-        self.cache = StaticCache(config=self.model.config, max_cache_len=self.M)
+        M = cache_positions(prompt + max_new_tokens + T + k - 1)
+        again = (self.cache is not None and (self.T, self.M, self.fed.shape[0], self.fed.device) == (T, M, b, dev))
+        if again:
+            self.cache.reset()
+        else:
+            self.T, self.k, self.scratch_len, self.M = T, k, T + k - 1, M
+            self.cache = StaticCache(config=self.model.config, max_cache_len=M)
         with torch.no_grad():
             self.model(input_ids, use_cache=True, cache_position=torch.arange(prompt, device=dev),
                        **{self.ck: self.cache})
         self.attn = attention_layers(self.cache)
-        self.fed = torch.full((b,), prompt, dtype=torch.long, device=dev)
-        self.positions = torch.arange(self.M, device=dev)
-        self.cols = torch.arange(self.T, device=dev)
+        if again:
+            self.fed.fill_(prompt)
+        else:
+            self.fed = torch.full((b,), prompt, dtype=torch.long, device=dev)
+            self.positions = torch.arange(M, device=dev)
+            self.cols = torch.arange(T, device=dev)
 
     def _forward(self, ids, at: int, positions, mask) -> torch.Tensor:
         for layer in self.attn:

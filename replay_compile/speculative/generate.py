@@ -54,7 +54,8 @@ class SpeculativeOutput:
     # wall-clock seconds of the call's phases (device work included): "prefill", "warmup" (the compiled rounds run
     # before one is captured, and the capture), "replay" (the captured rounds to the last), "finish" (the rings
     # folded into the cache), and "replay_rounds" / "replay_tokens" (rounds replayed, tokens they emitted over all
-    # rows): a serving loop's steady state is replay_tokens / replay
+    # rows): a serving loop's steady state is replay_tokens / replay; "reused": 1.0 where the call ran on the
+    # buffers and captured graph a SpeculativeGenerator kept from its last call
     timing: dict = dataclasses.field(default_factory=dict)
 
     @property
@@ -303,7 +304,8 @@ def generate_rounds(model, input_ids: torch.Tensor, max_new_tokens: int | torch.
                     draft: Callable,
                     buffer_len: int, compiler: Callable | None, eos: list[int] | None = None,
                     pad: int = 0, layers_for: Callable | None = None, sampling: Sampling | None = None,
-                    cuda_graph: bool = False, max_cache_len: int | None = None) -> SpeculativeOutput:
+                    cuda_graph: bool = False, max_cache_len: int | None = None,
+                    keep: dict | None = None) -> SpeculativeOutput:
     """:func:`generate_speculative` through :class:`~.rounds.Rounds`: prefill into a ``StaticCache`` sized for the
     rounds, then rounds until every row has its tokens; each round runs as ``compiler(rounds.step)`` (``None``:
     eagerly, the same code), and with ``cuda_graph`` (CUDA only) from the third round on as one CUDA graph replay.
@@ -311,7 +313,12 @@ def generate_rounds(model, input_ids: torch.Tensor, max_new_tokens: int | torch.
     ``layers_for(model, cache, buffer_len, T)``: the SSM layers' speculative forms (default: the replay verify of
     each family; benchmarks pass their baselines'). ``max_new_tokens``: an int or [b] ints. ``max_cache_len``: the
     cache's positions (at least ``prompt + max_new_tokens + 2T``; default: that rounded up by
-    :func:`~.rounds.cache_positions`)."""
+    :func:`~.rounds.cache_positions`).
+    ``keep``: a dict that holds, between calls, the cache, layers, rounds and captured graph of the last call
+    (:class:`~.generator.SpeculativeGenerator`'s). A call of the same batch and cache length prefills into the kept
+    cache and replays the kept graph from its first round, with no warm-up rounds and no capture, where every tensor
+    the graph reads is still where it was captured (checked by address after the prefill); otherwise it builds
+    anew around the prefilled cache."""
     from transformers import StaticCache
 
     T = num_draft + 1
@@ -323,24 +330,37 @@ def generate_rounds(model, input_ids: torch.Tensor, max_new_tokens: int | torch.
         raise ValueError(f"generate_speculative: max_cache_len={max_cache_len} is too small: a {prompt}-token prompt, "
                          f"{longest} new tokens and rounds of T={T} need {need} positions (2T for the verify "
                          f"window and the rejected tail)")
-    cache = StaticCache(config=model.config, max_cache_len=max_cache_len or cache_positions(need))
+    M = max_cache_len or cache_positions(need)
+    key = (b, M, T, buffer_len, input_ids.device)
+    kept = keep.pop("session", None) if keep is not None else None     # given back below once the call succeeds
+    if kept is not None and kept.key != key:
+        kept = None                                  # another shape: its buffers go before new ones are made
+    cache = kept.cache if kept is not None else StaticCache(config=model.config, max_cache_len=M)
     sync = torch.cuda.synchronize if input_ids.is_cuda else (lambda: None)
     sync()
     t0 = time.perf_counter()
     with torch.no_grad():
+        if kept is not None:
+            cache.reset()                            # zeroes the tensors, keeps them
         out = model(input_ids, use_cache=True, cache_position=torch.arange(prompt, device=input_ids.device),
                     **{ck: cache})
         last = out.logits[:, -1]
         first = (last.argmax(-1) if sampling is None else sampling.draw(sampling.probs(last)))[:, None]
-        layers = (layers_for or _spec_layers)(model, cache, buffer_len, T)
-        rounds = Rounds(model, cache, layers, input_ids, first, max_new_tokens, num_draft, draft, eos, sampling)
         if hasattr(draft, "start"):                  # a proposer with state of its own (a draft model's cache)
             draft.start(input_ids, longest, num_draft)
-        step = rounds.step if compiler is None else compiler(rounds.step)
-        graph = None
+        addresses = _addresses(cache, draft)
+        reused = kept is not None and kept.addresses == addresses and kept.draft is draft
+        if reused:
+            layers, rounds, step, graph = kept.layers, kept.rounds, kept.step, kept.graph
+            rounds.restart(input_ids, first, max_new_tokens)
+        else:
+            layers = (layers_for or _spec_layers)(model, cache, buffer_len, T)
+            rounds = Rounds(model, cache, layers, input_ids, first, max_new_tokens, num_draft, draft, eos, sampling)
+            step = rounds.step if compiler is None else compiler(rounds.step)
+            graph = None
         sync()
         t1 = t2 = time.perf_counter()
-        warm = None                                  # rounds run before the first replay
+        warm = 0 if graph is not None else None      # rounds run before the first replay
         try:
             with _verify_forwards(layers):
                 done, bad, remaining = rounds.status.tolist()
@@ -372,16 +392,51 @@ def generate_rounds(model, input_ids: torch.Tensor, max_new_tokens: int | torch.
         finally:
             for layer in layers:                             # the cache holds the true state, also after an error
                 layer.finish()
-            del graph
     sync()
     t4 = time.perf_counter()
     counts = rounds.accepted()
+    if keep is not None:
+        keep["session"] = _Kept(key, cache, layers, rounds, step, graph, addresses, draft)
     timing = dict(prefill=t1 - t0, warmup=t2 - t1 if warm is not None else t3 - t1,
                   replay=t3 - t2 if warm is not None else 0.0, finish=t4 - t3,
                   replay_rounds=len(counts) - warm if warm is not None else 0,
-                  replay_tokens=sum(map(sum, counts[warm:])) if warm is not None else 0)
+                  replay_tokens=sum(map(sum, counts[warm:])) if warm is not None else 0, reused=float(reused))
     return SpeculativeOutput(sequences=rounds.sequences(pad), cache=cache, rounds=len(counts), accepted=counts,
                              attention_mask=rounds.attention_mask(), timing=timing)
+
+
+@dataclasses.dataclass
+class _Kept:
+    """What a generator keeps between calls of one shape (``key``: batch, cache length, T, history budget, device):
+    the cache and everything built around it, and the addresses of the tensors the captured graph reads in the
+    cache and the proposer (:func:`_addresses`), which a reused call must find unchanged after its prefill."""
+
+    key: tuple
+    cache: object
+    layers: list
+    rounds: Rounds
+    step: Callable
+    graph: object
+    addresses: list
+    draft: object
+
+
+def _addresses(cache, draft) -> list[int]:
+    """The storage addresses of every tensor held by the cache's layers and by a stateful proposer and its cache, in
+    a fixed order. A prefill that writes in place (transformers' static and linear-attention layers after
+    ``reset``) leaves them as they were; one that allocates anew changes them, and a graph captured over the old
+    ones must not be replayed."""
+    holders = list(getattr(cache, "layers", []))
+    draft_cache = getattr(draft, "cache", None)
+    if draft_cache is not None:
+        holders += [draft, *getattr(draft_cache, "layers", [])]
+    out = []
+    for holder in holders:
+        for value in vars(holder).values():
+            items = (value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple))
+                     else [value])
+            out += [t.data_ptr() for t in items if isinstance(t, torch.Tensor)]
+    return out
 
 
 # rounds run through the compiled step before one is captured: the first compiles, the second runs what compiling

@@ -160,6 +160,31 @@ class Rounds:
         self.status = torch.zeros(3, dtype=torch.long, device=dev)
         self._update_status()
 
+    def restart(self, input_ids: torch.Tensor, first: torch.Tensor, max_new: int | torch.Tensor) -> None:
+        """Start another generation of the same batch and cache over the same tensors, written in place (a graph
+        captured over them replays the new generation): ``input_ids`` [b, prompt] prefilled into the cache again,
+        ``first`` [b, 1] its first token, ``max_new`` as in the constructor."""
+        b, prompt = input_ids.shape
+        per_row = torch.as_tensor(max_new, dtype=torch.long).to(self.tokens.device).expand(b)
+        need = prompt + int(per_row.max()) + 2 * self.T
+        if b != self.b or need > self.M:
+            raise ValueError(f"replay_compile.speculative: rounds of batch {self.b} and {self.M} cache positions "
+                             f"cannot restart for batch {b} needing {need}")
+        self.prompt = prompt
+        self.tokens.fill_(-1)
+        self.tokens[:, :prompt] = input_ids
+        self.tokens[:, prompt] = first[:, 0]
+        self.length.fill_(prompt + 1)
+        self.limit.copy_(prompt + per_row)
+        if self.eos is not None:
+            self.finished.copy_(torch.isin(first[:, 0], self.eos))
+        else:
+            self.finished.zero_()
+        self.bad.zero_()
+        self.history.zero_()
+        self.round.zero_()
+        self._update_status()
+
     def attention_mask(self) -> torch.Tensor:
         """[b, M]: each row's accepted tokens and the scratch window."""
         fed = (self.length - 1)[:, None]

@@ -49,6 +49,29 @@ def test_replayed_rounds_match_generate(family):
     assert torch.equal(again.sequences, ref.sequences)
 
 
+@pytest.mark.parametrize("family", ["nemotron_h", "qwen3_5"])
+def test_a_generator_replays_its_kept_graph_from_the_first_round(family):
+    """The second call of a shape replays the graph the first captured, from its first round (no warm-up rounds, no
+    capture), over a new prompt and per-row budgets written into the same buffers: generate's tokens and states."""
+    from replay_compile.speculative import PromptLookup, SpeculativeGenerator
+
+    model, ids, ref = _setup(family)
+    gen = SpeculativeGenerator(model, num_draft=3, draft=PromptLookup(ngram=3), buffer_len=8, eos_token_id=[])
+    first = gen(ids, NEW)
+    assert torch.equal(first.sequences, ref.sequences) and first.timing["reused"] == 0.0
+    other = make_inputs(model, batch=3, prompt_len=5, seed=2).cuda()
+    with torch.no_grad():
+        want = model.generate(other, max_new_tokens=NEW - 4, do_sample=False, eos_token_id=[],
+                              return_dict_in_generate=True)
+    out = gen(other, NEW - 4)
+    t = out.timing
+    assert t["reused"] == 1.0 and t["replay_rounds"] == out.rounds, t             # every round from the kept graph
+    assert torch.equal(out.sequences, want.sequences), (family, out.accepted)
+    for a, b in zip(_recurrent_states(out.cache) + _conv_states(out.cache),
+                    _recurrent_states(output_cache(want)) + _conv_states(output_cache(want)), strict=True):
+        assert rel_err(a, b) < 1e-4, family
+
+
 def test_draft_model_in_the_graph():
     model, ids, ref = _setup("nemotron_h")
     out = generate_speculative(model, ids, NEW, num_draft=3, draft=DraftModel(tiny_draft_model().cuda()),

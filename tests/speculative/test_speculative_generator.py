@@ -1,0 +1,118 @@
+"""``SpeculativeGenerator``: calls of one shape run on the buffers (and, on CUDA, the captured graph) the last call
+kept, fp32, greedy, against ``model.generate``.
+
+A CUDA graph replays whatever memory it was captured over, so a reused call must write every tensor of the rounds,
+the SSM layers, the cache and the proposer in place: the tests hold each one's address across calls, as well as the
+tokens and the states left behind to ``generate``'s.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+pytest.importorskip("transformers")
+
+from replay_compile.integrations.hf_modules import output_cache  # noqa: E402
+from replay_compile.passes.validate import rel_err  # noqa: E402
+from replay_compile.speculative import DraftModel, PromptLookup, SpeculativeGenerator  # noqa: E402
+from replay_compile.testing.hf_models import build_for_speculation, make_inputs  # noqa: E402
+from replay_compile.testing.tp_parity import _conv_states, _recurrent_states  # noqa: E402
+
+# (batch, prompt phrase, new tokens): the first three share a shape (cache_positions: 64), then another batch size
+CALLS = [(3, 6, 12), (3, 7, 10), (3, 5, [14, 6, 9]), (2, 6, 12), (2, 4, 12)]
+
+
+def _prompt(model, b, p):
+    ids = make_inputs(model, batch=b, prompt_len=p, seed=10 * b + p)
+    return torch.cat([ids, ids], dim=1)                        # repetitive: prompt lookup finds matches
+
+
+def _reference(model, ids, new):
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=max(new) if isinstance(new, list) else new, do_sample=False,
+                              eos_token_id=[], return_dict_in_generate=True)
+
+
+def _addresses(gen) -> dict:
+    """Every tensor the kept rounds and layers hold, by name, with its address."""
+    kept = gen._keep["session"]
+    out = {}
+    for owner, obj in [("rounds", kept.rounds)] + [(f"layer{i}", layer) for i, layer in enumerate(kept.layers)]:
+        for name, value in vars(obj).items():
+            items = value if isinstance(value, (list, tuple)) else [value]
+            for j, t in enumerate(items):
+                if isinstance(t, torch.Tensor):
+                    out[f"{owner}.{name}[{j}]"] = t.data_ptr()
+    return out
+
+
+@pytest.mark.parametrize("family", [pytest.param("nemotron_h", marks=pytest.mark.hf),
+                                    pytest.param("qwen3_5", marks=pytest.mark.hf),
+                                    pytest.param("kimi_linear", marks=pytest.mark.hf), "zamba2"])
+def test_calls_of_one_shape_reuse_the_kept_buffers_and_match_generate(family):
+    model = build_for_speculation(family)
+    gen = SpeculativeGenerator(model, num_draft=3, draft=PromptLookup(ngram=3), buffer_len=8, compile=False,
+                               eos_token_id=[], pad_token_id=-7)
+    reused, before = [], None
+    for b, p, new in CALLS:
+        ids = _prompt(model, b, p)
+        ref = _reference(model, ids, new)
+        out = gen(ids, new)
+        budgets = new if isinstance(new, list) else [new] * b
+        for row, n in enumerate(budgets):
+            want = ref.sequences[row, :ids.shape[1] + n]
+            assert torch.equal(out.sequences[row, :ids.shape[1] + n], want), (family, b, p, row)
+            assert (out.sequences[row, ids.shape[1] + n:] == -7).all()
+        reused.append(out.timing["reused"])
+        now = _addresses(gen)
+        if out.timing["reused"]:
+            assert now == before, {k for k in now if now[k] != before.get(k)}
+        before = now
+        if not isinstance(new, list):            # the states left behind: generate's
+            for x, y in zip(_recurrent_states(out.cache) + _conv_states(out.cache),
+                            _recurrent_states(output_cache(ref)) + _conv_states(output_cache(ref)), strict=True):
+                assert rel_err(x, y) < 1e-4, (family, rel_err(x, y))
+    assert reused == [0.0, 1.0, 1.0, 0.0, 1.0], reused
+    gen.release()
+    out = gen(_prompt(model, 2, 6), 12)
+    assert out.timing["reused"] == 0.0
+
+
+def test_a_draft_model_keeps_its_cache_between_calls():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = build_for_speculation("qwen3_5")
+    torch.manual_seed(0)
+    small = LlamaForCausalLM(LlamaConfig(vocab_size=model.config.vocab_size, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)).eval()
+    draft = DraftModel(small)
+    gen = SpeculativeGenerator(model, num_draft=3, draft=draft, buffer_len=8, compile=False, eos_token_id=[])
+    caches = []
+    for b, p, new in CALLS[:3]:
+        ids = _prompt(model, b, p)
+        out = gen(ids, new)
+        ref = _reference(model, ids, new)
+        n = max(new) if isinstance(new, list) else new
+        assert torch.equal(out.sequences[0, :ids.shape[1] + n], ref.sequences[0, :ids.shape[1] + n])
+        caches.append((id(draft.cache), draft.cache.layers[0].keys.data_ptr(), out.timing["reused"]))
+    assert len({c[:2] for c in caches}) == 1 and [c[2] for c in caches] == [0.0, 1.0, 1.0], caches
+
+
+@pytest.mark.slow
+def test_a_compiled_generator_compiles_once_per_shape():
+    model = build_for_speculation("qwen3_5")
+    gen = SpeculativeGenerator(model, num_draft=3, draft=PromptLookup(ngram=3), buffer_len=8, compile=True,
+                               eos_token_id=[])
+    torch._dynamo.reset()
+    graphs = []
+    for b, p, new in CALLS[:3]:
+        ids = _prompt(model, b, p)
+        counters.clear()
+        out = gen(ids, new)
+        graphs.append(counters["stats"]["unique_graphs"])
+        ref = _reference(model, ids, new)
+        n = max(new) if isinstance(new, list) else new
+        assert torch.equal(out.sequences[0, :ids.shape[1] + n], ref.sequences[0, :ids.shape[1] + n])
+    assert graphs == [1, 0, 0], graphs
