@@ -56,13 +56,12 @@ def test_a_generator_replays_its_kept_graph_from_the_first_round(family):
     from replay_compile.speculative import PromptLookup, SpeculativeGenerator
 
     model, ids, ref = _setup(family)
-    gen = SpeculativeGenerator(model, num_draft=3, draft=PromptLookup(ngram=3), buffer_len=8, eos_token_id=[])
+    gen = SpeculativeGenerator(model, num_draft=3, draft=PromptLookup(ngram=3), buffer_len=8)
     first = gen(ids, NEW)
     assert torch.equal(first.sequences, ref.sequences) and first.timing["reused"] == 0.0
     other = make_inputs(model, batch=3, prompt_len=5, seed=2).cuda()
     with torch.no_grad():
-        want = model.generate(other, max_new_tokens=NEW - 4, do_sample=False, eos_token_id=[],
-                              return_dict_in_generate=True)
+        want = model.generate(other, max_new_tokens=NEW - 4, do_sample=False, return_dict_in_generate=True)
     out = gen(other, NEW - 4)
     t = out.timing
     assert t["reused"] == 1.0 and t["replay_rounds"] == out.rounds, t             # every round from the kept graph
