@@ -33,6 +33,7 @@ from __future__ import annotations
 import csv
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -303,9 +304,22 @@ PROFILE_CATEGORIES = (
 )
 
 
+# the words of Inductor's fused-kernel names that move data without arithmetic: a kernel made of these alone, with an
+# expand or repeat among them, is a layout copy (transformers' repeat_kv); one that also computes is not
+_LAYOUT_WORDS = frozenset({"clone", "expand", "repeat", "interleave", "view", "unsafe", "unsqueeze", "squeeze",
+                           "reshape", "permute", "transpose", "slice", "select", "copy", "cat", "split", "with",
+                           "sizes", "alias", "t"})
+
+
 def kernel_category(name: str) -> str:
     low = name.lower().replace("_to_copy", "")           # Inductor's name for a dtype cast, not a copy
+    fused = re.fullmatch(r"triton_(?:poi|per|red)_fused_(.*?)(?:_\d+)?", low)
     for cat, parts in PROFILE_CATEGORIES:
+        if cat == "KV expand copy" and fused:
+            words = set(filter(None, fused.group(1).split("_")))
+            if words <= _LAYOUT_WORDS and words & {"expand", "repeat"}:
+                return cat
+            continue
         if any(p in low for p in parts):
             return cat
     return "other"

@@ -78,6 +78,12 @@ def test_queued_steps_run_ahead_of_the_device_and_continue_the_decode(mode):
     ("_decode_attention_split", "attention"),
     ("pytorch_flash::flash_fwd_kernel", "attention"),
     ("triton_poi_fused_clone_expand_5", "KV expand copy"),
+    ("triton_poi_fused__unsafe_view_clone_expand_transpose_12", "KV expand copy"),
+    # Inductor names a fused kernel by all its ops: gates or norms that broadcast with an expand are not a KV copy
+    ("triton_red_fused__to_copy__unsafe_view_add_clone_exp_expand_mul_neg_rsqrt_select_silu_slice_softplus",
+     "norms, gates, other fused"),
+    ("triton_poi_fused__to_copy__unsafe_view_add_expand_mean_mul_pow_rsqrt_silu_slice_split_with_sizes_transpose_3",
+     "norms, gates, other fused"),
     ("_mamba2_replay_whole_kernel", "SSM step"),
     ("_delta_replay_step_kernel", "SSM step"),
     ("nvjet_tst_128x64_64x4_1x2_h_bz_coopB_TNT", "GEMM"),
