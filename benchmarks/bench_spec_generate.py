@@ -41,13 +41,15 @@ one process:
 * ``draft``: compiled rounds with a ``DraftModel`` proposer (a random-weight Llama of ``--draft-model`` size over the
   target's vocabulary): its drafts are as good as chance, so the row is the cost of proposing with a draft model.
 
-Each speculative row times a ``generate_speculative`` call of ``--new`` tokens after a first call that compiled and
-captured its round. ``tok/s``: the steady state, tokens emitted by the replayed rounds over their time
-(``SpeculativeOutput.timing``; ``decode``'s per-step median is the same kind of figure), with ``ms/round``;
-``call tok/s``: the whole call (prefill, the compiled warm-up rounds, the capture and the final fold included),
-with ``prefill``, ``warmup`` and ``finish`` (the rings folded into the cache) in seconds. Also tokens per round and
-the share of tokens equal to the lookup row's
-(exactness against ``generate`` is the tests' business, in fp32), and the first call's seconds (``first``: compile,
+Each speculative row times a call of ``--new`` tokens after a first call that compiled and captured its round. The
+replay rows call one ``SpeculativeGenerator`` as a serving loop would, so the timed call prefills into the kept cache
+and replays the kept graph from its first round (``warmup`` 0; ``reused`` 1); the snapshot rows go through
+``generate_rounds`` without it, warm-up rounds and capture included. ``tok/s``: the steady state, tokens emitted by
+the replayed rounds over their time (``SpeculativeOutput.timing``; ``decode``'s per-step median is the same kind of
+figure), with ``ms/round``; ``call tok/s``: the whole call (prefill, any warm-up rounds and capture, and the final
+fold included), with ``prefill``, ``warmup`` and ``finish`` (the rings folded into the cache) in seconds. Also
+tokens per round and the share of tokens equal to the lookup row's (exactness against ``generate`` is the tests'
+business, in fp32), and the first call's seconds (``first``: compile,
 capture, and for the oracle rows the runs that found its drafts). The CSV grows row by row; a PNG of tokens/s
 against batch at the end.
 """
@@ -161,7 +163,7 @@ def main(argv=None):
 
     from replay_compile import bench
     from replay_compile.bench import build_model
-    from replay_compile.speculative import DraftModel, PromptLookup, generate_speculative
+    from replay_compile.speculative import DraftModel, PromptLookup, SpeculativeGenerator
     from replay_compile.speculative import generate as generate_module
     from replay_compile.speculative.generate import generate_rounds
     from replay_compile.testing.copy_task import copy_batch
@@ -274,7 +276,7 @@ def main(argv=None):
                                        x_decode=1.0, tok_s_call=float("nan"), x_decode_call=float("nan"),
                                        tok_round=1.0, ms_round=dec_ms, sync_ms=step["median_step_ms"],
                                        prefill_s=float("nan"), warmup_s=float("nan"), finish_s=float("nan"),
-                                       agree=1.0, first_s=step["first_step_s"], **extra))
+                                       reused=float("nan"), agree=1.0, first_s=step["first_step_s"], **extra))
             print(f"{name:18} {bs:3d} {'decode':8} {dec_tps:10.1f} {1.0:7.2f}x {dec_ms:8.2f} "
                   f"{1.0:9.2f} {'':>9} {'':>8} {'':>6} {'':>6} {'':>6} {step['first_step_s']:6.1f}"
                   f"  (synchronised after every step: {step['median_step_ms']:.2f} ms)", flush=True)
@@ -286,13 +288,18 @@ def main(argv=None):
                 layers_for = snapshot_layers if variant.startswith("snapshot") else None
                 accept_all = variant in ("accept-all", "snapshot-all")
 
+                served = {}                     # the variant's generator, for the draft source it was made with
+
                 def run(new, draft):
                     with (mock.patch.object(generate_module, "Rounds", _AcceptAll) if accept_all
                           else contextlib.nullcontext()):
                         if layers_for is None:
-                            return generate_speculative(model, ids, new, num_draft=args.num_draft, draft=draft,
-                                                        buffer_len=args.budget, compile=True, eos_token_id=[],
-                                                        max_cache_len=cache_len)
+                            if served.get("draft") is not draft:        # one generator at a time: its buffers
+                                served.clear()
+                                served.update(draft=draft, gen=SpeculativeGenerator(
+                                    model, num_draft=args.num_draft, draft=draft, buffer_len=args.budget,
+                                    compile=True, eos_token_id=[], max_cache_len=cache_len))
+                            return served["gen"](ids, new)
                         return generate_rounds(model, ids, new, num_draft=args.num_draft, draft=draft,
                                                buffer_len=args.budget, compiler=compiler, eos=[], layers_for=layers_for,
                                                cuda_graph=args.device == "cuda", max_cache_len=cache_len)
@@ -321,7 +328,7 @@ def main(argv=None):
                                            tok_round=out.tokens_per_round,
                                            ms_round=1e3 * tm["replay"] / max(tm["replay_rounds"], 1),
                                            sync_ms=float("nan"), prefill_s=tm["prefill"], warmup_s=tm["warmup"],
-                                           finish_s=tm["finish"],
+                                           finish_s=tm["finish"], reused=tm.get("reused", 0.0),
                                            agree=agree, first_s=t_first, **extra))
                 print(f"{name:18} {bs:3d} {variant:8} {tps_r:10.1f} {tps_r / dec_tps:7.2f}x "
                       f"{1e3 * tm['replay'] / max(tm['replay_rounds'], 1):8.2f} {out.tokens_per_round:9.2f} "
@@ -329,6 +336,7 @@ def main(argv=None):
                       f"{agree:6.3f} {t_first:6.1f}", flush=True)
                 round_tps[variant] = tps_r
                 out = None
+                served.clear()
             for ours, base in (("accept-all", "snapshot-all"), ("oracle", "snapshot")):
                 if ours in round_tps and base in round_tps:
                     print(f"# {name} bs {bs}: {ours} / {base} = {round_tps[ours] / round_tps[base]:.2f}x", flush=True)
