@@ -332,7 +332,7 @@ def generate_rounds(model, input_ids: torch.Tensor, max_new_tokens: int | torch.
                          f"window and the rejected tail)")
     M = max_cache_len or cache_positions(need)
     key = (b, M, T, buffer_len, input_ids.device)
-    kept = keep.pop("session", None) if keep is not None else None     # given back below once the call succeeds
+    kept = keep.pop("kept", None) if keep is not None else None     # given back below once the call succeeds
     if kept is not None and kept.key != key:
         kept = None                                  # another shape: its buffers go before new ones are made
     cache = kept.cache if kept is not None else StaticCache(config=model.config, max_cache_len=M)
@@ -396,7 +396,7 @@ def generate_rounds(model, input_ids: torch.Tensor, max_new_tokens: int | torch.
     t4 = time.perf_counter()
     counts = rounds.accepted()
     if keep is not None:
-        keep["session"] = _Kept(key, cache, layers, rounds, step, graph, addresses, draft)
+        keep["kept"] = _Kept(key, cache, layers, rounds, step, graph, addresses, draft)
     timing = dict(prefill=t1 - t0, warmup=t2 - t1 if warm is not None else t3 - t1,
                   replay=t3 - t2 if warm is not None else 0.0, finish=t4 - t3,
                   replay_rounds=len(counts) - warm if warm is not None else 0,

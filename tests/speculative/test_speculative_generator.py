@@ -37,7 +37,7 @@ def _reference(model, ids, new):
 
 def _addresses(gen) -> dict:
     """Every tensor the kept rounds and layers hold, by name, with its address."""
-    kept = gen._keep["session"]
+    kept = gen._keep["kept"]
     out = {}
     for owner, obj in [("rounds", kept.rounds)] + [(f"layer{i}", layer) for i, layer in enumerate(kept.layers)]:
         for name, value in vars(obj).items():
