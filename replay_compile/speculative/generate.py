@@ -331,7 +331,7 @@ def generate_rounds(model, input_ids: torch.Tensor, max_new_tokens: int | torch.
                          f"{longest} new tokens and rounds of T={T} need {need} positions (2T for the verify "
                          f"window and the rejected tail)")
     M = max_cache_len or cache_positions(need)
-    key = (b, M, T, buffer_len, input_ids.device)
+    key = (b, M, T, buffer_len, input_ids.device, next(model.parameters()).dtype)
     kept = keep.pop("kept", None) if keep is not None else None     # given back below once the call succeeds
     if kept is not None and kept.key != key:
         kept = None                                  # another shape: its buffers go before new ones are made
@@ -352,6 +352,7 @@ def generate_rounds(model, input_ids: torch.Tensor, max_new_tokens: int | torch.
         reused = kept is not None and kept.addresses == addresses and kept.draft is draft
         if reused:
             layers, rounds, step, graph = kept.layers, kept.rounds, kept.step, kept.graph
+            cuda_graph = cuda_graph and kept.capturable          # a round that failed its capture is not retried
             rounds.restart(input_ids, first, max_new_tokens)
         else:
             layers = (layers_for or _spec_layers)(model, cache, buffer_len, T)
@@ -396,7 +397,7 @@ def generate_rounds(model, input_ids: torch.Tensor, max_new_tokens: int | torch.
     t4 = time.perf_counter()
     counts = rounds.accepted()
     if keep is not None:
-        keep["kept"] = _Kept(key, cache, layers, rounds, step, graph, addresses, draft)
+        keep["kept"] = _Kept(key, cache, layers, rounds, step, graph, addresses, draft, capturable=cuda_graph)
     timing = dict(prefill=t1 - t0, warmup=t2 - t1 if warm is not None else t3 - t1,
                   replay=t3 - t2 if warm is not None else 0.0, finish=t4 - t3,
                   replay_rounds=len(counts) - warm if warm is not None else 0,
@@ -407,9 +408,10 @@ def generate_rounds(model, input_ids: torch.Tensor, max_new_tokens: int | torch.
 
 @dataclasses.dataclass
 class _Kept:
-    """What a generator keeps between calls of one shape (``key``: batch, cache length, T, history budget, device):
-    the cache and everything built around it, and the addresses of the tensors the captured graph reads in the
-    cache and the proposer (:func:`_addresses`), which a reused call must find unchanged after its prefill."""
+    """What a generator keeps between calls of one shape (``key``: batch, cache length, T, history budget, device,
+    the model's dtype): the cache and everything built around it, and the addresses of the tensors the captured
+    graph reads in the cache and the proposer (:func:`_addresses`), which a reused call must find unchanged after
+    its prefill. ``capturable``: False once the round failed its capture (the reason was logged then)."""
 
     key: tuple
     cache: object
@@ -419,6 +421,7 @@ class _Kept:
     graph: object
     addresses: list
     draft: object
+    capturable: bool = True
 
 
 def _addresses(cache, draft) -> list[int]:
