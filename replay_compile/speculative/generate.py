@@ -159,7 +159,8 @@ def generate_speculative(model, input_ids: torch.Tensor, max_new_tokens: int | S
                          do_sample: bool = False, temperature: float | None = None, top_k: int | None = None,
                          top_p: float | None = None, max_cache_len: int | None = None) -> SpeculativeOutput:
     """Decode ``max_new_tokens`` tokens (greedy, or sampled with ``do_sample``) with drafts verified ``num_draft`` at
-    a time.
+    a time. A loop calling this again and again is served better by
+    :class:`~replay_compile.speculative.SpeculativeGenerator`, which keeps its buffers and CUDA graph between calls.
 
     Args:
         model: an HF causal LM whose SSM layers are Mamba-2 mixers, Gated DeltaNet or KDA layers (see the module

@@ -14,7 +14,7 @@ from torch._dynamo.utils import counters
 
 pytest.importorskip("transformers")
 
-from replay_compile.integrations.hf_modules import output_cache  # noqa: E402
+from replay_compile.integrations.hf_modules import attention_layers, output_cache  # noqa: E402
 from replay_compile.passes.validate import rel_err  # noqa: E402
 from replay_compile.speculative import DraftModel, PromptLookup, SpeculativeGenerator  # noqa: E402
 from replay_compile.testing.hf_models import build_for_speculation, make_inputs  # noqa: E402
@@ -78,6 +78,20 @@ def test_calls_of_one_shape_reuse_the_kept_buffers_and_match_generate(family):
     gen.release()
     out = gen(_prompt(model, 2, 6), 12)
     assert out.timing["reused"] == 0.0
+
+
+def test_a_model_of_another_dtype_is_not_served_from_the_kept_buffers():
+    """The kept cache holds the dtype of the model that filled it: after ``model.to(torch.bfloat16)`` the next call
+    builds anew, its cache in the model's new dtype."""
+    model = build_for_speculation("nemotron_h")
+    gen = SpeculativeGenerator(model, num_draft=3, buffer_len=8, compile=False, eos_token_id=[])
+    ids = _prompt(model, 2, 6)
+    assert gen(ids, 8).timing["reused"] == 0.0 and gen(ids, 8).timing["reused"] == 1.0
+    before = gen(ids, 8).cache
+    model.to(torch.bfloat16)
+    out = gen(ids, 8)
+    assert out.timing["reused"] == 0.0 and out.cache is not before and out.sequences.shape == (2, 12 + 8)
+    assert {layer.keys.dtype for layer in attention_layers(out.cache)} == {torch.bfloat16}
 
 
 def test_a_draft_model_keeps_its_cache_between_calls():
