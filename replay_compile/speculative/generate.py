@@ -212,18 +212,14 @@ def generate_speculative(model, input_ids: torch.Tensor, max_new_tokens: int | S
                          "grows a dynamic cache")
     if do_sample and not per_row:
         raise ValueError("generate_speculative: do_sample=True runs per-row rounds; per_row=False is greedy only")
-    sampling = _sampling(model, temperature, top_k, top_p) if do_sample else None
+    if per_row:                                      # one call of the generator (its buffers go with it)
+        from .generator import SpeculativeGenerator
+        return SpeculativeGenerator(model, num_draft=num_draft, draft=draft, buffer_len=buffer_len, compile=compile,
+                                    backend=backend, mode=mode, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                                    do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                                    max_cache_len=max_cache_len)(input_ids, max_new_tokens)
     draft = draft or PromptLookup()
     eos, pad = _end_tokens(model, eos_token_id, pad_token_id)
-    if compile is None:
-        compile = input_ids.is_cuda
-    if per_row:
-        if mode == "reduce-overhead":                # CUDA graphs: the rounds capture their own
-            mode = None
-        compiler = _round_compiler(backend, mode) if compile else None
-        return generate_rounds(model, input_ids, max_new_tokens, num_draft=num_draft, draft=draft,
-                               buffer_len=buffer_len, compiler=compiler, eos=eos, pad=pad, sampling=sampling,
-                               cuda_graph=bool(compile) and input_ids.is_cuda, max_cache_len=max_cache_len)
     T = num_draft + 1
     with torch.no_grad():
         out = model(input_ids, use_cache=True)

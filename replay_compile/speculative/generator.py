@@ -55,6 +55,7 @@ class SpeculativeGenerator:
         self.compile, self.max_cache_len = compile, max_cache_len
         self.sampling = _sampling(model, temperature, top_k, top_p) if do_sample else None
         self.eos, self.pad = _end_tokens(model, eos_token_id, pad_token_id)
+        # CUDA graphs: the rounds capture their own, so reduce-overhead's CUDA-graph trees are not asked for
         self._compiler = _round_compiler(backend, None if mode == "reduce-overhead" else mode)
         self._keep: dict = {}
 

@@ -113,16 +113,12 @@ class Rounds:
                  sampling: Sampling | None = None):
         b, prompt = input_ids.shape
         dev = input_ids.device
-        per_row = torch.as_tensor(max_new, dtype=torch.long).to(dev).expand(b)
-        longest = int(per_row.max())
+        longest = int(torch.as_tensor(max_new).max())
         self.model, self.cache, self.layers, self.draft, self.sampling = model, cache, layers, draft, sampling
         self.draft_name = getattr(draft, "__qualname__", None) or type(draft).__name__
         self.vocab = model.get_input_embeddings().num_embeddings
         self.eos = None if not eos else torch.tensor(list(eos), dtype=torch.long, device=dev)
-        self.b, self.prompt, self.k, self.T = b, prompt, num_draft, num_draft + 1
-        # the length at which each row has all its tokens: a tensor, so the compiled round does not specialise on
-        # the prompt's length or the budget
-        self.limit = prompt + per_row
+        self.b, self.k, self.T = b, num_draft, num_draft + 1
         self.ck = cache_kwarg(model)
         self.takes_positions = "position_ids" in inspect.signature(model.forward).parameters
         self.attn = attention_layers(cache)
@@ -135,13 +131,13 @@ class Rounds:
                              f"rounds of T={self.T} after a {prompt}-token prompt for {longest} new tokens need {need}")
         # token columns, sized by M alone (>= prompt + longest + T); the last one takes writes of rejected tokens
         W = self.M - self.T
-        self.tokens = torch.full((b, W), -1, dtype=torch.long, device=dev)
-        self.tokens[:, :prompt] = input_ids
-        self.tokens[:, prompt] = first[:, 0]
-        self.length = torch.full((b,), prompt + 1, dtype=torch.long, device=dev)   # tokens per row, last unfed
+        self.tokens = torch.empty((b, W), dtype=torch.long, device=dev)
+        self.length = torch.empty(b, dtype=torch.long, device=dev)          # tokens per row, the last one unfed
+        # the length at which each row has all its tokens: a tensor, so the compiled round does not specialise on
+        # the prompt's length or the budget
+        self.limit = torch.empty(b, dtype=torch.long, device=dev)
         # rows that emitted an end-of-sequence token (the prefill's included)
-        self.finished = (torch.isin(first[:, 0], self.eos) if self.eos is not None
-                         else torch.zeros(b, dtype=torch.bool, device=dev))
+        self.finished = torch.empty(b, dtype=torch.bool, device=dev)
         self.rows = torch.arange(b, device=dev)
         self.cols = torch.arange(W, device=dev)
         self.window_cols = torch.arange(self.T, device=dev)
@@ -149,21 +145,21 @@ class Rounds:
         self.scratch = torch.arange(self.M - self.T, self.M, device=dev)            # the verify's cache positions
         # a round that met a draft out of the vocabulary: this and every later round commits nothing (rounds run in
         # bursts between host reads)
-        self.bad = torch.zeros((), dtype=torch.bool, device=dev)
+        self.bad = torch.empty((), dtype=torch.bool, device=dev)
         # tokens each row emitted per round (0: the row sat it out), written on the device; at most one round per
         # emitted token, plus the rounds a burst runs after the last row is done (recorded in the last line); sized by
         # W (>= longest + 1), not by the budget, as every shape of a round is
         self.max_rounds = W
-        self.history = torch.zeros(self.max_rounds + 1, b, dtype=torch.int32, device=dev)
-        self.round = torch.zeros((), dtype=torch.long, device=dev)
+        self.history = torch.empty(self.max_rounds + 1, b, dtype=torch.int32, device=dev)
+        self.round = torch.empty((), dtype=torch.long, device=dev)
         # [every row done, a bad draft met, the most tokens a row still has to emit]: what the host reads
-        self.status = torch.zeros(3, dtype=torch.long, device=dev)
-        self._update_status()
+        self.status = torch.empty(3, dtype=torch.long, device=dev)
+        self.restart(input_ids, first, max_new)
 
     def restart(self, input_ids: torch.Tensor, first: torch.Tensor, max_new: int | torch.Tensor) -> None:
-        """Start another generation of the same batch and cache over the same tensors, written in place (a graph
-        captured over them replays the new generation): ``input_ids`` [b, prompt] prefilled into the cache again,
-        ``first`` [b, 1] its first token, ``max_new`` as in the constructor."""
+        """Start a generation over this batch and cache, every buffer written in place (a graph captured over them
+        replays the new generation; the constructor starts the first one): ``input_ids`` [b, prompt] prefilled into
+        the cache, ``first`` [b, 1] its first token, ``max_new`` as in the constructor."""
         b, prompt = input_ids.shape
         per_row = torch.as_tensor(max_new, dtype=torch.long).to(self.tokens.device).expand(b)
         need = prompt + int(per_row.max()) + 2 * self.T
