@@ -728,11 +728,12 @@ def _write_profile(rows, out_dir, quiet: bool) -> None:
     prof = [r for r in rows if r.get("profile")]
     if not prof:
         return
+    ranked = [sorted(r.get("kernels", {}).items(), key=lambda kv: -kv[1][0]) for r in prof]     # costliest first
     with open(os.path.join(out_dir, "profile_kernels.csv"), "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(PROFILE_KERNEL_COLUMNS)
-        for r in prof:
-            for name, (ms, n) in sorted(r.get("kernels", {}).items(), key=lambda kv: -kv[1][0]):
+        for r, kernels in zip(prof, ranked):
+            for name, (ms, n) in kernels:
                 w.writerow([r["model"], r["batch"], r.get("context"), r["mode"], name, kernel_category(name), ms, n])
     cats = [c for c, _ in PROFILE_CATEGORIES] + ["other"]
     cats = [c for c in cats if any(c in r["profile"] for r in prof)]
@@ -749,11 +750,10 @@ def _write_profile(rows, out_dir, quiet: bool) -> None:
     for r in prof:
         print(f"{r['model'][:22]:22} {r['batch']:4d} {r['mode'][:14]:14} {sum(r['profile'].values()):8.3f} "
               + " ".join(f"{r['profile'].get(c, 0.0):14.3f}" for c in cats))
-    for r in prof:
-        top = sorted(r.get("kernels", {}).items(), key=lambda kv: -kv[1][0])[:8]
-        if top:
+    for r, kernels in zip(prof, ranked):
+        if kernels:
             print(f"costliest kernels, {r['model']} bs{r['batch']} {r['mode']} (ms / launches per step):")
-            for name, (ms, n) in top:
+            for name, (ms, n) in kernels[:8]:
                 print(f"  {ms:8.3f} {n:6.1f}  {name[:100]}")
 
 
