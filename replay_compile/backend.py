@@ -11,6 +11,7 @@ import collections
 import contextlib
 import dataclasses
 import sys
+import weakref
 from typing import Any, Sequence
 
 import torch
@@ -105,9 +106,8 @@ class ReplayRunner:
         fast = self._fast_path(args) if self._generation == replay_state.generation() else None
         states, extra = fast if fast is not None else self._bind(args)
         if self.reader_idxs and replay_state.registered():
-            for i in self.reader_idxs:
-                rs = replay_state.lookup(args[i])
-                if rs is not None and rs.dirty:
+            for rs in self._reader_states(args):
+                if rs.dirty:
                     rs.flush()
         for i in self.wrapped_readers:
             args[i].fold()
@@ -174,8 +174,26 @@ class ReplayRunner:
             extra += rs.rings
         return self._bound, extra
 
+    def _reader_states(self, args) -> list:
+        """The replay states of the inputs this graph may read without stepping them (:func:`_reader_idxs`). The
+        last call's answer while the very same objects come back and no replay state was created or replaced since:
+        a decode loop hands its attention and conv caches back every step, and looking each up (40 at Qwen3.5-4B
+        dims) was half of this runner's host time per call (H100 host, cProfile, batch 1)."""
+        gen = replay_state.generation()
+        refs = self._reader_refs
+        if gen == self._reader_generation and len(refs) == len(self.reader_idxs) and \
+                all(r() is args[i] for r, i in zip(refs, self.reader_idxs)):
+            return self._readers
+        readers = [rs for i in self.reader_idxs if (rs := replay_state.lookup(args[i])) is not None]
+        self._reader_refs = [weakref.ref(args[i]) for i in self.reader_idxs]
+        self._reader_generation, self._readers = gen, readers
+        return readers
+
     _bound: list = []
     _generation = -1
+    _reader_refs: list = []
+    _reader_generation = -1
+    _readers: list = []
 
 
 def _inductor_has(option: str) -> bool:

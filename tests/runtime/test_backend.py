@@ -142,6 +142,37 @@ def test_graphs_that_read_a_stepped_state_see_the_true_state():
         torch.testing.assert_close(reader(sc), se.sum(dim=(2, 3)) * 2, rtol=1e-5, atol=1e-5)
 
 
+def test_a_reading_graph_looks_its_inputs_up_again_only_when_they_or_the_replay_states_change(monkeypatch):
+    """A graph that reads states it does not step keeps the last call's lookups while the same tensors come back and
+    no replay state was created since; another tensor, or a state bound after the first read, is looked up again,
+    and every read sees the true state."""
+    mod, cmod = eager_and_compiled(options={"lower": "eager"})
+    reader = torch.compile(lambda s: s.sum(dim=(2, 3)) * 2, backend="replayssm")
+    lookups = []
+    real = replay_state.lookup
+    monkeypatch.setattr(replay_state, "lookup", lambda t: lookups.append(t) or real(t))
+
+    def read(sc, se):
+        with torch.no_grad():
+            torch.testing.assert_close(reader(sc), se.sum(dim=(2, 3)) * 2, rtol=1e-5, atol=1e-5)
+
+    se = torch.randn(b, H, P, N)
+    sc = se.clone()
+    step_both(cmod, mod, sc, se, L + 2, check=False)
+    read(sc, se)
+    lookups.clear()
+    for _ in range(3):                  # records held again each time: still folded before every read
+        step_both(cmod, mod, sc, se, 1, check=False)
+        read(sc, se)
+    assert not any(t is sc for t in lookups)
+    other = torch.randn(b, H, P, N)     # a tensor with no replay state yet
+    read(other, other)
+    assert any(t is other for t in lookups)
+    ref = other.clone()
+    step_both(cmod, mod, other, ref, 3, check=False)   # binds a state for it: the reader must fold its records
+    read(other, ref)
+
+
 def test_flush_by_model_container_and_tensor():
     mod, cmod = eager_and_compiled(options={"lower": "eager"})
     other = HFStyle()
