@@ -356,8 +356,8 @@ def main(argv=None):
                                            agree=agree, first_s=t_first, **extra))
                 print(f"{name:18} {bs:3d} {variant:8} {tps_r:10.1f} {tps_r / dec_tps:7.2f}x "
                       f"{1e3 * tm['replay'] / max(tm['replay_rounds'], 1):8.2f} {out.tokens_per_round:9.2f} "
-                      f"{tps:9.1f} {tps / dec_call_tps:7.2f}x {tm['prefill']:6.3f} {tm['warmup']:6.3f} {tm['finish']:6.3f} "
-                      f"{agree:6.3f} {t_first:6.1f}", flush=True)
+                      f"{tps:9.1f} {tps / dec_call_tps:7.2f}x {tm['prefill']:6.3f} {tm['warmup']:6.3f} "
+                      f"{tm['finish']:6.3f} {agree:6.3f} {t_first:6.1f}", flush=True)
                 round_tps[variant] = tps_r
                 out = None
                 served.clear()
