@@ -123,12 +123,19 @@ class SpecLayer:
         ``rings`` in logical order; ``None`` where the family has no such form."""
         return None
 
+    @property
+    def folds_in_place(self) -> bool:
+        """Whether :meth:`finish` folds in place (:meth:`_fold_in_place`): device work only, no host read, so it can
+        be captured in a CUDA graph."""
+        return (self.read_state is None and self.state.dtype == torch.float32 and self.state.is_contiguous()
+                and type(self)._fold_terms is not SpecLayer._fold_terms)
+
     def _fold_in_place(self, rings, w: torch.Tensor) -> bool:
         """Fold ``rings`` (logical order) into the cache's state in place (True): the family's
         :meth:`_fold_terms`, one scaling and one fp32 batched GEMM on the state itself, without the reference
         fold's state-sized temporaries. Declined (False, left to :meth:`_fold`) for a state that is not a contiguous
         fp32 tensor, a layer with a read copy, or a family without fold terms."""
-        if self.read_state is not None or self.state.dtype != torch.float32 or not self.state.is_contiguous():
+        if not self.folds_in_place:
             return False
         terms = self._fold_terms(rings, w)
         if terms is None:

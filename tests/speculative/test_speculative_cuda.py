@@ -52,22 +52,30 @@ def test_replayed_rounds_match_generate(family):
 @pytest.mark.parametrize("family", ["nemotron_h", "qwen3_5"])
 def test_a_generator_replays_its_kept_graph_from_the_first_round(family):
     """The second call of a shape replays the graph the first captured, from its first round (no warm-up rounds, no
-    capture), over a new prompt and per-row budgets written into the same buffers: generate's tokens and states."""
+    capture), over a new prompt and per-row budgets written into the same buffers, and folds its rings into the
+    cache by replaying the final fold captured after the first call: generate's tokens and states, on every later
+    call."""
     from replay_compile.speculative import PromptLookup, SpeculativeGenerator
 
     model, ids, ref = _setup(family)
     gen = SpeculativeGenerator(model, num_draft=3, draft=PromptLookup(ngram=3), buffer_len=8)
     first = gen(ids, NEW)
     assert torch.equal(first.sequences, ref.sequences) and first.timing["reused"] == 0.0
+    assert first.timing["finish_replayed"] == 0.0
     other = make_inputs(model, batch=3, prompt_len=5, seed=2).cuda()
     with torch.no_grad():
         want = model.generate(other, max_new_tokens=NEW - 4, do_sample=False, return_dict_in_generate=True)
     out = gen(other, NEW - 4)
     t = out.timing
     assert t["reused"] == 1.0 and t["replay_rounds"] == out.rounds, t             # every round from the kept graph
+    assert t["finish_replayed"] == 1.0, t
     assert torch.equal(out.sequences, want.sequences), (family, out.accepted)
     for a, b in zip(_recurrent_states(out.cache) + _conv_states(out.cache),
                     _recurrent_states(output_cache(want)) + _conv_states(output_cache(want)), strict=True):
+        assert rel_err(a, b) < 1e-4, family
+    again = gen(ids, NEW)                          # the captured fold again, over the first prompt's rings
+    assert again.timing["finish_replayed"] == 1.0 and torch.equal(again.sequences, ref.sequences)
+    for a, b in zip(_recurrent_states(again.cache), _recurrent_states(output_cache(ref)), strict=True):
         assert rel_err(a, b) < 1e-4, family
 
 
