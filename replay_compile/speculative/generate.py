@@ -461,18 +461,25 @@ def _capture(step, model_name: str):
     Every tensor a round touches lives in the rounds, layers, caches and proposer, at fixed addresses. None, with
     the reason logged, where the round cannot be captured (transformers' grouped-matmul fallback for MoE layers
     copies from the host, for one); a failed capture has run nothing, so the round is still to run."""
+    graph, reason = _graph_of(step)
+    if graph is None:
+        log.warning("replay_compile.speculative: the round of %s cannot be captured as a CUDA graph (%s); its rounds "
+                    "run as compiled calls, with the host work of one per round", model_name, reason)
+    return graph
+
+
+def _graph_of(fn, pool=None):
+    """``(graph, None)``: ``fn``'s device work captured as a CUDA graph (in ``pool``, default a pool of its own);
+    ``(None, reason)`` where it cannot be captured (it synchronises or copies from the host)."""
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph):
-            step()
+        with torch.cuda.graph(graph, pool=pool):
+            fn()
     except RuntimeError as err:
         torch.cuda.synchronize()
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        log.warning("replay_compile.speculative: the round of %s cannot be captured as a CUDA graph (%s); its rounds "
-                    "run as compiled calls, with the host work of one per round", model_name, reason)
-        return None
-    return graph
+        return None, str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return graph, None
 
 
 def _finish(layers) -> None:
@@ -495,17 +502,10 @@ def _capture_finish(layers, rounds_graph, model_name: str):
                  "through a host read (a state that is not contiguous fp32, or a read copy)", model_name,
                  ", ".join(eager))
         return None
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph, pool=rounds_graph.pool()):
-            _finish(layers)
-    except RuntimeError as err:
-        torch.cuda.synchronize()
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    graph, reason = _graph_of(lambda: _finish(layers), pool=rounds_graph.pool())
+    if graph is None:
         log.info("replay_compile.speculative: the final fold of %s cannot be captured as a CUDA graph (%s); it runs "
                  "eagerly at the end of every call", model_name, reason)
-        return None
     return graph
 
 
