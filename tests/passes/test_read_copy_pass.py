@@ -48,47 +48,70 @@ def _fresh():
     yield
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3", "nvfp4", "nvfp4_row"])
-def test_read_copy_decode_tracks_eager_and_flushes_the_exact_state(fmt):
+STEPS = 2 * L + 3          # two flushes, three records held at the end
+
+
+@pytest.fixture(scope="module")
+def eager_and_exact():
+    """What every format's decode is held to, the same for all of them: nemotron_h decoded eagerly and through the
+    exact path (compiled, no copy), both fed eager's greedy tokens for ``STEPS`` steps after the prompt. Returns the
+    prompt, the tokens fed, both paths' logits per step, both paths' states after a flush, the next token and eager's
+    logits for it."""
     family = "nemotron_h"
     ref = MAMBA2_FAMILY[family](dtype=torch.float32, seed=0)
-    exact, rc = MAMBA2_FAMILY[family](dtype=torch.float32, seed=0), MAMBA2_FAMILY[family](dtype=torch.float32, seed=0)
+    exact = MAMBA2_FAMILY[family](dtype=torch.float32, seed=0)
     exact.forward = torch.compile(exact.forward, backend="replayssm", options={"buffer_len": L, "lower": "eager"})
-    rc.forward = torch.compile(rc.forward, backend="replayssm",
-                               options={"buffer_len": L, "lower": "eager", "read_copy": fmt})
-    caches = [DynamicCache(config=ref.config) for _ in range(3)]
+    caches = [DynamicCache(config=ref.config) for _ in range(2)]
     ids = make_inputs(ref, batch=2, prompt_len=5, seed=0)
     e = _logits(ref, caches[0], ids)
     _logits(exact, caches[1], ids)
-    _logits(rc, caches[2], ids)
-    tok = e.argmax(-1, keepdim=True)
-    worst, differs = 0.0, 0.0
-    for t in range(2 * L + 3):                       # two flushes, three records held at the end
+    tokens, want, exact_logits = [], [], []
+    for _ in range(STEPS):
+        tok = e.argmax(-1, keepdim=True)             # every model is fed eager's greedy token
+        tokens.append(tok)
         e = _logits(ref, caches[0], tok)
-        x = _logits(exact, caches[1], tok)
-        c = _logits(rc, caches[2], tok)
+        want.append(e)
+        exact_logits.append(_logits(exact, caches[1], tok))
+    assert replay_compile.flush(caches[1]) >= 1
+    tok = e.argmax(-1, keepdim=True)
+    exact_states = [t.clone() for t in _states(caches[1])]
+    eager_states = [t.clone() for t in _states(caches[0])]          # before the cache steps once more below
+    return dict(ids=ids, tokens=tokens, want=want, exact=exact_logits, exact_states=exact_states,
+                eager_states=eager_states, next_token=tok, next_want=_logits(ref, caches[0], tok))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3", "nvfp4", "nvfp4_row"])
+def test_read_copy_decode_tracks_eager_and_flushes_the_exact_state(fmt, eager_and_exact):
+    ref = eager_and_exact
+    rc = MAMBA2_FAMILY["nemotron_h"](dtype=torch.float32, seed=0)
+    rc.forward = torch.compile(rc.forward, backend="replayssm",
+                               options={"buffer_len": L, "lower": "eager", "read_copy": fmt})
+    cache = DynamicCache(config=rc.config)
+    _logits(rc, cache, ref["ids"])
+    worst, differs = 0.0, 0.0
+    for tok, e, x in zip(ref["tokens"], ref["want"], ref["exact"]):
+        c = _logits(rc, cache, tok)
         worst = max(worst, _rel(c, e))
         differs = max(differs, _rel(c, x))
-        tok = e.argmax(-1, keepdim=True)             # every model is fed eager's greedy token
     assert worst <= LOGIT_TOL[fmt], f"{fmt}: logits off eager by {worst:.3g}"
     assert differs > 1e-6, f"{fmt}: outputs identical to the exact path: the copy is not read"
-    rewrites = [w for r in replay_compile.reports() for w in r.rewrites if w.spec.read_copy]   # rc's, not exact's
+    rewrites = [w for r in replay_compile.reports() for w in r.rewrites if w.spec.read_copy]
     assert rewrites and all(w.spec.read_copy == fmt and f"read copy {fmt}" in str(w) for w in rewrites)
     # the recurrence never saw the copy: after a flush the first SSM layer (whose inputs depend on the tokens only)
     # holds bit for bit the exact path's state, for every format; deeper layers see inputs computed from outputs
     # that carry the copy's rounding, so they are only close
-    assert replay_compile.flush(caches[2]) >= 1 and replay_compile.flush(caches[1]) >= 1
-    s_rc, s_x, s_e = _states(caches[2]), _states(caches[1]), _states(caches[0])
+    assert replay_compile.flush(cache) >= 1
+    s_rc, s_x, s_e = _states(cache), ref["exact_states"], ref["eager_states"]
     assert torch.equal(s_rc[0], s_x[0]), "first layer: the read-copy checkpoint differs from the exact path's"
     assert _rel(s_x[0], s_e[0]) < 1e-4
     for a, b in zip(s_rc, s_e):
         assert _rel(a, b) <= LOGIT_TOL[fmt]
     # after the flush the copy encodes the new checkpoint: decoding carries on close to eager
-    for rs in replay_state.states_of(caches[2]):
+    for rs in replay_state.states_of(cache):
         assert rs.spec.read_copy == fmt
-    e2, c2 = _logits(ref, caches[0], tok), _logits(rc, caches[2], tok)
-    assert _rel(c2, e2) <= LOGIT_TOL[fmt]
+    c2 = _logits(rc, cache, ref["next_token"])
+    assert _rel(c2, ref["next_want"]) <= LOGIT_TOL[fmt]
 
 
 @pytest.mark.slow
