@@ -300,7 +300,8 @@ def main(argv=None):
                                        x_decode=1.0, tok_s_call=dec_call_tps, x_decode_call=1.0,
                                        tok_round=1.0, ms_round=dec_ms, sync_ms=step["median_step_ms"],
                                        prefill_s=prefill_s, warmup_s=float("nan"), finish_s=float("nan"),
-                                       reused=float("nan"), finish_replayed=float("nan"), agree=1.0, first_s=step["first_step_s"], **extra))
+                                       reused=float("nan"), finish_replayed=float("nan"), agree=1.0,
+                                       first_s=step["first_step_s"], **extra))
             print(f"{name:18} {bs:3d} {'decode':8} {dec_tps:10.1f} {1.0:7.2f}x {dec_ms:8.2f} "
                   f"{1.0:9.2f} {dec_call_tps:9.1f} {1.0:7.2f}x {prefill_s:6.3f} {'':>6} {'':>6} {'':>6} "
                   f"{step['first_step_s']:6.1f}  (synchronised after every step: {step['median_step_ms']:.2f} ms)",
@@ -354,7 +355,8 @@ def main(argv=None):
                                            ms_round=1e3 * tm["replay"] / max(tm["replay_rounds"], 1),
                                            sync_ms=float("nan"), prefill_s=tm["prefill"], warmup_s=tm["warmup"],
                                            finish_s=tm["finish"], reused=tm.get("reused", 0.0),
-                                           finish_replayed=tm.get("finish_replayed", 0.0), agree=agree, first_s=t_first, **extra))
+                                           finish_replayed=tm.get("finish_replayed", 0.0), agree=agree,
+                                           first_s=t_first, **extra))
                 print(f"{name:18} {bs:3d} {variant:8} {tps_r:10.1f} {tps_r / dec_tps:7.2f}x "
                       f"{1e3 * tm['replay'] / max(tm['replay_rounds'], 1):8.2f} {out.tokens_per_round:9.2f} "
                       f"{tps:9.1f} {tps / dec_call_tps:7.2f}x {tm['prefill']:6.3f} {tm['warmup']:6.3f} "
