@@ -391,7 +391,8 @@ def generate_rounds(model, input_ids: torch.Tensor, max_new_tokens: int | torch.
             sync()
             t3 = time.perf_counter()
         finally:
-            if finish_graph is not None:                     # the cache holds the true state, also after an error
+            finish_replayed = finish_graph is not None
+            if finish_replayed:                              # the cache holds the true state, also after an error
                 finish_graph.replay()
             else:
                 _finish(layers)
@@ -399,16 +400,16 @@ def generate_rounds(model, input_ids: torch.Tensor, max_new_tokens: int | torch.
     t4 = time.perf_counter()
     counts = rounds.accepted()
     if keep is not None:
-        tried = reused and kept.finish_tried
-        if graph is not None and finish_graph is None and not tried:     # the rounds replay: the finish can too
-            finish_graph, tried = _capture_finish(layers, graph, type(model).__name__), True
+        # the call that captured the rounds captures the fold too: once, so a failed capture is not retried
+        if graph is not None and not (reused and kept.graph is not None):
+            finish_graph = _capture_finish(layers, graph, type(model).__name__)
         keep["kept"] = _Kept(key, cache, layers, rounds, step, graph, addresses, draft, capturable=cuda_graph,
-                             finish_graph=finish_graph, finish_tried=tried)
+                             finish_graph=finish_graph)
     timing = dict(prefill=t1 - t0, warmup=t2 - t1 if warm is not None else t3 - t1,
                   replay=t3 - t2 if warm is not None else 0.0, finish=t4 - t3,
                   replay_rounds=len(counts) - warm if warm is not None else 0,
                   replay_tokens=sum(map(sum, counts[warm:])) if warm is not None else 0, reused=float(reused),
-                  finish_replayed=float(reused and finish_graph is not None))
+                  finish_replayed=float(finish_replayed))
     return SpeculativeOutput(sequences=rounds.sequences(pad), cache=cache, rounds=len(counts), accepted=counts,
                              attention_mask=rounds.attention_mask(), timing=timing)
 
@@ -429,8 +430,8 @@ class _Kept:
     addresses: list
     draft: object
     capturable: bool = True
-    finish_graph: object = None          # the final fold as a CUDA graph (:func:`_capture_finish`)
-    finish_tried: bool = False           # a capture of it was tried (it is not retried)
+    # the final fold as a CUDA graph (:func:`_capture_finish`), tried once, in the call that captured ``graph``
+    finish_graph: object = None
 
 
 def _addresses(cache, draft) -> list[int]:
