@@ -232,8 +232,7 @@ def generate_speculative(model, input_ids: torch.Tensor, max_new_tokens: int | S
         with _verify_forwards(layers):
             res = _rounds_batch_min(model, input_ids, tok, cache, layers, ck, takes_positions, max_new_tokens,
                                     num_draft, draft)
-        for layer in layers:
-            layer.finish()
+        _finish(layers)
     res.sequences = _end_at_eos(res.sequences, input_ids.shape[1], eos, pad)
     return res
 
