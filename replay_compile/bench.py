@@ -237,6 +237,49 @@ def copy_bandwidth() -> float:
     return best
 
 
+def matmul_peak(dtype) -> float:
+    """Dense matrix-multiply throughput (flop/s) of ``dtype`` on the current GPU: the best of a few large square
+    products, plain launches timed with events. The compute side of :func:`roofline_floor_ms`."""
+    import torch
+
+    best = 0.0
+    for n in (4096, 8192):
+        a = torch.randn(n, n, device="cuda", dtype=dtype)
+        b = torch.randn(n, n, device="cuda", dtype=dtype)
+        for _ in range(3):
+            a @ b
+        times = []
+        for _ in range(10):
+            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0.record()
+            a @ b
+            t1.record()
+            torch.cuda.synchronize()
+            times.append(t0.elapsed_time(t1) * 1e-3)
+        best = max(best, 2 * n**3 / statistics.median(times))
+        del a, b
+    return best
+
+
+def step_gemm_terms(model, batch: int) -> list[tuple[int, int]]:
+    """``(bytes, flops)`` of every matrix a one-token decode step of ``batch`` rows multiplies by: each
+    ``nn.Linear`` weight (the language-model head included), read once and applied to ``batch`` rows. Their bytes
+    are part of :func:`step_floor_bytes`' weights."""
+    import torch
+
+    return [(m.weight.numel() * m.weight.element_size(), 2 * batch * m.weight.numel())
+            for m in model.modules() if isinstance(m, torch.nn.Linear)]
+
+
+def roofline_floor_ms(floor_bytes: int, gemm_terms, bandwidth: float, peak: float) -> float:
+    """The step's floor with its matrix products' compute counted: every byte of ``floor_bytes`` at ``bandwidth``,
+    except that a product whose ``flops / peak`` exceeds its weight's ``bytes / bandwidth`` takes the longer. At
+    batch 256 the products carry 256 rows, close to a Hopper GPU's ridge point (~300 flop per byte on the H100,
+    ~200 on the H200), so there the bytes floor alone undercounts them."""
+    extra = sum(max(0.0, f / peak - b / bandwidth) for b, f in gemm_terms)
+    return (floor_bytes / bandwidth + extra) * 1e3
+
+
 def fill_context(cache, start: int, context: int, seed: int = 0) -> None:
     """Positions ``[start, context)`` of every static attention layer of ``cache`` hold random keys and values with
     the spread of the prefilled ones, and the layers write their next keys at ``context``: as far as a decode step's
@@ -475,7 +518,8 @@ def bench_one(model, batch: int, mode: str, steps: int, L: int, prompt_len: int 
                 peak_mem_gib=max(compile_peak / 2**30, steady) if timer.cuda else float("nan"),
                 steady_mem_gib=steady,
                 queued_ms=queued_ms, host_ms=host_ms,
-                rewrites=rewrites, context=start, floor_bytes=floor["total"], profile=breakdown, kernels=kernels)
+                rewrites=rewrites, context=start, floor_bytes=floor["total"], gemm_terms=step_gemm_terms(model, batch),
+                profile=breakdown, kernels=kernels)
 
 
 def parity(model, batch: int, steps: int, L: int, mode: str = "replayssm-ro", prompt_len: int = 16,
@@ -602,6 +646,11 @@ def merge_rounds(runs: list[dict]) -> dict:
         if key in out:
             out[key] = statistics.mean(r[key] for r in runs)
     out["tokens_per_s"] = out["batch"] / (out["step_ms"] * 1e-3)
+    if "floor_ms" in out:                                  # rows read back from CSVs carry their floors
+        out["pct_floor"] = 100 * out["floor_ms"] / out["step_ms"]
+        out["queued_pct_floor"] = 100 * out["floor_ms"] / out["queued_ms"]
+    if "roofline_floor_ms" in out:
+        out["queued_x_roofline"] = out["queued_ms"] / out["roofline_floor_ms"]
     for key in ("peak_mem_gib", "steady_mem_gib"):
         out[key] = max(r[key] for r in runs)
     out["rounds"] = len(runs)
@@ -617,7 +666,9 @@ def run(models, batches, modes, steps, L, device, dtype_name, layers, out_dir, p
     import torch
 
     mesh, rank, device, dtype = _setup(tp, device, dtype_name, out_dir)
-    bandwidth = copy_bandwidth() if str(device).startswith("cuda") else float("nan")     # the floor's bytes/s
+    cuda = str(device).startswith("cuda")
+    bandwidth = copy_bandwidth() if cuda else float("nan")        # the floor's bytes/s
+    peak = matmul_peak(dtype) if cuda else float("nan")            # and its matrix products' flop/s
     rows = []
     total = len(models) * len(batches) * len(modes) * rounds
     bar = _Progress(total, progress and rank == 0)
@@ -649,6 +700,9 @@ def run(models, batches, modes, steps, L, device, dtype_name, layers, out_dir, p
                     row["floor_ms"] = row["floor_bytes"] / bandwidth * 1e3
                     row["pct_floor"] = 100 * row["floor_ms"] / row["step_ms"]
                     row["queued_pct_floor"] = 100 * row["floor_ms"] / row["queued_ms"]
+                    row["roofline_floor_ms"] = roofline_floor_ms(row["floor_bytes"], row.pop("gemm_terms"),
+                                                                 bandwidth, peak)
+                    row["queued_x_roofline"] = row["queued_ms"] / row["roofline_floor_ms"]
                     rows.append(dict(model=name, layers=n_layers, dtype=dtype_name, L=L, tp=tp, **row))
             if rank == 0:
                 _write(rows, out_dir, quiet=True)          # a run cut short still leaves its rows
@@ -769,15 +823,16 @@ def _write(rows, out_dir, quiet=False):
         w.writerows(rows)
     nan = float("nan")
     lines = ["| model (layers, TP) | batch | context | mode | step ms | floor ms | % of floor | queued ms | "
-             "queued % of floor | host ms | non-flush ms | "
+             "queued % of floor | roofline floor ms | queued x roofline | host ms | non-flush ms | "
              "flush ms | tokens/s | first step s | peak GiB | decode-loop peak GiB | rewrites | "
              "speedup vs torch.compile | first step vs torch.compile |",
-             "|" + " --- |" * 19]
+             "|" + " --- |" * 21]
     for r in rows:
         lines.append(f"| {r['model']} ({r['layers']}, {r.get('tp', 1)}) | {r['batch']} | {r.get('context', '')} | "
                      f"{r['mode']} | {r['step_ms']:.3f} | {r.get('floor_ms', nan):.3f} | "
                      f"{r.get('pct_floor', nan):.0f} | {r.get('queued_ms', nan):.3f} | "
-                     f"{r.get('queued_pct_floor', nan):.0f} | {r.get('host_ms', nan):.3f} | "
+                     f"{r.get('queued_pct_floor', nan):.0f} | {r.get('roofline_floor_ms', nan):.3f} | "
+                     f"{r.get('queued_x_roofline', nan):.2f} | {r.get('host_ms', nan):.3f} | "
                      f"{r['nonflush_ms']:.3f} | {r['flush_ms']:.3f} | {r['tokens_per_s']:.1f} | "
                      f"{r['first_step_s']:.1f} | {r['peak_mem_gib']:.2f} | "
                      f"{r.get('steady_mem_gib', nan):.2f} | "

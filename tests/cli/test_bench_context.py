@@ -55,10 +55,29 @@ def test_step_floor_counts_weights_states_and_the_filled_cache():
     assert floor["total"] == floor["weights"] + floor["ssm"] + floor["conv"] + floor["kv"]
 
 
+def test_gemm_terms_are_every_linear_weight_read_once_and_applied_to_each_row():
+    model, _ = _prefilled()
+    terms = bench.step_gemm_terms(model, batch=3)
+    linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(terms) == len(linears) and linears
+    assert terms == [(w.numel() * w.element_size(), 6 * w.numel()) for w in linears]
+    assert sum(b for b, _ in terms) <= sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_roofline_floor_adds_only_the_compute_a_product_takes_beyond_its_bytes():
+    bw, peak = 1e12, 100e12                                              # ridge point: 100 flop per byte
+    assert bench.roofline_floor_ms(4e9, [], bw, peak) == pytest.approx(4.0)
+    below = [(1e9, 50e9)]                                                # 50 flop per byte: bytes-bound, no change
+    assert bench.roofline_floor_ms(4e9, below, bw, peak) == pytest.approx(4.0)
+    above = [(1e9, 300e9), (1e9, 50e9)]                                 # the first takes 3 ms, not 1
+    assert bench.roofline_floor_ms(4e9, above, bw, peak) == pytest.approx(6.0)
+
+
 def test_bench_one_decodes_after_the_context():
     model, _ = _prefilled()
     row = bench.bench_one(model, 2, "eager", 4, 16, prompt_len=5, context=25)
     assert row["context"] == 25 and row["floor_bytes"] > 0
+    assert row["gemm_terms"] == bench.step_gemm_terms(model, 2)
     assert row["queued_ms"] != row["queued_ms"]                     # NaN: queued steps are timed on GPUs only
 
 
