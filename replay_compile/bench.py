@@ -274,8 +274,8 @@ def step_gemm_terms(model, batch: int) -> list[tuple[int, int]]:
 def roofline_floor_ms(floor_bytes: int, gemm_terms, bandwidth: float, peak: float) -> float:
     """The step's floor with its matrix products' compute counted: every byte of ``floor_bytes`` at ``bandwidth``,
     except that a product whose ``flops / peak`` exceeds its weight's ``bytes / bandwidth`` takes the longer. At
-    batch 256 the products carry 256 rows, close to a Hopper GPU's ridge point (~300 flop per byte on the H100,
-    ~200 on the H200), so there the bytes floor alone undercounts them."""
+    batch 256 a bf16 product does ~256 flops per weight byte, near a Hopper GPU's ridge point, so there the bytes
+    floor alone undercounts it."""
     extra = sum(max(0.0, f / peak - b / bandwidth) for b, f in gemm_terms)
     return (floor_bytes / bandwidth + extra) * 1e3
 
