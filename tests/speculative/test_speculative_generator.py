@@ -130,3 +130,71 @@ def test_a_compiled_generator_compiles_once_per_shape():
         n = max(new) if isinstance(new, list) else new
         assert torch.equal(out.sequences[0, :ids.shape[1] + n], ref.sequences[0, :ids.shape[1] + n])
     assert graphs == [1, 0, 0], graphs
+
+
+class _Replayed:
+    """A captured CUDA graph's stand-in on the CPU: ``replay()`` runs what was captured, and counts."""
+
+    def __init__(self, fn):
+        self.fn, self.replays = fn, 0
+
+    def replay(self):
+        self.replays += 1
+        self.fn()
+
+    def pool(self):
+        return None
+
+
+def _kept_calls(monkeypatch, family: str, fold_capture_fails: bool = False):
+    """Three calls of one shape through ``generate_rounds`` with a kept dict and CUDA graphs on, the captures
+    replaced by :class:`_Replayed`: the round's (``_capture``) and the final fold's (``_graph_of``). Each call's
+    tokens and the states it leaves are generate's (checked before the next call refolds the kept cache). Returns
+    each call's output with the number of fold captures made by then, and the fold captures."""
+    from replay_compile.speculative import generate as gen_mod
+
+    monkeypatch.setattr(gen_mod, "_capture", lambda step, name: _Replayed(step))
+    folds = []
+
+    def graph_of(fn, pool=None):
+        folds.append(_Replayed(fn))
+        return (None, "a host read") if fold_capture_fails else (folds[-1], None)
+    monkeypatch.setattr(gen_mod, "_graph_of", graph_of)
+    model = build_for_speculation(family)
+    keep, calls, draft = {}, [], PromptLookup(ngram=3)
+    for b, p, new in [(3, 6, 16), (3, 7, 14), (3, 5, 16)]:
+        ids = _prompt(model, b, p)
+        out = gen_mod.generate_rounds(model, ids, new, num_draft=3, draft=draft, buffer_len=8,
+                                      compiler=None, eos=[], cuda_graph=True, keep=keep)
+        _matches(out, _reference(model, ids, new), family)        # before the next call reuses the cache
+        calls.append((out, len(folds)))
+    return calls, folds
+
+
+def _matches(out, ref, family):
+    assert torch.equal(out.sequences, ref.sequences), family
+    for x, y in zip(_recurrent_states(out.cache) + _conv_states(out.cache),
+                    _recurrent_states(output_cache(ref)) + _conv_states(output_cache(ref)), strict=True):
+        assert rel_err(x, y) < 1e-4, (family, rel_err(x, y))
+
+
+@pytest.mark.parametrize("family", [pytest.param("nemotron_h", marks=pytest.mark.hf),
+                                    pytest.param("qwen3_5", marks=pytest.mark.hf)])
+def test_the_final_fold_is_captured_once_and_replayed_by_every_later_call(monkeypatch, family):
+    """The first call folds eagerly and then captures the fold (after its rounds were captured); every later call of
+    the shape replays that capture instead of folding eagerly, and leaves generate's tokens and states."""
+    calls, folds = _kept_calls(monkeypatch, family)
+    assert [n for _, n in calls] == [1, 1, 1], "the fold is captured once, in the first call"
+    assert [out.timing["finish_replayed"] for out, _ in calls] == [0.0, 1.0, 1.0]
+    assert [out.timing["reused"] for out, _ in calls] == [0.0, 1.0, 1.0]
+    assert folds[0].replays == 2
+
+
+@pytest.mark.hf
+def test_a_fold_that_fails_its_capture_stays_eager_and_is_not_tried_again(monkeypatch, caplog):
+    caplog.set_level("INFO", logger="replay_compile")
+    calls, folds = _kept_calls(monkeypatch, "nemotron_h", fold_capture_fails=True)
+    assert len(folds) == 1 and folds[0].replays == 0
+    assert [out.timing["finish_replayed"] for out, _ in calls] == [0.0, 0.0, 0.0]
+    assert [out.timing["reused"] for out, _ in calls] == [0.0, 1.0, 1.0]
+    assert any("final fold" in r.getMessage() and "a host read" in r.getMessage() for r in caplog.records)
