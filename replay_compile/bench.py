@@ -212,6 +212,24 @@ def cache_kwarg(model) -> str:
     return name
 
 
+def _median_launch_seconds(fn, *args, warmup: int = 3, repeats: int = 10) -> float:
+    """Median time of one ``fn(*args)`` on the current GPU: plain launches (no graph) timed with events, after
+    ``warmup`` untimed calls that bring the clocks up."""
+    import torch
+
+    for _ in range(warmup):
+        fn(*args)
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn(*args)
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e-3)
+    return statistics.median(times)
+
+
 def copy_bandwidth() -> float:
     """Device-to-device copy bandwidth (bytes read + written per second): best of several sizes, plain launches
     timed with events (no graph), after the clocks were warmed up."""
@@ -222,17 +240,7 @@ def copy_bandwidth() -> float:
         n = int(gib * 2**30) // 4
         x = torch.randn(n, device="cuda")
         y = torch.empty_like(x)
-        for _ in range(3):
-            y.copy_(x)
-        times = []
-        for _ in range(10):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            y.copy_(x)
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b) * 1e-3)
-        best = max(best, 2 * n * 4 / statistics.median(times))
+        best = max(best, 2 * n * 4 / _median_launch_seconds(y.copy_, x))
         del x, y
     return best
 
@@ -244,20 +252,10 @@ def matmul_peak(dtype) -> float:
 
     best = 0.0
     for n in (4096, 8192):
-        a = torch.randn(n, n, device="cuda", dtype=dtype)
-        b = torch.randn(n, n, device="cuda", dtype=dtype)
-        for _ in range(3):
-            a @ b
-        times = []
-        for _ in range(10):
-            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t0.record()
-            a @ b
-            t1.record()
-            torch.cuda.synchronize()
-            times.append(t0.elapsed_time(t1) * 1e-3)
-        best = max(best, 2 * n**3 / statistics.median(times))
-        del a, b
+        x = torch.randn(n, n, device="cuda", dtype=dtype)
+        y = torch.randn(n, n, device="cuda", dtype=dtype)
+        best = max(best, 2 * n**3 / _median_launch_seconds(torch.matmul, x, y))
+        del x, y
     return best
 
 
@@ -636,6 +634,16 @@ def round_orders(modes: list[str], rounds: int) -> list[list[str]]:
     return [list(modes) if r % 2 == 0 else list(reversed(modes)) for r in range(rounds)]
 
 
+def _floor_ratios(row: dict) -> None:
+    """A row's step times against its floors, where it has them: ``pct_floor`` and ``queued_pct_floor`` (the bytes
+    floor over the step), ``queued_x_roofline`` (the queued step over the roofline floor)."""
+    if "floor_ms" in row:
+        row["pct_floor"] = 100 * row["floor_ms"] / row["step_ms"]
+        row["queued_pct_floor"] = 100 * row["floor_ms"] / row["queued_ms"]
+    if "roofline_floor_ms" in row:
+        row["queued_x_roofline"] = row["queued_ms"] / row["roofline_floor_ms"]
+
+
 def merge_rounds(runs: list[dict]) -> dict:
     """One row from ``bench_one`` rows of the same mode in several rounds: times and throughput averaged over the
     rounds, compile time from the first (later rounds hit the compile caches), peaks the largest."""
@@ -646,11 +654,7 @@ def merge_rounds(runs: list[dict]) -> dict:
         if key in out:
             out[key] = statistics.mean(r[key] for r in runs)
     out["tokens_per_s"] = out["batch"] / (out["step_ms"] * 1e-3)
-    if "floor_ms" in out:                                  # rows read back from CSVs carry their floors
-        out["pct_floor"] = 100 * out["floor_ms"] / out["step_ms"]
-        out["queued_pct_floor"] = 100 * out["floor_ms"] / out["queued_ms"]
-    if "roofline_floor_ms" in out:
-        out["queued_x_roofline"] = out["queued_ms"] / out["roofline_floor_ms"]
+    _floor_ratios(out)                                     # rows read back from CSVs carry their floors
     for key in ("peak_mem_gib", "steady_mem_gib"):
         out[key] = max(r[key] for r in runs)
     out["rounds"] = len(runs)
@@ -698,11 +702,9 @@ def run(models, batches, modes, steps, L, device, dtype_name, layers, out_dir, p
                 if runs[mode]:
                     row = merge_rounds(runs[mode])
                     row["floor_ms"] = row["floor_bytes"] / bandwidth * 1e3
-                    row["pct_floor"] = 100 * row["floor_ms"] / row["step_ms"]
-                    row["queued_pct_floor"] = 100 * row["floor_ms"] / row["queued_ms"]
                     row["roofline_floor_ms"] = roofline_floor_ms(row["floor_bytes"], row.pop("gemm_terms"),
                                                                  bandwidth, peak)
-                    row["queued_x_roofline"] = row["queued_ms"] / row["roofline_floor_ms"]
+                    _floor_ratios(row)
                     rows.append(dict(model=name, layers=n_layers, dtype=dtype_name, L=L, tp=tp, **row))
             if rank == 0:
                 _write(rows, out_dir, quiet=True)          # a run cut short still leaves its rows
