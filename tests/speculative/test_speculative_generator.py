@@ -48,6 +48,13 @@ def _addresses(gen) -> dict:
     return out
 
 
+def _states_match(out, ref, family):
+    """The recurrent and conv states ``out`` left in its cache are the ones ``generate`` left (``ref``)."""
+    for x, y in zip(_recurrent_states(out.cache) + _conv_states(out.cache),
+                    _recurrent_states(output_cache(ref)) + _conv_states(output_cache(ref)), strict=True):
+        assert rel_err(x, y) < 1e-4, (family, rel_err(x, y))
+
+
 @pytest.mark.parametrize("family", [pytest.param("nemotron_h", marks=pytest.mark.hf),
                                     pytest.param("qwen3_5", marks=pytest.mark.hf),
                                     pytest.param("kimi_linear", marks=pytest.mark.hf), "zamba2"])
@@ -71,9 +78,7 @@ def test_calls_of_one_shape_reuse_the_kept_buffers_and_match_generate(family):
             assert now == before, {k for k in now if now[k] != before.get(k)}
         before = now
         if not isinstance(new, list):            # the states left behind: generate's
-            for x, y in zip(_recurrent_states(out.cache) + _conv_states(out.cache),
-                            _recurrent_states(output_cache(ref)) + _conv_states(output_cache(ref)), strict=True):
-                assert rel_err(x, y) < 1e-4, (family, rel_err(x, y))
+            _states_match(out, ref, family)
     assert reused == [0.0, 1.0, 1.0, 0.0, 1.0], reused
     gen.release()
     out = gen(_prompt(model, 2, 6), 12)
@@ -173,9 +178,7 @@ def _kept_calls(monkeypatch, family: str, fold_capture_fails: bool = False):
 
 def _matches(out, ref, family):
     assert torch.equal(out.sequences, ref.sequences), family
-    for x, y in zip(_recurrent_states(out.cache) + _conv_states(out.cache),
-                    _recurrent_states(output_cache(ref)) + _conv_states(output_cache(ref)), strict=True):
-        assert rel_err(x, y) < 1e-4, (family, rel_err(x, y))
+    _states_match(out, ref, family)
 
 
 @pytest.mark.parametrize("family", [pytest.param("nemotron_h", marks=pytest.mark.hf),
